@@ -1,0 +1,1 @@
+"""kvf.eval: benchmark loaders (datasets), a synthetic corpus, answer metrics and the run report."""

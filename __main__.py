@@ -1,0 +1,3 @@
+from kvf.cli.main import main
+
+main()

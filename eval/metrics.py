@@ -1,0 +1,74 @@
+"""Answer-quality metrics: SQuAD-normalised EM, token F1, substring accuracy, and normalized F1.
+
+All per-answer metrics take one prediction and a list of gold aliases and score the best alias.
+An empty prediction (empty after normalisation) scores 0 everywhere.
+"""
+import re
+import string
+from collections import Counter
+
+PUNCTUATION = set(string.punctuation)
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD v1.1 normalisation: lower-case, drop punctuation, drop articles, fold whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in PUNCTUATION)
+    text = ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def _as_golds(golds) -> list[str]:
+    # a bare string is one alias, not a list of characters
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    if not golds:
+        raise ValueError("no gold answers to score against")
+    return golds
+
+
+def exact_match(pred: str, golds) -> float:
+    """1.0 if the normalised prediction equals any normalised gold alias."""
+    pred = normalize_answer(pred)
+    if not pred:
+        return 0.0
+    return float(any(pred == normalize_answer(g) for g in _as_golds(golds)))
+
+
+def _f1_one(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    common = Counter(pred_tokens) & Counter(gold_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision = same / len(pred_tokens)
+    recall = same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(pred: str, golds) -> float:
+    """SQuAD token-overlap F1, maximised over gold aliases."""
+    pred_tokens = normalize_answer(pred).split()
+    if not pred_tokens:
+        return 0.0
+    return max(_f1_one(pred_tokens, normalize_answer(g).split()) for g in _as_golds(golds))
+
+
+def substring_accuracy(pred: str, golds) -> float:
+    """1.0 if any normalised gold alias occurs inside the normalised prediction (lost-in-the-middle)."""
+    pred = normalize_answer(pred)
+    if not pred:
+        return 0.0
+    # a gold that normalises to "" (e.g. "The") would match everything: it cannot count
+    golds = [normalize_answer(g) for g in _as_golds(golds)]
+    return float(any(g and g in pred for g in golds))
+
+
+def normalized_f1(f1: float, f1_reuse: float, f1_full: float) -> float | None:
+    """FusionRAG eq. 11: where a method sits between full reuse (0) and full prefill (1).
+
+    None ("undefined") when full and reuse score the same: the ratio would be noise.
+    """
+    denominator = f1_full - f1_reuse
+    if abs(denominator) < 1e-6:
+        return None
+    return (f1 - f1_reuse) / denominator

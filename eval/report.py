@@ -1,0 +1,333 @@
+"""Turn run files (one JSON line per question, see ARCHITECTURE.md) into a summary table and plots.
+
+One summary row per (dataset, method, variant, ratio). Choices the metrics leave open:
+- `full` and `reuse` references are looked up per dataset; if several runs hold the same question
+  (e.g. full at two ratios) the first record in the order the files were given wins.
+  For normalized F1 a method is compared with the `reuse` run of its own variant when there is
+  one, else with the `prefix`-variant reuse, else with any reuse run.
+- Normalized F1 (FusionRAG eq. 11) uses mean F1 over the questions the method, `full` and `reuse`
+  runs share; `note` says when that is fewer than the method's n, or when it is undefined.
+- TTFT ratio is a ratio of means over the questions shared with `full`:
+  mean(method first_token) / mean(full first_token). A mean of per-question ratios would let a
+  few very fast full prefills dominate.
+- Fidelity F1 scores the method's answer against `full_answer` in its own record when present
+  (same process, --compare-full), else against the `full` run's answer to the same question.
+- All quality numbers are fractions in [0, 1].
+"""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvf import KvfError
+from kvf.eval.metrics import exact_match, normalized_f1, substring_accuracy, token_f1
+
+REQUIRED_FIELDS = ("qid", "dataset", "method", "answer", "gold")
+TIMINGS = ("load", "select", "recompute", "first_token", "decode")
+GROUP_KEYS = ["dataset", "method", "variant", "ratio"]
+BASELINE_ORDER = {"full": 0, "prefix": 1, "reuse": 2, "pcw": 3}
+SUMMARY_COLUMNS = ["dataset", "method", "variant", "ratio", "n", "em", "f1", "substring", "norm_f1",
+                   "fidelity_f1", "kl_full", "top1_agree", "ttft_ratio", "recomputed_frac", "ttft_s",
+                   "load_s", "select_s", "recompute_s", "decode_s", "prompt_tokens", "note"]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading run files
+
+def read_run_file(path: Path) -> list[dict]:
+    """The records of one run file; KvfError naming the file (and line) when it is unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvfError(f"run file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise KvfError(f"run file {path} line {lineno}: expected a JSON object per line")
+            records.append(_record_row(rec, path, lineno))
+    if not records:
+        raise KvfError(f"run file {path} is empty: re-run `kvf run` or leave it out")
+    return records
+
+
+def _record_row(rec: dict, path: Path, lineno: int) -> dict:
+    """One run record -> one flat row (what the summary needs, nothing model-specific)."""
+    missing = [k for k in REQUIRED_FIELDS if k not in rec]
+    if missing:
+        raise KvfError(f"run file {path} line {lineno}: missing field(s) {', '.join(missing)}")
+    gold = [rec["gold"]] if isinstance(rec["gold"], str) else rec["gold"]
+    if not isinstance(gold, list) or not gold or not all(isinstance(g, str) for g in gold):
+        raise KvfError(f"run file {path} line {lineno}: `gold` must be a non-empty list of strings")
+    if not isinstance(rec["answer"], str):
+        raise KvfError(f"run file {path} line {lineno}: `answer` must be a string")
+    settings = rec.get("settings") or {}
+    timings = rec.get("timings") or {}
+    ratio = settings.get("ratio")
+    row = {"file": str(path), "line": lineno, "qid": str(rec["qid"]), "dataset": str(rec["dataset"]),
+           "method": str(rec["method"]), "variant": str(settings.get("variant") or ""),
+           "ratio": float(ratio) if ratio is not None else math.nan,
+           "answer": rec["answer"], "gold": gold, "full_answer": rec.get("full_answer"),
+           "kl_full": _number(rec.get("kl_full")), "top1_agree": _number(rec.get("top1_agree_full")),
+           "prompt_tokens": _number(rec.get("prompt_tokens")), "chunk_tokens": _number(rec.get("chunk_tokens")),
+           "recomputed_tokens": _number(rec.get("recomputed_tokens"))}
+    for name in TIMINGS:
+        row[f"t_{name}"] = _number(timings.get(name))
+    return row
+
+
+def _number(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def load_runs(run_files: list[Path]) -> pd.DataFrame:
+    """All records of all run files, scored against their gold answers."""
+    if not run_files:
+        raise KvfError("no run files given: pass one or more JSONL files written by `kvf run`")
+    rows = [row for path in run_files for row in read_run_file(path)]
+    df = pd.DataFrame(rows)
+    df["em"] = [exact_match(a, g) for a, g in zip(df.answer, df.gold)]
+    df["f1"] = [token_f1(a, g) for a, g in zip(df.answer, df.gold)]
+    df["substring"] = [substring_accuracy(a, g) for a, g in zip(df.answer, df.gold)]
+    _check_duplicates(df)
+    return df
+
+
+def _check_duplicates(df: pd.DataFrame):
+    # the same question twice in one group double-weights it: usually a run file passed twice
+    dup = df[df.duplicated(["dataset", "method", "variant", "ratio", "qid"], keep=False)]
+    if len(dup):
+        first = dup.iloc[0]
+        files = sorted(set(dup[dup.qid == first.qid].file))
+        raise KvfError(f"question {first.qid} appears more than once for {first.method} "
+                       f"(variant {first.variant or '-'}, ratio {first.ratio}) in {', '.join(files)}: "
+                       f"pass each run file once")
+
+
+# ---------------------------------------------------------------------------------------------
+# references: what `full` and `reuse` answered
+
+def reference_rows(df: pd.DataFrame, dataset: str, method: str, variant: str | None = None) -> pd.DataFrame:
+    """One row per question of a baseline run on a dataset (first record wins), indexed by qid."""
+    rows = df[(df.dataset == dataset) & (df.method == method)]
+    if variant is not None:
+        rows = rows[rows.variant == variant]
+    return rows.drop_duplicates("qid").set_index("qid")
+
+
+def reuse_reference(df: pd.DataFrame, dataset: str, variant: str) -> pd.DataFrame:
+    """The reuse run matching the method's variant, else the prefix variant, else any."""
+    for v in (variant, "prefix", None):
+        rows = reference_rows(df, dataset, "reuse", v)
+        if len(rows):
+            return rows
+    return rows
+
+
+def _check_overlap(group: pd.DataFrame, ref: pd.DataFrame):
+    # same dataset label but no common question: the user mixed up files
+    if len(ref) and not set(group.qid) & set(ref.index):
+        raise KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
+                       f"{', '.join(sorted(set(ref.file)))} (different dataset?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# per-group statistics
+
+def fidelity_f1(group: pd.DataFrame, full: pd.DataFrame) -> float:
+    """Mean F1 of the method's answers against full prefill's answers to the same questions."""
+    scores = []
+    for qid, answer, own_full in zip(group.qid, group.answer, group.full_answer):
+        reference = own_full if isinstance(own_full, str) else (full.answer.get(qid) if len(full) else None)
+        if isinstance(reference, str):
+            scores.append(token_f1(answer, [reference]))
+    return float(np.mean(scores)) if scores else math.nan
+
+
+def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
+    """FusionRAG normalized F1 over the questions all three runs share; (value, note)."""
+    if not len(full) or not len(reuse):
+        return math.nan, "normalized F1 needs full and reuse runs"
+    common = sorted(set(group.qid) & set(full.index) & set(reuse.index))
+    if not common:
+        return math.nan, "no question shared with full and reuse runs"
+    f1 = group.set_index("qid").f1.loc[common].mean()
+    value = normalized_f1(f1, reuse.f1.loc[common].mean(), full.f1.loc[common].mean())
+    if value is None:
+        return math.nan, "normalized F1 undefined (full F1 = reuse F1)"
+    note = f"normalized F1 on {len(common)}/{len(group)} questions" if len(common) < len(group) else ""
+    return value, note
+
+
+def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
+    """mean(method TTFT) / mean(full TTFT) over the questions both timed."""
+    if not len(full):
+        return math.nan
+    mine = group.set_index("qid").t_first_token.dropna()
+    theirs = full.t_first_token.dropna()
+    common = sorted(set(mine.index) & set(theirs.index))
+    if not common or theirs.loc[common].mean() <= 0:
+        return math.nan
+    return float(mine.loc[common].mean() / theirs.loc[common].mean())
+
+
+def recomputed_fraction(group: pd.DataFrame) -> float:
+    """Mean per-question recomputed_tokens / chunk_tokens (questions with chunk tokens only)."""
+    has_chunks = group.chunk_tokens > 0
+    if not has_chunks.any():
+        return math.nan
+    return float((group.recomputed_tokens[has_chunks] / group.chunk_tokens[has_chunks]).mean())
+
+
+def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
+    """One summary row for one (dataset, method, variant, ratio)."""
+    first = group.iloc[0]
+    full = reference_rows(df, first.dataset, "full")
+    reuse = reuse_reference(df, first.dataset, first.variant)
+    _check_overlap(group, full)
+    _check_overlap(group, reuse)
+    norm, note = normalized_f1_on_common(group, full, reuse)
+    return {"dataset": first.dataset, "method": first.method, "variant": first.variant, "ratio": first.ratio,
+            "n": len(group), "em": group.em.mean(), "f1": group.f1.mean(), "substring": group.substring.mean(),
+            "norm_f1": norm, "fidelity_f1": fidelity_f1(group, full), "kl_full": group.kl_full.mean(),
+            "top1_agree": group.top1_agree.mean(), "ttft_ratio": ttft_ratio(group, full),
+            "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
+            "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
+            "recompute_s": group.t_recompute.mean(), "decode_s": group.t_decode.mean(),
+            "prompt_tokens": group.prompt_tokens.mean(), "note": note}
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """The summary table: one row per (dataset, method, variant, ratio), baselines first."""
+    rows = [summarize_group(df, g) for _, g in df.groupby(GROUP_KEYS, dropna=False, sort=False)]
+    summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    order = summary.method.map(lambda m: BASELINE_ORDER.get(m, len(BASELINE_ORDER)))
+    summary = summary.assign(_order=order).sort_values(["dataset", "_order", "method", "variant", "ratio"])
+    return summary.drop(columns="_order").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+def format_cell(row: pd.Series, column: str) -> str:
+    value = row[column]
+    if column == "norm_f1" and isinstance(value, float) and math.isnan(value):
+        return "undefined" if "undefined" in row.note else "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if column == "prompt_tokens":
+            return f"{value:.0f}"
+        return f"{value:.2f}" if column == "ratio" else f"{value:.3f}"
+    return str(value) if value != "" else "-"
+
+
+DISPLAY_COLUMNS = ["dataset", "method", "variant", "ratio", "n", "em", "f1", "substring", "norm_f1",
+                   "fidelity_f1", "kl_full", "top1_agree", "ttft_ratio", "recomputed_frac", "ttft_s", "note"]
+
+
+def summary_markdown(summary: pd.DataFrame, columns=None) -> str:
+    """The summary as a GitHub markdown table."""
+    columns = columns or SUMMARY_COLUMNS
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for _, row in summary.iterrows():
+        lines.append("| " + " | ".join(format_cell(row, c) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(summary: pd.DataFrame, title: str = "kvf eval"):
+    """The summary as a rich Table (for the terminal)."""
+    from rich.table import Table
+    table = Table(title=title)
+    for c in DISPLAY_COLUMNS:
+        table.add_column(c, justify="left" if c in ("dataset", "method", "variant", "note") else "right")
+    for _, row in summary.iterrows():
+        table.add_row(*(format_cell(row, c) for c in DISPLAY_COLUMNS))
+    return table
+
+
+def _safe_name(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
+def _x_position(row) -> float:
+    # methods without a ratio knob (cachefocus) sit at the fraction they actually recomputed
+    return row.ratio if not math.isnan(row.ratio) else row.recomputed_frac
+
+
+def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
+    """F1 vs recompute ratio: one line per method/variant, dashed lines for full and reuse."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg by default
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    rows = summary[summary.dataset == dataset]
+    for _, row in rows[rows.method == "full"].iterrows():
+        ax.axhline(row.f1, linestyle="--", color="black", label="full")
+    # one reuse line per variant: same dashes, told apart by dash pattern and shade
+    reuse_styles = [((6, 3), "dimgray"), ((2, 2), "gray"), ((8, 2, 2, 2), "darkgray")]
+    for i, (_, row) in enumerate(rows[rows.method == "reuse"].iterrows()):
+        dashes, color = reuse_styles[i % len(reuse_styles)]
+        ax.axhline(row.f1, linestyle=(0, dashes), color=color, label=f"reuse {row.variant}".strip())
+    for (method, variant), line in rows[~rows.method.isin(["full", "reuse"])].groupby(["method", "variant"]):
+        points = sorted((_x_position(r), r.f1) for _, r in line.iterrows() if not math.isnan(_x_position(r)))
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=f"{method} {variant}".strip())
+    ax.set(xlabel="recompute ratio", ylabel="F1", title=f"{dataset}: quality vs recompute ratio")
+    ax.set_xlim(left=-0.02)  # r = 0 (full reuse) is always part of the picture
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_ttft(summary: pd.DataFrame, path: Path):
+    """TTFT / full TTFT vs recompute ratio: one line per dataset/method/variant."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    ax.axhline(1.0, linestyle="--", color="black", label="full")
+    several = summary.dataset.nunique() > 1
+    rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
+    for (dataset, method, variant), line in rows.groupby(["dataset", "method", "variant"]):
+        points = sorted((_x_position(r), r.ttft_ratio) for _, r in line.iterrows() if not math.isnan(_x_position(r)))
+        if points:
+            xs, ys = zip(*points)
+            label = f"{dataset}/" * several + f"{method} {variant}".strip()
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set(xlabel="recompute ratio", ylabel="TTFT / full TTFT", title="TTFT vs recompute ratio")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """summary.csv, summary.md and the PNG plots; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "summary.csv", out_dir / "summary.md"]
+    summary.to_csv(written[0], index=False)
+    written[1].write_text(summary_markdown(summary))
+    for dataset in summary.dataset.unique():
+        path = out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png"
+        plot_quality(summary, dataset, path)
+        written.append(path)
+    path = out_dir / "ttft_vs_ratio.png"
+    plot_ttft(summary, path)
+    written.append(path)
+    return written
+
+
+def evaluate(run_files: list[Path], out_dir: Path) -> pd.DataFrame:
+    """Score run files and write the summary and plots to out_dir; returns the summary.
+    The written paths are in `summary.attrs["written"]`."""
+    summary = summarize(load_runs([Path(p) for p in run_files]))
+    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir))]
+    return summary

@@ -1,0 +1,249 @@
+"""The fused-prefill engine: stored chunk KVs in, fused KV cache and first-token logits out.
+
+How one prompt `S | C1..Ck | Q` is fused (CacheBlend §4.2 mechanics, shared by every method):
+- every cache row is, at every layer, either *loaded* (stored KV of S or of a chunk, its keys
+  rotated to the row's position) or *recomputed* (an active row: its hidden state runs through
+  the layer, its fresh K/V overwrite the loaded ones, and it attends over the whole cache);
+- Q's rows are always recomputed; a method decides which chunk rows are recomputed, and may
+  shrink that set between layers (never grow it: a row's hidden state must exist);
+- a recomputed row at cache row i sees rows <= i (causal by prompt order).
+Compute per layer is proportional to the active rows: projections and MLP run on those rows
+only, attention is [active, n]. At ratio 1.0 every chunk row is active from layer 0, which is
+exactly a prefill of C1..Ck Q after S: the oracle tests check this against `full`.
+
+The engine knows layers and attention, never files: chunk KVs come from a LayerKVSource.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvf import KvfError
+from kvf.pipeline.forward import KVCache, Transformer
+from kvf.pipeline.prompt import FusedPrompt
+from kvf.pipeline.rope import apply_rope
+
+
+class LayerKVSource(Protocol):
+    """Stored KVs of the prompt's chunks, one layer at a time (keys before RoPE)."""
+
+    load_seconds: float
+
+    def layer(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
+        """-> for each chunk index asked for, its [2, KV, t_i, d] at this layer."""
+        ...
+
+
+class InMemoryKV:
+    """A LayerKVSource over tensors already in memory: chunk_kvs[i] is [L, 2, KV, t_i, d]."""
+
+    def __init__(self, chunk_kvs: list[torch.Tensor]):
+        self.chunk_kvs = chunk_kvs
+        self.load_seconds = 0.0
+
+    def layer(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
+        return [self.chunk_kvs[i][layer] for i in chunks]
+
+
+def recompute_budget(recompute_ratio: float, n_tokens: int) -> int:
+    """round(r * n), rounding halves up (Python's round() would round halves to even)."""
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise KvfError(f"--ratio {recompute_ratio}: must be within [0, 1]")
+    return min(n_tokens, int(math.floor(recompute_ratio * n_tokens + 0.5)))
+
+
+@dataclass
+class FusionState:
+    """Everything about one prompt's fusion in flight."""
+    prompt: FusedPrompt
+    positions: torch.Tensor          # [n] RoPE position of every cache row
+    cache: KVCache                   # [L, 2, KV, cap, d], rows [0, n) in use
+    rows: torch.Tensor               # [a] cache rows recomputed at the current layer, sorted
+    hidden: torch.Tensor             # [a, D] their hidden states
+    loaded_chunks: list[int]         # chunks whose stored KV fills their rows
+    key_keep: torch.Tensor | None = None   # [n] bool, False = row dropped from the context
+    loaded_layers: set = field(default_factory=set)
+    mask: torch.Tensor | None = None       # [a, n] cached until rows change
+    # accounting
+    chunk_rows_recomputed: int = 0         # chunk rows active at the last layer (what a method "recomputes")
+    token_layers: int = 0                  # sum over layers of active chunk rows (real compute spent)
+    select_seconds: float = 0.0
+    query_attention: list = field(default_factory=list)  # per layer [n] (methods that ask for it)
+
+    @property
+    def n(self) -> int:
+        return self.prompt.n_tokens
+
+    def chunk_row_mask(self) -> torch.Tensor:
+        """[n] bool: True on chunk rows."""
+        is_chunk = torch.zeros(self.n, dtype=torch.bool)
+        is_chunk[self.prompt.n_prefix: self.prompt.n_prefix + self.prompt.n_chunk_tokens] = True
+        return is_chunk
+
+    def active_chunk_rows(self) -> torch.Tensor:
+        return self.rows[self.chunk_row_mask()[self.rows]]
+
+
+@dataclass
+class FusionResult:
+    logits: torch.Tensor             # [vocab] first-token logits
+    cache: KVCache                   # fused cache, length n, room for decoding
+    next_position: int               # RoPE position of the first generated token
+    recomputed_tokens: int           # chunk tokens recomputed (the method's budget)
+    recomputed_token_layers: int     # chunk token x layer products actually computed
+    timings: dict                    # seconds: load, select, recompute
+    info: dict = field(default_factory=dict)
+
+
+class FusionEngine:
+    def __init__(self, transformer: Transformer):
+        self.model = transformer
+        self._prefix_kv_cache: dict[tuple, torch.Tensor] = {}
+
+    # ---- offline: computing KVs to store ------------------------------------------------------
+    @torch.inference_mode()
+    def prefix_kv(self, prefix_ids: list[int]) -> torch.Tensor:
+        """S's own KV [L, 2, KV, s, d], keys before RoPE. Computed once per distinct S."""
+        key = tuple(prefix_ids)
+        if key not in self._prefix_kv_cache:
+            self._prefix_kv_cache[key] = self.chunk_kv(prefix_ids, [], None)
+        return self._prefix_kv_cache[key]
+
+    @torch.inference_mode()
+    def chunk_kv(self, segment_ids: list[int], context_ids: list[int],
+                 context_kvs: list[torch.Tensor] | None) -> torch.Tensor:
+        """KV [L, 2, KV, t, d] (keys before RoPE) of `segment_ids` prefilled after a context.
+
+        The context is `context_ids` whose KVs are given (S, then for the fusion variant the
+        neighbours' stored KVs: context_kvs[i] is [L, 2, KV, t_i, d], pre-RoPE) at contiguous
+        positions. With context_kvs None the context is prefilled exactly.
+        """
+        m = self.model
+        c, t = len(context_ids), len(segment_ids)
+        cache = m.new_cache(c + t)
+        if context_kvs is None:
+            if c:
+                m.prefill(torch.tensor(context_ids), cache)
+        else:
+            rows = torch.arange(c)
+            cos, sin = m.rope.cos_sin(rows)
+            kv = torch.cat([x.float() for x in context_kvs], dim=3)  # [L, 2, KV, c, d]
+            for layer in range(m.n_layers):
+                cache.write(layer, slice(0, c), apply_rope(kv[layer, 0], cos, sin), kv[layer, 1])
+            cache.length = c
+        _, pre_rope_keys = m.prefill(torch.tensor(segment_ids), cache, start=c, keep_pre_rope_keys=True)
+        keys = torch.stack(pre_rope_keys)                    # [L, KV, t, d]
+        values = cache.kv[:, 1, :, c: c + t]                 # [L, KV, t, d]
+        return torch.stack([keys, values], dim=1).clone()    # [L, 2, KV, t, d]
+
+    # ---- online: fusing ---------------------------------------------------------------------
+    def check_fits(self, prompt: FusedPrompt, max_new_tokens: int) -> None:
+        limit = self.model.max_positions
+        if prompt.n_tokens + max_new_tokens > limit:
+            raise KvfError(f"prompt of {prompt.n_tokens} tokens + {max_new_tokens} new tokens exceeds the model's "
+                           f"{limit} positions; use fewer chunks (--top-k), smaller --chunk-tokens or a lower --max-new-tokens")
+
+    def start(self, prompt: FusedPrompt, source: LayerKVSource | None, *, recompute_chunk_rows: torch.Tensor,
+              loaded_chunks: list[int] | None = None, positions: torch.Tensor | None = None,
+              prefix_kv: torch.Tensor | None = None, max_new_tokens: int = 0) -> FusionState:
+        """Set up the cache and the rows recomputed from layer 0 (the given chunk rows plus Q)."""
+        self.check_fits(prompt, max_new_tokens)
+        n = prompt.n_tokens
+        if positions is None:
+            positions = torch.arange(n)
+        cache = self.model.new_cache(n + max_new_tokens)
+        cache.length = n
+        rows = torch.unique(torch.cat([recompute_chunk_rows.long(), prompt.question_rows()]))  # sorted
+        hidden = self.model.embed(prompt.all_ids()[rows])
+        loaded = list(range(len(prompt.chunk_segments))) if loaded_chunks is None else loaded_chunks
+        state = FusionState(prompt, positions, cache, rows, hidden, loaded)
+        self._source = source
+        self._prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
+        self._cos, self._sin = self.model.rope.cos_sin(positions)  # [n, d], shared by all layers
+        return state
+
+    def load_layer(self, state: FusionState, layer: int) -> None:
+        """Fill S's rows and the loaded chunks' rows of this layer, keys rotated to their positions."""
+        if layer in state.loaded_layers:
+            return
+        state.loaded_layers.add(layer)
+        self._write_rotated(state, layer, 0, self._prefix_kv[layer])
+        if state.loaded_chunks:
+            spans = state.prompt.chunk_spans()
+            chunk_kvs = self._source.layer(layer, state.loaded_chunks)
+            for i, kv in zip(state.loaded_chunks, chunk_kvs):
+                self._write_rotated(state, layer, spans[i][0], kv)
+
+    def _write_rotated(self, state: FusionState, layer: int, start: int, kv: torch.Tensor) -> None:
+        """kv [2, KV, t, d] (keys before RoPE) -> cache rows [start, start + t) at their positions."""
+        t = kv.shape[2]
+        kv = kv.float()
+        cos, sin = self._cos[start: start + t], self._sin[start: start + t]
+        state.cache.write(layer, slice(start, start + t), apply_rope(kv[0], cos, sin), kv[1])
+
+    def keep_rows(self, state: FusionState, keep_chunk_rows: torch.Tensor) -> None:
+        """Shrink the recomputed set to keep_chunk_rows (plus Q). They must already be active."""
+        new_rows = torch.unique(torch.cat([keep_chunk_rows.long(), state.prompt.question_rows()]))
+        where = torch.searchsorted(state.rows, new_rows)
+        if not torch.equal(state.rows[where.clamp(max=len(state.rows) - 1)], new_rows):
+            raise ValueError("a method tried to recompute rows that are not active (no hidden state for them)")
+        state.rows, state.hidden, state.mask = new_rows, state.hidden[where], None
+
+    def drop_rows_from_context(self, state: FusionState, rows: torch.Tensor) -> None:
+        """Mask rows out of every later attention (pruned chunks)."""
+        if state.key_keep is None:
+            state.key_keep = torch.ones(state.n, dtype=torch.bool)
+        state.key_keep[rows] = False
+        state.mask = None
+
+    @torch.inference_mode()
+    def project_kv(self, state: FusionState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh K (rotated) and V [KV, a, d] of the active rows at this layer, without writing them."""
+        _, k, v = self.model.project_qkv(layer, state.hidden)
+        cos, sin = self._cos[state.rows], self._sin[state.rows]
+        return apply_rope(k, cos, sin), v
+
+    @torch.inference_mode()
+    def step(self, state: FusionState, layer: int, record_query_attention: bool = False) -> None:
+        """Run one layer for the active rows over the (loaded + recomputed) cache."""
+        self.load_layer(state, layer)
+        if state.mask is None:
+            state.mask = self.model.causal_mask(state.rows, state.n, state.key_keep)
+        n_question = len(state.prompt.question_ids)
+        question_hidden = state.hidden[-n_question:]  # Q's rows are the last active rows
+        state.hidden = self.model.layer_step(layer, state.hidden, state.rows, state.positions[state.rows],
+                                             state.cache, state.mask)
+        n_chunk_active = int(state.chunk_row_mask()[state.rows].sum())
+        state.token_layers += n_chunk_active
+        state.chunk_rows_recomputed = n_chunk_active
+        if record_query_attention:
+            state.query_attention.append(self.query_attention(state, layer, question_hidden))
+
+    @torch.inference_mode()
+    def query_attention(self, state: FusionState, layer: int, question_hidden: torch.Tensor) -> torch.Tensor:
+        """Mean attention of Q's tokens to every cache row at this layer -> [n].
+
+        question_hidden [|Q|, D] is Q's input to the layer; the cache already holds this layer's
+        keys. Only Q's rows of the attention matrix are formed: [H, |Q|, n], O(|Q| * n).
+        """
+        q_rows = state.prompt.question_rows()
+        q, _, _ = self.model.project_qkv(layer, question_hidden)                 # [H, |Q|, d]
+        q = apply_rope(q, self._cos[q_rows], self._sin[q_rows])
+        group = self.model.n_heads // self.model.n_kv_heads
+        keys = state.cache.keys(layer).repeat_interleave(group, dim=0)            # [H, n, d]
+        scores = (q @ keys.transpose(1, 2)) * self.model.scaling                  # [H, |Q|, n]
+        mask = self.model.causal_mask(q_rows, state.n, state.key_keep)            # [|Q|, n]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return probs.mean(dim=(0, 1))                                              # [n]
+
+    def finish(self, state: FusionState, load_seconds: float, started: float) -> FusionResult:
+        logits = self.model.logits(state.hidden[-1:])[0]
+        total = time.perf_counter() - started
+        timings = {"load": load_seconds, "select": state.select_seconds,
+                   "recompute": max(0.0, total - load_seconds - state.select_seconds)}
+        return FusionResult(logits, state.cache, int(state.positions[-1]) + 1, state.chunk_rows_recomputed,
+                            state.token_layers, timings)

@@ -1,0 +1,165 @@
+"""A functional, layer-by-layer forward over the loaded HF weights (Llama, Mistral, Qwen2, Qwen3).
+
+The HF model runs a layer over every token; fusion needs to run a layer over *some* tokens (the
+ones being recomputed) against a KV cache that mostly came from disk. So we call the HF modules
+(projections, norms, MLP) ourselves and do attention with our own cache and mask.
+
+Shapes: t = tokens computed in this call, n = tokens in the cache, H = query heads,
+KV = key/value heads, d = head_dim, D = hidden size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvf import KvfError
+from kvf.pipeline.model import SUPPORTED_ARCHITECTURES
+from kvf.pipeline.rope import Rope, apply_rope
+
+
+class KVCache:
+    """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, device="cpu"):
+        self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, device=device)  # [L, 2, KV, cap, d]
+        self.length = 0  # tokens filled so far (prefill fills [0, n) before decoding starts)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0, :, : self.length]  # [KV, n, d]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1, :, : self.length]  # [KV, n, d]
+
+    def write(self, layer: int, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [KV, t, d] go to the cache rows `index` (sequence positions in the cache)."""
+        self.kv[layer, 0, :, index] = k
+        self.kv[layer, 1, :, index] = v
+
+
+class Transformer:
+    """The model as a sequence of functions we can call on any subset of tokens."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise KvfError(f"architecture '{config.model_type}' cannot be fused; kvf supports "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.hf_model = hf_model
+        self.decoder = hf_model.model
+        self.layers = list(self.decoder.layers)
+        self.n_layers = len(self.layers)
+        attn = self.layers[0].self_attn
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.has_qk_norm = hasattr(attn, "q_norm")  # Qwen3 normalises q and k per head before RoPE
+        self.max_positions = config.max_position_embeddings
+        # Mistral-style sliding windows change the mask; we fuse only within the window.
+        self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        self.rope = Rope(self.decoder.rotary_emb, config)
+        self.device = next(hf_model.parameters()).device
+
+    # ---- one idea per function -------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [t] -> hidden [t, D]."""
+        return self.decoder.embed_tokens(token_ids)
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor):
+        """hidden [t, D] -> q [H, t, d], k [KV, t, d], v [KV, t, d]; q and k *before* RoPE."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+        """q [H, t, d] (after RoPE) over keys/values [KV, n, d]; mask [t, n] bool (True = may attend).
+
+        Materialises at most [H, t, n] scores: O(t * n), never n x n unless every token is computed.
+        Returns the attention output after o_proj, [t, D].
+        """
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                             is_causal=is_causal, scale=self.scaling, enable_gqa=True)
+        t = q.shape[1]
+        return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
+
+    def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual MLP block on [t, D] rows: per token, so running it on selected rows is exact."""
+        block = self.layers[layer]
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [t, D] -> logits [t, vocab]."""
+        return self.hf_model.lm_head(self.decoder.norm(hidden))
+
+    # ---- composite steps ------------------------------------------------------------------
+    def causal_mask(self, query_index: torch.Tensor, n_keys: int, key_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """query_index [t] = each query's row in the cache -> mask [t, n_keys] (key j visible iff j <= row)."""
+        key_index = torch.arange(n_keys, device=query_index.device)
+        mask = key_index[None, :] <= query_index[:, None]
+        if self.sliding_window:
+            mask &= key_index[None, :] > query_index[:, None] - self.sliding_window
+        if key_keep is not None:  # keys dropped from the context (e.g. pruned chunks)
+            mask &= key_keep[None, :]
+        return mask
+
+    def layer_step(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   cache: KVCache, mask: torch.Tensor | None, is_causal: bool = False,
+                   keys_out: list | None = None) -> torch.Tensor:
+        """Recompute one layer for the tokens at cache rows `rows` [t] with RoPE positions [t].
+
+        Their K/V overwrite the cache rows, then they attend over the whole cache: with `mask`
+        [t, n], or causally when is_causal (only valid when rows are all n cache rows), or to
+        everything when neither (a single last token). hidden [t, D] -> hidden [t, D].
+        """
+        q, k, v = self.project_qkv(layer, hidden)
+        cos, sin = self.rope.cos_sin(positions, q.dtype)
+        if keys_out is not None:
+            keys_out.append(k)  # pre-RoPE keys, what the store keeps
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, rows, k, v)
+        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal)
+        return self.mlp(layer, hidden)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                positions: torch.Tensor | None = None, keep_pre_rope_keys: bool = False):
+        """Ordinary prefill of token_ids [t] into cache rows [start, start + t).
+
+        Returns (logits of the last token [vocab], pre-RoPE keys per layer or None).
+        """
+        t = token_ids.shape[0]
+        rows = torch.arange(start, start + t, device=token_ids.device)
+        positions = rows if positions is None else positions
+        cache.length = start + t
+        plain_causal = start == 0 and not self.sliding_window  # SDPA's fast causal kernel
+        mask = None if plain_causal else self.causal_mask(rows, start + t)
+        hidden = self.embed(token_ids)
+        pre_rope_keys = [] if keep_pre_rope_keys else None
+        for layer in range(self.n_layers):
+            hidden = self.layer_step(layer, hidden, rows, positions, cache, mask, plain_causal, pre_rope_keys)
+        return self.logits(hidden[-1:])[0], pre_rope_keys
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position: int, cache: KVCache) -> torch.Tensor:
+        """One new token at cache row `cache.length` -> logits [vocab]."""
+        row = torch.tensor([cache.length], device=self.device)
+        cache.length += 1
+        hidden = self.embed(row.new_tensor([token_id]))
+        pos = row.new_tensor([position])
+        # The newest token sees the whole cache, so no mask unless a sliding window cuts it.
+        mask = self.causal_mask(row, cache.length) if self.sliding_window else None
+        for layer in range(self.n_layers):
+            hidden = self.layer_step(layer, hidden, row, pos, cache, mask)
+        return self.logits(hidden)[0]
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, capacity, self.head_dim, self.device)

@@ -1,0 +1,105 @@
+"""Prompt layout `S | C1 | ... | Ck | Q` as token ids, built from the tokenizer's chat template.
+
+Every segment is tokenised on its own and the prompt is their concatenation. Full prefill sees the
+very same ids as the fused path, which is what makes "ratio 1.0 equals full prefill" exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvf import KvfError
+
+SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the documents below. "
+                 "Reply with the answer only, in a few words.")
+DOCS_MARKER = "\x00KVF_DOCUMENTS\x00"  # cut point inside the rendered chat template
+CHUNK_SEPARATOR = "\n\n"  # appended to every chunk so neighbouring chunks do not run together
+
+
+@dataclass
+class PromptTemplate:
+    """The parts of the prompt that do not depend on the chunks."""
+    prefix_ids: list[int]              # S: chat head, system prompt, "Documents:" (shared by all prompts)
+    question_head: str                 # text before the question inside the user turn
+    question_tail: str                 # chat tail up to the assistant's turn
+    separator_ids: list[int]           # CHUNK_SEPARATOR as ids
+    tokenizer: object = field(repr=False)
+
+    def question_ids(self, question: str) -> list[int]:
+        if not question or not question.strip():
+            raise KvfError("empty question: pass a non-empty question text")
+        return encode(self.tokenizer, self.question_head + question.strip() + self.question_tail)
+
+    def chunk_segment(self, chunk_token_ids: list[int]) -> list[int]:
+        """A chunk as it sits in the prompt (and as its KV is stored): its ids plus the separator."""
+        return list(chunk_token_ids) + self.separator_ids
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTemplate:
+    """Render the chat template around a marker and cut it into S and the question's frame."""
+    user_turn = "Documents:\n" + DOCS_MARKER + "Question: "
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_turn}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:  # base models: a plain layout
+        rendered = f"{system_prompt}\n\n{user_turn}\nAnswer:"
+    head, tail = rendered.split(DOCS_MARKER)
+    question_head, question_tail = tail.split("Question: ", 1)
+    bos = [tokenizer.bos_token_id] if _template_lacks_bos(tokenizer, rendered) else []
+    return PromptTemplate(prefix_ids=bos + encode(tokenizer, head),
+                          question_head=question_head + "Question: ", question_tail=question_tail,
+                          separator_ids=encode(tokenizer, CHUNK_SEPARATOR), tokenizer=tokenizer)
+
+
+def _template_lacks_bos(tokenizer, rendered: str) -> bool:
+    """Llama-style tokenizers add BOS themselves; we encode without special tokens, so add it here."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and getattr(tokenizer, "add_bos_token", False) and not rendered.startswith(bos)
+
+
+@dataclass
+class FusedPrompt:
+    """One question's prompt: token ids by segment and where each segment sits."""
+    prefix_ids: list[int]
+    chunk_segments: list[list[int]]
+    question_ids: list[int]
+
+    @property
+    def n_prefix(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prefix + sum(len(c) for c in self.chunk_segments) + len(self.question_ids)
+
+    @property
+    def n_chunk_tokens(self) -> int:
+        return sum(len(c) for c in self.chunk_segments)
+
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        """[start, end) rows of each chunk in the prompt."""
+        spans, start = [], self.n_prefix
+        for seg in self.chunk_segments:
+            spans.append((start, start + len(seg)))
+            start += len(seg)
+        return spans
+
+    def question_rows(self) -> torch.Tensor:
+        return torch.arange(self.n_tokens - len(self.question_ids), self.n_tokens)
+
+    def all_ids(self) -> torch.Tensor:
+        ids = list(self.prefix_ids)
+        for seg in self.chunk_segments:
+            ids += seg
+        return torch.tensor(ids + list(self.question_ids))
+
+
+def build_prompt(template: PromptTemplate, chunks: list[list[int]], question: str) -> FusedPrompt:
+    """chunks = raw chunk token ids in prompt order."""
+    return FusedPrompt(list(template.prefix_ids), [template.chunk_segment(c) for c in chunks],
+                       template.question_ids(question))

@@ -1,0 +1,63 @@
+"""Shared fixtures: the embedded model (loaded once per session) and tiny random models."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def answerer():
+    """The embedded SmolLM2-135M-Instruct with its engine and template."""
+    from kvf.pipeline.answer import Answerer
+    torch.manual_seed(0)
+    return Answerer.load(None)
+
+
+@pytest.fixture(scope="session")
+def short_docs():
+    return ["Zorvan Pellick was born in the city of Quillmarsh, a river town known for its glass.",
+            "Quillmarsh is the capital of the Drelvan province, famous for its salt mines.",
+            "The Kettar mountains lie north of the Ossel sea and are home to wild goats."]
+
+
+def tiny_config(family: str, **overrides):
+    """A small random decoder of each supported family, built from a config (no download)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        config = LlamaConfig(**common, head_dim=16)
+    elif family == "llama3rope":
+        config = LlamaConfig(**common, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif family == "mistral":
+        config = MistralConfig(**common, head_dim=16, sliding_window=None)
+    elif family == "qwen2":
+        config = Qwen2Config(**common)  # q/k/v projections carry a bias
+    elif family == "qwen3":
+        config = Qwen3Config(**common, head_dim=16)  # per-head q/k RMSNorm
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def tiny_model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32, attn_implementation="sdpa")
+    # Random init leaves biases at zero; make Qwen2's qkv bias count in the test.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+FAMILIES = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]

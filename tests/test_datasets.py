@@ -1,0 +1,266 @@
+"""Loaders on small fixtures of every format, prepare/load_prepared, and the real files when present."""
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvf import KvfError
+from kvf.eval.datasets import (Passage, data_dir, detect_format, find_dataset_file, load_dataset,
+                               load_prepared, passage_id, prepare)
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def real_data() -> Path:
+    path = Path(os.environ["KVF_DATA"]) if os.environ.get("KVF_DATA") else DEFAULT_DATA
+    if not path.is_dir():
+        pytest.skip("KVF_DATA not set and ../shared/data absent")
+    return path
+
+
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def write_jsonl(path: Path, records, gz=False) -> Path:
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+DPR = [
+    {"question": "who wrote hamlet", "answers": ["Shakespeare", "William Shakespeare"],
+     "ctxs": [{"title": "Hamlet", "text": "Hamlet is a tragedy by William Shakespeare.", "hasanswer": True},
+              {"title": "Macbeth", "text": "Macbeth is a tragedy."}]},
+    {"question": "what is macbeth", "answers": ["a tragedy"],
+     "ctxs": [{"title": "Macbeth", "text": "Macbeth is a tragedy."}]},
+]
+KILT = [
+    {"id": "tqa1", "input": "Which planet is the red planet?",
+     "output": [{"answer": "Mars"}, {"answer": "The Red Planet Mars"},
+                {"provenance": [{"wikipedia_id": "1", "title": "Mars", "text": "Mars is red."},
+                                {"wikipedia_id": "1", "title": "Mars", "text": "Mars is red."}]}]},
+    {"id": "tqa2", "input": "Largest planet?", "output": [{"answer": "Jupiter"}],
+     "ctxs": [{"title": "Jupiter", "text": "Jupiter is the largest planet."}]},
+]
+TWOWIKI = [
+    {"_id": "abc", "question": "Where was X's father buried?", "answer": "Cork",
+     "context": [["X", ["X was a judge.", "His father was Y."]], ["Y", ["Y was buried in Cork."]]]},
+]
+MUSIQUE = [
+    {"id": "2hop__1", "question": "Q?", "answer": "Exeter College", "answer_aliases": ["Exeter"],
+     "paragraphs": [{"idx": 0, "title": "A", "paragraph_text": "a text", "is_supporting": True},
+                    {"idx": 1, "title": "B", "paragraph_text": "b text", "is_supporting": False}]},
+]
+
+
+def test_dpr_jsonl_plain_and_gzip(tmp_path):
+    for gz in (False, True):
+        # gzip is detected by magic bytes, not by the file name
+        path = write_jsonl(tmp_path / f"nq{gz}.data", DPR, gz=gz)
+        qs = load_dataset("nq", path)
+        assert [q.qid for q in qs] == ["nq-0", "nq-1"]
+        assert qs[0].answers == ["Shakespeare", "William Shakespeare"]
+        assert qs[0].contexts == [Passage("Hamlet", "Hamlet is a tragedy by William Shakespeare."),
+                                  Passage("Macbeth", "Macbeth is a tragedy.")]
+
+
+def test_triviaqa_dpr_json_array_and_kilt(tmp_path):
+    qs = load_dataset("triviaqa", write_json(tmp_path / "dpr.json", DPR))
+    assert len(qs) == 2 and qs[1].answers == ["a tragedy"]
+    qs = load_dataset("triviaqa", write_jsonl(tmp_path / "kilt.jsonl", KILT))
+    assert [q.qid for q in qs] == ["tqa1", "tqa2"]
+    assert qs[0].question == "Which planet is the red planet?"
+    assert qs[0].answers == ["Mars", "The Red Planet Mars"]
+    assert qs[0].contexts == [Passage("Mars", "Mars is red.")]  # repeated provenance kept once
+    assert qs[1].contexts == [Passage("Jupiter", "Jupiter is the largest planet.")]
+
+
+def test_kilt_without_passage_text_is_refused(tmp_path):
+    rec = {"id": "k", "input": "q", "output": [{"answer": "a", "provenance": [{"wikipedia_id": "9", "title": "T"}]}]}
+    with pytest.raises(KvfError, match=r"record 0: no passages"):
+        load_dataset("triviaqa", write_jsonl(tmp_path / "k.jsonl", [rec]))
+
+
+def test_2wiki_original_and_pandas_columns(tmp_path):
+    qs = load_dataset("2wikimqa", write_json(tmp_path / "dev.json", TWOWIKI))
+    assert qs[0].qid == "abc" and qs[0].answers == ["Cork"]
+    assert qs[0].contexts[0] == Passage("X", "X was a judge. His father was Y.")
+    # the pandas DataFrame.to_json() export renames _id to _1 and stores columns
+    df = pd.DataFrame(TWOWIKI * 12).rename(columns={"_id": "_1"})
+    df["_1"] = [f"id{i}" for i in range(12)]
+    path = tmp_path / "cols.json"
+    df.to_json(path)
+    qs = load_dataset("2wikimqa", path)
+    assert [q.qid for q in qs] == [f"id{i}" for i in range(12)]  # numeric row order, not "0","1","10",...
+    assert qs[0].contexts == load_dataset("2wikimqa", tmp_path / "dev.json")[0].contexts
+
+
+def test_list_of_lists_answers_are_flattened(tmp_path):
+    rec = {"question": "q", "answers": [["Iranian hospital Dubai"], ["Dubai"]], "ctxs": [{"title": "", "text": "t"}]}
+    assert load_dataset("2wikimqa", write_json(tmp_path / "w.json", [rec]))[0].answers == ["Iranian hospital Dubai", "Dubai"]
+
+
+def test_musique_original(tmp_path):
+    qs = load_dataset("musique", write_jsonl(tmp_path / "m.jsonl", MUSIQUE))
+    assert qs[0].qid == "2hop__1" and qs[0].answers == ["Exeter College", "Exeter"]
+    assert qs[0].contexts == [Passage("A", "a text"), Passage("B", "b text")]
+
+
+def test_unknown_format_names_file_and_accepted_formats(tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"query": "q", "label": "a"}])
+    with pytest.raises(KvfError) as e:
+        load_dataset("musique", path)
+    msg = str(e.value)
+    assert "odd.jsonl" in msg and "dpr" in msg and "musique" in msg and "\n" not in msg
+    # a known format that the dataset does not take is refused too
+    with pytest.raises(KvfError, match="accepted: dpr"):
+        load_dataset("nq", write_json(tmp_path / "w.json", TWOWIKI))
+    assert detect_format({"x": 1}) is None
+
+
+def test_bad_records_refused_with_index_or_skipped(tmp_path):
+    records = [DPR[0], {"question": "q", "answers": [], "ctxs": [{"title": "", "text": "t"}]}, DPR[1]]
+    path = write_jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(KvfError, match=r"bad\.jsonl: record 1: no answers.*--skip-bad"):
+        load_dataset("nq", path)
+    with pytest.warns(UserWarning, match="skipped 1 bad record"):
+        qs = load_dataset("nq", path, skip_bad=True)
+    assert [q.qid for q in qs] == ["nq-0", "nq-2"]  # ids stay the record index
+
+
+def test_missing_empty_and_malformed_files(tmp_path):
+    with pytest.raises(KvfError, match="does not exist"):
+        load_dataset("nq", tmp_path / "nope.jsonl")
+    (tmp_path / "empty.json").write_text("")
+    with pytest.raises(KvfError, match="empty"):
+        load_dataset("nq", tmp_path / "empty.json")
+    (tmp_path / "broken.jsonl").write_text(json.dumps(DPR[0]) + "\n{oops\n")
+    with pytest.raises(KvfError, match="line 2"):
+        load_dataset("nq", tmp_path / "broken.jsonl")
+    with pytest.raises(KvfError, match="unknown dataset"):
+        load_dataset("squad", write_json(tmp_path / "d.json", DPR))
+
+
+def test_prepare_pools_passages_and_round_trips(tmp_path):
+    manifest = prepare("nq", write_jsonl(tmp_path / "nq.jsonl", DPR), tmp_path / "out")
+    assert (manifest["questions"], manifest["passages"], manifest["format"]) == (2, 2, "dpr")
+    corpus = [json.loads(l) for l in (tmp_path / "out/corpus/passages.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in corpus] == [passage_id("Hamlet", DPR[0]["ctxs"][0]["text"]),
+                                         passage_id("Macbeth", "Macbeth is a tragedy.")]
+    assert set(corpus[0]) == {"id", "title", "text"}
+    rows = [json.loads(l) for l in (tmp_path / "out/questions.jsonl").read_text().splitlines()]
+    assert rows[1] == {"id": "nq-1", "question": "what is macbeth", "answers": ["a tragedy"],
+                       "context_ids": [corpus[1]["id"]]}  # the shared Macbeth passage is stored once
+    questions, passages = load_prepared(tmp_path / "out")
+    assert [q.contexts for q in questions] == [q.contexts for q in load_dataset("nq", tmp_path / "nq.jsonl")]
+    assert len(passages) == 2
+
+
+def test_passage_ids_are_stable_content_hashes():
+    assert passage_id("a", "b") == passage_id("a", "b") == Passage("a", "b").id
+    assert passage_id("a b", "c") != passage_id("a", "b c")
+    assert len(passage_id("", "x")) == 16
+
+
+def test_load_prepared_errors(tmp_path):
+    with pytest.raises(KvfError, match="kvf data prepare"):
+        load_prepared(tmp_path)
+    prepare("nq", write_jsonl(tmp_path / "nq.jsonl", DPR), tmp_path / "out")
+    (tmp_path / "out/corpus/passages.jsonl").write_text("")
+    with pytest.raises(KvfError, match="not in corpus"):
+        load_prepared(tmp_path / "out")
+
+
+def test_data_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVF_DATA", str(tmp_path))
+    assert data_dir() == tmp_path
+    assert data_dir(str(tmp_path / "..")) == tmp_path / ".."  # the flag wins over the env
+    with pytest.raises(KvfError, match="--data-dir"):
+        data_dir(str(tmp_path / "missing"))
+    monkeypatch.setenv("KVF_DATA", str(tmp_path / "missing"))
+    with pytest.raises(KvfError, match="KVF_DATA"):
+        data_dir()
+    (tmp_path / "musique").mkdir()
+    (tmp_path / "musique/musique_s.json").write_text("[]")
+    assert find_dataset_file("musique", tmp_path) == tmp_path / "musique/musique_s.json"
+    with pytest.raises(KvfError, match="missing"):
+        find_dataset_file("nq", tmp_path)
+    with pytest.raises(KvfError, match="--input"):
+        find_dataset_file("triviaqa", tmp_path)
+
+
+def test_cli_prepare(tmp_path):
+    import typer
+    from kvf.cli.data_cmd import data_app
+    app = typer.Typer()
+    app.add_typer(data_app, name="data")
+    app.command("noop")(lambda: None)  # keep "data" a subcommand
+    path = write_jsonl(tmp_path / "bad.jsonl", [DPR[0], {"question": "q", "answers": [], "ctxs": []}])
+    result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o"), "--skip-bad"])
+    assert result.exit_code == 0, result.output
+    assert "1 questions" in result.output and "1 skipped" in result.output
+    result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KvfError)
+
+
+# ---- the real files (shared/data, see SOURCES.md) ---------------------------------------------
+
+def test_real_musique():
+    qs = load_dataset("musique", find_dataset_file("musique", real_data()))
+    assert len(qs) == 150 and all(len(q.contexts) == 10 and len(q.answers) == 1 for q in qs)
+    assert qs[0].answers == ["Exeter College"]
+
+
+def test_real_2wikimqa_clean_flattens_two_answer_lists():
+    qs = load_dataset("2wikimqa", find_dataset_file("2wikimqa", real_data()))
+    assert len(qs) == 102 and all(len(q.contexts) == 10 for q in qs)
+    assert [q.answers for q in qs if len(q.answers) > 1] == [["Iranian hospital Dubai", "Dubai"]]
+
+
+def test_real_2wikimqa_dev500_pandas_export():
+    qs = load_dataset("2wikimqa-dev", find_dataset_file("2wikimqa-dev", real_data()))
+    assert len(qs) == 500 and all(len(q.contexts) == 10 for q in qs)
+    assert qs[0].qid == "100c512a0bde11eba7f7acde48001122" and qs[0].answers == ["Cork"]
+    assert qs[0].question == "Where was the place of burial of Charles Mathew's father?"
+    assert qs[0].contexts[0].title == "Anthony Robinson (Unitarian)"
+
+
+def test_real_nq_oracle_gzip():
+    qs = load_dataset("nq", find_dataset_file("nq", real_data()))
+    assert len(qs) == 2655 and all(len(q.contexts) == 1 for q in qs)
+    assert qs[0].answers == ["Wilhelm Conrad Röntgen"]
+
+
+def test_real_prepare_musique_pools_shared_passages(tmp_path):
+    manifest = prepare("musique", find_dataset_file("musique", real_data()), tmp_path)
+    assert manifest["questions"] == 150
+    assert manifest["source_sha256"] == "d679da1dad32b7f3645de9db0d7a1aaa7e679eb76ed48c02c4688137e5ce6674"
+    questions, passages = load_prepared(tmp_path)
+    # fewer distinct passages than 150 x 10: some chunks repeat across questions and are pooled once
+    assert len(passages) == manifest["passages"] < 1500
+    assert all(len(q.contexts) == 10 for q in questions)
+
+
+def test_data_dir_default_absent_is_an_error(tmp_path, monkeypatch):
+    import kvf.eval.datasets as datasets
+    monkeypatch.delenv("KVF_DATA", raising=False)
+    monkeypatch.setattr(datasets, "REPO_ROOT", tmp_path / "repo")  # no ../shared/data beside it
+    with pytest.raises(KvfError, match="pass --data-dir DIR or set KVF_DATA"):
+        data_dir()
+
+
+def test_malformed_json_array_names_the_line(tmp_path):
+    (tmp_path / "arr.json").write_text('[\n{"question": "q",\n "answers": ["a"] "ctxs": []}\n]')
+    with pytest.raises(KvfError, match=r"arr.json line 3: malformed JSON"):
+        load_dataset("nq", tmp_path / "arr.json")
+
+
+def test_empty_passages_are_dropped(tmp_path):
+    rec = {"question": "q", "answers": ["a"], "ctxs": [{"title": "T", "text": "  "}, {"title": "U", "text": "u"}]}
+    assert load_dataset("nq", write_json(tmp_path / "e.json", [rec]))[0].contexts == [Passage("U", "u")]

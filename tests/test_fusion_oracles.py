@@ -1,0 +1,123 @@
+"""Oracle tests of the fused-prefill engine: whenever a method recomputes everything (or reuses
+only what is exact), its first-token logits and greedy answer equal full prefill."""
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from kvf import KvfError
+from kvf.pipeline.engine import FusionEngine, InMemoryKV, recompute_budget
+from kvf.pipeline.forward import Transformer
+from kvf.pipeline.methods import METHODS, get_method
+from kvf.pipeline.prompt import FusedPrompt, encode
+
+TOL = 1e-3
+
+
+def stored_kvs(engine, prompt):
+    """Each chunk's `prefix`-variant KV: prefilled right after S."""
+    return InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+
+
+@pytest.fixture(scope="module")
+def embedded_case(answerer, short_docs):
+    prompt = answerer.prompt([encode(answerer.tokenizer, d) for d in short_docs],
+                             "In which province was Zorvan Pellick born?")
+    full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=12)
+    return prompt, stored_kvs(answerer.engine, prompt), full
+
+
+@pytest.mark.parametrize("name,ratio", [("cacheblend", 1.0), ("prefix", 1.0)])
+def test_exact_methods_equal_full(answerer, embedded_case, name, ratio):
+    prompt, source, full = embedded_case
+    got = answerer.answer(prompt, get_method(name, recompute_ratio=ratio), source, max_new_tokens=12)
+    assert (got.fused.logits - full.fused.logits).abs().max().item() <= TOL
+    assert got.text == full.text and got.text
+
+
+def test_cacheblend_v_deviation_and_later_check_layer_at_ratio_one(answerer, embedded_case):
+    prompt, source, full = embedded_case
+    method = get_method("cacheblend", recompute_ratio=1.0, deviation="v", check_layer=3)
+    got = method.prefill(answerer.engine, prompt, source)
+    assert (got.logits - full.fused.logits).abs().max().item() <= TOL
+
+
+def test_reuse_of_single_chunk_equals_full(answerer, short_docs):
+    prompt = answerer.prompt([encode(answerer.tokenizer, short_docs[0])], "Where was Zorvan Pellick born?")
+    full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=10)
+    got = answerer.answer(prompt, get_method("reuse"), stored_kvs(answerer.engine, prompt), max_new_tokens=10)
+    assert (got.fused.logits - full.fused.logits).abs().max().item() <= TOL
+    assert got.text == full.text
+
+
+def test_reuse_of_several_chunks_differs_from_full(answerer, embedded_case):
+    """Guards the oracles: cross-chunk attention really is missing in full reuse."""
+    prompt, source, full = embedded_case
+    got = get_method("reuse").prefill(answerer.engine, prompt, source)
+    assert (got.logits - full.fused.logits).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3, 0.5, 0.77])
+def test_cacheblend_recomputes_exactly_round_r_n(answerer, embedded_case, ratio):
+    prompt, source, _ = embedded_case
+    got = get_method("cacheblend", recompute_ratio=ratio).prefill(answerer.engine, prompt, source)
+    expected = int(ratio * prompt.n_chunk_tokens + 0.5)
+    assert got.recomputed_tokens == expected == recompute_budget(ratio, prompt.n_chunk_tokens)
+    # Layer 0 recomputes every chunk token; later layers only the selected ones.
+    n_layers = answerer.transformer.n_layers
+    assert got.recomputed_token_layers == prompt.n_chunk_tokens + (n_layers - 1) * expected
+
+
+def test_cacheblend_picks_the_most_deviating_tokens(answerer, embedded_case):
+    """With a poisoned stored chunk (its KV replaced by noise), CacheBlend's selection lands there."""
+    prompt, source, _ = embedded_case
+    poisoned = [kv.clone() for kv in source.chunk_kvs]
+    poisoned[1] = poisoned[1] + 5 * torch.randn_like(poisoned[1])
+    budget_ratio = len(prompt.chunk_segments[1]) / prompt.n_chunk_tokens
+    method = get_method("cacheblend", recompute_ratio=budget_ratio)
+    engine = answerer.engine
+    state = engine.start(prompt, InMemoryKV(poisoned), recompute_chunk_rows=torch.arange(
+        prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens))
+    engine.step(state, 0)
+    method.before_layer(engine, state, 1)
+    start, end = prompt.chunk_spans()[1]
+    assert torch.equal(state.active_chunk_rows(), torch.arange(start, end))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_families_cacheblend_ratio_one_equals_full(family):
+    engine = FusionEngine(Transformer(tiny_model(family, seed=3)))
+    g = torch.Generator().manual_seed(1)
+    prompt = FusedPrompt(prefix_ids=torch.randint(0, 128, (5,), generator=g).tolist(),
+                         chunk_segments=[torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 7)],
+                         question_ids=torch.randint(0, 128, (6,), generator=g).tolist())
+    full = get_method("full").prefill(engine, prompt)
+    source = stored_kvs(engine, prompt)
+    for name in ("cacheblend", "prefix"):
+        got = get_method(name, recompute_ratio=1.0).prefill(engine, prompt, source)
+        assert (got.logits - full.logits).abs().max().item() <= 1e-4, name
+
+
+def test_unknown_method_lists_known_ones():
+    with pytest.raises(KvfError) as err:
+        get_method("nope")
+    for name in ("full", "reuse", "prefix", "cacheblend"):
+        assert name in str(err.value)
+    assert set(METHODS) >= {"full", "reuse", "prefix", "cacheblend"}
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5])
+def test_ratio_out_of_range_is_refused(ratio):
+    with pytest.raises(KvfError, match="--ratio"):
+        get_method("cacheblend", recompute_ratio=ratio)
+
+
+def test_prompt_longer_than_model_positions_is_refused(answerer):
+    long_chunk = list(range(100, 200)) * 90  # 9000 tokens > 8192 positions
+    prompt = answerer.prompt([long_chunk], "why?")
+    with pytest.raises(KvfError, match="positions"):
+        answerer.answer(prompt, get_method("full"), None)
+
+
+def test_empty_question_is_refused(answerer):
+    with pytest.raises(KvfError, match="empty question"):
+        answerer.prompt([[1, 2, 3]], "   ")
