@@ -1,0 +1,74 @@
+"""`kvf search`: query a workspace's BM25 or dense index and show the top chunks."""
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvf import KvfError
+
+
+class SearchMode(str, Enum):
+    bm25 = "bm25"
+    dense = "dense"
+
+
+def search_workspace(query: str, workspace: Path, k: int, mode: SearchMode) -> list[tuple[str, float]]:
+    """(chunk_id, score) hits from the workspace index of the chosen kind."""
+    if mode == SearchMode.bm25:
+        from kvf.pipeline.bm25 import BM25Searcher
+        return BM25Searcher(workspace / "bm25").search(query, k)
+    from kvf.pipeline.dense import DenseSearcher
+    return DenseSearcher(workspace / "dense").search(query, k)
+
+
+def snippet(text: str, width: int = 120) -> str:
+    """First `width` characters on one line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 1] + "…"
+
+
+def hits_table(hits, chunks_by_id, title: str, snippet_width: int) -> Table:
+    table = Table(title=Text(title))  # Text, not str: corpus text may contain [brackets] rich reads as markup
+    table.add_column("rank", justify="right", no_wrap=True, min_width=4)
+    table.add_column("score", justify="right", no_wrap=True, min_width=6)
+    table.add_column("chunk", no_wrap=True, min_width=12)
+    table.add_column("doc", overflow="fold", min_width=8, max_width=30)
+    table.add_column("text")
+    for rank, (chunk_id, score) in enumerate(hits, start=1):
+        chunk = chunks_by_id[chunk_id]
+        table.add_row(str(rank), f"{score:.3f}", chunk_id[:12], Text(chunk.doc_id),
+                      Text(snippet(chunk.text, snippet_width)))
+    return table
+
+
+def search_command(
+    query: Annotated[str, typer.Argument(help="What to search for, in plain words.")],
+    workspace: Annotated[Path, typer.Option(
+        help="Workspace folder holding chunks.parquet, bm25/ and dense/.")] = Path("workspace"),
+    k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to show.")] = 5,
+    mode: Annotated[SearchMode, typer.Option(
+        help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,
+):
+    """Search the workspace's chunks and print the top hits."""
+    from kvf.pipeline.chunking import read_chunks_table
+    if not workspace.is_dir():
+        raise KvfError(f"--workspace {workspace} does not exist; "
+                       f"build it with `kvf build-cache CORPUS --workspace {workspace}`")
+    mode = SearchMode(mode)
+    hits = search_workspace(query, workspace, k, mode)
+    chunks_by_id = {c.chunk_id: c for c in read_chunks_table(workspace / "chunks.parquet")}
+    unknown = [cid for cid, _ in hits if cid not in chunks_by_id]
+    if unknown:
+        raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "
+                       f"(e.g. {unknown[0][:12]}); rebuild with `kvf build-cache CORPUS --workspace {workspace}`")
+    console = Console()
+    if not hits:
+        console.print(f"no {mode.value} hits for {query!r}", markup=False)
+        return
+    # snippets sized to what the other columns leave, so each hit stays on one line and the table is scannable
+    snippet_width = max(30, console.width - 60)
+    console.print(hits_table(hits, chunks_by_id, f"{mode.value} top {len(hits)} for {query!r}", snippet_width))

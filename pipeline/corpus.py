@@ -1,0 +1,126 @@
+"""Read a corpus of documents from a folder of .txt, .md and .jsonl files."""
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from kvf import KvfError
+
+SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
+_stderr = Console(stderr=True)
+_MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
+
+
+@dataclass
+class Document:
+    doc_id: str       # relative path for .txt/.md, the row's "id" for .jsonl
+    title: str
+    text: str
+    source_file: str  # the file it came from, for messages
+
+
+def warn(message: str):
+    """A non-fatal problem with the input: say so on stderr and carry on."""
+    _stderr.print(f"warning: {message}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+
+
+def list_corpus_files(root: Path) -> list[Path]:
+    """Every supported file under root (or root itself), sorted so doc order is reproducible."""
+    if not root.exists():
+        raise KvfError(f"corpus path {root} does not exist; pass a folder of {', '.join(SUPPORTED_EXTENSIONS)} files")
+    if root.is_file():
+        if root.suffix.lower() not in SUPPORTED_EXTENSIONS:
+            raise KvfError(f"corpus file {root} is not a supported type; use one of {', '.join(SUPPORTED_EXTENSIONS)}")
+        return [root]
+    # hidden files and folders (.git, .DS_Store) are never corpus content
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if not files:
+        raise KvfError(f"corpus folder {root} is empty; put {', '.join(SUPPORTED_EXTENSIONS)} files in it")
+    supported = [p for p in files if p.suffix.lower() in SUPPORTED_EXTENSIONS]
+    if not supported:
+        raise KvfError(f"corpus folder {root} has no supported files; "
+                       f"supported extensions are {', '.join(SUPPORTED_EXTENSIONS)}")
+    if len(supported) < len(files):
+        skipped = [p for p in files if p.suffix.lower() not in SUPPORTED_EXTENSIONS]
+        warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]}")
+    return supported
+
+
+def read_text_file(path: Path) -> str | None:
+    """UTF-8 text of a file, or None (with a warning) when it is binary or another encoding."""
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        warn(f"skipped {path}: looks binary (contains NUL bytes)")
+        return None
+    try:
+        return data.decode("utf-8-sig")  # -sig: drop a leading BOM rather than keep it as text
+    except UnicodeDecodeError as e:
+        warn(f"skipped {path}: not valid UTF-8 (byte {e.start}); convert it to UTF-8")
+        return None
+
+
+def markdown_title(text: str, fallback: str) -> str:
+    """The first ATX heading (`# Title`) of a markdown text, else the fallback."""
+    for line in text.splitlines():
+        match = _MD_HEADING.match(line)
+        if match:
+            return match.group(1)
+    return fallback
+
+
+def read_plain_document(path: Path, root: Path) -> Document | None:
+    """One .txt or .md file is one document, keyed by its path relative to the corpus root."""
+    text = read_text_file(path)
+    if text is None:
+        return None
+    doc_id = path.relative_to(root).as_posix() if path != root else path.name
+    title = markdown_title(text, path.stem) if path.suffix.lower() == ".md" else path.stem
+    return Document(doc_id=doc_id, title=title, text=text, source_file=str(path))
+
+
+def parse_jsonl_row(line: str, where: str) -> Document:
+    """One JSONL row -> Document; a bad row is a hard error, since silently dropping it would skew evals."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise KvfError(f"{where}: not valid JSON ({e.msg}); each line must be an object with \"id\" and \"text\"") from e
+    if not isinstance(row, dict) or "id" not in row or not isinstance(row.get("text"), str):
+        raise KvfError(f"{where}: each line must be a JSON object with \"id\" and a string \"text\"")
+    title = row.get("title") or ""
+    return Document(doc_id=str(row["id"]), title=str(title), text=row["text"], source_file=where)
+
+
+def read_jsonl_documents(path: Path) -> list[Document]:
+    """Each non-blank line of a .jsonl file is one document."""
+    text = read_text_file(path)
+    if text is None:
+        return []
+    return [parse_jsonl_row(line, f"{path}:{line_no}")
+            for line_no, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def read_corpus(path: str | Path) -> list[Document]:
+    """All documents under `path`, in sorted file order; unreadable files and empty docs are skipped with a warning."""
+    root = Path(path)
+    docs, first_seen = [], {}
+    for file in list_corpus_files(root):
+        if file.suffix.lower() == ".jsonl":
+            file_docs = read_jsonl_documents(file)
+        else:
+            file_docs = [d for d in [read_plain_document(file, root)] if d is not None]
+        for doc in file_docs:
+            if not doc.text.strip():
+                warn(f"skipped empty document {doc.doc_id!r} in {doc.source_file}")
+                continue
+            # doc ids key gold answers in evals, so two docs under one id is an input error
+            if doc.doc_id in first_seen:
+                raise KvfError(f"{doc.source_file}: document id {doc.doc_id!r} already used in "
+                               f"{first_seen[doc.doc_id]}; give every document a unique id")
+            first_seen[doc.doc_id] = doc.source_file
+            docs.append(doc)
+    if not docs:
+        raise KvfError(f"corpus {root} has no readable non-empty documents; see the warnings above")
+    return docs

