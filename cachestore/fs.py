@@ -1,0 +1,175 @@
+"""The few file operations the stores need, for a local directory and for any fsspec filesystem.
+
+Local stores commit an entry by renaming a finished temp directory/file into place (atomic, first
+writer wins). Object stores have no atomic rename, so there the entry's metadata file is written last
+and is the commit marker (see zarr_store.py).
+"""
+import errno
+import os
+import posixpath
+import shutil
+
+
+class LocalFS:
+    local = True
+    sep = os.sep
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def write_file(self, path: str, data) -> None:
+        """The one low-level write every store file goes through (tests patch it to simulate ENOSPC)."""
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        """Read len(out) bytes at offset into out; returns how many were there (short = truncated file)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, path: str) -> int:
+        """Bytes of a file, or of all files under a directory (apparent sizes)."""
+        if not os.path.isdir(path):
+            return os.path.getsize(path) if os.path.exists(path) else 0
+        total = 0
+        for dirpath, _, files in os.walk(path):
+            for name in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def mtime(self, path: str) -> float | None:
+        try:
+            return os.path.getmtime(path)
+        except FileNotFoundError:
+            return None
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a directory tree; missing is fine."""
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def publish(self, src: str, dst: str) -> bool:
+        """Atomically move a finished src into place at dst, never replacing an existing dst.
+
+        Returns False (and removes src) when dst already exists: another writer committed first.
+        Directories: rename fails on a non-empty target. Files: link() fails on an existing target.
+        """
+        if os.path.isdir(src):
+            try:
+                os.rename(src, dst)
+                return True
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    self.remove(src)
+                    return False
+                raise
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            os.unlink(src)
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            if os.path.exists(dst):  # no hard links here: check-then-rename (tiny race, same content)
+                os.unlink(src)
+                return False
+            os.rename(src, dst)
+            return True
+        os.unlink(src)
+        return True
+
+
+class FsspecFS:
+    """Any fsspec filesystem (s3://, gs://, memory://, ...). No atomic rename: stores commit by marker."""
+
+    local = False
+    sep = "/"
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def write_file(self, path: str, data) -> None:
+        self.fs.pipe_file(path, bytes(data))
+
+    def read_file(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        data = self.fs.cat_file(path, start=offset, end=offset + len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def size(self, path: str) -> int:
+        if self.fs.isdir(path):
+            return int(self.fs.du(path, total=True))
+        return int(self.fs.size(path)) if self.fs.exists(path) else 0
+
+    def mtime(self, path: str) -> float | None:
+        try:
+            return self.fs.modified(path).timestamp()
+        except (FileNotFoundError, NotImplementedError, OSError, AttributeError):
+            return None
+
+    def remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def publish(self, src: str, dst: str) -> bool:
+        raise NotImplementedError("object stores have no atomic rename; commit by marker instead")

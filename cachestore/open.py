@@ -1,0 +1,117 @@
+"""open_store: find or create a store at a path or URL, and check it is the store the caller means."""
+import json
+import os
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from kvf import KvfError
+from kvf.cachestore.base import FORMAT_VERSION, KVStore
+from kvf.cachestore.dtypes import check_dtype
+from kvf.cachestore.errors import StoreMismatch
+from kvf.cachestore.fs import FsspecFS, LocalFS
+from kvf.cachestore.hdf5_store import HDF5KVStore
+from kvf.cachestore.zarr_store import ZarrKVStore
+
+FORMATS = {"zarr": ZarrKVStore, "hdf5": HDF5KVStore}
+_ABSENT = "<absent>"
+
+
+def open_store(path: str, format: str | None = None, *, meta: dict | None = None, create: bool = False,
+               readonly: bool = False, compressor: str | None = None) -> KVStore:
+    """Open the store at path (local path or fsspec URL such as file:///data/kv or s3://bucket/kv).
+
+    format: "zarr", "hdf5", or None to detect an existing store (new stores default to zarr).
+    meta: the store identity (model, tokenizer, dtype, layers, kv_heads, head_dim, ...). Written when the
+      store is created; when opening, every given field must equal the stored one (StoreMismatch).
+    create: create the store if it does not exist. readonly: refuse put/delete/gc.
+    compressor: None (default: fastest reads), or zarr "zstd"/"gzip", hdf5 "gzip"/"lzf". Applies to new entries.
+    """
+    if format not in (None, *FORMATS):
+        raise KvfError(f"unknown store format {format!r} for {path}; use --format zarr or --format hdf5")
+    fs, root = _resolve(path)
+    found = _detect(fs, root, path)
+    if found is None:
+        if not create:
+            raise KvfError(f"no kvf store at {path}; check --store, or build one there first")
+        if readonly:
+            raise KvfError(f"no kvf store at {path} and it was opened read-only, so it cannot be created")
+        found = format or "zarr"
+        _create(FORMATS[found], fs, root, path, meta or {}, compressor)
+    elif format is not None and format != found:
+        raise KvfError(f"store {path} is a {found} store, not {format}; pass --format {found} or leave --format out")
+    if found == "hdf5" and not fs.local:
+        raise KvfError(f"hdf5 stores need a local path, got {path}; use --format zarr for URLs")
+    cls = FORMATS[found]
+    identity = cls.read_identity(fs, root)
+    if meta:
+        check_meta(path, identity.get("meta", {}), meta)
+    if not readonly and fs.local and not os.access(root, os.W_OK):
+        raise KvfError(f"store {path} is not writable; fix its permissions, use another --store path, or open it read-only")
+    try:
+        return cls(fs, root, path, identity, readonly, compressor)
+    except ValueError as e:  # bad compressor name / dtype
+        raise KvfError(f"store {path}: {e}") from e
+
+
+def check_meta(path: str, stored: dict, wanted: dict) -> None:
+    """Every field the caller gives must equal the stored one (compared as JSON, so tuples == lists)."""
+    for field, want in wanted.items():
+        have = stored.get(field, _ABSENT)
+        if _canon(have) != _canon(want):
+            raise StoreMismatch(
+                f"store {path} holds {field}={have!r} but this run needs {field}={want!r}; "
+                f"use another --store path or rebuild the store")
+
+
+def _canon(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _resolve(path: str):
+    """(filesystem, root path). file:// URLs and plain paths use the local fast path."""
+    if "://" not in path:
+        return LocalFS(), os.path.abspath(os.path.expanduser(path))
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
+        raise KvfError(f"cannot open store URL {path}: {e}") from e
+    if isinstance(fs, LocalFileSystem):
+        return LocalFS(), os.path.abspath(root)
+    return FsspecFS(fs), root.rstrip("/")
+
+
+def _detect(fs, root: str, path: str) -> str | None:
+    """Which format lives at root; None if nothing does (missing or empty directory)."""
+    found = []
+    for name, cls in FORMATS.items():
+        try:
+            identity = cls.read_identity(fs, root)
+        except (ValueError, OSError) as e:
+            raise KvfError(f"store {path}: cannot read {cls.MARKER} ({e}); is this a kvf store?") from e
+        if identity == {}:
+            raise KvfError(f"{path} holds a {cls.MARKER} that is not a kvf store's; use another --store path")
+        if identity is not None:
+            found.append(name)
+    if len(found) > 1:
+        raise KvfError(f"{path} has both zarr and hdf5 store markers; pass --format")
+    if found:
+        return found[0]
+    if fs.local and os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
+        raise KvfError(f"{path} exists and is not a kvf store; use another --store path (or an empty directory)")
+    return None
+
+
+def _create(cls, fs, root: str, path: str, meta: dict, compressor: str | None) -> None:
+    meta = json.loads(json.dumps(meta))  # JSON-clean, and a copy
+    meta.setdefault("dtype", "float16")
+    try:
+        check_dtype(meta["dtype"])
+        cls.check_compressor(compressor)
+    except ValueError as e:
+        raise KvfError(f"cannot create store {path}: {e}") from e
+    identity = {"format": cls.format, "version": FORMAT_VERSION, "meta": meta, "compressor": compressor}
+    try:
+        cls.write_identity(fs, root, identity)
+    except OSError as e:
+        raise KvfError(f"cannot create store at {path}: {e.strerror or e}; choose a writable --store path") from e
