@@ -30,6 +30,8 @@ def demo_command(
         table.add_row(r["question"], " / ".join(r["gold"]), r["method"], r["answer"],
                       f'{r["recomputed_tokens"]}/{r["chunk_tokens"]}', f'{1000 * r["timings"]["first_token"]:.0f}')
     console.print(table)
+    console.print(f"TTFT = load + select + recompute + first token, stored KVs read from the store on disk "
+                  f"(recomputed = chunk tokens recomputed / chunk tokens).")
     by_method: dict[str, list] = {}
     for r in rows:
         by_method.setdefault(r["method"], []).append(r["timings"]["first_token"])

@@ -17,6 +17,6 @@ def eval_command(
 ):
     """Score runs: EM, F1, substring accuracy, normalized F1, fidelity to full, TTFT ratio."""
     summary = evaluate(run_files, out)
-    console = Console()
+    console = Console(width=max(Console().width, 140))  # wide enough for the table in logs too
     console.print(summary_table(summary))
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/")

@@ -229,8 +229,9 @@ def format_cell(row: pd.Series, column: str) -> str:
     return str(value) if value != "" else "-"
 
 
-DISPLAY_COLUMNS = ["dataset", "method", "variant", "ratio", "n", "em", "f1", "substring", "norm_f1",
-                   "fidelity_f1", "kl_full", "top1_agree", "ttft_ratio", "recomputed_frac", "ttft_s", "note"]
+# the terminal shows what people compare; summary.csv / summary.md have every column
+DISPLAY_COLUMNS = ["dataset", "method", "variant", "ratio", "n", "f1", "substring", "norm_f1",
+                   "fidelity_f1", "top1_agree", "ttft_ratio", "recomputed_frac"]
 
 
 def summary_markdown(summary: pd.DataFrame, columns=None) -> str:

@@ -25,13 +25,19 @@ import torch
 from kvf import KvfError
 from kvf.pipeline.forward import KVCache, Transformer
 from kvf.pipeline.prompt import FusedPrompt
-from kvf.pipeline.rope import apply_rope
+from kvf.pipeline.rope import apply_rope, reposition_keys
 
 
 class LayerKVSource(Protocol):
-    """Stored KVs of the prompt's chunks, one layer at a time (keys before RoPE)."""
+    """Stored KVs of the prompt's chunks, one layer at a time (keys before RoPE).
+
+    chunk_extras: per chunk (prompt order) the small named arrays stored with its entry, e.g.
+    Cache-Craft's build-time attention summaries; None when the store holds none. Optional: methods
+    that need it read it with getattr(source, "chunk_extras", None).
+    """
 
     load_seconds: float
+    chunk_extras: list[dict] | None
 
     def layer(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
         """-> for each chunk index asked for, its [2, KV, t_i, d] at this layer."""
@@ -39,10 +45,12 @@ class LayerKVSource(Protocol):
 
 
 class InMemoryKV:
-    """A LayerKVSource over tensors already in memory: chunk_kvs[i] is [L, 2, KV, t_i, d]."""
+    """A LayerKVSource over tensors already in memory: chunk_kvs[i] is [L, 2, KV, t_i, d];
+    chunk_extras[i] (optional) is chunk i's dict of named arrays."""
 
-    def __init__(self, chunk_kvs: list[torch.Tensor]):
+    def __init__(self, chunk_kvs: list[torch.Tensor], chunk_extras: list[dict] | None = None):
         self.chunk_kvs = chunk_kvs
+        self.chunk_extras = chunk_extras
         self.load_seconds = 0.0
 
     def layer(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
@@ -113,6 +121,10 @@ class FusionEngine:
             self._prefix_kv_cache[key] = self.chunk_kv(prefix_ids, [], None)
         return self._prefix_kv_cache[key]
 
+    def remember_prefix_kv(self, prefix_ids: list[int], kv: torch.Tensor) -> None:
+        """Seed S's KV from a store, so it is loaded rather than recomputed (S is shared by every prompt)."""
+        self._prefix_kv_cache[tuple(prefix_ids)] = kv.float()
+
     @torch.inference_mode()
     def chunk_kv(self, segment_ids: list[int], context_ids: list[int],
                  context_kvs: list[torch.Tensor] | None) -> torch.Tensor:
@@ -141,17 +153,19 @@ class FusionEngine:
         return torch.stack([keys, values], dim=1).clone()    # [L, 2, KV, t, d]
 
     # ---- online: fusing ---------------------------------------------------------------------
-    def check_fits(self, prompt: FusedPrompt, max_new_tokens: int) -> None:
+    def check_fits(self, prompt: FusedPrompt, max_new_tokens: int, positions: torch.Tensor | None = None) -> None:
+        """The prompt's RoPE positions (contiguous unless `positions` is given) plus the new tokens must fit."""
         limit = self.model.max_positions
-        if prompt.n_tokens + max_new_tokens > limit:
-            raise KvfError(f"prompt of {prompt.n_tokens} tokens + {max_new_tokens} new tokens exceeds the model's "
+        used = prompt.n_tokens if positions is None else int(positions.max()) + 1
+        if used + max_new_tokens > limit:
+            raise KvfError(f"prompt of {prompt.n_tokens} tokens ({used} positions) + {max_new_tokens} new tokens exceeds the model's "
                            f"{limit} positions; use fewer chunks (--top-k), smaller --chunk-tokens or a lower --max-new-tokens")
 
     def start(self, prompt: FusedPrompt, source: LayerKVSource | None, *, recompute_chunk_rows: torch.Tensor,
               loaded_chunks: list[int] | None = None, positions: torch.Tensor | None = None,
               prefix_kv: torch.Tensor | None = None, max_new_tokens: int = 0) -> FusionState:
         """Set up the cache and the rows recomputed from layer 0 (the given chunk rows plus Q)."""
-        self.check_fits(prompt, max_new_tokens)
+        self.check_fits(prompt, max_new_tokens, positions)
         n = prompt.n_tokens
         if positions is None:
             positions = torch.arange(n)
@@ -162,6 +176,8 @@ class FusionEngine:
         loaded = list(range(len(prompt.chunk_segments))) if loaded_chunks is None else loaded_chunks
         state = FusionState(prompt, positions, cache, rows, hidden, loaded)
         self._source = source
+        if source is not None and hasattr(source, "start"):
+            source.start(loaded)  # a pipelined source starts reading layer 0 now
         self._prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
         self._cos, self._sin = self.model.rope.cos_sin(positions)  # [n, d], shared by all layers
         return state
@@ -239,6 +255,38 @@ class FusionEngine:
         mask = self.model.causal_mask(q_rows, state.n, state.key_keep)            # [|Q|, n]
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         return probs.mean(dim=(0, 1))                                              # [n]
+
+    # ---- a new pass, or new positions, on an existing state (two-pass and pruning methods) -------
+    @torch.inference_mode()
+    def restart(self, state: FusionState, recompute_chunk_rows: torch.Tensor) -> None:
+        """Begin a new pass from layer 0 over an already-run state, recomputing `recompute_chunk_rows` (plus Q).
+
+        Used by two-pass methods (FusionRAG, ProphetKV): pass 1 loaded every layer and ran Q only;
+        pass 2 reuses that cache instead of loading again. The restarted rows get fresh hidden states
+        (their embeddings); the cache keeps what it holds, which is exact because every layer writes
+        the active rows' fresh K/V before they attend, so no row ever reads its own pass-1 values,
+        and rows not restarted still hold their stored KV (pass 1 wrote only Q's rows).
+        """
+        rows = torch.unique(torch.cat([recompute_chunk_rows.long(), state.prompt.question_rows()]))  # sorted
+        state.rows, state.hidden, state.mask = rows, self.model.embed(state.prompt.all_ids()[rows]), None
+        state.query_attention = []
+
+    @torch.inference_mode()
+    def reposition(self, state: FusionState, positions: torch.Tensor) -> None:
+        """Move cache rows to new RoPE positions [n] mid-fusion (CacheFocus re-positioning).
+
+        Keys already in the cache (every loaded layer, Q's recomputed keys included) are re-rotated
+        exactly; layers loaded later are rotated at the new positions, and active rows use them from
+        the next step on. Rows whose position does not change are not touched.
+        """
+        moved = torch.nonzero(positions != state.positions).flatten()   # [m]
+        if len(moved):
+            old, new = state.positions[moved], positions[moved]
+            for layer in sorted(state.loaded_layers):
+                keys = state.cache.kv[layer, 0][:, moved]                   # [KV, m, d], rotated at `old`
+                state.cache.kv[layer, 0][:, moved] = reposition_keys(keys, self.model.rope, old, new)
+        state.positions = positions.clone()
+        self._cos, self._sin = self.model.rope.cos_sin(state.positions)
 
     def finish(self, state: FusionState, load_seconds: float, started: float) -> FusionResult:
         logits = self.model.logits(state.hidden[-1:])[0]

@@ -6,6 +6,7 @@ safetensors under the user's cache dir, which reloads in well under a second.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -112,22 +113,36 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _load_hf_dir(model_dir: Path, name: str, device: str) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise KvfError(f"--model {name}: no config.json in {model_dir}; pass a Hugging Face model directory or a .gguf file")
-    model_type = json.loads(config_path.read_text()).get("model_type")
-    _check_architecture(model_type, name)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LoadedModel(model, tokenizer, name, _weights_fingerprint(model_dir))
+@dataclass
+class ModelRef:
+    """A model resolved on disk, weights not loaded yet: enough to tokenise and to name store entries."""
+    model_dir: Path
+    name: str
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return _weights_fingerprint(self.model_dir)
+
+    @functools.cached_property
+    def config(self):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(self.model_dir)
+
+    @functools.cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    def load(self, device: str = "cpu") -> LoadedModel:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model.to(device).eval()
+        return LoadedModel(model, self.tokenizer, self.name, self.fingerprint)
 
 
-def resolve_model_dir(model: str | None) -> tuple[Path, str]:
+def open_model(model: str | None = None) -> ModelRef:
     """Map --model to a loadable HF directory (converting a GGUF once) and a display name."""
     if model is None or model == "":
         gguf = embedded_gguf_path()
@@ -138,16 +153,23 @@ def resolve_model_dir(model: str | None) -> tuple[Path, str]:
             raise KvfError(f"--model {model}: no such file or directory; pass a local model directory, a .gguf file, "
                            "or omit --model for the embedded SmolLM2-135M-Instruct")
         if path.is_dir():
-            return path, model
+            return _checked_hf_dir(path, model)
         gguf, name = path, model
     _check_gguf(gguf)
     converted = _converted_dir_for(gguf)
     if not (converted / "config.json").is_file():
         _convert_gguf(gguf, converted)
-    return converted, name
+    return ModelRef(converted, name)
+
+
+def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise KvfError(f"--model {name}: no config.json in {model_dir}; pass a Hugging Face model directory or a .gguf file")
+    _check_architecture(json.loads(config_path.read_text()).get("model_type"), name)
+    return ModelRef(model_dir, name)
 
 
 def load_model(model: str | None = None, device: str = "cpu") -> LoadedModel:
     """Load --model offline in float32 (bf16 matmul is ~250x slower on CPUs without AVX-512)."""
-    model_dir, name = resolve_model_dir(model)
-    return _load_hf_dir(model_dir, name, device)
+    return open_model(model).load(device)

@@ -30,6 +30,15 @@ def get_method(name: str, **knobs) -> "FusionMethod":
     return METHODS[name](**knobs)
 
 
+def build_method(name: str, recompute_ratio: float, knobs: dict | None = None) -> "FusionMethod":
+    """get_method with only the knobs this method takes (CLI flags of other methods are ignored)."""
+    import inspect
+    get_method(name)  # validates the name
+    accepted = inspect.signature(METHODS[name].__init__).parameters
+    return get_method(name, recompute_ratio=recompute_ratio,
+                      **{k: v for k, v in (knobs or {}).items() if k in accepted and v is not None})
+
+
 class FusionMethod:
     name = ""
     offline_variant = "prefix"   # which stored variant it reads by default

@@ -1,0 +1,39 @@
+"""`kvf run`: answer a prepared dataset with one fusion method at one or more recompute ratios."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def run_command(
+    dataset: Path = typer.Option(..., "--dataset", "-d", help="Prepared dataset dir (corpus/ + questions.jsonl), see `kvf data`."),
+    method: str = typer.Option(..., "--method", "-m", help="Fusion method(s), comma-separated: full, prefix, reuse, pcw, epic, cacheblend, cachecraft, fusionrag, prophetkv, cachefocus."),
+    ratio: str = typer.Option("0.15", "--ratio", "-r", help="Recompute ratio in [0, 1], or a comma list to sweep (0,0.05,0.15,0.3,1)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run file (JSON lines); re-running skips questions already in it."),
+    workspace: Path = typer.Option(None, "--workspace", "-w", help="Workspace from build-cache (default: DATASET/workspace, built if absent)."),
+    variant: str = typer.Option(None, "--variant", help="Stored KV variant: prefix or fusion (default: the method's own)."),
+    top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks retrieved per question in the shared-corpus setting."),
+    limit: int = typer.Option(None, "--limit", "-n", help="Answer only the first N questions."),
+    setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the pooled corpus), or auto."),
+    retriever: str = typer.Option("bm25", "--retriever", help="bm25 or dense (shared-corpus setting)."),
+    compare_full: bool = typer.Option(False, "--compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
+    model: str = typer.Option(None, "--model", help="Local HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer to generate."),
+    no_pipeline: bool = typer.Option(False, "--no-pipeline", help="Load each layer synchronously (no read-ahead)."),
+    check_layer: int = typer.Option(None, "--check-layer", help="cacheblend: layer where K/V deviation is measured (default 1)."),
+    deviation: str = typer.Option(None, "--deviation", help="cacheblend: compare K or V (default k)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+):
+    """Answer every question of a dataset with one method; one JSON line per question and ratio."""
+    from kvf.pipeline.run import RunOptions, parse_ratios, run
+    knobs = {k: v for k, v in {"check_layer": check_layer, "deviation": deviation}.items() if v is not None}
+    opts = RunOptions(dataset=dataset, methods=[m.strip() for m in method.split(",") if m.strip()], ratios=parse_ratios(ratio), out=out, workspace=workspace,
+                      variant=variant, top_k=top_k, limit=limit, setting=setting, retriever=retriever,
+                      compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
+                      pipeline=not no_pipeline, knobs=knobs, device=device)
+    path = run(opts, console)
+    console.print(f"runs written to {path}")

@@ -1,0 +1,302 @@
+"""`kvf build-cache`: corpus -> chunks -> BM25 + dense indexes -> neighbours -> chunk KV store.
+
+Every stage can be re-run: the chunks table and indexes are rebuilt only when the chunk set
+changed, and a KV entry is computed only when the store has no committed entry for its key, so a
+killed build resumes where it stopped and an unchanged corpus costs no model work at all.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvf import KvfError
+from kvf.cachestore import open_store
+from kvf.pipeline.chunking import Chunk, split_documents, tokenizer_fingerprint, unique_chunks, write_chunks_table
+from kvf.pipeline.corpus import read_corpus
+from kvf.pipeline.model import ModelRef, open_model
+from kvf.pipeline.prompt import make_template
+from kvf.pipeline.workspace import VARIANTS, EntryKeys, Workspace, ids_digest, write_atomic
+
+
+@dataclass
+class BuildOptions:
+    corpus: Path
+    workspace: Path
+    store: str | None = None           # path or fsspec URL; default workspace/kv.zarr (or kv.h5)
+    format: str = "zarr"
+    dtype: str = "float16"
+    chunk_tokens: int = 256
+    overlap: int = 0
+    variants: tuple[str, ...] = ("prefix",)
+    n_neighbours: int = 10
+    embedder: str | None = None
+    model: str | None = None
+    shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I
+    cachecraft_meta: bool = False
+    bm25: bool = True
+    dense: bool = True
+    device: str = "cpu"
+
+
+@dataclass
+class StageStat:
+    name: str
+    items: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class BuildSummary:
+    chunks: int = 0
+    tokens: int = 0
+    entries_written: int = 0
+    entries_skipped: int = 0
+    bytes_written: int = 0
+    store: str = ""
+    stages: list[StageStat] = field(default_factory=list)
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise KvfError(f"--shard {text}: expected I/N, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise KvfError(f"--shard {text}: need 0 <= I < N")
+    return (i, n)
+
+
+def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
+    return int(chunk_id[:8], 16) % shard[1] == shard[0]
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console, transient=False)
+
+
+def store_meta(model_ref: ModelRef, dtype: str) -> dict:
+    config = model_ref.config
+    return {"model": model_ref.fingerprint, "tokenizer": tokenizer_fingerprint(model_ref.tokenizer),
+            "dtype": dtype, "layers": config.num_hidden_layers,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
+
+
+def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
+                         create: bool):
+    location = store or ws.default_store(fmt)
+    return open_store(location, fmt, meta=store_meta(model_ref, dtype), create=create)
+
+
+# ---- stage 1: chunks --------------------------------------------------------------------------
+def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer) -> tuple[list[Chunk], StageStat]:
+    started = time.perf_counter()
+    docs = read_corpus(opts.corpus)
+    per_doc = split_documents(docs, tokenizer, opts.chunk_tokens, opts.overlap)  # duplicates kept per doc
+    chunks = unique_chunks(per_doc)                                              # each stored once
+    if not chunks:
+        raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
+    ws.root.mkdir(parents=True, exist_ok=True)
+    tmp = ws.chunks_path.with_name(".chunks.parquet.tmp")
+    write_chunks_table(chunks, tmp)
+    tmp.replace(ws.chunks_path)
+    ws.write_doc_chunks({doc: [c.chunk_id for c in cs] for doc, cs in per_doc.items()})
+    tokens = sum(len(c.token_ids) for c in chunks)
+    return chunks, StageStat("chunk", len(chunks), tokens, time.perf_counter() - started, f"{len(docs)} documents")
+
+
+# ---- stage 2: indexes and neighbours ----------------------------------------------------------
+def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previous: dict) -> list[StageStat]:
+    """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed."""
+    from kvf.pipeline.neighbours import save_neighbours, top_neighbours
+    stats = []
+    chunk_set = ids_digest([c.chunk_id for c in chunks])
+    tokens = sum(len(c.token_ids) for c in chunks)
+    if opts.bm25 and not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir()):
+        from kvf.pipeline.bm25 import build_bm25
+        started = time.perf_counter()
+        build_bm25(chunks, ws.bm25_dir)
+        stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
+    need_dense = opts.dense or "fusion" in opts.variants
+    dense_key = ids_digest([chunk_set, opts.embedder or "default", opts.n_neighbours])
+    if need_dense and not (previous.get("dense") == dense_key and ws.neighbours_path.is_file()):
+        from kvf.pipeline.dense import Embedder, build_dense
+        started = time.perf_counter()
+        embeddings = build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws.dense_dir,
+                                 Embedder(opts.embedder, device=opts.device))
+        stats.append(StageStat("dense index", len(chunks), tokens, time.perf_counter() - started))
+        started = time.perf_counter()
+        save_neighbours(top_neighbours(embeddings, [c.chunk_id for c in chunks], opts.n_neighbours), ws.neighbours_path)
+        stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
+    previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
+                     "dense": dense_key if need_dense else previous.get("dense")})
+    return stats
+
+
+# ---- stage 3: KV entries ----------------------------------------------------------------------
+class EntryBuilder:
+    """Computes and stores the KVs a set of chunks needs; loads the model only if something is missing."""
+
+    def __init__(self, model_ref: ModelRef, store, device: str = "cpu", cachecraft_meta: bool = False, engine=None):
+        self.model_ref = model_ref
+        self.store = store
+        self.device = device
+        self.cachecraft_meta = cachecraft_meta
+        self.template = make_template(model_ref.tokenizer)
+        self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids)
+        self._engine = engine
+        self.model_seconds = 0.0
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            from kvf.pipeline.engine import FusionEngine
+            from kvf.pipeline.forward import Transformer
+            self._engine = FusionEngine(Transformer(self.model_ref.load(self.device).model))
+        return self._engine
+
+    def key(self, variant: str, chunk: Chunk, neighbours: dict[str, list[str]] | None) -> str:
+        segment = self.template.chunk_segment(chunk.token_ids)
+        return self.keys.chunk(variant, segment, neighbours.get(chunk.chunk_id, []) if variant == "fusion" else ())
+
+    def system_kv(self) -> torch.Tensor:
+        """S's KV [L, 2, KV, s, d]: from the store, else computed once and stored."""
+        key = self.keys.system()
+        if self.store.has(key):
+            return self.store.get(key).float()
+        kv = self.engine.prefix_kv(self.template.prefix_ids)
+        self.store.put(key, kv, attrs={"variant": "system", "tokens": len(self.template.prefix_ids)})
+        return kv
+
+    def missing(self, variant: str, chunks: list[Chunk], neighbours) -> list[Chunk]:
+        return [c for c in chunks if not self.store.has(self.key(variant, c, neighbours))]
+
+    @torch.inference_mode()
+    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: dict[str, Chunk]) -> int:
+        """Compute one chunk's KV for this variant and store it. Returns bytes written."""
+        started = time.perf_counter()
+        engine, template = self.engine, self.template
+        segment = template.chunk_segment(chunk.token_ids)
+        context_ids, context_kvs = list(template.prefix_ids), [self.system_kv()]
+        neighbour_ids = neighbours.get(chunk.chunk_id, []) if variant == "fusion" else []
+        for nid in neighbour_ids:  # FusionRAG eq. 10: the chunk attends to its neighbours' prefix KVs
+            neighbour = by_id[nid]
+            context_ids += template.chunk_segment(neighbour.token_ids)
+            context_kvs.append(self.prefix_kv_of(neighbour, by_id))
+        kv = engine.chunk_kv(segment, context_ids, context_kvs)   # [L, 2, KV, t, d]
+        extras = {}
+        if self.cachecraft_meta:
+            from kvf.pipeline.methods.cachecraft import cachecraft_summaries
+            extras = cachecraft_summaries(engine, segment, context_ids, context_kvs)
+        self.model_seconds += time.perf_counter() - started
+        key = self.key(variant, chunk, neighbours)
+        attrs = {"variant": variant, "chunk_id": chunk.chunk_id, "tokens": len(segment), "neighbours": neighbour_ids}
+        self.store.put(key, kv, attrs=attrs, extras=extras)
+        return kv.numel() * self.store_itemsize()
+
+    def prefix_kv_of(self, chunk: Chunk, by_id: dict[str, Chunk]) -> torch.Tensor:
+        key = self.key("prefix", chunk, None)
+        if not self.store.has(key):  # another shard's chunk not built yet: build it here (idempotent)
+            self.compute("prefix", chunk, None, by_id)
+        return self.store.get(key).float()
+
+    def store_itemsize(self) -> int:
+        return {"float16": 2, "bfloat16": 2, "float32": 4}[self.store.dtype]
+
+
+def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], neighbours, console: Console,
+             summary: BuildSummary) -> list[StageStat]:
+    stats = []
+    by_id = {c.chunk_id: c for c in chunks}
+    mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
+    for variant in opts.variants:
+        todo = builder.missing(variant, mine, neighbours)
+        summary.entries_skipped += len(mine) - len(todo)
+        stat = StageStat(f"kv {variant}", len(todo), sum(len(c.token_ids) for c in todo))
+        if todo:
+            builder.system_kv()
+            started = time.perf_counter()
+            with progress_bar(console) as progress:
+                task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
+                done_tokens = 0
+                for chunk in todo:
+                    summary.bytes_written += builder.compute(variant, chunk, neighbours, by_id)
+                    summary.entries_written += 1
+                    done_tokens += len(chunk.token_ids)
+                    rate = done_tokens / max(1e-9, time.perf_counter() - started)
+                    progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+            stat.seconds = time.perf_counter() - started
+        else:
+            stat.note = "all entries present"
+        stats.append(stat)
+    return stats
+
+
+# ---- the whole build --------------------------------------------------------------------------
+def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
+    for v in opts.variants:
+        if v not in VARIANTS:
+            raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
+    model_ref = open_model(opts.model)
+    ws = Workspace(opts.workspace)
+    _check_writable(ws.root)
+    previous = ws.manifest() if ws.manifest_path.is_file() else {}
+    summary = BuildSummary()
+    with console.status("reading and chunking the corpus"):
+        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer)
+    summary.chunks, summary.tokens = len(chunks), stat.tokens
+    summary.stages.append(stat)
+    with console.status("building BM25 / dense indexes and neighbours"):
+        index_state = dict(previous.get("indexes", {}))
+        summary.stages += stage_indexes(opts, ws, chunks, index_state)
+    neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
+    store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
+    summary.store = opts.store or ws.default_store(opts.format)
+    builder = EntryBuilder(model_ref, store, opts.device, opts.cachecraft_meta)
+    summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+    ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
+                       "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
+                       "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap, "store": summary.store,
+                       "format": store.format, "dtype": opts.dtype, "corpus": str(opts.corpus),
+                       "variants": sorted(set(opts.variants) | set(previous.get("variants", []))),
+                       "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
+                       "cachecraft_meta": opts.cachecraft_meta or previous.get("cachecraft_meta", False)})
+    return summary
+
+
+def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
+    from kvf.pipeline.neighbours import load_neighbours
+    return load_neighbours(ws.neighbours_path)
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".kvf-write-probe"
+        write_atomic(probe, "ok")
+        probe.unlink()
+    except OSError as e:
+        raise KvfError(f"--workspace {root}: not writable ({e.strerror}); pass a writable directory") from None
+
+
+def summary_table(summary: BuildSummary) -> Table:
+    table = Table(title=f"build-cache: {summary.chunks} chunks, {summary.tokens:,} tokens; store {summary.store}")
+    for col in ("stage", "items", "tokens", "seconds", "items/s", "tokens/s", "note"):
+        table.add_column(col, justify="right" if col not in ("stage", "note") else "left")
+    for s in summary.stages:
+        rate = lambda x: f"{x / s.seconds:,.1f}" if s.seconds > 0 and x else "-"  # noqa: E731
+        table.add_row(s.name, f"{s.items:,}", f"{s.tokens:,}", f"{s.seconds:.2f}", rate(s.items), rate(s.tokens), s.note)
+    table.caption = (f"entries written {summary.entries_written:,} ({summary.bytes_written / 2**20:,.1f} MiB), "
+                     f"already present {summary.entries_skipped:,}")
+    return table
