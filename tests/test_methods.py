@@ -1,0 +1,441 @@
+"""The fusion methods beyond the baselines: pcw, epic, fusionrag, prophetkv, cachefocus, cachecraft.
+
+Oracles on the embedded model (every method at its recompute-everything setting equals `full`),
+exact accounting of recomputed tokens, the selection rules on hand-made tensors, and a check that
+the query-attention passes only ever form Q's rows of attention.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import FAMILIES, tiny_model
+from kvf import KvfError
+from kvf.pipeline.engine import FusionEngine, InMemoryKV, recompute_budget
+from kvf.pipeline.forward import Transformer
+from kvf.pipeline.methods import get_method
+from kvf.pipeline.methods.cachecraft import (ChunkSummary, cache_context_impact, calibrate_alpha,
+                                             chunk_kv_with_summaries, focused_chunks, kendall_tau_distance,
+                                             most_contextualised_rows, order_penalty, prefix_overlap, segment_key)
+from kvf.pipeline.methods.cachefocus import allocation_order, assign_positions, chunks_to_keep, position_groups
+from kvf.pipeline.methods.epic import chunk_initial_rows, spread_budget
+from kvf.pipeline.methods.fusionrag import last_layer_scores, select_chunk_rows
+from kvf.pipeline.methods.pcw import parallel_positions
+from kvf.pipeline.methods.prophetkv import layer_averaged_scores
+from kvf.pipeline.prompt import FusedPrompt, encode
+from kvf.pipeline.rope import apply_rope
+
+TOL = 1e-3
+NEW_METHODS = ["pcw", "epic", "fusionrag", "prophetkv", "cachefocus", "cachecraft"]
+
+
+def logits_gap(a, b) -> float:
+    return (a.logits - b.logits).abs().max().item()
+
+
+def prefix_kvs_with_summaries(engine, prompt):
+    """Each chunk's `prefix` KV and its Cache-Craft summaries, from one prefill after S."""
+    kvs, extras = [], []
+    for seg in prompt.chunk_segments:
+        kv, ex = chunk_kv_with_summaries(engine, seg, prompt.prefix_ids)
+        kvs.append(kv)
+        extras.append(ex)
+    return InMemoryKV(kvs, extras)
+
+
+def fusion_kvs_with_summaries(engine, prompt, prefix_source):
+    """The `fusion` variant: chunk i prefilled after S + the other chunks in reverse prompt order (their
+    prefix KVs), so every chunk's build-time context differs from its prompt prefix."""
+    s = engine.prefix_kv(prompt.prefix_ids)
+    kvs, extras = [], []
+    for i, seg in enumerate(prompt.chunk_segments):
+        others = [j for j in reversed(range(len(prompt.chunk_segments))) if j != i]
+        context_ids = list(prompt.prefix_ids) + [t for j in others for t in prompt.chunk_segments[j]]
+        context_kvs = [s] + [prefix_source.chunk_kvs[j] for j in others]
+        kv, ex = chunk_kv_with_summaries(engine, seg, context_ids, context_kvs)
+        assert (kv - engine.chunk_kv(seg, context_ids, context_kvs)).abs().max().item() <= 1e-5
+        kvs.append(kv)
+        extras.append(ex)
+    return InMemoryKV(kvs, extras)
+
+
+@pytest.fixture(scope="module")
+def case(answerer, short_docs):
+    prompt = answerer.prompt([encode(answerer.tokenizer, d) for d in short_docs],
+                             "In which province was Zorvan Pellick born?")
+    full = get_method("full").prefill(answerer.engine, prompt)
+    return prompt, prefix_kvs_with_summaries(answerer.engine, prompt), full
+
+
+@pytest.fixture(scope="module")
+def fusion_source(answerer, case):
+    prompt, prefix_source, _ = case
+    return fusion_kvs_with_summaries(answerer.engine, prompt, prefix_source)
+
+
+# ---- oracles on the embedded model -------------------------------------------------------------
+def test_summaries_come_with_the_same_kv_as_chunk_kv(answerer, case):
+    prompt, source, _ = case
+    for seg, kv, ex in zip(prompt.chunk_segments, source.chunk_kvs, source.chunk_extras):
+        assert (kv - answerer.engine.chunk_kv(seg, prompt.prefix_ids, None)).abs().max().item() <= 1e-5
+        t = len(seg)
+        assert ex["cc_inter"].shape == (1, t) and ex["cc_intra"].shape == (t,)
+        assert ex["cc_context_keys"].shape == (0,) and list(ex["cc_context_lengths"]) == [prompt.n_prefix]
+        # every token's attention is split between S and the chunk's own tokens (itself included)
+        assert np.all(ex["cc_inter"][0] + ex["cc_intra"] <= 1 + 1e-5)
+
+
+@pytest.mark.parametrize("name", ["epic", "fusionrag", "prophetkv", "cachecraft"])
+def test_ratio_one_equals_full(answerer, case, name):
+    prompt, source, full = case
+    got = get_method(name, recompute_ratio=1.0).prefill(answerer.engine, prompt, source)
+    assert logits_gap(got, full) <= TOL
+    first_chunk = len(prompt.chunk_segments[0])
+    # Cache-Craft on the prefix variant keeps C1's exact cache (beta = 1) and recomputes the rest.
+    expected = prompt.n_chunk_tokens - (first_chunk if name == "cachecraft" else 0)
+    assert got.recomputed_tokens == expected
+    assert got.recomputed_token_layers == expected * answerer.transformer.n_layers
+
+
+@pytest.mark.parametrize("name", ["fusionrag", "cachecraft"])
+def test_ratio_one_on_fusion_variant_equals_full(answerer, case, fusion_source, name):
+    prompt, _, full = case
+    got = get_method(name, recompute_ratio=1.0).prefill(answerer.engine, prompt, fusion_source)
+    assert logits_gap(got, full) <= TOL
+    assert got.recomputed_tokens == prompt.n_chunk_tokens
+
+
+def test_fusion_variant_really_differs_from_prefix_variant(case, fusion_source):
+    _, prefix_source, _ = case
+    for a, b in zip(prefix_source.chunk_kvs, fusion_source.chunk_kvs):
+        assert (a - b).abs().max().item() > 1e-2
+
+
+def test_cachefocus_without_pruning_equals_reuse(answerer, case):
+    prompt, source, _ = case
+    reuse = get_method("reuse").prefill(answerer.engine, prompt, source)
+    for knobs in ({"prune_every": 0}, {"prune_every": 4, "keep_chunks": len(prompt.chunk_segments)}):
+        got = get_method("cachefocus", allocation="align", **knobs).prefill(answerer.engine, prompt, source)
+        assert logits_gap(got, reuse) <= 1e-5
+        assert got.recomputed_tokens == 0 and got.recomputed_token_layers == 0
+        assert got.cache.length == prompt.n_tokens
+
+
+def test_single_chunk_pcw_and_cachefocus_equal_full(answerer, short_docs):
+    prompt = answerer.prompt([encode(answerer.tokenizer, short_docs[0])], "Where was Zorvan Pellick born?")
+    full = get_method("full").prefill(answerer.engine, prompt)
+    source = prefix_kvs_with_summaries(answerer.engine, prompt)
+    for name in ("pcw", "cachefocus"):
+        got = get_method(name).prefill(answerer.engine, prompt, source)
+        assert logits_gap(got, full) <= TOL, name
+        assert got.recomputed_tokens == 0
+
+
+def test_pcw_differs_from_reuse_on_several_chunks(answerer, case):
+    prompt, source, _ = case
+    reuse = get_method("reuse").prefill(answerer.engine, prompt, source)
+    pcw = get_method("pcw").prefill(answerer.engine, prompt, source)
+    assert logits_gap(pcw, reuse) > 1e-3
+    longest = max(len(c) for c in prompt.chunk_segments)
+    assert pcw.next_position == prompt.n_prefix + longest + len(prompt.question_ids)
+
+
+# ---- accounting and budgets ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["epic", "fusionrag", "prophetkv"])
+@pytest.mark.parametrize("ratio", [0.1, 0.37])
+def test_global_budget_methods_recompute_exactly_round_r_n(answerer, case, name, ratio):
+    prompt, source, _ = case
+    got = get_method(name, recompute_ratio=ratio).prefill(answerer.engine, prompt, source)
+    budget = recompute_budget(ratio, prompt.n_chunk_tokens)
+    assert got.recomputed_tokens == budget
+    assert got.recomputed_token_layers == budget * answerer.transformer.n_layers  # static set through all layers
+    if name != "epic":
+        assert got.timings["select"] > 0
+
+
+def test_epic_spreads_its_budget_over_chunks(case):
+    prompt, _, _ = case
+    rows = get_method("epic", recompute_ratio=0.2).initial_chunk_rows(prompt)
+    per_chunk = [int(((rows >= s) & (rows < e)).sum()) for s, e in prompt.chunk_spans()]
+    assert sum(per_chunk) == recompute_budget(0.2, prompt.n_chunk_tokens)
+    assert max(per_chunk) - min(per_chunk) <= 1
+    for (s, _), c in zip(prompt.chunk_spans(), per_chunk):  # chunk-initial tokens
+        assert torch.equal(rows[(rows >= s) & (rows < s + c)], torch.arange(s, s + c))
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.3, 0.5])
+def test_cachecraft_budget_within_one_token_per_chunk(answerer, case, fusion_source, ratio):
+    prompt, _, _ = case
+    got = get_method("cachecraft", recompute_ratio=ratio).prefill(answerer.engine, prompt, fusion_source)
+    k = len(prompt.chunk_segments)
+    assert abs(got.recomputed_tokens - ratio * prompt.n_chunk_tokens) <= k
+    assert got.recomputed_tokens == sum(got.info["tokens_per_chunk"])
+    assert got.recomputed_token_layers == got.recomputed_tokens * answerer.transformer.n_layers
+    for count, cfo, (s, e) in zip(got.info["tokens_per_chunk"], got.info["cfo"], prompt.chunk_spans()):
+        assert count == math.ceil(cfo * (e - s) - 1e-9)
+
+
+def test_cachecraft_alpha_knob_and_focus_window(answerer, case, fusion_source):
+    prompt, _, _ = case
+    n_layers = answerer.transformer.n_layers
+    fixed = get_method("cachecraft", alpha=0.5).prefill(answerer.engine, prompt, fusion_source)
+    assert fixed.info["alpha"] == 0.5
+    assert all(0 <= c <= 0.5 for c in fixed.info["cfo"])
+    focus = get_method("cachecraft", recompute_ratio=0.3, focus_window=2).prefill(answerer.engine, prompt, fusion_source)
+    cut = focus.info["focus_cutoff_layer"]
+    assert cut is not None and cut >= 1
+    kept = sum(n for i, n in enumerate(focus.info["tokens_per_chunk"]) if i in focus.info["focused_chunks"])
+    assert focus.recomputed_token_layers == focus.recomputed_tokens * (cut + 1) + kept * (n_layers - cut - 1)
+
+
+def test_cachefocus_prunes_and_decodes_from_the_kept_chunks(answerer, case):
+    prompt, source, _ = case
+    method = get_method("cachefocus", prune_every=4, keep_chunks=2, allocation="sort")
+    got = answerer.answer(prompt, method, source, max_new_tokens=6)
+    kept = got.fused.info["kept_chunks"]
+    assert len(kept) == 2 and got.fused.recomputed_tokens == 0
+    pruned_rows = sum(len(prompt.chunk_segments[i]) for i in range(3) if i not in kept)
+    generated = got.fused.cache.length - (prompt.n_tokens - pruned_rows)  # the pruned rows are gone for decoding
+    assert 0 <= generated < 6
+    assert got.fused.next_position <= prompt.n_tokens
+    assert get_method("cachefocus").kept_count(5) == 3  # default keeps ceil(k / 2)
+
+
+def test_cachecraft_without_summaries_is_refused(answerer, case):
+    prompt, source, _ = case
+    with pytest.raises(KvfError, match="--cachecraft-meta"):
+        get_method("cachecraft").prefill(answerer.engine, prompt, InMemoryKV(source.chunk_kvs))
+
+
+# ---- selection rules on hand-made tensors --------------------------------------------------------
+def toy_prompt(prefix=2, chunks=(3, 4, 5), question=2) -> FusedPrompt:
+    ids = iter(range(1000))
+    return FusedPrompt([next(ids) for _ in range(prefix)], [[next(ids) for _ in range(t)] for t in chunks],
+                       [next(ids) for _ in range(question)])
+
+
+def test_prophetkv_uses_the_layer_average_and_fusionrag_the_last_layer():
+    prompt = toy_prompt()                                   # chunk rows 2..13, n = 16
+    n = prompt.n_tokens
+    layers = [torch.zeros(n) for _ in range(3)]
+    layers[0][4], layers[1][4] = 0.9, 0.9                   # row 4: strong in the first two layers
+    layers[2][10] = 0.5                                     # row 10: strongest in the last layer only
+    layers[2][0] = 0.9                                      # S is never selected, however attended
+    assert torch.equal(select_chunk_rows(layer_averaged_scores(layers), prompt, 1), torch.tensor([4]))
+    assert torch.equal(select_chunk_rows(last_layer_scores(layers), prompt, 1), torch.tensor([10]))
+    assert torch.allclose(get_method("prophetkv").token_scores(layers), torch.stack(layers).mean(0))
+    assert torch.equal(get_method("fusionrag").token_scores(layers), layers[2])
+    assert get_method("fusionrag").scored_layers(30) == [29]
+    assert get_method("prophetkv").scored_layers(3) == [0, 1, 2]
+    assert get_method("fusionrag").offline_variant == "fusion" and get_method("prophetkv").offline_variant == "prefix"
+
+
+def test_epic_picks_chunk_initial_tokens():
+    assert spread_budget(10, [5, 5, 5]) == [4, 3, 3]          # remainder to the first chunks
+    assert spread_budget(10, [1, 8, 8]) == [1, 5, 4]          # a short chunk's leftover goes to the others
+    assert spread_budget(99, [2, 3]) == [2, 3]
+    assert spread_budget(0, [2, 3]) == [0, 0]
+    prompt = toy_prompt()
+    assert chunk_initial_rows(prompt, [2, 1, 3]).tolist() == [2, 3, 5, 9, 10, 11]
+
+
+def test_pcw_positions_restart_at_prefix_for_every_chunk():
+    assert parallel_positions(2, [3, 4], 2).tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7]
+    pcw = get_method("pcw").positions(toy_prompt())
+    assert pcw.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_cachefocus_align_closes_gaps_and_sort_puts_the_most_attended_next_to_q():
+    prompt = toy_prompt()                                    # S 0-1, C0 rows 2-4, C1 5-8, C2 9-13, Q 14-15
+    start = assign_positions(prompt, [0, 1, 2], room=100)
+    assert torch.equal(start, torch.arange(16))              # contiguous = reuse
+    aligned = assign_positions(prompt, [0, 2], room=100, previous=start)
+    assert aligned[2:5].tolist() == [2, 3, 4] and aligned[9:14].tolist() == [5, 6, 7, 8, 9]
+    assert aligned[14:].tolist() == [10, 11]                 # Q right after the kept chunks
+    assert aligned[5:9].tolist() == [5, 6, 7, 8]             # the pruned chunk is left where it was
+    scores = torch.tensor([0.5, 0.1, 0.9])
+    assert allocation_order([0, 1, 2], scores, "align") == [0, 1, 2]
+    assert allocation_order([0, 1, 2], scores, "sort") == [1, 0, 2]
+    assert allocation_order([2, 0], torch.tensor([0.9, 0.0, 0.1]), "sort") == [2, 0]
+    ordered = assign_positions(prompt, allocation_order([0, 2], torch.tensor([0.9, 0.0, 0.1]), "sort"), room=100)
+    assert ordered[9:14].tolist() == [2, 3, 4, 5, 6] and ordered[2:5].tolist() == [7, 8, 9]  # C0 nearest Q
+    assert ordered[14:].tolist() == [10, 11]
+    assert chunks_to_keep([0, 1, 2], scores, 2) == [0, 2]
+
+
+def test_cachefocus_groups_positions_when_the_chunks_exceed_the_range():
+    assert position_groups([0, 1, 2], [4, 4, 4], room=12) == [[0, 1, 2]]       # fits: one group
+    assert position_groups([0, 1, 2, 3, 4], [4] * 5, room=10) == [[0, 1], [2, 3], [4]]  # ceil(5 / (10 // 4)) = 3
+    prompt = toy_prompt(prefix=2, chunks=(4, 4, 4, 4, 4), question=2)
+    positions = assign_positions(prompt, list(range(5)), room=10)
+    assert positions[2:6].tolist() == [2, 3, 4, 5] and positions[10:14].tolist() == [2, 3, 4, 5]
+    assert positions[6:10].tolist() == [6, 7, 8, 9] and positions[14:18].tolist() == [6, 7, 8, 9]
+    assert positions[18:22].tolist() == [2, 3, 4, 5]                           # the third group
+    assert positions[-2:].tolist() == [10, 11]                                 # after the longest group
+    with pytest.raises(KvfError, match="--chunk-tokens"):
+        position_groups([0], [11], room=10)
+
+
+def test_cachecraft_order_penalty_and_prefix_overlap():
+    a, b, c = 11, 22, 33
+    assert order_penalty([a, b, c], [c, b, a]) == 1.0          # reversed
+    assert order_penalty([a, b, c], [a, b, c]) == 0.0          # same order
+    assert kendall_tau_distance([a, b, c], [b, a, c]) == pytest.approx(1 / 3)
+    assert order_penalty([a, b], [b, 99, a]) == 1.0            # only the common chunks count
+    assert order_penalty([a], [a]) == 0.0
+    weights = np.array([3.0, 1.0])                             # attention to old context chunks a, b
+    assert prefix_overlap(weights, [a, b], [a]) == pytest.approx(0.75)
+    assert prefix_overlap(weights, [a, b], [b, a, c]) == pytest.approx(1.0)
+    assert prefix_overlap(weights, [a, b], []) == 0.0
+    assert prefix_overlap(np.zeros(0), [], []) == 1.0          # prefix variant, first chunk: exact
+    assert prefix_overlap(np.zeros(0), [], [a]) == 0.0         # prefix variant, later chunk
+    assert segment_key([1, 2, 3]) == segment_key([1, 2, 3]) != segment_key([1, 2, 4])
+
+
+def test_cachecraft_cci_alpha_and_token_ranking():
+    def summary(outside, own):
+        return ChunkSummary(np.array([outside], dtype=np.float32), np.array(own, dtype=np.float32),
+                            np.array([4]), np.zeros(0, dtype=np.int64))
+    self_contained = summary([0.1, 0.1, 0.1], [0.0, 0.9, 0.9])
+    contextualised = summary([0.9, 0.8, 0.9], [0.0, 0.1, 0.1])
+    assert 0.5 <= cache_context_impact(self_contained) < cache_context_impact(contextualised) <= 1.0
+    x, lengths = np.array([0.2, 0.8, 0.0]), np.array([10.0, 10.0, 10.0])
+    alpha = calibrate_alpha(x, lengths, 0.25)
+    assert (np.minimum(1, alpha * x) * lengths).sum() == pytest.approx(7.5, abs=1e-6)
+    assert calibrate_alpha(x, lengths, 1.0) == pytest.approx(5.0)  # x = 0 chunk can never be recomputed
+    prompt = toy_prompt(chunks=(3,))
+    rows = most_contextualised_rows([contextualised], prompt, [2])
+    assert rows.tolist() == [2, 4]                             # the two tokens most attending outside
+
+
+def test_cachecraft_focused_chunks_change_point():
+    assert focused_chunks(torch.tensor([10.0, 1.0, 0.9, 0.8])) == [0]
+    assert focused_chunks(torch.tensor([1.0, 10.0, 0.5, 9.0])) == [1, 3]
+    assert focused_chunks(torch.tensor([2.0, 1.0])) == [0, 1]        # too few chunks for a change point
+    assert focused_chunks(torch.tensor([1.0, 1.0, 1.0])) == [0, 1, 2]
+
+
+# ---- knobs ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,knobs,flag", [
+    ("cachefocus", {"prune_every": -1}, "--prune-every"), ("cachefocus", {"keep_chunks": 0}, "--keep-chunks"),
+    ("cachefocus", {"allocation": "middle"}, "--allocation"), ("cachecraft", {"alpha": -1.0}, "--alpha"),
+    ("cachecraft", {"focus_window": 0}, "--focus-window"), ("epic", {"recompute_ratio": 2.0}, "--ratio"),
+    ("fusionrag", {"recompute_ratio": -0.5}, "--ratio"), ("prophetkv", {"recompute_ratio": 1.5}, "--ratio"),
+    ("cachecraft", {"recompute_ratio": 1.1}, "--ratio")])
+def test_bad_knobs_are_refused_naming_the_flag(name, knobs, flag):
+    with pytest.raises(KvfError, match=flag):
+        get_method(name, **knobs)
+
+
+def test_settings_record_the_knobs():
+    assert get_method("cachefocus", prune_every=2, keep_chunks=3, allocation="sort").settings() == {
+        "ratio": 0.0, "prune_every": 2, "keep_chunks": 3, "allocation": "sort"}
+    assert get_method("cachecraft", recompute_ratio=0.2, alpha=0.7, focus_window=3).settings() == {
+        "ratio": 0.2, "alpha": 0.7, "focus_window": 3}
+    for name in NEW_METHODS:
+        assert "ratio" in get_method(name).settings()
+
+
+# ---- tiny models: every family, engine helpers, attention shapes --------------------------------
+def tiny_case(family, seed=3):
+    engine = FusionEngine(Transformer(tiny_model(family, seed=seed)))
+    g = torch.Generator().manual_seed(1)
+    prompt = FusedPrompt(prefix_ids=torch.randint(0, 128, (5,), generator=g).tolist(),
+                         chunk_segments=[torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 7)],
+                         question_ids=torch.randint(0, 128, (6,), generator=g).tolist())
+    return engine, prompt, prefix_kvs_with_summaries(engine, prompt)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_families_ratio_one_equals_full(family):
+    engine, prompt, source = tiny_case(family)
+    full = get_method("full").prefill(engine, prompt)
+    for name in ("epic", "fusionrag", "prophetkv", "cachecraft"):
+        got = get_method(name, recompute_ratio=1.0).prefill(engine, prompt, source)
+        assert logits_gap(got, full) <= 1e-4, name
+    reuse = get_method("reuse").prefill(engine, prompt, source)
+    got = get_method("cachefocus", keep_chunks=3).prefill(engine, prompt, source)
+    assert logits_gap(got, reuse) <= 1e-5
+
+
+def test_restart_equals_a_fresh_start_with_the_same_rows():
+    """FusionRAG's pass 2 on pass 1's state equals one pass recomputing the selected rows from scratch."""
+    engine, prompt, source = tiny_case("llama")
+    L = engine.model.n_layers
+    budget = recompute_budget(0.3, prompt.n_chunk_tokens)
+    state = engine.start(prompt, source, recompute_chunk_rows=torch.empty(0, dtype=torch.long))
+    for layer in range(L):
+        engine.step(state, layer, record_query_attention=layer == L - 1)
+    selected = select_chunk_rows(state.query_attention[-1], prompt, budget)
+    fresh = engine.start(prompt, source, recompute_chunk_rows=selected)
+    for layer in range(L):
+        engine.step(fresh, layer)
+    got = get_method("fusionrag", recompute_ratio=0.3).prefill(engine, prompt, source)
+    expected = engine.model.logits(fresh.hidden[-1:])[0]
+    assert (got.logits - expected).abs().max().item() <= 1e-5
+    assert torch.allclose(got.cache.kv, fresh.cache.kv, atol=1e-5)
+
+
+def test_reposition_rotates_every_computed_layer_exactly():
+    engine, prompt, source = tiny_case("llama3rope")
+    state = engine.start(prompt, source, recompute_chunk_rows=torch.empty(0, dtype=torch.long))
+    for layer in range(engine.model.n_layers):
+        engine.step(state, layer)
+    new_positions = torch.arange(prompt.n_tokens) + 100
+    new_positions[: prompt.n_prefix] = torch.arange(prompt.n_prefix)       # S never moves
+    engine.reposition(state, new_positions)
+    cos, sin = engine.model.rope.cos_sin(new_positions)
+    for layer in range(engine.model.n_layers):
+        for i, (s, e) in enumerate(prompt.chunk_spans()):
+            stored = source.chunk_kvs[i][layer, 0]                          # [KV, t, d] before RoPE
+            direct = apply_rope(stored, cos[s:e], sin[s:e])
+            assert (state.cache.kv[layer, 0][:, s:e] - direct).abs().max().item() <= 1e-4
+    assert torch.equal(state.positions, new_positions)
+
+
+def test_cachefocus_fits_prompts_longer_than_the_position_range():
+    engine, prompt, source = tiny_case("llama")
+    engine.model.max_positions = 30                                         # 41 rows, 30 positions
+    with pytest.raises(KvfError, match="positions"):
+        get_method("reuse").prefill(engine, prompt, source)
+    got = get_method("cachefocus", prune_every=0).prefill(engine, prompt, source, max_new_tokens=2)
+    assert got.next_position + 2 <= 30 and torch.isfinite(got.logits).all()
+
+
+class ShapeRecorder(TorchFunctionMode):
+    """Records the shape of every tensor an op returns, and of every SDPA query."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes, self.attention_queries = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.attention_queries.append(args[0].shape[-2])
+        if isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("name,knobs", [("fusionrag", {"recompute_ratio": 0.25}), ("prophetkv", {"recompute_ratio": 0.25}),
+                                        ("cachefocus", {"prune_every": 1, "keep_chunks": 2}),
+                                        ("cachecraft", {"recompute_ratio": 0.25, "focus_window": 1})])
+def test_query_attention_forms_only_the_question_rows(name, knobs):
+    engine, prompt, source = tiny_case("llama")
+    n, nq, L = prompt.n_tokens, len(prompt.question_ids), engine.model.n_layers
+    method = get_method(name, **knobs)
+    engine.prefix_kv(prompt.prefix_ids)  # S's KV is computed once per engine; not part of the fusion
+    with ShapeRecorder() as rec:
+        got = method.prefill(engine, prompt, source)
+    assert not any(len(s) >= 2 and s[-2:] == (n, n) for s in rec.shapes)        # never an n x n matrix
+    assert (engine.model.n_heads, nq, n) in rec.shapes                          # Q's rows: [H, |Q|, n]
+    active = nq + got.recomputed_tokens
+    if name in ("fusionrag", "prophetkv"):   # pass 1: Q only; pass 2: the selected rows + Q
+        assert rec.attention_queries == [nq] * L + [active] * L
+    elif name == "cachefocus":
+        assert rec.attention_queries == [nq] * L
+    else:
+        assert rec.attention_queries[0] == active and max(rec.attention_queries) == active
