@@ -23,7 +23,7 @@ def root():
     """kvf: build chunk KV stores, fuse them, and compare fusion methods on QA benchmarks."""
 
 
-from kvf.cli import build_cmd, demo_cmd, run_cmd  # noqa: E402
+from kvf.cli import bench_cmd, build_cmd, demo_cmd, run_cmd  # noqa: E402
 from kvf.cli.search_cmd import search_command  # noqa: E402
 from kvf.cli.store_cmd import store_app  # noqa: E402
 from kvf.cli.data_cmd import data_app  # noqa: E402
@@ -33,6 +33,7 @@ app.command("demo")(demo_cmd.demo_command)
 app.command("build-cache")(build_cmd.build_cache_command)
 app.command("run")(run_cmd.run_command)
 app.command("search")(search_command)
+app.command("bench")(bench_cmd.bench_command)
 app.add_typer(store_app, name="store")
 app.add_typer(data_app, name="data")
 app.command("eval")(eval_command)

@@ -26,11 +26,17 @@ def run_command(
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="Load each layer synchronously (no read-ahead)."),
     check_layer: int = typer.Option(None, "--check-layer", help="cacheblend: layer where K/V deviation is measured (default 1)."),
     deviation: str = typer.Option(None, "--deviation", help="cacheblend: compare K or V (default k)."),
+    prune_every: int = typer.Option(None, "--prune-every", help="cachefocus: prune chunks every N layers (0 = never; default 4)."),
+    keep_chunks: int = typer.Option(None, "--keep-chunks", help="cachefocus: chunks kept after pruning (default ceil(k/2))."),
+    allocation: str = typer.Option(None, "--allocation", help="cachefocus: re-positioning after pruning, align or sort."),
+    alpha: float = typer.Option(None, "--alpha", help="cachecraft: CFO scale α (default: calibrated so the mean recomputed fraction is --ratio)."),
+    focus_window: int = typer.Option(None, "--focus-window", help="cachecraft: focused-chunk early termination window W (default off)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
 ):
     """Answer every question of a dataset with one method; one JSON line per question and ratio."""
     from kvf.pipeline.run import RunOptions, parse_ratios, run
-    knobs = {k: v for k, v in {"check_layer": check_layer, "deviation": deviation}.items() if v is not None}
+    knobs = {"check_layer": check_layer, "deviation": deviation, "prune_every": prune_every,
+             "keep_chunks": keep_chunks, "allocation": allocation, "alpha": alpha, "focus_window": focus_window}
     opts = RunOptions(dataset=dataset, methods=[m.strip() for m in method.split(",") if m.strip()], ratios=parse_ratios(ratio), out=out, workspace=workspace,
                       variant=variant, top_k=top_k, limit=limit, setting=setting, retriever=retriever,
                       compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,

@@ -194,11 +194,11 @@ class EntryBuilder:
             neighbour = by_id[nid]
             context_ids += template.chunk_segment(neighbour.token_ids)
             context_kvs.append(self.prefix_kv_of(neighbour, by_id))
-        kv = engine.chunk_kv(segment, context_ids, context_kvs)   # [L, 2, KV, t, d]
-        extras = {}
-        if self.cachecraft_meta:
-            from kvf.pipeline.methods.cachecraft import cachecraft_summaries
-            extras = cachecraft_summaries(engine, segment, context_ids, context_kvs)
+        if self.cachecraft_meta:  # one prefill gives the KV and Cache-Craft's attention summaries
+            from kvf.pipeline.methods.cachecraft import chunk_kv_with_summaries
+            kv, extras = chunk_kv_with_summaries(engine, segment, context_ids, context_kvs)
+        else:
+            kv, extras = engine.chunk_kv(segment, context_ids, context_kvs), {}   # [L, 2, KV, t, d]
         self.model_seconds += time.perf_counter() - started
         key = self.key(variant, chunk, neighbours)
         attrs = {"variant": variant, "chunk_id": chunk.chunk_id, "tokens": len(segment), "neighbours": neighbour_ids}

@@ -123,7 +123,7 @@ class FusionEngine:
 
     def remember_prefix_kv(self, prefix_ids: list[int], kv: torch.Tensor) -> None:
         """Seed S's KV from a store, so it is loaded rather than recomputed (S is shared by every prompt)."""
-        self._prefix_kv_cache[tuple(prefix_ids)] = kv.float()
+        self._prefix_kv_cache[tuple(prefix_ids)] = kv.to(self.model.device, self.model.dtype)
 
     @torch.inference_mode()
     def chunk_kv(self, segment_ids: list[int], context_ids: list[int],
@@ -142,8 +142,8 @@ class FusionEngine:
                 m.prefill(torch.tensor(context_ids), cache)
         else:
             rows = torch.arange(c)
-            cos, sin = m.rope.cos_sin(rows)
-            kv = torch.cat([x.float() for x in context_kvs], dim=3)  # [L, 2, KV, c, d]
+            cos, sin = m.rope.cos_sin(rows, m.dtype)
+            kv = torch.cat([x.to(m.device, m.dtype) for x in context_kvs], dim=3)  # [L, 2, KV, c, d]
             for layer in range(m.n_layers):
                 cache.write(layer, slice(0, c), apply_rope(kv[layer, 0], cos, sin), kv[layer, 1])
             cache.length = c
@@ -179,7 +179,7 @@ class FusionEngine:
         if source is not None and hasattr(source, "start"):
             source.start(loaded)  # a pipelined source starts reading layer 0 now
         self._prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
-        self._cos, self._sin = self.model.rope.cos_sin(positions)  # [n, d], shared by all layers
+        self._cos, self._sin = self.model.rope.cos_sin(positions, self.model.dtype)  # [n, d], shared by all layers
         return state
 
     def load_layer(self, state: FusionState, layer: int) -> None:
@@ -197,7 +197,7 @@ class FusionEngine:
     def _write_rotated(self, state: FusionState, layer: int, start: int, kv: torch.Tensor) -> None:
         """kv [2, KV, t, d] (keys before RoPE) -> cache rows [start, start + t) at their positions."""
         t = kv.shape[2]
-        kv = kv.float()
+        kv = kv.to(self.model.device, self.model.dtype, non_blocking=True)
         cos, sin = self._cos[start: start + t], self._sin[start: start + t]
         state.cache.write(layer, slice(start, start + t), apply_rope(kv[0], cos, sin), kv[1])
 
@@ -254,7 +254,7 @@ class FusionEngine:
         scores = (q @ keys.transpose(1, 2)) * self.model.scaling                  # [H, |Q|, n]
         mask = self.model.causal_mask(q_rows, state.n, state.key_keep)            # [|Q|, n]
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return probs.mean(dim=(0, 1))                                              # [n]
+        return probs.mean(dim=(0, 1)).float().cpu()                                # [n]
 
     # ---- a new pass, or new positions, on an existing state (two-pass and pruning methods) -------
     @torch.inference_mode()
@@ -286,7 +286,7 @@ class FusionEngine:
                 keys = state.cache.kv[layer, 0][:, moved]                   # [KV, m, d], rotated at `old`
                 state.cache.kv[layer, 0][:, moved] = reposition_keys(keys, self.model.rope, old, new)
         state.positions = positions.clone()
-        self._cos, self._sin = self.model.rope.cos_sin(state.positions)
+        self._cos, self._sin = self.model.rope.cos_sin(state.positions, self.model.dtype)
 
     def finish(self, state: FusionState, load_seconds: float, started: float) -> FusionResult:
         logits = self.model.logits(state.hidden[-1:])[0]

@@ -20,8 +20,9 @@ from kvf.pipeline.rope import Rope, apply_rope
 class KVCache:
     """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies."""
 
-    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, device="cpu"):
-        self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, device=device)  # [L, 2, KV, cap, d]
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, device="cpu",
+                 dtype=torch.float32):
+        self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, device=device, dtype=dtype)  # [L, 2, KV, cap, d]
         self.length = 0  # tokens filled so far (prefill fills [0, n) before decoding starts)
 
     def keys(self, layer: int) -> torch.Tensor:
@@ -59,12 +60,15 @@ class Transformer:
         # Mistral-style sliding windows change the mask; we fuse only within the window.
         self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         self.rope = Rope(self.decoder.rotary_emb, config)
+        # Float tensors live on the model's device in its dtype; index tensors (rows, positions)
+        # stay on the CPU and are moved where a kernel needs them.
         self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
 
     # ---- one idea per function -------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [t] -> hidden [t, D]."""
-        return self.decoder.embed_tokens(token_ids)
+        return self.decoder.embed_tokens(token_ids.to(self.device))
 
     def project_qkv(self, layer: int, hidden: torch.Tensor):
         """hidden [t, D] -> q [H, t, d], k [KV, t, d], v [KV, t, d]; q and k *before* RoPE."""
@@ -103,12 +107,13 @@ class Transformer:
     # ---- composite steps ------------------------------------------------------------------
     def causal_mask(self, query_index: torch.Tensor, n_keys: int, key_keep: torch.Tensor | None = None) -> torch.Tensor:
         """query_index [t] = each query's row in the cache -> mask [t, n_keys] (key j visible iff j <= row)."""
-        key_index = torch.arange(n_keys, device=query_index.device)
+        query_index = query_index.to(self.device)
+        key_index = torch.arange(n_keys, device=self.device)
         mask = key_index[None, :] <= query_index[:, None]
         if self.sliding_window:
             mask &= key_index[None, :] > query_index[:, None] - self.sliding_window
         if key_keep is not None:  # keys dropped from the context (e.g. pruned chunks)
-            mask &= key_keep[None, :]
+            mask &= key_keep.to(self.device)[None, :]
         return mask
 
     def layer_step(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -137,7 +142,7 @@ class Transformer:
         Returns (logits of the last token [vocab], pre-RoPE keys per layer or None).
         """
         t = token_ids.shape[0]
-        rows = torch.arange(start, start + t, device=token_ids.device)
+        rows = torch.arange(start, start + t)
         positions = rows if positions is None else positions
         cache.length = start + t
         plain_causal = start == 0 and not self.sliding_window  # SDPA's fast causal kernel
@@ -151,7 +156,7 @@ class Transformer:
     @torch.inference_mode()
     def decode_step(self, token_id: int, position: int, cache: KVCache) -> torch.Tensor:
         """One new token at cache row `cache.length` -> logits [vocab]."""
-        row = torch.tensor([cache.length], device=self.device)
+        row = torch.tensor([cache.length])
         cache.length += 1
         hidden = self.embed(row.new_tensor([token_id]))
         pos = row.new_tensor([position])
@@ -162,4 +167,4 @@ class Transformer:
         return self.logits(hidden)[0]
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, capacity, self.head_dim, self.device)
+        return KVCache(self.n_layers, self.n_kv_heads, capacity, self.head_dim, self.device, self.dtype)

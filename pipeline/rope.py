@@ -29,8 +29,9 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [t] -> cos, sin [t, head_dim] (attention scaling folded in, as HF does)."""
-        dummy = torch.empty(1, dtype=dtype, device=positions.device)
-        cos, sin = self.rotary_emb(dummy, positions[None, :])  # [1, t, head_dim]
+        device = self.rotary_emb.inv_freq.device
+        dummy = torch.empty(1, dtype=dtype, device=device)
+        cos, sin = self.rotary_emb(dummy, positions.to(device)[None, :])  # [1, t, head_dim]
         return cos[0], sin[0]
 
 

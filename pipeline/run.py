@@ -195,7 +195,8 @@ def run(opts: RunOptions, console: Console) -> Path:
     store = open_workspace_store(ws, model_ref, opts.store or manifest.get("store"), None,
                                  manifest.get("dtype", "float16"), create=True)
     answerer = Answerer(model_ref.load(opts.device))
-    builder = EntryBuilder(model_ref, store, opts.device, engine=answerer.engine)
+    needs_extras = any(m.name == "cachecraft" for m, _ in planned)  # Cache-Craft's build-time summaries
+    builder = EntryBuilder(model_ref, store, opts.device, cachecraft_meta=needs_extras, engine=answerer.engine)
     answerer.engine.remember_prefix_kv(builder.template.prefix_ids, builder.system_kv())
     n_layers = answerer.transformer.n_layers
     full_method = get_method("full")
@@ -220,8 +221,7 @@ def run(opts: RunOptions, console: Console) -> Path:
             prompt = answerer.prompt([c.token_ids for c in chunks], q.question)
             keys = {v: ensure_entries(builder, v, chunks, neighbours, chunks_by_id)
                     for v in {v for m, v in todo if m.uses_store}}
-            extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} \
-                if manifest.get("cachecraft_meta") else {}
+            extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} if needs_extras else {}
             full = answerer.answer(prompt, full_method, None, opts.max_new_tokens) if opts.compare_full else None
             for method, variant in todo:
                 def source(pipeline=opts.pipeline):

@@ -93,5 +93,5 @@ def top_rows(scores: torch.Tensor, rows: torch.Tensor, budget: int) -> torch.Ten
     """The `budget` rows with the highest scores (scores[i] belongs to rows[i]), sorted by row."""
     if budget <= 0:
         return rows[:0]
-    picked = torch.topk(scores, min(budget, len(rows))).indices
+    picked = torch.topk(scores.float().cpu(), min(budget, len(rows))).indices  # rows live on the CPU
     return torch.sort(rows[picked]).values

@@ -1,0 +1,135 @@
+"""`kvf run` end to end on the synthetic set: records, sweeps, resuming, and bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from kvf import KvfError
+from kvf.eval.synthetic import make_synthetic
+from kvf.pipeline.build import BuildOptions, build_cache
+from kvf.pipeline.run import RunOptions, parse_ratios, read_done, run
+
+QUIET = Console(file=open("/dev/null", "w"))
+RECORD_FIELDS = {"qid", "dataset", "method", "settings", "chunk_ids", "question", "answer", "gold",
+                 "prompt_tokens", "chunk_tokens", "recomputed_tokens", "timings"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
+    build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
+                             variants=("prefix",), n_neighbours=2), QUIET)
+    return root
+
+
+def run_opts(built, out, **kw):
+    base = dict(dataset=built / "data", methods=["full", "reuse", "cacheblend"], ratios=[0.0, 0.5, 1.0],
+                out=out, workspace=built / "ws", limit=2, max_new_tokens=4)
+    base.update(kw)
+    return RunOptions(**base)
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
+    out = tmp_path / "runs.jsonl"
+    run(run_opts(built, out, compare_full=True), QUIET)
+    records = read_records(out)
+    # full and reuse ignore the ratio: once each; cacheblend once per ratio -> 5 per question
+    assert len(records) == 2 * 5
+    for rec in records:
+        assert RECORD_FIELDS <= set(rec)
+        assert set(rec["timings"]) >= {"load", "select", "recompute", "first_token", "decode"}
+        assert rec["timings"]["first_token"] >= rec["timings"]["recompute"]
+        assert {"full_answer", "kl_full", "top1_agree_full"} <= set(rec)
+    blend = {r["settings"]["ratio"]: r for r in records if r["method"] == "cacheblend" and r["qid"] == records[0]["qid"]}
+    n = blend[1.0]["chunk_tokens"]
+    assert [blend[r]["recomputed_tokens"] for r in (0.0, 0.5, 1.0)] == [0, int(0.5 * n + 0.5), n]
+    # ratio 1.0 reproduces full prefill: same first token distribution, same answer
+    assert blend[1.0]["kl_full"] < 1e-4 and blend[1.0]["answer"] == blend[1.0]["full_answer"]
+    assert all(r["kl_full"] < 1e-6 for r in records if r["method"] == "full")
+
+
+def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
+    out = tmp_path / "runs.jsonl"
+    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
+    run(opts, QUIET)
+    first = out.read_text().splitlines()
+    assert len(first) == 4
+    # a crash mid-write leaves a torn last line: the re-run drops it and redoes only that record
+    out.write_text("\n".join(first[:3]) + "\n" + first[3][: len(first[3]) // 2])
+    run(opts, QUIET)
+    again = out.read_text().splitlines()
+    assert len(again) == 4 and again[:3] == first[:3]
+    assert json.loads(again[3])["qid"] == json.loads(first[3])["qid"]
+    assert len(read_done(out)) == 4
+
+
+@pytest.mark.parametrize("text", ["1.5", "-0.1", "0.1,abc", ""])
+def test_bad_ratio_is_refused(text):
+    with pytest.raises(KvfError, match="--ratio"):
+        parse_ratios(text)
+
+
+def test_parse_ratio_list():
+    assert parse_ratios("0,0.05,0.15,0.3,1") == [0.0, 0.05, 0.15, 0.3, 1.0]
+
+
+def kvf_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvf", *args], capture_output=True, text=True,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvf: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_cli_unknown_method_lists_known_ones(built, tmp_path):
+    proc = kvf_cli("run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "nosuch", "-o", str(tmp_path / "x.jsonl"))
+    assert_one_line_error(proc, "--method nosuch", "cacheblend", "reuse")
+
+
+def test_cli_ratio_out_of_range(built, tmp_path):
+    proc = kvf_cli("run", "-d", str(built / "data"), "-m", "cacheblend", "-r", "1.2", "-o", str(tmp_path / "x.jsonl"))
+    assert_one_line_error(proc, "--ratio")
+
+
+def test_cli_missing_model_path(tmp_path):
+    proc = kvf_cli("demo", "--model", str(tmp_path / "nope"))
+    assert_one_line_error(proc, "--model", "no such file")
+
+
+def test_cli_truncated_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    proc = kvf_cli("demo", "--model", str(bad))
+    assert_one_line_error(proc, "--model", "GGUF")
+
+
+def test_cli_not_a_gguf(tmp_path):
+    bad = tmp_path / "weights.gguf"
+    bad.write_text("hello")
+    proc = kvf_cli("demo", "--model", str(bad))
+    assert_one_line_error(proc, "not a GGUF")
+
+
+def test_cli_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    proc = kvf_cli("demo", "--model", str(tmp_path))
+    assert_one_line_error(proc, "gpt2", "llama")
+
+
+def test_help_on_every_command():
+    for cmd in ([], ["demo"], ["build-cache"], ["run"], ["eval"], ["search"], ["store", "info"], ["data", "prepare"]):
+        proc = kvf_cli(*cmd, "--help")
+        assert proc.returncode == 0 and "Usage" in proc.stdout, cmd
