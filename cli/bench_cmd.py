@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
+from kvf.cli.options import DeviceOption, ModelOption
 from rich.console import Console
 
 console = Console(width=max(Console().width, 120))
@@ -26,9 +28,9 @@ def bench_command(
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),
     compare_no_pipeline: bool = typer.Option(True, "--compare-no-pipeline/--no-compare-no-pipeline", help="Also time 0.15 runs with pipelined loading off, to report the hidden share."),
     auto_ratio: bool = typer.Option(True, "--auto-ratio/--no-auto-ratio", help="Also time cacheblend at the loading controller's ratio (--ratio auto)."),
-    model: str = typer.Option(None, "--model", help="Local HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)."),
+    model: ModelOption = None,
     random_weights: str = typer.Option(None, "--random-weights", help="Time a randomly initialised model of a real shape instead (llama3-8b, tiny); no download."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: DeviceOption = "cpu",
     out: Path = typer.Option(Path("results"), "--out", help="Directory for ttft.csv, ttft.md and ttft_vs_context.png."),
 ):
     """Median TTFT, its breakdown, peak memory and the ratio to full prefill, warm and cold store."""

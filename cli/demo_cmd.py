@@ -6,6 +6,8 @@ import tempfile
 from pathlib import Path
 
 import typer
+
+from kvf.cli.options import ModelOption
 from rich.console import Console
 from rich.table import Table
 
@@ -13,7 +15,7 @@ console = Console()
 
 
 def demo_command(
-    model: str = typer.Option(None, "--model", help="Local HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)."),
+    model: ModelOption = None,
     questions: int = typer.Option(3, "--questions", "-n", help="How many synthetic questions to answer."),
     ratio: float = typer.Option(0.15, "--ratio", help="Recompute ratio for cacheblend, in [0, 1]."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Longest answer to generate."),

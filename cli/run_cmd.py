@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
+from kvf.cli.options import DeviceOption, ModelOption
 from rich.console import Console
 
 console = Console(stderr=True)
@@ -21,7 +23,8 @@ def run_command(
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the pooled corpus), or auto."),
     retriever: str = typer.Option("bm25", "--retriever", help="bm25 or dense (shared-corpus setting)."),
     compare_full: bool = typer.Option(False, "--compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
-    model: str = typer.Option(None, "--model", help="Local HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)."),
+    model: ModelOption = None,
+    neighbours: int = typer.Option(10, "--neighbours", help="FusionRAG's top-n similar chunks, used when run creates the workspace (build-cache sets it otherwise)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer to generate."),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="Load each layer synchronously (no read-ahead)."),
     check_layer: int = typer.Option(None, "--check-layer", help="cacheblend: layer where K/V deviation is measured (default 1)."),
@@ -31,7 +34,7 @@ def run_command(
     allocation: str = typer.Option(None, "--allocation", help="cachefocus: re-positioning after pruning, align or sort."),
     alpha: float = typer.Option(None, "--alpha", help="cachecraft: CFO scale α (default: calibrated so the mean recomputed fraction is --ratio)."),
     focus_window: int = typer.Option(None, "--focus-window", help="cachecraft: focused-chunk early termination window W (default off)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: DeviceOption = "cpu",
 ):
     """Answer every question of a dataset with one method; one JSON line per question and ratio."""
     from kvf.pipeline.run import RunOptions, parse_ratios, run
@@ -40,6 +43,6 @@ def run_command(
     opts = RunOptions(dataset=dataset, methods=[m.strip() for m in method.split(",") if m.strip()], ratios=parse_ratios(ratio), out=out, workspace=workspace,
                       variant=variant, top_k=top_k, limit=limit, setting=setting, retriever=retriever,
                       compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
-                      pipeline=not no_pipeline, knobs=knobs, device=device)
+                      pipeline=not no_pipeline, knobs=knobs, device=device, n_neighbours=neighbours)
     path = run(opts, console)
     console.print(f"runs written to {path}")

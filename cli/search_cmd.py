@@ -48,7 +48,7 @@ def hits_table(hits, chunks_by_id, title: str, snippet_width: int) -> Table:
 def search_command(
     query: Annotated[str, typer.Argument(help="What to search for, in plain words.")],
     workspace: Annotated[Path, typer.Option(
-        help="Workspace folder holding chunks.parquet, bm25/ and dense/.")] = Path("workspace"),
+        "--workspace", "-w", help="Workspace folder holding chunks.parquet, bm25/ and dense/.")] = Path("workspace"),
     k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to show.")] = 5,
     mode: Annotated[SearchMode, typer.Option(
         help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,

@@ -281,7 +281,8 @@ def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
     """Per method at 0.15: load time with pipelining vs without (same length and mode)."""
     on = df[df.pipeline & (df.ratio == 0.15)].set_index(["length", "mode", "method"])
     off = df[~df.pipeline].set_index(["length", "mode", "method"])
-    joined = on[["load", "read", "recompute"]].join(off[["load"]], rsuffix="_no_pipeline", how="inner")
+    joined = on[["load", "read", "recompute"]].join(off[["load"]].rename(columns={"load": "load_no_pipeline"}),
+                                                    how="inner")
     joined["hidden_fraction"] = 1 - joined.load / joined.load_no_pipeline.where(joined.load_no_pipeline > 0)
     return joined.reset_index()
 

@@ -6,7 +6,11 @@ killed build resumes where it stopped and an unchanged corpus costs no model wor
 """
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,8 +21,10 @@ from rich.table import Table
 
 from kvf import KvfError
 from kvf.cachestore import open_store
-from kvf.pipeline.chunking import Chunk, split_documents, tokenizer_fingerprint, unique_chunks, write_chunks_table
-from kvf.pipeline.corpus import read_corpus
+from kvf.cachestore.dtypes import STORE_DTYPES
+from kvf.pipeline.chunking import (Chunk, split_documents, tokenizer_fingerprint, unique_chunks, validate_chunking,
+                                   write_chunks_table)
+from kvf.pipeline.corpus import Document, read_corpus
 from kvf.pipeline.model import ModelRef, open_model
 from kvf.pipeline.prompt import make_template
 from kvf.pipeline.workspace import VARIANTS, EntryKeys, Workspace, ids_digest, write_atomic
@@ -29,7 +35,7 @@ class BuildOptions:
     corpus: Path
     workspace: Path
     store: str | None = None           # path or fsspec URL; default workspace/kv.zarr (or kv.h5)
-    format: str = "zarr"
+    format: str | None = None          # zarr or hdf5; None: the workspace's existing store, else zarr
     dtype: str = "float16"
     chunk_tokens: int = 256
     overlap: int = 0
@@ -93,24 +99,35 @@ def store_meta(model_ref: ModelRef, dtype: str) -> dict:
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
 
 
+def store_location(ws: Workspace, store: str | None, fmt: str | None) -> str:
+    """Where the store lives; local paths made absolute, since the manifest is read from other cwds."""
+    location = store or ws.default_store(fmt)
+    return location if "://" in location else str(Path(location).expanduser().resolve())
+
+
 def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
                          create: bool):
-    location = store or ws.default_store(fmt)
-    return open_store(location, fmt, meta=store_meta(model_ref, dtype), create=create)
+    return open_store(store_location(ws, store, fmt), fmt, meta=store_meta(model_ref, dtype), create=create)
 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------
-def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer) -> tuple[list[Chunk], StageStat]:
+def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer,
+                 docs: list[Document] | None = None) -> tuple[list[Chunk], StageStat]:
     started = time.perf_counter()
-    docs = read_corpus(opts.corpus)
+    docs = read_corpus(opts.corpus) if docs is None else docs
     per_doc = split_documents(docs, tokenizer, opts.chunk_tokens, opts.overlap)  # duplicates kept per doc
     chunks = unique_chunks(per_doc)                                              # each stored once
     if not chunks:
         raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
     ws.root.mkdir(parents=True, exist_ok=True)
-    tmp = ws.chunks_path.with_name(".chunks.parquet.tmp")
-    write_chunks_table(chunks, tmp)
-    tmp.replace(ws.chunks_path)
+    fd, tmp = tempfile.mkstemp(dir=ws.root, prefix=".chunks.parquet.")  # unique: shards may share a workspace
+    os.close(fd)
+    try:
+        write_chunks_table(chunks, tmp)
+        os.replace(tmp, ws.chunks_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     ws.write_doc_chunks({doc: [c.chunk_id for c in cs] for doc, cs in per_doc.items()})
     tokens = sum(len(c.token_ids) for c in chunks)
     return chunks, StageStat("chunk", len(chunks), tokens, time.perf_counter() - started, f"{len(docs)} documents")
@@ -156,7 +173,10 @@ class EntryBuilder:
         self.template = make_template(model_ref.tokenizer)
         self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids)
         self._engine = engine
+        self._system_kv: torch.Tensor | None = None
         self.model_seconds = 0.0
+        self.entries_written = 0   # every entry this builder committed (neighbours' included)
+        self.bytes_written = 0     # their KV payload bytes
 
     @property
     def engine(self):
@@ -171,16 +191,28 @@ class EntryBuilder:
         return self.keys.chunk(variant, segment, neighbours.get(chunk.chunk_id, []) if variant == "fusion" else ())
 
     def system_kv(self) -> torch.Tensor:
-        """S's KV [L, 2, KV, s, d]: from the store, else computed once and stored."""
-        key = self.keys.system()
-        if self.store.has(key):
-            return self.store.get(key).float()
-        kv = self.engine.prefix_kv(self.template.prefix_ids)
-        self.store.put(key, kv, attrs={"variant": "system", "tokens": len(self.template.prefix_ids)})
-        return kv
+        """S's KV [L, 2, KV, s, d] as stored: from the store, else computed once and stored.
+
+        Always the stored bits (read back, not the float32 just computed), so a chunk's KV does not
+        depend on whether this process or an earlier one computed S: resumed == one-go build.
+        Kept in memory: every chunk attends to it.
+        """
+        if self._system_kv is None:
+            key = self.keys.system()
+            if not self.store.has(key):
+                kv = self.engine.prefix_kv(self.template.prefix_ids)
+                self.store.put(key, kv, attrs={"variant": "system", "tokens": len(self.template.prefix_ids)})
+            self._system_kv = self.store.get(key).float()
+        return self._system_kv
+
+    def needs(self, key: str) -> bool:
+        if not self.store.has(key):
+            return True
+        # an entry built without Cache-Craft's summaries does not serve a --cachecraft-meta store
+        return self.cachecraft_meta and not self.store.header(key).extras
 
     def missing(self, variant: str, chunks: list[Chunk], neighbours) -> list[Chunk]:
-        return [c for c in chunks if not self.store.has(self.key(variant, c, neighbours))]
+        return [c for c in chunks if self.needs(self.key(variant, c, neighbours))]
 
     @torch.inference_mode()
     def compute(self, variant: str, chunk: Chunk, neighbours, by_id: dict[str, Chunk]) -> int:
@@ -194,16 +226,23 @@ class EntryBuilder:
             neighbour = by_id[nid]
             context_ids += template.chunk_segment(neighbour.token_ids)
             context_kvs.append(self.prefix_kv_of(neighbour, by_id))
-        if self.cachecraft_meta:  # one prefill gives the KV and Cache-Craft's attention summaries
+        extras = {}
+        if self.cachecraft_meta:  # one prefill gives both the KV and the attention summaries
             from kvf.pipeline.methods.cachecraft import chunk_kv_with_summaries
             kv, extras = chunk_kv_with_summaries(engine, segment, context_ids, context_kvs)
         else:
-            kv, extras = engine.chunk_kv(segment, context_ids, context_kvs), {}   # [L, 2, KV, t, d]
+            kv = engine.chunk_kv(segment, context_ids, context_kvs)   # [L, 2, KV, t, d]
         self.model_seconds += time.perf_counter() - started
-        key = self.key(variant, chunk, neighbours)
+        key = self.keys.chunk(variant, segment, neighbour_ids)
         attrs = {"variant": variant, "chunk_id": chunk.chunk_id, "tokens": len(segment), "neighbours": neighbour_ids}
-        self.store.put(key, kv, attrs=attrs, extras=extras)
-        return kv.numel() * self.store_itemsize()
+        if extras and self.store.has(key):  # replace an entry stored without summaries (see needs)
+            self.store.delete(key)
+        if not self.store.put(key, kv, attrs=attrs, extras=extras):
+            return 0  # another writer committed it first
+        nbytes = kv.numel() * self.store_itemsize()
+        self.entries_written += 1
+        self.bytes_written += nbytes
+        return nbytes
 
     def prefix_kv_of(self, chunk: Chunk, by_id: dict[str, Chunk]) -> torch.Tensor:
         key = self.key("prefix", chunk, None)
@@ -231,8 +270,7 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], nei
                 task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
                 done_tokens = 0
                 for chunk in todo:
-                    summary.bytes_written += builder.compute(variant, chunk, neighbours, by_id)
-                    summary.entries_written += 1
+                    builder.compute(variant, chunk, neighbours, by_id)
                     done_tokens += len(chunk.token_ids)
                     rate = done_tokens / max(1e-9, time.perf_counter() - started)
                     progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
@@ -240,39 +278,60 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], nei
         else:
             stat.note = "all entries present"
         stats.append(stat)
+    # counted by the builder: neighbours' prefix entries built for the fusion variant count too
+    summary.entries_written, summary.bytes_written = builder.entries_written, builder.bytes_written
     return stats
 
 
 # ---- the whole build --------------------------------------------------------------------------
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
+    # cheap checks first: bad flags, a bad corpus or a store that cannot be used fail in seconds,
+    # before the workspace is touched or minutes go into indexes
     for v in opts.variants:
         if v not in VARIANTS:
             raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
+    if opts.dtype not in STORE_DTYPES:
+        raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
+    validate_chunking(opts.chunk_tokens, opts.overlap)
+    docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
     ws = Workspace(opts.workspace)
     _check_writable(ws.root)
     previous = ws.manifest() if ws.manifest_path.is_file() else {}
-    summary = BuildSummary()
-    with console.status("reading and chunking the corpus"):
-        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer)
+    store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
+    summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
+    with console.status("chunking the corpus"), _writing(ws):
+        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs)
     summary.chunks, summary.tokens = len(chunks), stat.tokens
     summary.stages.append(stat)
-    with console.status("building BM25 / dense indexes and neighbours"):
+    with console.status("building BM25 / dense indexes and neighbours"), _writing(ws):
         index_state = dict(previous.get("indexes", {}))
         summary.stages += stage_indexes(opts, ws, chunks, index_state)
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
-    store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
-    summary.store = opts.store or ws.default_store(opts.format)
-    builder = EntryBuilder(model_ref, store, opts.device, opts.cachecraft_meta)
+    # sticky: once a workspace promises Cache-Craft summaries, every later entry must carry them
+    cachecraft_meta = opts.cachecraft_meta or previous.get("cachecraft_meta", False)
+    builder = EntryBuilder(model_ref, store, opts.device, cachecraft_meta)
     summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
-    ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
-                       "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
-                       "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap, "store": summary.store,
-                       "format": store.format, "dtype": opts.dtype, "corpus": str(opts.corpus),
-                       "variants": sorted(set(opts.variants) | set(previous.get("variants", []))),
-                       "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
-                       "cachecraft_meta": opts.cachecraft_meta or previous.get("cachecraft_meta", False)})
+    with _writing(ws):
+        ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
+                           "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
+                           "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap, "store": summary.store,
+                           "format": store.format, "dtype": opts.dtype, "corpus": str(opts.corpus),
+                           "variants": sorted(set(opts.variants) | set(previous.get("variants", []))),
+                           "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
+                           "cachecraft_meta": cachecraft_meta})
     return summary
+
+
+@contextmanager
+def _writing(ws: Workspace):
+    """Workspace files (chunks table, indexes, manifest): an OSError becomes a one-line KvfError."""
+    try:
+        yield
+    except OSError as e:
+        problem = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        raise KvfError(f"--workspace {ws.root}: cannot write {e.filename or 'its files'} ({problem}); "
+                       "free space or fix permissions and re-run (stored KV entries are intact)") from None
 
 
 def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:

@@ -21,7 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvf import KvfError
 from kvf.eval.datasets import Question, load_prepared
 from kvf.pipeline.answer import Answerer
-from kvf.pipeline.build import BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes
+from kvf.pipeline.build import (BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes,
+                                store_location)
 from kvf.pipeline.chunking import read_chunks_table
 from kvf.pipeline.methods import FusionMethod, build_method, get_method
 from kvf.pipeline.model import open_model
@@ -51,6 +52,7 @@ class RunOptions:
     chunk_tokens: int = 256
     store: str | None = None
     device: str = "cpu"
+    n_neighbours: int = 10              # FusionRAG's n, when run has to create the workspace
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -136,12 +138,13 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
                       "(KVs are computed as questions need them)")
         model_ref = open_model(opts.model)
         bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                             chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store)
+                             chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
+                             n_neighbours=opts.n_neighbours)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
         stage_indexes(bopts, ws, chunks, index_state)
         ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
-                           "chunk_tokens": opts.chunk_tokens, "overlap": 0, "store": opts.store or ws.default_store(),
+                           "chunk_tokens": opts.chunk_tokens, "overlap": 0, "store": store_location(ws, opts.store, None),
                            "format": "zarr", "dtype": "float16", "corpus": str(bopts.corpus), "variants": [],
                            "n_neighbours": bopts.n_neighbours, "embedder": None, "indexes": index_state})
     return ws

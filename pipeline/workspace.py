@@ -32,9 +32,13 @@ def write_atomic(path: Path, text: str) -> None:
     """Write then rename: a reader (or a killed build) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave no .name.xxxx litter behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def ids_digest(ids: list) -> str:

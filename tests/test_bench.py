@@ -1,0 +1,55 @@
+"""`kvf bench` on a tiny random model (the GPU path's --random-weights, run on CPU), and the
+loading controller's ratio choice."""
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from kvf import KvfError
+from kvf.pipeline.bench import BenchOptions, bench, write_results
+from kvf.pipeline.controller import choose_ratio
+
+QUIET = Console(file=open("/dev/null", "w"))
+
+
+def test_controller_balances_load_and_recompute():
+    # 1 MB per layer at 100 MB/s = 10 ms load; 1000 chunk tokens at 20 us per token-layer = 20 ms at r=1
+    assert choose_ratio(1_000_000, 100e6, 1000, 20e-6, quality_floor=0.0) == pytest.approx(0.5)
+    # never below the quality floor, never above 1
+    assert choose_ratio(1_000, 100e6, 1000, 20e-6, quality_floor=0.15) == 0.15
+    assert choose_ratio(10**9, 1e6, 1000, 20e-6) == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic"],
+                        ratios=[0.15, 0.3], repeats=1, random_weights="tiny", out=out, workdir=out / "work")
+    return bench(opts, QUIET), out
+
+
+def test_bench_measures_every_method_against_full(tiny_bench):
+    df, out = tiny_bench
+    warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto]
+    assert set(warm.method) == {"full", "reuse", "cacheblend", "fusionrag", "epic"}
+    assert (warm[warm.method == "full"].ttft_ratio == 1.0).all()
+    # cacheblend, fusionrag and epic at two ratios, full and reuse once, at both lengths
+    assert len(warm) == 2 * (2 + 3 * 2)
+    for _, row in warm[warm.method == "cacheblend"].iterrows():
+        assert row.recomputed_tokens == int(row.ratio * row.chunk_tokens + 0.5)
+    assert set(df["mode"]) == {"warm", "cold"}
+    assert (df[df.method != "full"].read > 0).all()          # KVs really came from the store
+    assert (~df.pipeline).any() and df.ratio_auto.any()      # no-pipeline comparison and --ratio auto ran
+
+
+def test_bench_writes_tables_and_plot(tiny_bench):
+    df, out = tiny_bench
+    paths = write_results(df, out, "tiny on cpu")
+    assert [p.name for p in paths] == ["ttft.csv", "ttft.md", "ttft_vs_context.png"]
+    assert len(pd.read_csv(paths[0])) == len(df)
+    assert "Pipelined loading" in paths[1].read_text()
+    assert paths[2].stat().st_size > 1000
+
+
+def test_unknown_random_shape_is_refused(tmp_path):
+    with pytest.raises(KvfError, match="--random-weights"):
+        bench(BenchOptions(lengths=[64], random_weights="gpt-9", out=tmp_path), QUIET)

@@ -1,0 +1,568 @@
+"""`kvf build-cache` end to end: what a build writes, stored KVs fusing like in-memory ones,
+resuming after SIGKILL, integrity, store identity, sharding, and bad input via the CLI."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import tiny_config
+from kvf import KvfError
+from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
+from kvf.cachestore.fs import LocalFS
+from kvf.cli.main import main
+from kvf.eval.synthetic import make_synthetic
+from kvf.pipeline.build import BuildOptions, build_cache, in_shard, store_meta
+from kvf.pipeline.chunking import chunk_id_for, read_chunks_table, tokenizer_fingerprint
+from kvf.pipeline.engine import InMemoryKV
+from kvf.pipeline.methods import get_method
+from kvf.pipeline.model import ModelRef, open_model
+from kvf.pipeline.store_source import StoreKVSource
+from kvf.pipeline.workspace import EntryKeys, Workspace
+
+QUIET = Console(file=open(os.devnull, "w"))
+CHUNK_TOKENS = 32
+QUESTION = "In which province was Zorvan Pellick born?"
+LONG_DOC = ("The Kettar mountains lie north of the Ossel sea. Their slopes are home to wild goats, "
+            "eagles and a few shepherd families who move their flocks twice a year. In winter the "
+            "passes close for months, and the villages below trade salt and wool with the river "
+            "towns of the Drelvan province until the snow melts in late spring.")
+# one thread: the subprocess builds must compute bit-identical KVs, and 2 threads on a shared
+# 2-core box are slower than one
+SUB_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """In-process builds match the subprocess ones bit for bit, and run ~5x faster on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def write_corpus(root: Path, short_docs) -> Path:
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
+    for i, text in enumerate(short_docs):
+        (corpus / f"doc{i}.txt").write_text(text)
+    (corpus / "copy_of_doc0.txt").write_text(short_docs[0])  # identical chunk: stored once
+    (corpus / "mountains.md").write_text("# Kettar\n" + LONG_DOC)
+    return corpus
+
+
+def opts_for(root: Path, corpus: Path, **kw) -> BuildOptions:
+    base = dict(corpus=corpus, workspace=root / "ws", chunk_tokens=CHUNK_TOKENS, n_neighbours=2,
+                bm25=False, dense=False)
+    return BuildOptions(**{**base, **kw})
+
+
+def chunk_keys(store) -> list[str]:
+    return [k for k in store.keys() if store.attrs(k).get("variant") != "system"]
+
+
+def entry_bytes(store, key) -> bytes:
+    return store.get(key).view(torch.uint8).numpy().tobytes()
+
+
+def expected_keys(model_ref, chunks, variant="prefix") -> set[str]:
+    from kvf.pipeline.prompt import make_template
+    template = make_template(model_ref.tokenizer)
+    keys = EntryKeys(model_ref.fingerprint, template.prefix_ids)
+    return {keys.chunk(variant, template.chunk_segment(c.token_ids)) for c in chunks}
+
+
+def run_main(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """The real `kvf` entry point (main() and its error wrapper), in-process."""
+    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (0 if code is None else code), out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 1
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvf: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+KVF = [str(Path(sys.executable).parent / "kvf")]  # the installed console script, as users run it
+
+
+def kvf_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVF, *map(str, args)], env=SUB_ENV, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+# ---- one float32 build shared by the module (never modified: tests that damage it copy it) ---------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, short_docs):
+    root = tmp_path_factory.mktemp("build")
+    corpus = write_corpus(root, short_docs)
+    opts = opts_for(root, corpus, dtype="float32", bm25=True, dense=True)
+    summary = build_cache(opts, QUIET)
+    ws = Workspace(opts.workspace)
+    return SimpleNamespace(root=root, corpus=corpus, opts=opts, summary=summary, ws=ws,
+                           chunks=read_chunks_table(ws.chunks_path), model_ref=open_model(None))
+
+
+def test_build_writes_chunks_indexes_store_and_summary(built):
+    chunks, ws, summary = built.chunks, built.ws, built.summary
+    fingerprint = tokenizer_fingerprint(built.model_ref.tokenizer)
+    assert len({c.chunk_id for c in chunks}) == len(chunks) >= 4
+    for c in chunks:  # stable content ids, windows of at most --chunk-tokens model tokens
+        assert c.chunk_id == chunk_id_for(fingerprint, c.token_ids)
+        assert 1 <= len(c.token_ids) <= CHUNK_TOKENS
+    doc_chunks = ws.doc_chunks()
+    assert doc_chunks["copy_of_doc0.txt"] == doc_chunks["doc0.txt"]  # identical docs share their chunk
+    assert len(doc_chunks["mountains.md"]) >= 2
+    # one entry per distinct chunk, plus S's own
+    store = open_store(summary.store, readonly=True)
+    assert set(chunk_keys(store)) == expected_keys(built.model_ref, chunks)
+    assert len(store.keys()) == len(chunks) + 1
+    assert store.verify() == []
+    assert store.meta["dtype"] == "float32" and store.meta["layers"] == 30
+    # the summary: chunks, tokens, entries and bytes written, per-stage rates
+    tokens = sum(len(c.token_ids) for c in chunks)
+    assert (summary.chunks, summary.tokens, summary.entries_written) == (len(chunks), tokens, len(chunks))
+    payload = sum(store.header(k).layers * store.header(k).layer_nbytes for k in chunk_keys(store))
+    assert summary.bytes_written == payload
+    stages = {s.name: s for s in summary.stages}
+    assert set(stages) == {"chunk", "bm25 index", "dense index", "neighbours", "kv prefix"}
+    assert stages["kv prefix"].items == len(chunks) and stages["kv prefix"].tokens == tokens
+    assert stages["kv prefix"].seconds > 0
+    # the manifest names the store by absolute path, so `kvf run` finds it from any directory
+    manifest = ws.manifest()
+    assert manifest["store"] == str((ws.root / "kv.zarr").resolve())
+    neighbours = json.loads(ws.neighbours_path.read_text())
+    assert set(neighbours) == {c.chunk_id for c in chunks}
+    assert all(len(n) == 2 and cid not in n for cid, n in neighbours.items())
+
+
+def test_search_finds_the_chunk_in_the_bm25_index(built, capsys, monkeypatch):
+    code, out, _ = run_main(["search", "shepherd families flocks", "--workspace", built.ws.root, "-k", "1"],
+                            capsys, monkeypatch)
+    assert code == 0
+    [top] = [c for c in built.chunks if "shepherd" in c.text]
+    assert top.chunk_id[:12] in out
+
+
+@pytest.mark.parametrize("method", ["reuse", "cacheblend"])
+def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
+    """float32 store: loading from it (pipelined or not) gives the in-memory fused result."""
+    store = open_store(built.summary.store, readonly=True)
+    chunks = [c for c in built.chunks if c.doc_id in ("doc0.txt", "doc1.txt", "mountains.md")][:3]
+    prompt = answerer.prompt([c.token_ids for c in chunks], QUESTION)
+    keys = [EntryKeys(built.model_ref.fingerprint, prompt.prefix_ids).chunk("prefix", seg)
+            for seg in prompt.chunk_segments]
+    engine = answerer.engine
+    memory = InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+    for key, kv in zip(keys, memory.chunk_kvs):
+        assert (store.get(key) - kv).abs().max().item() <= 1e-4
+    fuse = get_method(method, recompute_ratio=0.15)
+    expected = fuse.prefill(engine, prompt, memory)
+    got = {}
+    for pipeline in (False, True):
+        source = StoreKVSource(store, keys, answerer.transformer.n_layers, pipeline=pipeline)
+        try:
+            got[pipeline] = fuse.prefill(engine, prompt, source)
+        finally:
+            source.close()
+        assert source.read_seconds > 0
+    assert (got[False].logits - expected.logits).abs().max().item() <= 1e-4
+    assert got[False].recomputed_tokens == expected.recomputed_tokens
+    assert torch.equal(got[False].logits, got[True].logits)
+
+
+def test_rerun_on_unchanged_corpus_does_no_model_work(built, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("model work on an unchanged corpus")
+    monkeypatch.setattr(ModelRef, "load", refuse)
+    monkeypatch.setattr("kvf.pipeline.dense.Embedder.__init__", refuse)
+    monkeypatch.setattr("kvf.pipeline.bm25.build_bm25", refuse)
+    keys_before = open_store(built.summary.store, readonly=True).keys()
+    summary = build_cache(replace(built.opts), QUIET)
+    assert summary.entries_written == 0 and summary.bytes_written == 0
+    assert summary.entries_skipped == len(built.chunks)
+    assert [s.name for s in summary.stages] == ["chunk", "kv prefix"]
+    assert summary.stages[-1].note == "all entries present"
+    assert open_store(built.summary.store, readonly=True).keys() == keys_before
+
+
+def test_store_of_another_dtype_is_refused(built):
+    with pytest.raises(StoreMismatch) as err:
+        build_cache(replace(built.opts, dtype="float16"), QUIET)
+    message = str(err.value)
+    assert "\n" not in message and "dtype='float32'" in message and "dtype='float16'" in message
+    with pytest.raises(StoreMismatch, match="dtype"):
+        open_store(built.summary.store, meta=store_meta(built.model_ref, "float16"))
+
+
+def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model_dir = built.model_ref.model_dir
+    # a different model (tiny random llama) with the same tokenizer
+    tiny = tmp_path / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
+    built.model_ref.tokenizer.save_pretrained(tiny)
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
+                             "--model", tiny, "--dtype", "float32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
+    assert_one_line_error(code, err, "holds model=", "rebuild the store")
+    # the same weights with another tokenizer (one added token)
+    retok = tmp_path / "retok"
+    retok.mkdir()
+    for f in [model_dir / "config.json", *model_dir.glob("*.safetensors")]:
+        (retok / f.name).symlink_to(f)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<kvf-extra-token>"])
+    tokenizer.save_pretrained(retok)
+    assert open_model(str(retok)).fingerprint == built.model_ref.fingerprint
+    with pytest.raises(StoreMismatch, match="holds tokenizer="):
+        build_cache(replace(built.opts, model=str(retok), workspace=tmp_path / "ws2", store=built.summary.store), QUIET)
+
+
+def copy_build(built, dest: Path) -> BuildOptions:
+    """A private copy of the module's workspace and store."""
+    shutil.copytree(built.ws.root, dest / "ws")
+    return replace(built.opts, workspace=dest / "ws", store=str(dest / "ws" / "kv.zarr"))
+
+
+def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answerer, tmp_path, capsys, monkeypatch):
+    opts = copy_build(built, tmp_path)
+    store = open_store(opts.store)
+    keys = sorted(chunk_keys(store))
+    flipped, truncated = keys[0], keys[1]
+    layer_file = lambda key, layer: Path(opts.store) / key[:2] / key / "kv" / f"c.{layer}.0.0.0.0"  # noqa: E731
+    data = bytearray(layer_file(flipped, 3).read_bytes())
+    data[100] ^= 0x40
+    layer_file(flipped, 3).write_bytes(bytes(data))
+    with open(layer_file(truncated, 0), "r+b") as f:
+        f.truncate(50)
+    fresh = open_store(opts.store, readonly=True)
+    assert {k: p for k, p in fresh.verify()} == {flipped: "layer 3 checksum mismatch",
+                                                 truncated: f"layer 0 truncated (50 of {fresh.header(truncated).layer_nbytes} bytes)"}
+    # `kvf store verify` names both and exits 1
+    code, out, _ = run_main(["store", "verify", "--store", opts.store], capsys, monkeypatch)
+    assert code == 1 and flipped in out and truncated in out and "2 of" in out
+    # a fusion never uses them silently: the source raises, pipelined or not
+    chunk = {c.chunk_id: c for c in built.chunks}[fresh.attrs(flipped)["chunk_id"]]
+    prompt = answerer.prompt([chunk.token_ids], QUESTION)
+    for pipeline in (False, True):
+        source = StoreKVSource(fresh, [flipped], answerer.transformer.n_layers, pipeline=pipeline)
+        with pytest.raises(CorruptEntry, match="checksum"):
+            get_method("reuse").prefill(answerer.engine, prompt, source)
+        source.close()
+    with pytest.raises(CorruptEntry, match="truncated"):
+        fresh.get_layer(truncated, 0)
+    # --delete-bad, then a rebuild recomputes exactly those two
+    code, _, _ = run_main(["store", "verify", "--store", opts.store, "--delete-bad"], capsys, monkeypatch)
+    assert code == 1
+    summary = build_cache(opts, QUIET)
+    assert summary.entries_written == 2
+    repaired = open_store(opts.store, readonly=True)
+    assert repaired.verify() == []
+    original = open_store(built.summary.store, readonly=True)
+    assert entry_bytes(repaired, flipped) == entry_bytes(original, flipped)
+
+
+def test_cachecraft_meta_adds_summaries_to_existing_entries_and_sticks(built, tmp_path, monkeypatch):
+    from kvf.pipeline.methods.cachecraft import EXTRAS
+    opts = copy_build(built, tmp_path)
+    summary = build_cache(replace(opts, cachecraft_meta=True), QUIET)
+    assert summary.entries_written == len(built.chunks)  # entries without summaries were replaced
+    store, original = open_store(opts.store, readonly=True), open_store(built.summary.store, readonly=True)
+    for key in chunk_keys(store):
+        extras = store.get_extras(key)
+        assert set(extras) == set(EXTRAS) and extras["cc_inter"].shape == (1, store.header(key).tokens)
+        assert (store.get(key) - original.get(key)).abs().max().item() <= 1e-4  # same KV, one prefill
+    assert Workspace(opts.workspace).manifest()["cachecraft_meta"] is True
+    # later builds without the flag keep the promise: nothing missing, no model work
+    monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("model loaded"))
+    assert build_cache(opts, QUIET).entries_written == 0
+
+
+def test_two_shards_into_one_file_url_store_equal_one_full_build(built, tmp_path):
+    path = tmp_path / "sharded.zarr"
+    url = "file://" + str(path)
+    first = build_cache(opts_for(tmp_path, built.corpus, workspace=tmp_path / "ws0", store=url, dtype="float32",
+                                 shard=(0, 2)), QUIET)
+    store = open_store(url, readonly=True)
+    mine = [c for c in built.chunks if in_shard(c.chunk_id, (0, 2))]
+    assert 0 < len(mine) < len(built.chunks)
+    assert set(chunk_keys(store)) == expected_keys(built.model_ref, mine)
+    assert first.entries_written == len(mine) and first.entries_skipped == 0
+    assert Workspace(tmp_path / "ws0").manifest()["store"] == url
+    second = build_cache(opts_for(tmp_path, built.corpus, workspace=tmp_path / "ws1", store=url, dtype="float32",
+                                  shard=(1, 2)), QUIET)
+    assert second.entries_written == len(built.chunks) - len(mine)
+    assert (path / "zarr.json").is_file()  # the URL's path, not a folder named "file:"
+    full, sharded = open_store(built.summary.store, readonly=True), open_store(str(path), readonly=True)
+    assert sharded.keys() == full.keys()
+    for key in full.keys():
+        assert entry_bytes(sharded, key) == entry_bytes(full, key), key
+
+
+def test_disk_full_mid_build_keeps_committed_entries(built, tmp_path, capsys, monkeypatch):
+    layer_writes = {"n": 0}
+    real_write = LocalFS.write_file
+
+    def write_file(self, path, data):
+        if f"{os.sep}kv{os.sep}c." in path:
+            layer_writes["n"] += 1
+            if layer_writes["n"] == 3 * 30 + 5:  # S and two chunks committed, the third half-written
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, path, data)
+
+    monkeypatch.setattr(LocalFS, "write_file", write_file)
+    ws = tmp_path / "ws"
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--chunk-tokens", CHUNK_TOKENS,
+                             "--no-bm25", "--no-dense"], capsys, monkeypatch)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("kvf: error: disk full while writing entry")
+    store = open_store(str(ws / "kv.zarr"), readonly=True)
+    assert len(chunk_keys(store)) == 2 and store.verify() == []
+    assert os.listdir(ws / "kv.zarr" / ".kvf-tmp") == ["zarr.json"]  # the half-written entry is gone
+    committed = {k: entry_bytes(store, k) for k in store.keys()}
+    monkeypatch.setattr(LocalFS, "write_file", real_write)
+    summary = build_cache(opts_for(tmp_path, built.corpus), QUIET)
+    assert summary.entries_written == len(built.chunks) - 2
+    after = open_store(str(ws / "kv.zarr"), readonly=True)
+    assert after.verify() == [] and len(chunk_keys(after)) == len(built.chunks)
+    assert {k: entry_bytes(after, k) for k in committed} == committed
+
+
+def small_corpus(tmp_path: Path, short_docs) -> Path:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(short_docs[:2]):
+        (corpus / f"doc{i}.txt").write_text(text)
+    return corpus
+
+
+def test_entries_do_not_depend_on_which_run_computed_s(tmp_path, short_docs):
+    """float16: a chunk computed right after S was (in this process) equals one computed later from
+    the stored S, so a resumed build writes the same bytes as a one-go build."""
+    opts = opts_for(tmp_path, small_corpus(tmp_path, short_docs))
+    build_cache(opts, QUIET)
+    store = open_store(str(opts.workspace / "kv.zarr"))
+    one_go = {k: entry_bytes(store, k) for k in chunk_keys(store)}
+    for key in one_go:  # keep S, drop every chunk: the rebuild reads S back from the store
+        store.delete(key)
+    assert build_cache(opts, QUIET).entries_written == len(one_go) == 2
+    rebuilt = open_store(str(opts.workspace / "kv.zarr"), readonly=True)
+    assert {k: entry_bytes(rebuilt, k) for k in one_go} == one_go
+
+
+def test_rerun_without_format_uses_the_workspace_hdf5_store(tmp_path, short_docs, capsys, monkeypatch):
+    args = ["build-cache", small_corpus(tmp_path, short_docs), "--workspace", tmp_path / "ws",
+            "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]
+    code, _, err = run_main([*args, "--format", "hdf5"], capsys, monkeypatch)
+    assert code == 0, err
+    monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("model loaded"))
+    code, _, err = run_main(args, capsys, monkeypatch)
+    assert code == 0, err
+    assert re.search(r"entries written 0 .*already present 2", err)
+    assert not (tmp_path / "ws" / "kv.zarr").exists()
+    assert Workspace(tmp_path / "ws").manifest()["format"] == "hdf5"
+
+
+def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built, tmp_path, capsys, monkeypatch):
+    def full(chunks, path):
+        Path(path).write_bytes(b"PAR1")  # a few bytes made it, then the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr("kvf.pipeline.build.write_chunks_table", full)
+    ws = tmp_path / "ws"
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
+                            capsys, monkeypatch)
+    assert_one_line_error(code, err, f"--workspace {ws}", "disk full")
+    assert sorted(p.name for p in ws.iterdir()) == ["kv.zarr"]  # no chunks table, no half-written temp file
+
+
+# ---- killed mid-build: resume, readers during the build, equality with a one-go build -------------
+def entry_files(store_path: Path, key: str) -> dict[str, tuple[int, int]]:
+    entry = store_path / key[:2] / key
+    return {str(p.relative_to(entry)): (p.stat().st_mtime_ns, p.stat().st_ino) for p in entry.rglob("*") if p.is_file()}
+
+
+def test_sigkill_midway_then_rerun_resumes_and_equals_one_go_build(tmp_path):
+    make_synthetic(tmp_path / "data", n_questions=2, passages_per_question=3, seed=1)
+    corpus = tmp_path / "data" / "corpus"
+    build_args = ["build-cache", corpus, "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]
+    ws, store_path = tmp_path / "ws", tmp_path / "ws" / "kv.zarr"
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen([*KVF, *map(str, build_args), "--workspace", str(ws)],
+                            env=SUB_ENV, stdout=log, stderr=subprocess.STDOUT)
+    reads, seen_sizes, store, deadline = 0, set(), None, time.monotonic() + 300
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if store is None and (store_path / "zarr.json").is_file():
+                store = open_store(str(store_path), readonly=True)
+            if store is not None:
+                keys = store.keys()
+                seen_sizes.add(len(keys))
+                for key in keys:  # a reader loads whole entries (checksummed) while the build appends
+                    store.get(key)
+                    reads += 1
+                if len(keys) >= 4:  # S and at least 3 chunks committed
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+        proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
+    assert reads >= 4 and len(seen_sizes) >= 2  # read while the store grew under the reader
+    store = open_store(str(store_path), readonly=True)
+    assert store.verify() == []  # committed entries are whole; a half-written one is invisible
+    before = {k: entry_files(store_path, k) for k in store.keys()}
+
+    rerun = kvf_cli(*build_args, "--workspace", ws)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    n_chunks = len(read_chunks_table(ws / "chunks.parquet"))
+    assert len(before) - 1 < n_chunks  # it really was killed midway
+    written, present = map(int, re.search(r"entries written (\d+) .*already present (\d+)", rerun.stderr).groups())
+    assert (written, present) == (n_chunks - (len(before) - 1), len(before) - 1)  # nothing recomputed
+    assert {k: entry_files(store_path, k) for k in before} == before  # committed files untouched
+    verify = kvf_cli("store", "verify", "--store", store_path)
+    assert verify.returncode == 0 and f"{n_chunks + 1} entries OK" in verify.stdout
+    open_store(str(store_path)).gc()  # the killed writer's temp data goes
+    assert open_store(str(store_path), readonly=True).info()["temp_items"] == 0
+
+    one_go = kvf_cli(*build_args, "--workspace", tmp_path / "ws_one_go")
+    assert one_go.returncode == 0, one_go.stderr[-2000:]
+    resumed, reference = open_store(str(store_path), readonly=True), open_store(str(tmp_path / "ws_one_go" / "kv.zarr"), readonly=True)
+    assert resumed.keys() == reference.keys()
+    for key in reference.keys():
+        assert entry_bytes(resumed, key) == entry_bytes(reference, key), key
+
+
+# ---- the real CLI: variants, summary, search, store info ------------------------------------------
+def test_cli_builds_prefix_and_fusion_with_cachecraft_meta(tmp_path, short_docs):
+    write_corpus(tmp_path, short_docs)
+    ws = tmp_path / "ws"
+    result = kvf_cli("build-cache", "corpus", "--workspace", "ws", "--chunk-tokens", CHUNK_TOKENS, "--neighbours", 2,
+                     "--variant", "prefix,fusion", "--cachecraft-meta", "--no-bm25", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # relative --workspace: the manifest still names the store absolutely, for `kvf run` from elsewhere
+    assert json.loads((ws / "manifest.json").read_text())["store"] == str(ws / "kv.zarr")
+    assert "Traceback" not in result.stderr
+    for text in ("kv prefix", "kv fusion", "dense index", "tokens/s", "items/s", "entries written"):
+        assert text in result.stderr, text
+    chunks = read_chunks_table(ws / "chunks.parquet")
+    neighbours = json.loads((ws / "neighbours.json").read_text())
+    store = open_store(str(ws / "kv.zarr"), readonly=True)
+    variants = [store.attrs(k)["variant"] for k in store.keys()]
+    assert sorted(variants) == sorted(["system"] + ["prefix"] * len(chunks) + ["fusion"] * len(chunks))
+    for key in store.keys():
+        attrs = store.attrs(key)
+        if attrs["variant"] == "fusion":  # attended to exactly its stored neighbours, in order
+            assert attrs["neighbours"] == neighbours[attrs["chunk_id"]] and len(attrs["neighbours"]) == 2
+            assert store.get_extras(key)["cc_inter"].shape == (3, store.header(key).tokens)  # S + 2 neighbours
+    info = kvf_cli("store", "info", "--store", ws / "kv.zarr")
+    assert info.returncode == 0 and f"fusion: {len(chunks)}, prefix: {len(chunks)}, system: 1" in info.stdout
+
+
+def test_cli_missing_corpus_is_one_line_without_traceback(tmp_path):
+    result = kvf_cli("build-cache", tmp_path / "nope", "--workspace", tmp_path / "ws")
+    assert_one_line_error(result.returncode, result.stderr, "does not exist")
+    assert not (tmp_path / "ws").exists()  # refused before touching anything
+
+
+# ---- bad input: one line, exit 1, no traceback ----------------------------------------------------
+def bad_corpus(tmp_path: Path, kind: str) -> Path:
+    corpus = tmp_path / "corpus"
+    if kind == "missing":
+        return corpus
+    corpus.mkdir()
+    if kind == "unsupported":
+        (corpus / "table.csv").write_text("a,b\n1,2\n")
+        (corpus / "paper.pdf").write_bytes(b"%PDF-1.4")
+    return corpus
+
+
+@pytest.mark.parametrize("kind,fragment", [("missing", "does not exist"), ("empty", "is empty"),
+                                           ("unsupported", "has no supported files")])
+def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys, monkeypatch, kind, fragment):
+    corpus = bad_corpus(tmp_path, kind)
+    code, _, err = run_main(["build-cache", corpus, "--workspace", tmp_path / "ws"], capsys, monkeypatch)
+    assert_one_line_error(code, err, fragment, str(corpus))
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--shard", "2/2"], "--shard 2/2"), (["--shard", "x"], "--shard x"), (["--variant", "prefix,suffix"], "--variant suffix"),
+    (["--dtype", "float64"], "--dtype float64"), (["--chunk-tokens", "0"], "--chunk-tokens"),
+    (["--chunk-tokens", "32", "--overlap", "40"], "--overlap"), (["--format", "parquet"], "unknown store format")])
+def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, flags, fragment):
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
+                             *flags], capsys, monkeypatch)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_store_path_not_writable_is_one_line(built, tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
+                             "--store", blocker / "kv.zarr"], capsys, monkeypatch)
+    assert_one_line_error(code, err, "cannot create store", "writable --store")
+    code, _, err = run_main(["build-cache", built.corpus, "--workspace", blocker / "ws"], capsys, monkeypatch)
+    assert_one_line_error(code, err, "--workspace", "not writable")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_store_dir_without_write_permission_is_one_line(built, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25",
+                                 "--no-dense", "--store", locked / "kv.zarr"], capsys, monkeypatch)
+    finally:
+        locked.chmod(0o700)
+    assert_one_line_error(code, err, "cannot create store")
+
+
+def test_binary_non_utf8_and_tokenless_documents_are_skipped_with_a_warning(built, tmp_path, capsys, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("Quillmarsh is the capital of the Drelvan province.")
+    (corpus / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (corpus / "latin1.md").write_bytes("Caf\xe9 in Quillmarsh".encode("latin-1"))
+    (corpus / "blank.md").write_text("  \n\t\n")
+    (corpus / "rows.jsonl").write_text('{"id": "r1", "text": ""}\n{"id": "r2", "text": "Goats live on the Kettar slopes."}\n')
+    ws = tmp_path / "ws"
+    code, _, err = run_main(["build-cache", corpus, "--workspace", ws, "--no-bm25", "--no-dense"], capsys, monkeypatch)
+    assert code == 0, err
+    for name in ("image.txt", "latin1.md", "blank.md", "'r1'"):
+        assert re.search(r"warning: skipped.*" + re.escape(name), err), name
+    chunks = read_chunks_table(ws / "chunks.parquet")
+    assert sorted(c.doc_id for c in chunks) == ["good.txt", "r2"]
+    assert len(chunk_keys(open_store(str(ws / "kv.zarr"), readonly=True))) == 2
+
+
+def test_build_cache_errors_are_kvf_errors(built, tmp_path):
+    """The in-process API raises KvfError (what the CLI turns into one line), never a bare exception."""
+    with pytest.raises(KvfError, match="does not exist"):
+        build_cache(opts_for(tmp_path, tmp_path / "nope"), QUIET)
