@@ -171,8 +171,8 @@ def drop_page_cache(root: str) -> None:
 
 # ---- one timed request --------------------------------------------------------------------------
 def timed_request(engine: FusionEngine, method, prompt: FusedPrompt, store, keys, pipeline: bool,
-                  memory: PeakMemory) -> dict:
-    source = StoreKVSource(store, keys, engine.model.n_layers, pipeline) if method.uses_store else None
+                  memory: PeakMemory, extras: list[dict] | None = None) -> dict:
+    source = StoreKVSource(store, keys, engine.model.n_layers, pipeline, extras) if method.uses_store else None
     memory.start()
     started = time.perf_counter()
     fused = method.prefill(engine, prompt, source)
@@ -206,14 +206,17 @@ def plan(opts: BenchOptions) -> list:
 
 
 def store_chunk_kvs(engine: FusionEngine, prompt: FusedPrompt, store) -> list[str]:
-    """Offline step: each chunk's prefix-variant KV into the store (untimed). Returns their keys."""
+    """Offline step: each chunk's prefix-variant KV (with Cache-Craft's summaries) into the store,
+    untimed. Returns their keys. (Timing does not depend on which variant's values are stored.)"""
+    from kvf.pipeline.methods.cachecraft import chunk_kv_with_summaries
     keys = EntryKeys("bench", prompt.prefix_ids)
     prefix_kv = engine.prefix_kv(prompt.prefix_ids)
     out = []
     for seg in prompt.chunk_segments:
         key = keys.chunk("prefix", seg)
         if not store.has(key):
-            store.put(key, engine.chunk_kv(seg, prompt.prefix_ids, [prefix_kv]).cpu(), attrs={"variant": "prefix"})
+            kv, extras = chunk_kv_with_summaries(engine, seg, prompt.prefix_ids, [prefix_kv])
+            store.put(key, kv.cpu(), attrs={"variant": "prefix"}, extras=extras)
         out.append(key)
     return out
 
@@ -236,6 +239,7 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
                                meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
                                      "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
             keys = store_chunk_kvs(engine, prompt, store)
+            extras = [store.get_extras(k) for k in keys]  # Cache-Craft's, read before timing like any index
             fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
                 * torch.empty(0, dtype=transformer.dtype).element_size()
             auto = None
@@ -249,13 +253,13 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
             if auto is not None:
                 run_list.append((build_method("cacheblend", auto), True))
             for method, pipeline in run_list:
-                timed_request(engine, method, prompt, store, keys, pipeline, memory)  # warm-up
+                timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)  # warm-up
                 for mode in opts.modes:
                     reps = []
                     for _ in range(opts.repeats):
                         if mode == "cold":
                             drop_page_cache(store.root)
-                        reps.append(timed_request(engine, method, prompt, store, keys, pipeline, memory))
+                        reps.append(timed_request(engine, method, prompt, store, keys, pipeline, memory, extras))
                     row = median_row(reps)
                     row.update(length=prompt.n_tokens, method=method.name,
                                ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,

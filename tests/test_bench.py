@@ -22,7 +22,7 @@ def test_controller_balances_load_and_recompute():
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic"],
+    opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft"],
                         ratios=[0.15, 0.3], repeats=1, random_weights="tiny", out=out, workdir=out / "work")
     return bench(opts, QUIET), out
 
@@ -30,10 +30,10 @@ def tiny_bench(tmp_path_factory):
 def test_bench_measures_every_method_against_full(tiny_bench):
     df, out = tiny_bench
     warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto]
-    assert set(warm.method) == {"full", "reuse", "cacheblend", "fusionrag", "epic"}
+    assert set(warm.method) == {"full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft"}
     assert (warm[warm.method == "full"].ttft_ratio == 1.0).all()
-    # cacheblend, fusionrag and epic at two ratios, full and reuse once, at both lengths
-    assert len(warm) == 2 * (2 + 3 * 2)
+    # cacheblend, fusionrag, epic and cachecraft at two ratios, full and reuse once, at both lengths
+    assert len(warm) == 2 * (2 + 4 * 2)
     for _, row in warm[warm.method == "cacheblend"].iterrows():
         assert row.recomputed_tokens == int(row.ratio * row.chunk_tokens + 0.5)
     assert set(df["mode"]) == {"warm", "cold"}
