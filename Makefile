@@ -2,7 +2,7 @@
 #   make demo    set up, then build a store for a synthetic corpus and answer with full / reuse / cacheblend
 #   make test    set up, then run the test suite (what CI runs)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
-#   make methods every method, the issue-5 sweep, then results/methods.md            (N= questions)
+#   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions)
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
 # Real data is read from $(KVF_DATA) (default ../shared/data); it is never copied here.
@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KVF := $(VENV)/bin/kvf
 KVF_DATA ?= $(abspath ../shared/data)
-N ?= 20
+N ?= 8
 RATIOS ?= 0,0.05,0.15,0.3,1
 WORK ?= work
 export HF_HUB_OFFLINE := 1
@@ -49,13 +49,18 @@ quality: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK
 	$(KVF) eval runs/quality/*.jsonl --out results/quality
 	@echo "results in results/quality/ (summary.md, summary.csv, plots)"
 
-ALL_METHODS ?= full,reuse,prefix,pcw,epic,cacheblend,cachecraft,fusionrag,prophetkv,cachefocus
+ALL_METHODS ?= full,reuse,pcw,epic,cacheblend,cachecraft,fusionrag,prophetkv,cachefocus
+NEIGHBOURS ?= 3
+N_NQ ?= $(N)
 methods: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK)/nq/questions.jsonl
-	for d in musique 2wikimqa nq; do \
-	  $(KVF) run -d $(WORK)/$$d -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N) --compare-full --max-new-tokens 16 \
-	    -o runs/methods/$$d.jsonl || exit 1; done
+	$(KVF) run -d $(WORK)/nq -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N_NQ) --compare-full --max-new-tokens 12 \
+	  -o runs/methods/nq.jsonl
+	for d in 2wikimqa musique; do \
+	  $(KVF) run -d $(WORK)/$$d -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N) --neighbours $(NEIGHBOURS) \
+	    --compare-full --max-new-tokens 12 -o runs/methods/$$d.jsonl || exit 1; done
 	$(KVF) eval runs/methods/*.jsonl --out results/methods
-	@echo "results in results/methods/ (summary.md, summary.csv, plots)"
+	cp results/methods/summary.md results/methods.md
+	@echo "results in results/methods.md and results/methods/ (summary.csv, plots)"
 
 REPEATS ?= 3
 ttft: setup

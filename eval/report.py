@@ -310,12 +310,33 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     fig.savefig(path, dpi=120)
 
 
+def most_faithful(summary: pd.DataFrame, ratio: float = 0.15) -> list[str]:
+    """One line per dataset: the selective method with the highest fidelity to full at `ratio`
+    (answer F1 against full's answer; ties broken by first-token top-1 agreement)."""
+    lines = []
+    at_ratio = summary[(summary.ratio - ratio).abs() < 1e-9]
+    at_ratio = at_ratio[~at_ratio.method.isin(["full", "prefix"])]
+    for dataset, rows in at_ratio.groupby("dataset"):
+        rows = rows.dropna(subset=["fidelity_f1"])
+        if rows.empty:
+            continue
+        best = rows.sort_values(["fidelity_f1", "top1_agree"], ascending=False, na_position="last").iloc[0]
+        lines.append(f"- {dataset}: **{best.method}** ({best.variant}) keeps the most fidelity to full at "
+                     f"{ratio:.0%} recomputation: answer F1 vs full {best.fidelity_f1:.3f}"
+                     + (f", top-1 agreement {best.top1_agree:.2f}" if best.top1_agree == best.top1_agree else "")
+                     + f" (n = {int(best.n)})")
+    return lines
+
+
 def write_outputs(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     """summary.csv, summary.md and the PNG plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
     summary.to_csv(written[0], index=False)
-    written[1].write_text(summary_markdown(summary))
+    best = most_faithful(summary)
+    written[1].write_text(summary_markdown(summary)
+                          + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n"
+                             if best else ""))
     for dataset in summary.dataset.unique():
         path = out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png"
         plot_quality(summary, dataset, path)

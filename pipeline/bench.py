@@ -283,7 +283,7 @@ def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
     """Per method at 0.15: load time with pipelining vs without (same length and mode)."""
-    on = df[df.pipeline & (df.ratio == 0.15)].set_index(["length", "mode", "method"])
+    on = df[df.pipeline & (df.ratio == 0.15) & ~df.ratio_auto].set_index(["length", "mode", "method"])
     off = df[~df.pipeline].set_index(["length", "mode", "method"])
     joined = on[["load", "read", "recompute"]].join(off[["load"]].rename(columns={"load": "load_no_pipeline"}),
                                                     how="inner")

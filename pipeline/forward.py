@@ -17,6 +17,10 @@ from kvf.pipeline.model import SUPPORTED_ARCHITECTURES
 from kvf.pipeline.rope import Rope, apply_rope
 
 
+MLP_BLOCK_ROWS = 1024  # rows per MLP call in long prefills (bounds the [rows, intermediate] transient)
+ATTN_BLOCK_ROWS = 1024  # query rows per masked attention call (bounds the [rows, n] mask and scores)
+
+
 class KVCache:
     """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies."""
 
@@ -90,15 +94,30 @@ class Transformer:
         Materialises at most [H, t, n] scores: O(t * n), never n x n unless every token is computed.
         Returns the attention output after o_proj, [t, D].
         """
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                             is_causal=is_causal, scale=self.scaling, enable_gqa=True)
         t = q.shape[1]
+        if mask is not None and t > ATTN_BLOCK_ROWS:
+            # queries are independent: blocks of rows keep the mask (and any score tile) at
+            # [block, n] instead of [t, n], which for a long prompt is as large as the KV cache
+            out = torch.cat([F.scaled_dot_product_attention(
+                q[None, :, i: i + ATTN_BLOCK_ROWS], keys[None], values[None], attn_mask=mask[i: i + ATTN_BLOCK_ROWS],
+                scale=self.scaling, enable_gqa=True) for i in range(0, t, ATTN_BLOCK_ROWS)], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                                 is_causal=is_causal, scale=self.scaling, enable_gqa=True)
         return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
 
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Residual MLP block on [t, D] rows: per token, so running it on selected rows is exact."""
+        """Residual MLP block on [t, D] rows: per token, so running it on selected rows is exact.
+
+        Long row sets go through in blocks: the [t, intermediate] activations would otherwise be
+        the largest transient of a long prefill (several times the hidden states).
+        """
         block = self.layers[layer]
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        out = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], MLP_BLOCK_ROWS):
+            rows = hidden[start: start + MLP_BLOCK_ROWS]
+            out[start: start + MLP_BLOCK_ROWS] = rows + block.mlp(block.post_attention_layernorm(rows))
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [t, D] -> logits [t, vocab]."""

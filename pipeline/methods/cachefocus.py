@@ -113,12 +113,14 @@ def chunks_to_keep(kept: list[int], chunk_scores: torch.Tensor, keep: int) -> li
 
 
 def compact_cache(model: Transformer, cache: KVCache, keep_rows: torch.Tensor) -> KVCache:
-    """A cache holding only `keep_rows` [m] of `cache` (in order), with the same room left for decoding."""
-    spare = cache.kv.shape[3] - cache.length
-    out = model.new_cache(len(keep_rows) + spare)
-    out.kv[:, :, :, : len(keep_rows)] = cache.kv[:, :, :, keep_rows]  # [L, 2, KV, m, d]
-    out.length = len(keep_rows)
-    return out
+    """Keep only `keep_rows` [m] of `cache` (in order) at its front, in place, layer by layer: a
+    second full-size cache would double the peak memory of a long prompt. The room behind stays
+    free for decoding."""
+    m = len(keep_rows)
+    for layer in range(cache.kv.shape[0]):
+        cache.kv[layer, :, :, :m] = cache.kv[layer, :, :, keep_rows]  # [2, KV, m, d]; rows only move forward
+    cache.length = m
+    return cache
 
 
 @register
