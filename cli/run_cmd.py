@@ -14,7 +14,8 @@ console = Console(stderr=True)
 def run_command(
     dataset: Path = typer.Option(..., "--dataset", "-d", help="Prepared dataset dir (corpus/ + questions.jsonl), see `kvf data`."),
     method: str = typer.Option(..., "--method", "-m", help="Fusion method(s), comma-separated: full, prefix, reuse, pcw, epic, cacheblend, cachecraft, fusionrag, prophetkv, cachefocus."),
-    ratio: str = typer.Option("0.15", "--ratio", "-r", help="Recompute ratio in [0, 1], or a comma list to sweep (0,0.05,0.15,0.3,1)."),
+    ratio: str = typer.Option("0.15", "--ratio", "-r", help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller)."),
+    quality_floor: float = typer.Option(0.15, "--quality-floor", help="With --ratio auto: never recompute less than this."),
     out: Path = typer.Option(..., "--out", "-o", help="Run file (JSON lines); re-running skips questions already in it."),
     workspace: Path = typer.Option(None, "--workspace", "-w", help="Workspace from build-cache (default: DATASET/workspace, built if absent)."),
     variant: str = typer.Option(None, "--variant", help="Stored KV variant: prefix or fusion (default: the method's own)."),

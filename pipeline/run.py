@@ -24,12 +24,14 @@ from kvf.pipeline.answer import Answerer
 from kvf.pipeline.build import (BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes,
                                 store_location)
 from kvf.pipeline.chunking import read_chunks_table
+from kvf.pipeline.controller import DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth, measure_token_layer_seconds
 from kvf.pipeline.methods import FusionMethod, build_method, get_method
 from kvf.pipeline.model import open_model
 from kvf.pipeline.store_source import StoreKVSource
 from kvf.pipeline.workspace import Workspace
 
 SETTINGS = ("auto", "per-question", "shared")
+FIXED_RATIO_METHODS = ("full", "prefix", "reuse", "pcw", "cachefocus")  # their ratio is not a knob
 
 
 @dataclass
@@ -53,6 +55,8 @@ class RunOptions:
     store: str | None = None
     device: str = "cpu"
     n_neighbours: int = 10              # FusionRAG's n, when run has to create the workspace
+    auto_ratio: bool = False            # --ratio auto: the loading controller picks each question's ratio
+    quality_floor: float = DEFAULT_QUALITY_FLOOR
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -68,7 +72,12 @@ def parse_ratios(text: str) -> list[float]:
 
 # ---- resumable output ---------------------------------------------------------------------------
 def record_key(rec: dict) -> tuple:
-    return (rec["qid"], rec["method"], rec["settings"].get("variant"), float(rec["settings"].get("ratio", 0.0)))
+    return (rec["qid"], rec["method"], rec["settings"].get("variant"), ratio_key(rec["settings"]))
+
+
+def ratio_key(settings: dict):
+    """How a record's ratio is matched on resume: 'auto' runs by mode (their ratio varies per question)."""
+    return "auto" if settings.get("ratio_mode") == "auto" else float(settings.get("ratio", 0.0))
 
 
 def read_done(out: Path) -> set[tuple]:
@@ -203,6 +212,7 @@ def run(opts: RunOptions, console: Console) -> Path:
     answerer.engine.remember_prefix_kv(builder.template.prefix_ids, builder.system_kv())
     n_layers = answerer.transformer.n_layers
     full_method = get_method("full")
+    token_layer_seconds = measure_token_layer_seconds(answerer.transformer) if opts.auto_ratio else None
     name = dataset_name(opts.dataset)
 
     opts.out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,8 +224,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                   TextColumn("{task.fields[stats]}"), console=console) as progress:
         task = progress.add_task(f"{label} on {name}", total=len(questions) * len(planned), stats="")
         for q in questions:
-            todo = [(m, v) for m, v in planned
-                    if (q.qid, m.name, v, float(m.settings().get("ratio", 0.0))) not in done]
+            todo = [(m, v) for m, v in planned if (q.qid, m.name, v, ratio_key(auto_settings(m, opts))) not in done]
             progress.advance(task, len(planned) - len(todo))
             if not todo:
                 continue
@@ -226,6 +235,9 @@ def run(opts: RunOptions, console: Console) -> Path:
                     for v in {v for m, v in todo if m.uses_store}}
             extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} if needs_extras else {}
             full = answerer.answer(prompt, full_method, None, opts.max_new_tokens) if opts.compare_full else None
+            if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
+                todo = [(with_auto_ratio(m, store, keys.get(v, []), prompt, token_layer_seconds, opts), v)
+                        for m, v in todo]
             for method, variant in todo:
                 def source(pipeline=opts.pipeline):
                     if not method.uses_store:
@@ -237,7 +249,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                 src = source()
                 ans = answerer.answer(prompt, method, src, opts.max_new_tokens)
                 rec = {"qid": q.qid, "dataset": name, "method": method.name,
-                       "settings": {**method.settings(), "variant": variant, "top_k": opts.top_k,
+                       "settings": {**auto_settings(method, opts), "variant": variant, "top_k": opts.top_k,
                                     "setting": setting, "retriever": opts.retriever if setting == "shared" else None,
                                     "chunk_tokens": manifest.get("chunk_tokens"), "model": model_ref.name,
                                     "store": str(store.path), "pipeline": opts.pipeline},
@@ -255,6 +267,24 @@ def run(opts: RunOptions, console: Console) -> Path:
                 progress.update(task, advance=1, stats=f"mean TTFT {1000 * totals['ttft'] / totals['n']:.0f} ms, "
                                                        f"recomputed {100 * totals['recomputed'] / totals['n']:.1f}%")
     return opts.out
+
+
+def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:
+    """A method's recorded settings; with --ratio auto, selective methods say so."""
+    settings = method.settings()
+    if opts.auto_ratio and "ratio" in settings and method.name not in FIXED_RATIO_METHODS:
+        settings["ratio_mode"] = "auto"
+    return settings
+
+
+def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
+                    opts: RunOptions) -> FusionMethod:
+    """The same method at the ratio where recomputing a layer takes as long as loading one."""
+    if method.name in FIXED_RATIO_METHODS or not keys:
+        return method
+    layer_bytes, bandwidth = measure_bandwidth(store, keys)
+    ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, opts.quality_floor)
+    return build_method(method.name, ratio, opts.knobs)
 
 
 def ensure_entries(builder: EntryBuilder, variant: str, chunks, neighbours, chunks_by_id) -> list[str]:

@@ -133,3 +133,18 @@ def test_help_on_every_command():
     for cmd in ([], ["demo"], ["build-cache"], ["run"], ["eval"], ["search"], ["store", "info"], ["data", "prepare"]):
         proc = kvf_cli(*cmd, "--help")
         assert proc.returncode == 0 and "Usage" in proc.stdout, cmd
+
+
+def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
+    out = tmp_path / "auto.jsonl"
+    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.25], auto_ratio=True, quality_floor=0.25)
+    run(opts, QUIET)
+    records = read_records(out)
+    blend = [r for r in records if r["method"] == "cacheblend"]
+    assert len(blend) == 2
+    for r in blend:
+        assert r["settings"]["ratio_mode"] == "auto" and 0.25 <= r["settings"]["ratio"] <= 1.0
+        assert r["recomputed_tokens"] == int(r["settings"]["ratio"] * r["chunk_tokens"] + 0.5)
+    assert all("ratio_mode" not in r["settings"] for r in records if r["method"] == "reuse")
+    run(opts, QUIET)  # resuming matches auto records by mode, whatever ratio they got
+    assert len(read_records(out)) == len(records)
