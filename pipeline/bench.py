@@ -328,10 +328,11 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto & (df.method != "full")]
+    fixed_ratio = set(warm[warm.method != "full"].groupby("method").ratio.nunique().loc[lambda c: c == 1].index)
     for (method, ratio), g in warm.groupby(["method", "ratio"], dropna=False):
-        if ratio == ratio and ratio != 0.15:
-            continue  # one line per method: its 0.15 point, plus ratio-free methods
-        label = method if ratio != ratio or method in ("reuse",) else f"{method} @ {ratio:g}"
+        if method not in fixed_ratio and ratio != 0.15:
+            continue  # one line per method: selective ones at 0.15, the others (reuse, pcw, ...) as they are
+        label = method if method in fixed_ratio else f"{method} @ {ratio:g}"
         g = g.sort_values("length")
         ax.plot(g.length, g.ttft_ratio, marker="o", label=label)
     ax.set_xscale("log", base=2)

@@ -18,7 +18,7 @@ from kvf.pipeline.rope import Rope, apply_rope
 
 
 MLP_BLOCK_ROWS = 1024  # rows per MLP call in long prefills (bounds the [rows, intermediate] transient)
-ATTN_BLOCK_ROWS = 1024  # query rows per masked attention call (bounds the [rows, n] mask and scores)
+ATTN_BLOCK_ROWS = 256   # query rows per masked attention call (bounds scores; lets blocks skip later keys)
 
 
 class KVCache:
@@ -88,22 +88,28 @@ class Transformer:
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+               mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
         """q [H, t, d] (after RoPE) over keys/values [KV, n, d]; mask [t, n] bool (True = may attend).
 
-        Materialises at most [H, t, n] scores: O(t * n), never n x n unless every token is computed.
+        With a mask, queries go in blocks of rows; `rows` [t] (sorted cache rows of the queries)
+        lets each block read only keys up to its last row, which the causal mask hides anyway:
+        selected tokens spread over the prompt then cost about half of t x n, like causal
+        attention does, instead of all of it. Scores are at most [H, block, n]: never n x n.
         Returns the attention output after o_proj, [t, D].
         """
         t = q.shape[1]
-        if mask is not None and t > ATTN_BLOCK_ROWS:
-            # queries are independent: blocks of rows keep the mask (and any score tile) at
-            # [block, n] instead of [t, n], which for a long prompt is as large as the KV cache
-            out = torch.cat([F.scaled_dot_product_attention(
-                q[None, :, i: i + ATTN_BLOCK_ROWS], keys[None], values[None], attn_mask=mask[i: i + ATTN_BLOCK_ROWS],
-                scale=self.scaling, enable_gqa=True) for i in range(0, t, ATTN_BLOCK_ROWS)], dim=2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=is_causal,
+                                                 scale=self.scaling, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                                 is_causal=is_causal, scale=self.scaling, enable_gqa=True)
+            blocks = []
+            for i in range(0, t, ATTN_BLOCK_ROWS):
+                end = min(t, i + ATTN_BLOCK_ROWS)
+                n_keys = int(rows[end - 1]) + 1 if rows is not None else keys.shape[1]
+                blocks.append(F.scaled_dot_product_attention(
+                    q[None, :, i:end], keys[None, :, :n_keys], values[None, :, :n_keys],
+                    attn_mask=mask[i:end, :n_keys], scale=self.scaling, enable_gqa=True))
+            out = torch.cat(blocks, dim=2)
         return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
 
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,7 @@ class Transformer:
             keys_out.append(k)  # pre-RoPE keys, what the store keeps
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, rows, k, v)
-        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal)
+        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, rows)
         return self.mlp(layer, hidden)
 
     @torch.inference_mode()

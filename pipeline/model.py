@@ -101,7 +101,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # not a concurrent converter that finished first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
