@@ -1,5 +1,6 @@
 """`kvf bench` on a tiny random model (the GPU path's --random-weights, run on CPU), and the
 loading controller's ratio choice."""
+import io
 import pandas as pd
 import pytest
 from rich.console import Console
@@ -8,7 +9,7 @@ from kvf import KvfError
 from kvf.pipeline.bench import BenchOptions, bench, write_results
 from kvf.pipeline.controller import choose_ratio
 
-QUIET = Console(file=open("/dev/null", "w"))
+QUIET = Console(file=io.StringIO())
 
 
 def test_controller_balances_load_and_recompute():

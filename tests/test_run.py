@@ -1,4 +1,5 @@
 """`kvf run` end to end on the synthetic set: records, sweeps, resuming, and bad input."""
+import io
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from kvf.eval.synthetic import make_synthetic
 from kvf.pipeline.build import BuildOptions, build_cache
 from kvf.pipeline.run import RunOptions, parse_ratios, read_done, run
 
-QUIET = Console(file=open("/dev/null", "w"))
+QUIET = Console(file=io.StringIO())
 RECORD_FIELDS = {"qid", "dataset", "method", "settings", "chunk_ids", "question", "answer", "gold",
                  "prompt_tokens", "chunk_tokens", "recomputed_tokens", "timings"}
 
