@@ -312,15 +312,24 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     cachecraft_meta = opts.cachecraft_meta or previous.get("cachecraft_meta", False)
     builder = EntryBuilder(model_ref, store, opts.device, cachecraft_meta)
     summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+    write_workspace_manifest(ws, opts, model_ref, store, index_state,
+                             variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
+                             cachecraft_meta=cachecraft_meta)
+    return summary
+
+
+def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: ModelRef, store, index_state: dict,
+                             variants: list[str], cachecraft_meta: bool) -> None:
+    """The one writer of manifest.json: build-cache, and `kvf run` on a dataset that has no workspace yet.
+    variants lists the offline variants whose KVs were built ahead (a run builds them as questions need them)."""
     with _writing(ws):
         ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
                            "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
-                           "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap, "store": summary.store,
-                           "format": store.format, "dtype": opts.dtype, "corpus": str(opts.corpus),
-                           "variants": sorted(set(opts.variants) | set(previous.get("variants", []))),
+                           "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap,
+                           "store": store_location(ws, opts.store, store.format), "format": store.format,
+                           "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "cachecraft_meta": cachecraft_meta})
-    return summary
 
 
 @contextmanager

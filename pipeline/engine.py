@@ -73,6 +73,10 @@ class FusionState:
     rows: torch.Tensor               # [a] cache rows recomputed at the current layer, sorted
     hidden: torch.Tensor             # [a, D] their hidden states
     loaded_chunks: list[int]         # chunks whose stored KV fills their rows
+    source: "LayerKVSource | None"   # where the loaded chunks' stored KVs come from, layer by layer
+    prefix_kv: torch.Tensor          # [L, 2, KV, s, d] S's KV, keys before RoPE
+    cos: torch.Tensor                # [n, d] RoPE tables at `positions`, shared by all layers
+    sin: torch.Tensor                # [n, d]
     key_keep: torch.Tensor | None = None   # [n] bool, False = row dropped from the context
     loaded_layers: set = field(default_factory=set)
     mask: torch.Tensor | None = None       # [a, n] cached until rows change
@@ -174,12 +178,11 @@ class FusionEngine:
         rows = torch.unique(torch.cat([recompute_chunk_rows.long(), prompt.question_rows()]))  # sorted
         hidden = self.model.embed(prompt.all_ids()[rows])
         loaded = list(range(len(prompt.chunk_segments))) if loaded_chunks is None else loaded_chunks
-        state = FusionState(prompt, positions, cache, rows, hidden, loaded)
-        self._source = source
+        prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
+        cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)  # [n, d]
+        state = FusionState(prompt, positions, cache, rows, hidden, loaded, source, prefix_kv, cos, sin)
         if source is not None and hasattr(source, "start"):
             source.start(loaded)  # a pipelined source starts reading layer 0 now
-        self._prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
-        self._cos, self._sin = self.model.rope.cos_sin(positions, self.model.dtype)  # [n, d], shared by all layers
         return state
 
     def load_layer(self, state: FusionState, layer: int) -> None:
@@ -187,10 +190,10 @@ class FusionEngine:
         if layer in state.loaded_layers:
             return
         state.loaded_layers.add(layer)
-        self._write_rotated(state, layer, 0, self._prefix_kv[layer])
+        self._write_rotated(state, layer, 0, state.prefix_kv[layer])
         if state.loaded_chunks:
             spans = state.prompt.chunk_spans()
-            chunk_kvs = self._source.layer(layer, state.loaded_chunks)
+            chunk_kvs = state.source.layer(layer, state.loaded_chunks)
             for i, kv in zip(state.loaded_chunks, chunk_kvs):
                 self._write_rotated(state, layer, spans[i][0], kv)
 
@@ -198,7 +201,7 @@ class FusionEngine:
         """kv [2, KV, t, d] (keys before RoPE) -> cache rows [start, start + t) at their positions."""
         t = kv.shape[2]
         kv = kv.to(self.model.device, self.model.dtype, non_blocking=True)
-        cos, sin = self._cos[start: start + t], self._sin[start: start + t]
+        cos, sin = state.cos[start: start + t], state.sin[start: start + t]
         state.cache.write(layer, slice(start, start + t), apply_rope(kv[0], cos, sin), kv[1])
 
     def keep_rows(self, state: FusionState, keep_chunk_rows: torch.Tensor) -> None:
@@ -220,7 +223,7 @@ class FusionEngine:
     def project_kv(self, state: FusionState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh K (rotated) and V [KV, a, d] of the active rows at this layer, without writing them."""
         _, k, v = self.model.project_qkv(layer, state.hidden)
-        cos, sin = self._cos[state.rows], self._sin[state.rows]
+        cos, sin = state.cos[state.rows], state.sin[state.rows]
         return apply_rope(k, cos, sin), v
 
     @torch.inference_mode()
@@ -248,7 +251,7 @@ class FusionEngine:
         """
         q_rows = state.prompt.question_rows()
         q, _, _ = self.model.project_qkv(layer, question_hidden)                 # [H, |Q|, d]
-        q = apply_rope(q, self._cos[q_rows], self._sin[q_rows])
+        q = apply_rope(q, state.cos[q_rows], state.sin[q_rows])
         group = self.model.n_heads // self.model.n_kv_heads
         keys = state.cache.keys(layer).repeat_interleave(group, dim=0)            # [H, n, d]
         scores = (q @ keys.transpose(1, 2)) * self.model.scaling                  # [H, |Q|, n]
@@ -286,7 +289,7 @@ class FusionEngine:
                 keys = state.cache.kv[layer, 0][:, moved]                   # [KV, m, d], rotated at `old`
                 state.cache.kv[layer, 0][:, moved] = reposition_keys(keys, self.model.rope, old, new)
         state.positions = positions.clone()
-        self._cos, self._sin = self.model.rope.cos_sin(state.positions, self.model.dtype)
+        state.cos, state.sin = self.model.rope.cos_sin(state.positions, self.model.dtype)
 
     def finish(self, state: FusionState, load_seconds: float, started: float) -> FusionResult:
         logits = self.model.logits(state.hidden[-1:])[0]

@@ -22,7 +22,7 @@ from kvf import KvfError
 from kvf.eval.datasets import Question, load_prepared
 from kvf.pipeline.answer import Answerer
 from kvf.pipeline.build import (BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes,
-                                store_location)
+                                write_workspace_manifest)
 from kvf.pipeline.chunking import read_chunks_table
 from kvf.pipeline.controller import DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth, measure_token_layer_seconds
 from kvf.pipeline.methods import FusionMethod, build_method, get_method
@@ -152,10 +152,8 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
         stage_indexes(bopts, ws, chunks, index_state)
-        ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
-                           "chunk_tokens": opts.chunk_tokens, "overlap": 0, "store": store_location(ws, opts.store, None),
-                           "format": "zarr", "dtype": "float16", "corpus": str(bopts.corpus), "variants": [],
-                           "n_neighbours": bopts.n_neighbours, "embedder": None, "indexes": index_state})
+        store = open_workspace_store(ws, model_ref, opts.store, None, bopts.dtype, create=True)
+        write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], cachecraft_meta=False)
     return ws
 
 

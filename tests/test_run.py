@@ -71,6 +71,20 @@ def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
     assert len(read_done(out)) == 4
 
 
+def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
+    """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
+    field build-cache's does (same writer), so a later build-cache or run reads it alike."""
+    ws = tmp_path / "ws"
+    run(run_opts(built, tmp_path / "runs.jsonl", methods=["reuse"], ratios=[0.0], limit=1, workspace=ws,
+                 chunk_tokens=64), QUIET)
+    made_by_run = json.loads((ws / "manifest.json").read_text())
+    made_by_build = json.loads((built / "ws" / "manifest.json").read_text())
+    assert set(made_by_run) == set(made_by_build)
+    assert made_by_run["format"] == "zarr" and made_by_run["store"] == str((ws / "kv.zarr").resolve())
+    assert made_by_run["tokenizer_fingerprint"] == made_by_build["tokenizer_fingerprint"]
+    assert made_by_run["variants"] == [] and made_by_run["chunk_tokens"] == 64
+
+
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "0.1,abc", ""])
 def test_bad_ratio_is_refused(text):
     with pytest.raises(KvfError, match="--ratio"):
