@@ -58,8 +58,8 @@ methods: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK
 	for d in 2wikimqa musique; do \
 	  $(KVF) run -d $(WORK)/$$d -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N) --neighbours $(NEIGHBOURS) \
 	    --compare-full --max-new-tokens 12 -o runs/methods/$$d.jsonl || exit 1; done
-	$(KVF) eval runs/methods/*.jsonl --out results/methods
-	cp results/methods/summary.md results/methods.md
+	$(KVF) eval --complete-only runs/methods/*.jsonl --out results/methods
+	cat scripts/methods_header.md results/methods/summary.md > results/methods.md
 	@echo "results in results/methods.md and results/methods/ (summary.csv, plots)"
 
 REPEATS ?= 3

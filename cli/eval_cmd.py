@@ -14,9 +14,12 @@ def eval_command(
              "for normalized F1 and TTFT ratio.")],
     out: Annotated[Path, typer.Option(
         "--out", help="Directory for summary.csv, summary.md and the plots.")] = Path("results"),
+    complete_only: Annotated[bool, typer.Option(
+        "--complete-only", help="Score only the questions every method/ratio of their dataset answered "
+                                "(a sweep stopped mid-question then compares all methods on the same questions).")] = False,
 ):
     """Score runs: EM, F1, substring accuracy, normalized F1, fidelity to full, TTFT ratio."""
-    summary = evaluate(run_files, out)
+    summary = evaluate(run_files, out, complete_only)
     console = Console(width=max(Console().width, 140))  # wide enough for the table in logs too
     console.print(summary_table(summary))
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/")

@@ -77,7 +77,10 @@ def _record_row(rec: dict, path: Path, lineno: int) -> dict:
            "answer": rec["answer"], "gold": gold, "full_answer": rec.get("full_answer"),
            "kl_full": _number(rec.get("kl_full")), "top1_agree": _number(rec.get("top1_agree_full")),
            "prompt_tokens": _number(rec.get("prompt_tokens")), "chunk_tokens": _number(rec.get("chunk_tokens")),
-           "recomputed_tokens": _number(rec.get("recomputed_tokens"))}
+           "recomputed_tokens": _number(rec.get("recomputed_tokens")),
+           # how the run was set up, for the report's "runs" table
+           "setting": settings.get("setting"), "retriever": settings.get("retriever"),
+           "top_k": settings.get("top_k"), "chunk_size": settings.get("chunk_tokens"), "model": settings.get("model")}
     for name in TIMINGS:
         row[f"t_{name}"] = _number(timings.get(name))
     return row
@@ -98,6 +101,22 @@ def load_runs(run_files: list[Path]) -> pd.DataFrame:
     df["substring"] = [substring_accuracy(a, g) for a, g in zip(df.answer, df.gold)]
     _check_duplicates(df)
     return df
+
+
+def complete_questions(df: pd.DataFrame) -> pd.DataFrame:
+    """Only the questions that every (method, variant, ratio) of their dataset answered.
+
+    A sweep stopped mid-question (or still running) leaves its last question with some methods
+    only; keeping the common questions compares every method on the same questions."""
+    kept = []
+    for dataset, rows in df.groupby("dataset", sort=False):
+        answered = rows.groupby(["method", "variant", "ratio"], dropna=False).qid.apply(set)
+        kept.append(rows[rows.qid.isin(set.intersection(*answered))])
+    out = pd.concat(kept)
+    if out.empty:
+        raise KvfError("--complete-only: no question was answered by every method of its dataset; "
+                       "let the sweep finish a question, or leave --complete-only out")
+    return out
 
 
 def _check_duplicates(df: pd.DataFrame):
@@ -328,13 +347,37 @@ def most_faithful(summary: pd.DataFrame, ratio: float = 0.15) -> list[str]:
     return lines
 
 
-def write_outputs(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """summary.csv, summary.md and the PNG plots; returns the paths written."""
+def runs_markdown(df: pd.DataFrame) -> str:
+    """What the summary was computed from, per dataset: questions, setting, retrieval, prompt size."""
+    lines = ["| dataset | questions | setting | context | chunk tokens | prompt tokens (mean) | model |",
+             "|---|---|---|---|---|---|---|"]
+    for dataset, rows in df.groupby("dataset", sort=True):
+        setting = _one_value(rows.setting)
+        if setting == "shared":
+            context = f"{_one_value(rows.retriever) or 'bm25'} top-{_one_value(rows.top_k)} of the corpus"
+        else:
+            context = "the question's own passages" if setting == "per-question" else "-"
+        lines.append(f"| {dataset} | {rows.qid.nunique()} | {setting or '-'} | {context} | "
+                     f"{_one_value(rows.chunk_size) or '-'} | {rows.prompt_tokens.mean():.0f} | "
+                     f"{_one_value(rows.model) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _one_value(column: pd.Series):
+    """The column's value when all rows agree, else the distinct values joined ("a/b")."""
+    values = sorted({str(v) for v in column.dropna()})
+    return values[0] if len(values) == 1 else "/".join(values) or None
+
+
+def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None = None) -> list[Path]:
+    """summary.csv, summary.md and the PNG plots; returns the paths written.
+    df (the scored records) adds the "runs" table to summary.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
     summary.to_csv(written[0], index=False)
     best = most_faithful(summary)
-    written[1].write_text(summary_markdown(summary)
+    runs = "" if df is None else "Runs:\n\n" + runs_markdown(df) + "\nSummary:\n\n"
+    written[1].write_text(runs + summary_markdown(summary)
                           + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n"
                              if best else ""))
     for dataset in summary.dataset.unique():
@@ -347,9 +390,13 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     return written
 
 
-def evaluate(run_files: list[Path], out_dir: Path) -> pd.DataFrame:
+def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False) -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
+    complete_only: score only questions every method answered (see complete_questions).
     The written paths are in `summary.attrs["written"]`."""
-    summary = summarize(load_runs([Path(p) for p in run_files]))
-    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir))]
+    df = load_runs([Path(p) for p in run_files])
+    if complete_only:
+        df = complete_questions(df)
+    summary = summarize(df)
+    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df)]
     return summary

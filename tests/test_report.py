@@ -82,9 +82,37 @@ def test_outputs_written(runs, tmp_path):
     assert (out / "quality_vs_ratio_toy.png").read_bytes()[:4] == b"\x89PNG"
     csv = pd.read_csv(out / "summary.csv")
     assert list(csv.method) == ["full", "reuse", "cacheblend"]
-    md = (out / "summary.md").read_text().splitlines()
+    md = (out / "summary.md").read_text().split("Summary:\n\n")[1].splitlines()
     assert md[0].startswith("| dataset | method |") and len(md) == 2 + 3
     assert "| toy | cacheblend | prefix | 0.20 | 4 |" in md[4]
+
+
+def test_runs_table_says_what_was_run(runs, tmp_path):
+    shared = write_run(tmp_path / "shared.jsonl", [
+        {**record(q, m, "x", ratio=1.0, dataset="nq"),
+         "settings": {"ratio": 1.0, "variant": "prefix", "setting": "shared", "retriever": "dense", "top_k": 5,
+                      "chunk_tokens": 256, "model": "SmolLM2"}}
+        for q in ("q1", "q2") for m in ("full", "reuse")])
+    evaluate(runs + [shared], tmp_path / "out")
+    runs_part = (tmp_path / "out" / "summary.md").read_text().split("Summary:")[0].splitlines()
+    assert runs_part[0] == "Runs:"
+    assert "| nq | 2 | shared | dense top-5 of the corpus | 256 | 500 | SmolLM2 |" in runs_part
+    assert "| toy | 4 | - | - | 100 | 500 | - |" in runs_part
+
+
+def test_complete_only_keeps_questions_every_method_answered(runs, tmp_path):
+    # a sweep stopped mid-question: cacheblend at 0.5 got to q1 and q2 only
+    partial = write_run(tmp_path / "blend05.jsonl", [record("q1", "cacheblend", "Paris", ratio=0.5),
+                                                     record("q2", "cacheblend", "Rome", ratio=0.5)])
+    everything = evaluate(runs + [partial], tmp_path / "all")
+    common = evaluate(runs + [partial], tmp_path / "common", complete_only=True)
+    assert set(everything.n) == {4, 2}
+    assert set(common.n) == {2}  # every row now on q1, q2
+    assert row(common, "full").f1 == pytest.approx(1.0) and row(common, "reuse").f1 == pytest.approx(0.5)
+    # no question answered by all: a one-line error, not an empty table
+    lonely = write_run(tmp_path / "other.jsonl", [record("q3", "cacheblend", "Berlin", ratio=0.7)])
+    with pytest.raises(KvfError, match="--complete-only"):
+        evaluate([partial, lonely], tmp_path / "none", complete_only=True)
 
 
 def test_rows_per_ratio_and_partial_overlap(runs, tmp_path):
