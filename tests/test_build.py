@@ -1,6 +1,7 @@
 """`kvf build-cache` end to end: what a build writes, stored KVs fusing like in-memory ones,
 resuming after SIGKILL, integrity, store identity, sharding, and bad input via the CLI."""
 import errno
+import io
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from kvf.pipeline.model import ModelRef, open_model
 from kvf.pipeline.store_source import StoreKVSource
 from kvf.pipeline.workspace import EntryKeys, Workspace
 
-QUIET = Console(file=open(os.devnull, "w"))
+QUIET = Console(file=io.StringIO())
 CHUNK_TOKENS = 32
 QUESTION = "In which province was Zorvan Pellick born?"
 LONG_DOC = ("The Kettar mountains lie north of the Ossel sea. Their slopes are home to wild goats, "
