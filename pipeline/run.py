@@ -232,7 +232,10 @@ def run(opts: RunOptions, console: Console) -> Path:
             keys = {v: ensure_entries(builder, v, chunks, neighbours, chunks_by_id)
                     for v in {v for m, v in todo if m.uses_store}}
             extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} if needs_extras else {}
-            full = answerer.answer(prompt, full_method, None, opts.max_new_tokens) if opts.compare_full else None
+            full = None
+            if opts.compare_full:
+                warm_up(answerer, full_method, prompt, None, warmed)
+                full = answerer.answer(prompt, full_method, None, opts.max_new_tokens)
             if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
                 todo = [(with_auto_ratio(m, store, keys.get(v, []), prompt, token_layer_seconds, opts), v)
                         for m, v in todo]
@@ -241,11 +244,12 @@ def run(opts: RunOptions, console: Console) -> Path:
                     if not method.uses_store:
                         return None
                     return StoreKVSource(store, keys[variant], n_layers, pipeline, extras.get(variant))
-                if method.name not in warmed:  # first calls pay one-time kernel set-up; keep it out of TTFT
-                    method.prefill(answerer.engine, prompt, source())
-                    warmed.add(method.name)
-                src = source()
-                ans = answerer.answer(prompt, method, src, opts.max_new_tokens)
+                if method.name == "full" and full is not None:
+                    src, ans = None, full  # --compare-full has just timed this very prefill: do not run it twice
+                else:
+                    warm_up(answerer, method, prompt, source(), warmed)
+                    src = source()
+                    ans = answerer.answer(prompt, method, src, opts.max_new_tokens)
                 rec = {"qid": q.qid, "dataset": name, "method": method.name,
                        "settings": {**auto_settings(method, opts), "variant": variant, "top_k": opts.top_k,
                                     "setting": setting, "retriever": opts.retriever if setting == "shared" else None,
@@ -265,6 +269,13 @@ def run(opts: RunOptions, console: Console) -> Path:
                 progress.update(task, advance=1, stats=f"mean TTFT {1000 * totals['ttft'] / totals['n']:.0f} ms, "
                                                        f"recomputed {100 * totals['recomputed'] / totals['n']:.1f}%")
     return opts.out
+
+
+def warm_up(answerer: Answerer, method: FusionMethod, prompt, source, warmed: set[str]) -> None:
+    """A method's first call pays one-time kernel set-up: run it once, untimed, so TTFT leaves it out."""
+    if method.name not in warmed:
+        method.prefill(answerer.engine, prompt, source)
+        warmed.add(method.name)
 
 
 def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:

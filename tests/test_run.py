@@ -56,6 +56,22 @@ def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
     assert all(r["kl_full"] < 1e-6 for r in records if r["method"] == "full")
 
 
+def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, monkeypatch):
+    """With --compare-full, the `full` record is the comparison's own prefill: one per question
+    (plus one untimed warm-up), not two."""
+    from kvf.pipeline.methods.full import FullPrefill
+    calls = []
+    original = FullPrefill.prefill
+    monkeypatch.setattr(FullPrefill, "prefill", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    out = tmp_path / "runs.jsonl"
+    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], compare_full=True), QUIET)
+    records = read_records(out)
+    assert len(records) == 2 * 2
+    assert len(calls) == 1 + 2
+    for rec in (r for r in records if r["method"] == "full"):
+        assert rec["answer"] == rec["full_answer"] and rec["kl_full"] == 0.0 and rec["top1_agree_full"]
+
+
 def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
     out = tmp_path / "runs.jsonl"
     opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
