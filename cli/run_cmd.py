@@ -30,6 +30,7 @@ def run_command(
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="Load each layer synchronously (no read-ahead)."),
     check_layer: int = typer.Option(None, "--check-layer", help="cacheblend: layer where K/V deviation is measured (default 1)."),
     deviation: str = typer.Option(None, "--deviation", help="cacheblend: compare K or V (default k)."),
+    gradual: bool = typer.Option(None, "--gradual", help="cacheblend: gradual filtering (§4.3): keep 2r tokens at the check layer, r from the next layer on (default off, as in the authors' code)."),
     prune_every: int = typer.Option(None, "--prune-every", help="cachefocus: prune chunks every N layers (0 = never; default 4)."),
     keep_chunks: int = typer.Option(None, "--keep-chunks", help="cachefocus: chunks kept after pruning (default ceil(k/2))."),
     allocation: str = typer.Option(None, "--allocation", help="cachefocus: re-positioning after pruning, align or sort."),
@@ -39,7 +40,7 @@ def run_command(
 ):
     """Answer every question of a dataset with one method; one JSON line per question and ratio."""
     from kvf.pipeline.run import RunOptions, parse_ratios, run
-    knobs = {"check_layer": check_layer, "deviation": deviation, "prune_every": prune_every,
+    knobs = {"check_layer": check_layer, "deviation": deviation, "gradual": gradual, "prune_every": prune_every,
              "keep_chunks": keep_chunks, "allocation": allocation, "alpha": alpha, "focus_window": focus_window}
     opts = RunOptions(dataset=dataset, methods=[m.strip() for m in method.split(",") if m.strip()], ratios=parse_ratios(ratio), out=out, workspace=workspace,
                       variant=variant, top_k=top_k, limit=limit, setting=setting, retriever=retriever,

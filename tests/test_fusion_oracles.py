@@ -67,6 +67,26 @@ def test_cacheblend_recomputes_exactly_round_r_n(answerer, embedded_case, ratio)
     assert got.recomputed_token_layers == prompt.n_chunk_tokens + (n_layers - 1) * expected
 
 
+@pytest.mark.parametrize("ratio,first", [(0.2, None), (0.1, 0.5)])
+def test_cacheblend_gradual_filtering_narrows_over_two_layers(answerer, embedded_case, ratio, first):
+    """Gradual filtering (§4.3): every chunk token at layer 0, r1 (default 2r) from the check layer,
+    r from the next layer on; the final budget is still round(r * n)."""
+    prompt, source, _ = embedded_case
+    n, n_layers = prompt.n_chunk_tokens, answerer.transformer.n_layers
+    got = get_method("cacheblend", recompute_ratio=ratio, gradual=True, gradual_first=first).prefill(
+        answerer.engine, prompt, source)
+    r1 = recompute_budget(2 * ratio if first is None else first, n)
+    r = recompute_budget(ratio, n)
+    assert r1 > r and got.recomputed_tokens == r
+    assert got.recomputed_token_layers == n + r1 + (n_layers - 2) * r
+
+
+def test_cacheblend_gradual_filtering_at_ratio_one_equals_full(answerer, embedded_case):
+    prompt, source, full = embedded_case
+    got = get_method("cacheblend", recompute_ratio=1.0, gradual=True).prefill(answerer.engine, prompt, source)
+    assert (got.logits - full.fused.logits).abs().max().item() <= TOL
+
+
 def test_cacheblend_picks_the_most_deviating_tokens(answerer, embedded_case):
     """With a poisoned stored chunk (its KV replaced by noise), CacheBlend's selection lands there."""
     prompt, source, _ = embedded_case

@@ -166,6 +166,19 @@ def test_help_on_every_command():
         assert proc.returncode == 0 and "Usage" in proc.stdout, cmd
 
 
+def test_cli_method_knobs_reach_the_records(built, tmp_path):
+    """Every method flag of `kvf run` lands in the method's recorded settings (and so changes what runs)."""
+    out = tmp_path / "knobs.jsonl"
+    proc = kvf_cli("run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "cacheblend,cachefocus",
+                   "-r", "0.3", "-n", "1", "--max-new-tokens", "2", "-o", str(out),
+                   "--check-layer", "2", "--deviation", "v", "--gradual",
+                   "--prune-every", "2", "--keep-chunks", "1", "--allocation", "sort")
+    assert proc.returncode == 0, proc.stderr
+    settings = {r["method"]: r["settings"] for r in read_records(out)}
+    assert settings["cacheblend"] | {"check_layer": 2, "deviation": "v", "gradual": True} == settings["cacheblend"]
+    assert settings["cachefocus"] | {"prune_every": 2, "keep_chunks": 1, "allocation": "sort"} == settings["cachefocus"]
+
+
 def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
     out = tmp_path / "auto.jsonl"
     opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.25], auto_ratio=True, quality_floor=0.25)
