@@ -2,7 +2,8 @@
 #   make demo    set up, then build a store for a synthetic corpus and answer with full / reuse / cacheblend
 #   make test    set up, then run the test suite (what CI runs)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
-#   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions)
+#   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
+#                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
 # Real data is read from $(KVF_DATA) (default ../shared/data); it is never copied here.
@@ -18,7 +19,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ttft bench-build clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ttft bench-build clean
 
 setup: $(VENV)/.installed
 
@@ -50,14 +51,17 @@ quality: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK
 	@echo "results in results/quality/ (summary.md, summary.csv, plots)"
 
 ALL_METHODS ?= full,reuse,pcw,epic,cacheblend,cachecraft,fusionrag,prophetkv,cachefocus
+METHOD_RATIOS ?= 0,0.05,0.15,0.3
 NEIGHBOURS ?= 3
 N_NQ ?= $(N)
-methods: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK)/nq/questions.jsonl
-	$(KVF) run -d $(WORK)/nq -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N_NQ) --compare-full --max-new-tokens 12 \
-	  -o runs/methods/nq.jsonl
-	for d in 2wikimqa musique; do \
-	  $(KVF) run -d $(WORK)/$$d -m $(ALL_METHODS) -r 0,0.05,0.15,0.3 -n $(N) --neighbours $(NEIGHBOURS) \
-	    --compare-full --max-new-tokens 12 -o runs/methods/$$d.jsonl || exit 1; done
+METHOD_SWEEP = $(KVF) run -m $(ALL_METHODS) -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
+# One target per dataset, so `OMP_NUM_THREADS=1 make -j2 methods` runs two sweeps side by side
+# (one thread each); every sweep resumes where it stopped.
+methods-nq: $(WORK)/nq/questions.jsonl
+	$(METHOD_SWEEP) -d $(WORK)/nq -n $(N_NQ) -o runs/methods/nq.jsonl
+methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
+	$(METHOD_SWEEP) -d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -o runs/methods/$*.jsonl
+methods: methods-nq methods-2wikimqa methods-musique
 	$(KVF) eval --complete-only runs/methods/*.jsonl --out results/methods
 	cat scripts/methods_header.md results/methods/summary.md > results/methods.md
 	@echo "results in results/methods.md and results/methods/ (summary.csv, plots)"
