@@ -55,14 +55,17 @@ METHOD_RATIOS ?= 0,0.05,0.15,0.3
 NEIGHBOURS ?= 3
 N_NQ ?= $(N)
 METHOD_SWEEP = $(KVF) run -m $(ALL_METHODS) -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
+# The sweep's raw records are evidence and live in git (results/methods/runs/): a sweep takes
+# hours on a 2-core CPU, and every later `make methods` resumes where the committed one stopped.
+METHOD_RUNS ?= results/methods/runs
 # One target per dataset, so `OMP_NUM_THREADS=1 make -j2 methods` runs two sweeps side by side
 # (one thread each); every sweep resumes where it stopped.
 methods-nq: $(WORK)/nq/questions.jsonl
-	$(METHOD_SWEEP) -d $(WORK)/nq -n $(N_NQ) -o runs/methods/nq.jsonl
+	$(METHOD_SWEEP) -d $(WORK)/nq -n $(N_NQ) -o $(METHOD_RUNS)/nq.jsonl
 methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
-	$(METHOD_SWEEP) -d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -o runs/methods/$*.jsonl
+	$(METHOD_SWEEP) -d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -o $(METHOD_RUNS)/$*.jsonl
 methods: methods-nq methods-2wikimqa methods-musique
-	$(KVF) eval --complete-only runs/methods/*.jsonl --out results/methods
+	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl --out results/methods
 	cat scripts/methods_header.md results/methods/summary.md > results/methods.md
 	@echo "results in results/methods.md and results/methods/ (summary.csv, plots)"
 

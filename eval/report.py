@@ -6,7 +6,8 @@ One summary row per (dataset, method, variant, ratio). Choices the metrics leave
   For normalized F1 a method is compared with the `reuse` run of its own variant when there is
   one, else with the `prefix`-variant reuse, else with any reuse run.
 - Normalized F1 (FusionRAG eq. 11) uses mean F1 over the questions the method, `full` and `reuse`
-  runs share; `note` says when that is fewer than the method's n, or when it is undefined.
+  runs share; `note` says when that is fewer than the method's n, or when it is undefined
+  (full must beat reuse by NORMALIZED_F1_MIN_GAP F1, else the 0..1 scale is noise).
 - TTFT ratio is a ratio of means over the questions shared with `full`:
   mean(method first_token) / mean(full first_token). A mean of per-question ratios would let a
   few very fast full prefills dominate.
@@ -22,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvf import KvfError
-from kvf.eval.metrics import exact_match, normalized_f1, substring_accuracy, token_f1
+from kvf.eval.metrics import NORMALIZED_F1_MIN_GAP, exact_match, normalized_f1, substring_accuracy, token_f1
 
 REQUIRED_FIELDS = ("qid", "dataset", "method", "answer", "gold")
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
@@ -180,7 +181,7 @@ def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
     f1 = group.set_index("qid").f1.loc[common].mean()
     value = normalized_f1(f1, reuse.f1.loc[common].mean(), full.f1.loc[common].mean())
     if value is None:
-        return math.nan, "normalized F1 undefined (full F1 = reuse F1)"
+        return math.nan, f"normalized F1 undefined (full F1 - reuse F1 < {NORMALIZED_F1_MIN_GAP})"
     note = f"normalized F1 on {len(common)}/{len(group)} questions" if len(common) < len(group) else ""
     return value, note
 

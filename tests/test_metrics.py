@@ -64,3 +64,6 @@ def test_normalized_f1():
     assert normalized_f1(0.2, 0.2, 0.8) == pytest.approx(0.0)
     assert normalized_f1(0.9, 0.2, 0.8) == pytest.approx(7 / 6)  # can exceed 1
     assert normalized_f1(0.5, 0.4, 0.4 + 1e-8) is None  # undefined: full and reuse tie
+    assert normalized_f1(0.5, 0.40, 0.41) is None       # a gap of 0.01 F1 is noise, not a scale
+    assert normalized_f1(0.5, 0.40, 0.30) is None       # reuse beats full: no 0..1 reading
+    assert normalized_f1(0.45, 0.40, 0.43) == pytest.approx(5 / 3)  # a gap above the minimum
