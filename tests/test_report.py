@@ -208,3 +208,44 @@ def test_rich_table_and_cli(runs, tmp_path):
     result = CliRunner().invoke(app, ["eval", *map(str, runs), "--out", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
     assert "summary.csv" in result.output and (tmp_path / "cli" / "summary.md").is_file()
+
+
+# ---- is the most faithful method's lead real? ------------------------------------------------
+def test_paired_bootstrap_on_known_differences():
+    from kvf.eval.report import paired_bootstrap
+    ones, zeros = pd.Series(1.0, index=["a", "b", "c"]), pd.Series(0.0, index=["a", "b", "c"])
+    assert paired_bootstrap(ones, zeros) == (1.0, 1.0, 1.0, 3)             # every resample differs by 1
+    mixed = pd.Series([1.0, 0.0, 1.0, 0.0], index=list("abcd"))
+    flipped = pd.Series([0.0, 1.0, 0.0, 1.0], index=list("abcd"))
+    lead, low, high, n = paired_bootstrap(mixed, flipped)
+    assert (lead, n) == (0.0, 4) and low < 0 < high                         # +1/-1 differences: noise
+    only_shared = paired_bootstrap(pd.Series([1.0, 5.0], index=["a", "x"]), pd.Series([0.0], index=["a"]))
+    assert only_shared == (1.0, 1.0, 1.0, 1)                                 # paired on common questions
+    assert paired_bootstrap(ones, pd.Series([0.0], index=["z"]))[3] == 0
+
+
+def selective_runs(tmp_path, second_answers) -> list[Path]:
+    """full, and two selective methods at 15%: `epic` always answers as full, `cacheblend` as given."""
+    full_answers = {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}
+    return [write_run(tmp_path / "full.jsonl", [record(q, "full", a, ratio=1.0) for q, a in full_answers.items()]),
+            write_run(tmp_path / "epic.jsonl", [record(q, "epic", a, ratio=0.15) for q, a in full_answers.items()]),
+            write_run(tmp_path / "blend.jsonl", [record(q, "cacheblend", a, ratio=0.15)
+                                                 for q, a in second_answers.items()])]
+
+
+def most_faithful_line(tmp_path, second_answers) -> str:
+    evaluate(selective_runs(tmp_path, second_answers), tmp_path / "out")
+    text = (tmp_path / "out" / "summary.md").read_text()
+    return next(line for line in text.splitlines() if line.startswith("- toy:"))
+
+
+def test_most_faithful_states_a_clear_lead(tmp_path):
+    line = most_faithful_line(tmp_path, {"q1": "London", "q2": "Milan", "q3": "Munich", "q4": "Porto"})
+    assert "**epic**" in line and "ahead of cacheblend (prefix, 0.000) by +1.000" in line
+    assert "95% CI [+1.000, +1.000]" in line and "4 questions, a clear lead" in line
+
+
+def test_most_faithful_says_when_the_lead_is_noise(tmp_path):
+    line = most_faithful_line(tmp_path, {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Porto"})
+    assert "**epic**" in line and "by +0.250" in line                      # one question of four differs
+    assert "within noise: the interval includes 0" in line
