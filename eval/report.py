@@ -345,23 +345,39 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
 
 
 def plot_ttft(summary: pd.DataFrame, path: Path):
-    """TTFT / full TTFT vs recompute ratio: one line per dataset/method/variant."""
+    """TTFT / full TTFT vs recompute ratio: one panel per dataset, one line per method/variant;
+    a method keeps its colour in every panel, and one legend serves them all."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
-    ax.axhline(1.0, linestyle="--", color="black", label="full")
-    several = summary.dataset.nunique() > 1
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
-    for (dataset, method, variant), line in rows.groupby(["dataset", "method", "variant"]):
-        points = sorted((_x_position(r), r.ttft_ratio) for _, r in line.iterrows() if not math.isnan(_x_position(r)))
-        if points:
-            xs, ys = zip(*points)
-            label = f"{dataset}/" * several + f"{method} {variant}".strip()
-            ax.plot(xs, ys, marker="o", label=label)
-    ax.set(xlabel="recompute ratio", ylabel="TTFT / full TTFT", title="TTFT vs recompute ratio")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
+    datasets = sorted(rows.dataset.unique()) or ["-"]
+    labels = sorted({f"{m} {v}".strip() for m, v in zip(rows.method, rows.variant.fillna(""))})
+    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    colour = {label: palette(i % palette.N) for i, label in enumerate(labels)}
+    fig = Figure(figsize=(4.2 * len(datasets) + 2.2, 4.5))
+    axes = fig.subplots(1, len(datasets), sharey=True, squeeze=False)[0]
+    for ax, dataset in zip(axes, datasets):
+        ax.axhline(1.0, linestyle="--", color="black", label="full")
+        for (method, variant), line in rows[rows.dataset == dataset].groupby(["method", "variant"], dropna=False):
+            label = f"{method} {variant if isinstance(variant, str) else ''}".strip()
+            points = sorted((_x_position(r), r.ttft_ratio) for _, r in line.iterrows()
+                            if not math.isnan(_x_position(r)))
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", color=colour[label], label=label)
+        ax.set(xlabel="recompute ratio", title=dataset)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("TTFT / full TTFT")
+    handles, names = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:  # methods that only some datasets ran still get a legend entry
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            if name not in names:
+                handles.append(handle)
+                names.append(name)
+    fig.legend(handles, names, loc="center right", fontsize="small")
+    fig.suptitle("TTFT vs recompute ratio (same process, same prompts as full prefill)")
+    fig.tight_layout(rect=(0, 0, 1 - 2.0 / (4.2 * len(datasets) + 2.2), 1))
     fig.savefig(path, dpi=120)
 
 
