@@ -85,10 +85,29 @@ def _record_row(rec: dict, path: Path, lineno: int) -> dict:
            "recomputed_tokens": _number(rec.get("recomputed_tokens")),
            # how the run was set up, for the report's "runs" table
            "setting": settings.get("setting"), "retriever": settings.get("retriever"),
-           "top_k": settings.get("top_k"), "chunk_size": settings.get("chunk_tokens"), "model": settings.get("model")}
+           "top_k": settings.get("top_k"), "chunk_size": settings.get("chunk_tokens"), "model": settings.get("model"),
+           "settings": settings_key(settings)}
     for name in TIMINGS:
         row[f"t_{name}"] = _number(timings.get(name))
     return row
+
+
+def settings_key(settings: dict) -> str:
+    """How a record was run, as comparable text: every setting but the ratio (a summary row's own
+    key, or per question under --ratio auto) and where the store lives (it is content-addressed)."""
+    return json.dumps({k: v for k, v in settings.items() if k not in ("ratio", "ratio_mode", "store")},
+                      sort_keys=True, default=str)
+
+
+def mixed_settings(group: pd.DataFrame) -> str:
+    """'' when every record of a summary row was run alike, else which settings differ."""
+    if group.settings.nunique() <= 1:
+        return ""
+    decoded = [json.loads(text) for text in group.settings.unique()]
+    names = sorted({name for settings in decoded for name in settings})
+    differing = {name: sorted({json.dumps(settings.get(name)) for settings in decoded}) for name in names}
+    return "mixed settings: " + ", ".join(f"{name}={'/'.join(values)}" for name, values in differing.items()
+                                          if len(values) > 1)
 
 
 def _number(value) -> float:
@@ -238,6 +257,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     _check_overlap(group, full)
     _check_overlap(group, reuse)
     norm, note = normalized_f1_on_common(group, full, reuse)
+    note = "; ".join(text for text in (note, mixed_settings(group)) if text)
     return {"dataset": first.dataset, "method": first.method, "variant": first.variant, "ratio": first.ratio,
             "n": len(group), "em": group.em.mean(), "f1": group.f1.mean(), "substring": group.substring.mean(),
             "norm_f1": norm, "fidelity_f1": fidelity_f1(group, full), "kl_full": group.kl_full.mean(),

@@ -249,3 +249,15 @@ def test_most_faithful_says_when_the_lead_is_noise(tmp_path):
     line = most_faithful_line(tmp_path, {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Porto"})
     assert "**epic**" in line and "by +0.250" in line                      # one question of four differs
     assert "within noise: the interval includes 0" in line
+
+
+def test_rows_whose_records_ran_differently_say_so(tmp_path):
+    alike = [record(q, "cacheblend", "Paris", ratio=0.15) for q in ("q1", "q2")]
+    for i, rec in enumerate(alike):
+        rec["settings"]["store"] = f"/machine{i}/kv.zarr"
+    unlike = [record("q3", "cacheblend", "Paris", ratio=0.15), record("q4", "cacheblend", "Paris", ratio=0.15)]
+    unlike[1]["settings"]["top_k"] = 8
+    summary = evaluate([write_run(tmp_path / "a.jsonl", alike)], tmp_path / "a")
+    assert "mixed" not in row(summary, "cacheblend").note          # only the store's path differs
+    summary = evaluate([write_run(tmp_path / "b.jsonl", unlike)], tmp_path / "b")
+    assert "mixed settings: top_k=4/8" in row(summary, "cacheblend").note
