@@ -327,6 +327,16 @@ def _x_position(row) -> float:
     return row.ratio if not math.isnan(row.ratio) else row.recomputed_frac
 
 
+def _line_label(method: str, variant: str) -> str:
+    """Legend label of one method/variant line (variant is '' for records that name none)."""
+    return f"{method} {variant}".strip()
+
+
+def _line_points(line: pd.DataFrame, column: str) -> list[tuple[float, float]]:
+    """(recompute ratio, `column`) of one line's summary rows, in ratio order."""
+    return sorted((_x_position(r), r[column]) for _, r in line.iterrows() if not math.isnan(_x_position(r)))
+
+
 def plot_metric_vs_ratio(ax, rows: pd.DataFrame, column: str, ylabel: str):
     """One panel: `column` vs recompute ratio, one line per method/variant, dashed full and reuse."""
     for _, row in rows[rows.method == "full"].iterrows():
@@ -335,12 +345,12 @@ def plot_metric_vs_ratio(ax, rows: pd.DataFrame, column: str, ylabel: str):
     reuse_styles = [((6, 3), "dimgray"), ((2, 2), "gray"), ((8, 2, 2, 2), "darkgray")]
     for i, (_, row) in enumerate(rows[rows.method == "reuse"].iterrows()):
         dashes, color = reuse_styles[i % len(reuse_styles)]
-        ax.axhline(row[column], linestyle=(0, dashes), color=color, label=f"reuse {row.variant}".strip())
+        ax.axhline(row[column], linestyle=(0, dashes), color=color, label=_line_label("reuse", row.variant))
     for (method, variant), line in rows[~rows.method.isin(["full", "reuse"])].groupby(["method", "variant"]):
-        points = sorted((_x_position(r), r[column]) for _, r in line.iterrows() if not math.isnan(_x_position(r)))
+        points = _line_points(line, column)
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=f"{method} {variant}".strip())
+            ax.plot(xs, ys, marker="o", label=_line_label(method, variant))
     ax.set(xlabel="recompute ratio", ylabel=ylabel)
     ax.set_xlim(left=-0.02)  # r = 0 (full reuse) is always part of the picture
     ax.grid(alpha=0.3)
@@ -371,17 +381,16 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     from matplotlib.figure import Figure
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
     datasets = sorted(rows.dataset.unique()) or ["-"]
-    labels = sorted({f"{m} {v}".strip() for m, v in zip(rows.method, rows.variant.fillna(""))})
+    labels = sorted({_line_label(m, v) for m, v in zip(rows.method, rows.variant)})
     palette = colormaps["tab10" if len(labels) <= 10 else "tab20"]
     colour = {label: palette(i % palette.N) for i, label in enumerate(labels)}
     fig = Figure(figsize=(4.2 * len(datasets) + 2.2, 4.5))
     axes = fig.subplots(1, len(datasets), sharey=True, squeeze=False)[0]
     for ax, dataset in zip(axes, datasets):
         ax.axhline(1.0, linestyle="--", color="black", label="full")
-        for (method, variant), line in rows[rows.dataset == dataset].groupby(["method", "variant"], dropna=False):
-            label = f"{method} {variant if isinstance(variant, str) else ''}".strip()
-            points = sorted((_x_position(r), r.ttft_ratio) for _, r in line.iterrows()
-                            if not math.isnan(_x_position(r)))
+        for (method, variant), line in rows[rows.dataset == dataset].groupby(["method", "variant"]):
+            label = _line_label(method, variant)
+            points = _line_points(line, "ttft_ratio")
             if points:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, marker="o", color=colour[label], label=label)
@@ -389,13 +398,11 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("TTFT / full TTFT")
-    handles, names = axes[0].get_legend_handles_labels()
-    for ax in axes[1:]:  # methods that only some datasets ran still get a legend entry
+    legend = {}  # name -> handle; methods that only some datasets ran still get an entry
+    for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
-            if name not in names:
-                handles.append(handle)
-                names.append(name)
-    fig.legend(handles, names, loc="center right", fontsize="small")
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend.keys()), loc="center right", fontsize="small")
     fig.suptitle("TTFT vs recompute ratio (same process, same prompts as full prefill)")
     fig.tight_layout(rect=(0, 0, 1 - 2.0 / (4.2 * len(datasets) + 2.2), 1))
     fig.savefig(path, dpi=120)
@@ -403,8 +410,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
 
 def summary_group(df: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
     """The scored records behind one summary row."""
-    same_variant = df.variant.fillna("-") == (row.variant if isinstance(row.variant, str) else "-")
-    return df[(df.dataset == row.dataset) & (df.method == row.method) & same_variant
+    return df[(df.dataset == row.dataset) & (df.method == row.method) & (df.variant == row.variant)
               & ((df.ratio - row.ratio).abs() < 1e-9)]
 
 
