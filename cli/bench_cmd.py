@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
-
-from kvf.cli.options import DeviceOption, ModelOption
 from rich.console import Console
+
+from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, with_method_knobs
 
 console = Console(width=max(Console().width, 120))
 
@@ -14,40 +15,54 @@ console = Console(width=max(Console().width, 120))
 def _ints(text: str, flag: str) -> list[int]:
     from kvf import KvfError
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise KvfError(f"{flag} {text}: expected comma-separated integers, e.g. 1024,2048,4096") from None
+    if not values or min(values) < 1:
+        raise KvfError(f"{flag} {text}: expected positive integers, e.g. 1024,2048,4096")
+    return values
 
 
+@with_method_knobs
 def bench_command(
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens, comma-separated."),
-    chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Tokens per chunk."),
-    methods: str = typer.Option(None, "--methods", help="Methods to time, comma-separated (default: all)."),
-    ratios: str = typer.Option("0.05,0.15,0.3", "--ratios", help="Recompute ratios for the selective methods."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed repeats per setting (median reported), after one warm-up."),
+    chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Chunk size: tokens per chunk of the benchmark prompt."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated [default: all]."),
+    ratio: str = typer.Option("0.05,0.15,0.3", "--ratio", "-r", "--ratios", help="Recompute ratios for methods whose ratio is a knob."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed repeats per setting (median reported), after one warm-up."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),
     compare_no_pipeline: bool = typer.Option(True, "--compare-no-pipeline/--no-compare-no-pipeline", help="Also time 0.15 runs with pipelined loading off, to report the hidden share."),
-    auto_ratio: bool = typer.Option(True, "--auto-ratio/--no-auto-ratio", help="Also time cacheblend at the loading controller's ratio (--ratio auto)."),
+    auto_ratio: bool = typer.Option(True, "--auto-ratio/--no-auto-ratio", help="Also time --auto-method at the loading controller's ratio (--ratio auto)."),
+    auto_method: str = typer.Option("cacheblend", "--auto-method", help="The method timed at the loading controller's ratio."),
     model: ModelOption = None,
-    random_weights: str = typer.Option(None, "--random-weights", help="Time a randomly initialised model of a real shape instead (llama3-8b, tiny); no download."),
+    random_weights: Optional[str] = typer.Option(None, "--random-weights", help="Time a randomly initialised model of a real shape instead (llama3-8b, tiny); no download."),
     device: DeviceOption = "cpu",
-    out: Path = typer.Option(Path("results"), "--out", help="Directory for ttft.csv, ttft.md and ttft_vs_context.png."),
+    dtype: DtypeOption = None,
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON (one object per row) instead of a table."),
+    out: Path = typer.Option(Path("results"), "--out", "-o", help="Directory for ttft.csv, ttft.md and ttft_vs_context.png."),
+    **knobs,
 ):
     """Median TTFT, its breakdown, peak memory and the ratio to full prefill, warm and cold store."""
-    import torch
-
-    from kvf import KvfError
-    from kvf.pipeline.bench import DEFAULT_METHODS, BenchOptions, bench, summary_table, write_results
-    from kvf.pipeline.run import parse_ratios
-    if device == "cuda" and not torch.cuda.is_available():
-        raise KvfError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
-    opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens,
-                        methods=[m.strip() for m in methods.split(",")] if methods else list(DEFAULT_METHODS),
-                        ratios=parse_ratios(ratios), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
-                        compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, model=model,
-                        random_weights=random_weights, device=device, out=out)
+    from kvf.pipeline.fusion.methods.base import check_knobs_used
+    from kvf.pipeline.workflows.bench import BenchOptions, bench, summary_table, write_results
+    from kvf.pipeline.workflows.devices import check_device
+    from kvf.pipeline.workflows.run import parse_methods, parse_ratios
+    check_device(device)
+    methods = parse_methods(method) if method else ["all"]
+    check_knobs_used(parse_methods(method) if method else parse_methods("all"), knobs)
+    opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,
+                        ratios=parse_ratios(ratio), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
+                        compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,
+                        model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
+                        knobs=knobs)
+    if repeats == 1:
+        console.print("warning: --repeats 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
+                      "so treat single-repeat ratios as noise", style="yellow")
     df = bench(opts, console)
     label = f"{random_weights or model or 'SmolLM2-135M-Instruct'} on {device}"
     written = write_results(df, out, label)
-    console.print(summary_table(df, f"TTFT vs full prefill — {label}"))
+    if json_out:
+        print(df.to_json(orient="records"))
+    else:
+        console.print(summary_table(df, f"TTFT vs full prefill — {label}"))
     console.print("wrote " + ", ".join(str(p) for p in written))

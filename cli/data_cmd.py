@@ -5,8 +5,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvf.eval.datasets import ACCEPTED_FORMATS, find_dataset_file, prepare
-from kvf.eval.synthetic import make_synthetic
+from kvf.pipeline.data.datasets import ACCEPTED_FORMATS, find_dataset_file, prepare
+from kvf.pipeline.data.synthetic import make_synthetic
 
 data_app = typer.Typer(help="Prepare benchmark data: a corpus of passages plus questions with their context ids.",
                        no_args_is_help=True)

@@ -8,30 +8,24 @@ from pathlib import Path
 import typer
 
 from kvf.cli.options import ModelOption
+from kvf.cli.tables import answers_rows_table
 from rich.console import Console
-from rich.table import Table
 
 console = Console()
 
 
 def demo_command(
     model: ModelOption = None,
-    questions: int = typer.Option(3, "--questions", "-n", help="How many synthetic questions to answer."),
-    ratio: float = typer.Option(0.15, "--ratio", help="Recompute ratio for cacheblend, in [0, 1]."),
-    max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Longest answer to generate."),
-    workspace: Path = typer.Option(None, "--workspace", help="Where to build the demo store (default: a temp dir)."),
+    questions: int = typer.Option(3, "--limit", "-n", "--questions", min=1, help="How many synthetic questions to answer."),
+    ratio: float = typer.Option(0.15, "--ratio", "-r", min=0.0, max=1.0, help="Recompute ratio for cacheblend, in [0, 1]."),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest answer to generate."),
+    workspace: Path = typer.Option(None, "--workspace", "-w", help="Where to build the demo store [default: a temp dir]."),
 ):
     """Build a chunk KV store for a synthetic corpus, then answer with full, reuse and cacheblend."""
-    from kvf.pipeline.demo import run_demo
+    from kvf.pipeline.workflows.demo import run_demo
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
-    table = Table(title=f"kvf demo: {questions} synthetic two-hop questions")
-    for col in ("question", "gold", "method", "answer", "recomputed", "TTFT ms"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(r["question"], " / ".join(r["gold"]), r["method"], r["answer"],
-                      f'{r["recomputed_tokens"]}/{r["chunk_tokens"]}', f'{1000 * r["timings"]["first_token"]:.0f}')
-    console.print(table)
+    console.print(answers_rows_table(rows, f"kvf demo: {questions} synthetic two-hop questions"))
     console.print(f"TTFT = load + select + recompute + first token, stored KVs read from the store on disk "
                   f"(recomputed = chunk tokens recomputed / chunk tokens).")
     by_method: dict[str, list] = {}

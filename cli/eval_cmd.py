@@ -1,25 +1,67 @@
-"""`kvf eval RUN.jsonl ...`: score run files, print the summary, write CSV/markdown/plots."""
+"""`kvf eval RUN.jsonl ...` and `kvf compare A.jsonl B.jsonl`: score runs, compare them question by question."""
+from __future__ import annotations
+
+import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from kvf.eval.report import evaluate, summary_table
+
+def _command_line() -> str:
+    return "kvf " + " ".join(sys.argv[1:])
 
 
 def eval_command(
     run_files: Annotated[list[Path], typer.Argument(
         help="Run files (JSON Lines) written by `kvf run`; include the `full` and `reuse` runs "
-             "for normalized F1 and TTFT ratio.")],
+             "for the vs_full / vs_reuse intervals, normalized F1 and TTFT ratio.")],
     out: Annotated[Path, typer.Option(
-        "--out", help="Directory for summary.csv, summary.md and the plots.")] = Path("results"),
+        "--out", "-o", help="Directory for summary.csv, summary.md and the plots.")] = Path("results"),
     complete_only: Annotated[bool, typer.Option(
-        "--complete-only", help="Score only the questions every method/ratio of their dataset answered "
-                                "(a sweep stopped mid-question then compares all methods on the same questions).")] = False,
+        "--complete-only/--all-questions", help="Score only the questions every method/ratio of their dataset "
+        "answered (a sweep stopped mid-question then compares all methods on the same questions).")] = False,
+    compare: Annotated[Optional[tuple[str, str]], typer.Option(
+        "--compare", help="Also print per-question answers of two runs: A B as method@ratio[:label], "
+                          "e.g. --compare cacheblend@0.15 fusionrag@0.15.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
 ):
-    """Score runs: EM, F1, substring accuracy, normalized F1, fidelity to full, TTFT ratio."""
-    summary = evaluate(run_files, out, complete_only)
-    console = Console(width=max(Console().width, 140))  # wide enough for the table in logs too
-    console.print(summary_table(summary))
+    """Score runs: EM, F1, substring/RULER accuracy, differences to full and reuse with 95% intervals,
+    fidelity to full, TTFT ratio; writes summary.csv, summary.md and plots."""
+    from kvf.eval.report import evaluate, summary_table
+    summary = evaluate(run_files, out, complete_only, command=_command_line())
+    console = Console(width=max(Console().width, 160))  # wide enough for the table in logs too
+    if json_out:
+        print(summary.to_json(orient="records"))
+    else:
+        console.print(summary_table(summary))
+    if compare:
+        from kvf.eval.compare import comparison_table, per_question, select
+        df = summary.attrs["records"]
+        table = per_question(df, select(df, compare[0]), select(df, compare[1]))
+        console.print(comparison_table(table, *compare))
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/")
+
+
+def compare_command(
+    run_a: Annotated[Path, typer.Argument(help="First run file (A).")],
+    run_b: Annotated[Path, typer.Argument(help="Second run file (B).")],
+    method: Annotated[Optional[str], typer.Option("--method", "-m", help="Which method's records, when a file holds several.")] = None,
+    ratio: Annotated[Optional[float], typer.Option("--ratio", "-r", help="Which ratio's records, when a file holds several.")] = None,
+):
+    """Per question: gold, A's and B's answers, full prefill's answer, and each one's scores."""
+    from kvf.eval.compare import comparison_table, one_group, per_question
+    from kvf.eval.report import load_runs
+    frames = []
+    for path in (run_a, run_b):
+        df = load_runs([path])
+        if method:
+            df = df[df.method == method]
+        if ratio is not None:
+            df = df[(df.ratio - ratio).abs() < 1e-9]
+        frames.append(one_group(df, f"run file {path}"))
+    import pandas as pd
+    both = pd.concat(frames)
+    table = per_question(both, frames[0], frames[1])
+    Console(width=max(Console().width, 160)).print(comparison_table(table, str(run_a), str(run_b)))

@@ -1,53 +1,107 @@
 """The `kvf` command line: one Typer app; each command group lives in its own module.
 
-User errors (kvf.KvfError) print one line naming the problem and the fix, and exit 1.
+Errors: a user error (kvf.KvfError) prints one line naming the problem and the fix and exits 1;
+an OS error about a path the user gave prints one line naming the path and exits 1; Ctrl-C and
+SIGTERM print "interrupted; re-run to resume" and exit 130 / 143. Anything else is a kvf bug:
+one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
 
-from kvf import KvfError
+from kvf import KvfError, __version__
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 app = typer.Typer(help="kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+DEBUG = {"on": False}
 
+
+def _version(value: bool):
+    if value:
+        from kvf.pipeline.workflows.provenance import git_commit
+        commit = git_commit()
+        typer.echo(f"kvf {__version__}" + (f" ({commit})" if commit else ""))
+        raise typer.Exit()
 
 
 @app.callback()
-def root():
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print kvf's version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an unexpected error (a kvf bug)."),
+):
     """kvf: build chunk KV stores, fuse them, and compare fusion methods on QA benchmarks."""
+    DEBUG["on"] = debug
 
 
-from kvf.cli import bench_cmd, build_cmd, demo_cmd, run_cmd  # noqa: E402
+from kvf.cli import bench_cmd, build_cmd, demo_cmd, methods_cmd, run_cmd  # noqa: E402
+from kvf.cli.data_cmd import data_app  # noqa: E402
+from kvf.cli.eval_cmd import compare_command, eval_command  # noqa: E402
 from kvf.cli.search_cmd import search_command  # noqa: E402
 from kvf.cli.store_cmd import store_app  # noqa: E402
-from kvf.cli.data_cmd import data_app  # noqa: E402
-from kvf.cli.eval_cmd import eval_command  # noqa: E402
 
 app.command("demo")(demo_cmd.demo_command)
 app.command("build-cache")(build_cmd.build_cache_command)
 app.command("run")(run_cmd.run_command)
 app.command("search")(search_command)
 app.command("bench")(bench_cmd.bench_command)
+app.command("methods")(methods_cmd.methods_command)
 app.add_typer(store_app, name="store")
 app.add_typer(data_app, name="data")
 app.command("eval")(eval_command)
+app.command("compare")(compare_command)
+
+
+class Terminated(Exception):
+    """SIGTERM, turned into an exception so the same clean exit path runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def main():
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    debug = "--debug" in sys.argv[1:]
     try:
-        app()
+        code = app(prog_name="kvf", standalone_mode=False)  # click's usage errors come to us, to be printed on one line
+        sys.exit(code if isinstance(code, int) else 0)
+    except typer.TyperException as e:  # bad flags and arguments (typer's own click)
+        ctx = getattr(e, "ctx", None)
+        where = ctx.command_path if ctx is not None else "kvf"
+        message = " ".join(getattr(e, "format_message", lambda: str(e))().split())
+        print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2) or 2)
+    except typer.Abort:
+        print("kvf: interrupted; re-run the same command to resume", file=sys.stderr)
+        sys.exit(130)
     except KvfError as e:
         print(f"kvf: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("kvf: interrupted", file=sys.stderr)
+        print("kvf: interrupted; re-run the same command to resume", file=sys.stderr)
         sys.exit(130)
+    except Terminated:
+        print("kvf: terminated; re-run the same command to resume", file=sys.stderr)
+        sys.exit(143)
+    except OSError as e:
+        if debug:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"kvf: error:{where}: {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # a kvf bug: say so in one line; --debug shows where
+        if debug:
+            raise
+        message = str(e).splitlines()[0][:200] if str(e) else ""
+        print(f"kvf: internal error: {type(e).__name__}: {message} (please report it; re-run with --debug for the "
+              "traceback)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,44 @@
-"""CLI options shared by several commands, declared once."""
+"""CLI options shared by several commands, declared once, and the method-knob flags generated
+from every registered method's Knobs dataclass."""
+from __future__ import annotations
+
+import functools
+import inspect
 from typing import Annotated, Optional
 
 import typer
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", help="Local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
-DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+DeviceOption = Annotated[str, typer.Option("--device", help="cpu, or cuda (cuda:N) with a CUDA build of torch.")]
+DtypeOption = Annotated[Optional[str], typer.Option(
+    "--dtype", help="Compute dtype: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].")]
+
+
+def with_method_knobs(command):
+    """Give `command` one option per method knob (from the registry; shared names share a flag).
+
+    The command declares **knobs; the generated options arrive there, None when not given."""
+    from kvf.pipeline.fusion.methods.base import flag_name, knob_specs
+    signature = inspect.signature(command)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    from rich.markup import escape
+    specs = knob_specs()
+    for spec in specs:
+        spec.help = escape(spec.help)  # "[default: 1]" is text, not a rich style tag
+        if spec.type is bool:
+            option = typer.Option(None, f"{flag_name(spec.name)}/{flag_name('no_' + spec.name)}", help=spec.help,
+                                  rich_help_panel="Method knobs")
+        else:
+            option = typer.Option(None, flag_name(spec.name), help=spec.help, rich_help_panel="Method knobs")
+        params.append(inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=Optional[spec.type]))
+    names = {spec.name for spec in specs}
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        return command(**kwargs, **knobs)
+
+    wrapper.__signature__ = signature.replace(parameters=params)
+    return wrapper

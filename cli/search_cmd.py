@@ -19,9 +19,9 @@ class SearchMode(str, Enum):
 def search_workspace(query: str, workspace: Path, k: int, mode: SearchMode) -> list[tuple[str, float]]:
     """(chunk_id, score) hits from the workspace index of the chosen kind."""
     if mode == SearchMode.bm25:
-        from kvf.pipeline.bm25 import BM25Searcher
+        from kvf.pipeline.retrieval.bm25 import BM25Searcher
         return BM25Searcher(workspace / "bm25").search(query, k)
-    from kvf.pipeline.dense import DenseSearcher
+    from kvf.pipeline.retrieval.dense import DenseSearcher
     return DenseSearcher(workspace / "dense").search(query, k)
 
 
@@ -54,7 +54,7 @@ def search_command(
         help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,
 ):
     """Search the workspace's chunks and print the top hits."""
-    from kvf.pipeline.chunking import read_chunks_table
+    from kvf.pipeline.retrieval.chunking import read_chunks_table
     if not workspace.is_dir():
         raise KvfError(f"--workspace {workspace} does not exist; "
                        f"build it with `kvf build-cache CORPUS --workspace {workspace}`")

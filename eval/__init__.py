@@ -1,1 +1,1 @@
-"""kvf.eval: benchmark loaders (datasets), a synthetic corpus, answer metrics and the run report."""
+"""kvf.eval: scoring run records (metrics, statistics), reports, plots and per-question comparisons."""

@@ -78,3 +78,14 @@ def normalized_f1(f1: float, f1_reuse: float, f1_full: float) -> float | None:
     if denominator < NORMALIZED_F1_MIN_GAP:
         return None
     return (f1 - f1_reuse) / denominator
+
+
+def gold_values_present(pred: str, golds) -> float:
+    """RULER's score: the fraction of the gold values that occur in the prediction (normalised,
+    as whole words). Every value counts: a multi-value question answered with one of two values scores 0.5."""
+    pred = f" {normalize_answer(pred)} "
+    golds = [normalize_answer(g) for g in _as_golds(golds)]
+    golds = [g for g in golds if g]
+    if not golds:
+        return 0.0
+    return sum(f" {g} " in pred for g in golds) / len(golds)

@@ -2,7 +2,7 @@
 
     python scripts/bench_build.py [--questions 30 --passages 4 --chunk-tokens 128 --dtype float16]
 
-On a synthetic corpus (kvf.eval.synthetic) and the embedded model, in one process:
+On a synthetic corpus (kvf.pipeline.data.synthetic) and the embedded model, in one process:
 - KV-stage throughput as build-cache does it (key hashing, store.has, forward, cast, crc32, atomic
   write) next to the bare forward (engine.chunk_kv, nothing stored) on the same chunks. The two
   alternate chunk by chunk, so a noisy neighbour on a shared machine slows both alike.
@@ -28,14 +28,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvf.cachestore.dtypes import itemsize
-from kvf.eval.synthetic import make_synthetic
-from kvf.pipeline.build import EntryBuilder, open_workspace_store
-from kvf.pipeline.chunking import chunk_documents
-from kvf.pipeline.corpus import read_corpus
-from kvf.pipeline.engine import FusionEngine
-from kvf.pipeline.forward import Transformer
-from kvf.pipeline.model import open_model
-from kvf.pipeline.workspace import Workspace
+from kvf.pipeline.data.synthetic import make_synthetic
+from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
+from kvf.pipeline.retrieval.chunking import chunk_documents
+from kvf.pipeline.retrieval.corpus import read_corpus
+from kvf.pipeline.fusion.engine import FusionEngine
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.workflows.weights import open_model
+from kvf.pipeline.workflows.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 

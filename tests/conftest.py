@@ -11,9 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def answerer():
     """The embedded SmolLM2-135M-Instruct with its engine and template."""
-    from kvf.pipeline.answer import Answerer
+    from kvf.pipeline.workflows.weights import load_answerer
     torch.manual_seed(0)
-    return Answerer.load(None)
+    return load_answerer(None)
 
 
 @pytest.fixture(scope="session")

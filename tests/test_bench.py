@@ -6,8 +6,8 @@ import pytest
 from rich.console import Console
 
 from kvf import KvfError
-from kvf.pipeline.bench import BenchOptions, bench, write_results
-from kvf.pipeline.controller import choose_ratio
+from kvf.pipeline.workflows.bench import BenchOptions, bench, write_results
+from kvf.pipeline.fusion.controller import choose_ratio
 
 QUIET = Console(file=io.StringIO())
 

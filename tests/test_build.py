@@ -23,14 +23,14 @@ from kvf import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
 from kvf.cli.main import main
-from kvf.eval.synthetic import make_synthetic
-from kvf.pipeline.build import BuildOptions, build_cache, in_shard, store_meta
-from kvf.pipeline.chunking import chunk_id_for, read_chunks_table, tokenizer_fingerprint
-from kvf.pipeline.engine import InMemoryKV
-from kvf.pipeline.methods import get_method
-from kvf.pipeline.model import ModelRef, open_model
-from kvf.pipeline.store_source import StoreKVSource
-from kvf.pipeline.workspace import EntryKeys, Workspace
+from kvf.pipeline.data.synthetic import make_synthetic
+from kvf.pipeline.workflows.build import BuildOptions, build_cache, in_shard, store_meta
+from kvf.pipeline.retrieval.chunking import chunk_id_for, read_chunks_table, tokenizer_fingerprint
+from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.fusion.methods import get_method
+from kvf.pipeline.workflows.weights import ModelRef, open_model
+from kvf.pipeline.fusion.sources import StoreKVSource
+from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
 
 QUIET = Console(file=io.StringIO())
 CHUNK_TOKENS = 32
@@ -80,7 +80,7 @@ def entry_bytes(store, key) -> bytes:
 
 
 def expected_keys(model_ref, chunks, variant="prefix") -> set[str]:
-    from kvf.pipeline.prompt import make_template
+    from kvf.pipeline.model.prompt import make_template
     template = make_template(model_ref.tokenizer)
     keys = EntryKeys(model_ref.fingerprint, template.prefix_ids)
     return {keys.chunk(variant, template.chunk_segment(c.token_ids)) for c in chunks}
@@ -97,7 +97,7 @@ def run_main(args, capsys, monkeypatch) -> tuple[int, str, str]:
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 1
+    assert code not in (0, None)
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -198,8 +198,8 @@ def test_rerun_on_unchanged_corpus_does_no_model_work(built, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("model work on an unchanged corpus")
     monkeypatch.setattr(ModelRef, "load", refuse)
-    monkeypatch.setattr("kvf.pipeline.dense.Embedder.__init__", refuse)
-    monkeypatch.setattr("kvf.pipeline.bm25.build_bm25", refuse)
+    monkeypatch.setattr("kvf.pipeline.retrieval.dense.Embedder.__init__", refuse)
+    monkeypatch.setattr("kvf.pipeline.retrieval.bm25.build_bm25", refuse)
     keys_before = open_store(built.summary.store, readonly=True).keys()
     summary = build_cache(replace(built.opts), QUIET)
     assert summary.entries_written == 0 and summary.bytes_written == 0
@@ -286,17 +286,17 @@ def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answ
     assert entry_bytes(repaired, flipped) == entry_bytes(original, flipped)
 
 
-def test_cachecraft_meta_adds_summaries_to_existing_entries_and_sticks(built, tmp_path, monkeypatch):
-    from kvf.pipeline.methods.cachecraft import EXTRAS
+def test_extras_for_cachecraft_adds_summaries_to_existing_entries_and_sticks(built, tmp_path, monkeypatch):
+    from kvf.pipeline.fusion.methods.cachecraft import EXTRAS
     opts = copy_build(built, tmp_path)
-    summary = build_cache(replace(opts, cachecraft_meta=True), QUIET)
+    summary = build_cache(replace(opts, extras_for=("cachecraft",)), QUIET)
     assert summary.entries_written == len(built.chunks)  # entries without summaries were replaced
     store, original = open_store(opts.store, readonly=True), open_store(built.summary.store, readonly=True)
     for key in chunk_keys(store):
         extras = store.get_extras(key)
         assert set(extras) == set(EXTRAS) and extras["cc_inter"].shape == (1, store.header(key).tokens)
         assert (store.get(key) - original.get(key)).abs().max().item() <= 1e-4  # same KV, one prefill
-    assert Workspace(opts.workspace).manifest()["cachecraft_meta"] is True
+    assert Workspace(opts.workspace).manifest()["extras_for"] == ["cachecraft"]
     # later builds without the flag keep the promise: nothing missing, no model work
     monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("model loaded"))
     assert build_cache(opts, QUIET).entries_written == 0
@@ -391,7 +391,7 @@ def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built,
     def full(chunks, path):
         Path(path).write_bytes(b"PAR1")  # a few bytes made it, then the disk filled
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr("kvf.pipeline.build.write_chunks_table", full)
+    monkeypatch.setattr("kvf.pipeline.workflows.build.write_chunks_table", full)
     ws = tmp_path / "ws"
     code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
                             capsys, monkeypatch)
@@ -460,11 +460,11 @@ def test_sigkill_midway_then_rerun_resumes_and_equals_one_go_build(tmp_path):
 
 
 # ---- the real CLI: variants, summary, search, store info ------------------------------------------
-def test_cli_builds_prefix_and_fusion_with_cachecraft_meta(tmp_path, short_docs):
+def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_docs):
     write_corpus(tmp_path, short_docs)
     ws = tmp_path / "ws"
     result = kvf_cli("build-cache", "corpus", "--workspace", "ws", "--chunk-tokens", CHUNK_TOKENS, "--neighbours", 2,
-                     "--variant", "prefix,fusion", "--cachecraft-meta", "--no-bm25", cwd=tmp_path)
+                     "--variant", "prefix,fusion", "--extras-for", "cachecraft", "--no-bm25", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     # relative --workspace: the manifest still names the store absolutely, for `kvf run` from elsewhere
     assert json.loads((ws / "manifest.json").read_text())["store"] == str(ws / "kv.zarr")

@@ -6,10 +6,10 @@ import os
 import pytest
 
 from kvf import KvfError
-from kvf.pipeline.chunking import (chunk_documents, chunk_id_for, read_chunks_table, split_documents,
+from kvf.pipeline.retrieval.chunking import (chunk_documents, chunk_id_for, read_chunks_table, split_documents,
                                    tokenize_document, tokenizer_fingerprint, window_starts, write_chunks_table,
                                    _fingerprints)
-from kvf.pipeline.corpus import Document, read_corpus
+from kvf.pipeline.retrieval.corpus import Document, read_corpus
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvf import KvfError
-from kvf.eval.datasets import (Passage, data_dir, detect_format, find_dataset_file, load_dataset,
+from kvf.pipeline.data.datasets import (Passage, data_dir, detect_format, find_dataset_file, load_dataset,
                                load_prepared, passage_id, prepare)
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -248,7 +248,7 @@ def test_real_prepare_musique_pools_shared_passages(tmp_path):
 
 
 def test_data_dir_default_absent_is_an_error(tmp_path, monkeypatch):
-    import kvf.eval.datasets as datasets
+    import kvf.pipeline.data.datasets as datasets
     monkeypatch.delenv("KVF_DATA", raising=False)
     monkeypatch.setattr(datasets, "REPO_ROOT", tmp_path / "repo")  # no ../shared/data beside it
     with pytest.raises(KvfError, match="pass --data-dir DIR or set KVF_DATA"):

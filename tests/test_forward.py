@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, tiny_model
-from kvf.pipeline.forward import Transformer
+from kvf.pipeline.model.forward import Transformer
 
 
 def hf_last_logits(model, ids):
@@ -42,5 +42,5 @@ def test_embedded_model_matches_hf(answerer):
     ids = torch.tensor(answerer.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
     cache = answerer.transformer.new_cache(len(ids))
     logits, _ = answerer.transformer.prefill(ids, cache)
-    ref = hf_last_logits(answerer.lm.model, ids)[-1]
+    ref = hf_last_logits(answerer.transformer.hf_model, ids)[-1]
     assert (logits - ref).abs().max().item() <= 1e-4

@@ -5,10 +5,11 @@ import torch
 
 from conftest import FAMILIES, tiny_model
 from kvf import KvfError
-from kvf.pipeline.engine import FusionEngine, InMemoryKV, recompute_budget
-from kvf.pipeline.forward import Transformer
-from kvf.pipeline.methods import METHODS, get_method
-from kvf.pipeline.prompt import FusedPrompt, encode
+from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, recompute_budget
+from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.fusion.methods import METHODS, get_method
+from kvf.pipeline.model.prompt import FusedPrompt, encode
 
 TOL = 1e-3
 
@@ -95,8 +96,8 @@ def test_cacheblend_picks_the_most_deviating_tokens(answerer, embedded_case):
     budget_ratio = len(prompt.chunk_segments[1]) / prompt.n_chunk_tokens
     method = get_method("cacheblend", recompute_ratio=budget_ratio)
     engine = answerer.engine
-    state = engine.start(prompt, InMemoryKV(poisoned), recompute_chunk_rows=torch.arange(
-        prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens))
+    state = engine.start(prompt, InMemoryKV(poisoned), FusionPlan(torch.arange(
+        prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)))
     engine.step(state, 0)
     method.before_layer(engine, state, 1)
     start, end = prompt.chunk_spans()[1]

@@ -13,19 +13,20 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import FAMILIES, tiny_model
 from kvf import KvfError
-from kvf.pipeline.engine import FusionEngine, InMemoryKV, recompute_budget
-from kvf.pipeline.forward import Transformer
-from kvf.pipeline.methods import get_method
-from kvf.pipeline.methods.cachecraft import (ChunkSummary, cache_context_impact, calibrate_alpha,
+from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, recompute_budget
+from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.fusion.methods import get_method
+from kvf.pipeline.fusion.methods.cachecraft import (ChunkSummary, cache_context_impact, calibrate_alpha,
                                              chunk_kv_with_summaries, focused_chunks, kendall_tau_distance,
                                              most_contextualised_rows, order_penalty, prefix_overlap, segment_key)
-from kvf.pipeline.methods.cachefocus import allocation_order, assign_positions, chunks_to_keep, position_groups
-from kvf.pipeline.methods.epic import chunk_initial_rows, spread_budget
-from kvf.pipeline.methods.fusionrag import last_layer_scores, select_chunk_rows
-from kvf.pipeline.methods.pcw import parallel_positions
-from kvf.pipeline.methods.prophetkv import layer_averaged_scores
-from kvf.pipeline.prompt import FusedPrompt, encode
-from kvf.pipeline.rope import apply_rope
+from kvf.pipeline.fusion.methods.cachefocus import allocation_order, assign_positions, chunks_to_keep, position_groups
+from kvf.pipeline.fusion.methods.epic import chunk_initial_rows, spread_budget
+from kvf.pipeline.fusion.methods.fusionrag import last_layer_scores, select_chunk_rows
+from kvf.pipeline.fusion.methods.pcw import parallel_positions
+from kvf.pipeline.fusion.methods.prophetkv import layer_averaged_scores
+from kvf.pipeline.model.prompt import FusedPrompt, encode
+from kvf.pipeline.model.rope import apply_rope
 
 TOL = 1e-3
 NEW_METHODS = ["pcw", "epic", "fusionrag", "prophetkv", "cachefocus", "cachecraft"]
@@ -205,7 +206,7 @@ def test_cachefocus_prunes_and_decodes_from_the_kept_chunks(answerer, case):
 
 def test_cachecraft_without_summaries_is_refused(answerer, case):
     prompt, source, _ = case
-    with pytest.raises(KvfError, match="--cachecraft-meta"):
+    with pytest.raises(KvfError, match="--extras-for cachecraft"):
         get_method("cachecraft").prefill(answerer.engine, prompt, InMemoryKV(source.chunk_kvs))
 
 
@@ -365,11 +366,11 @@ def test_restart_equals_a_fresh_start_with_the_same_rows():
     engine, prompt, source = tiny_case("llama")
     L = engine.model.n_layers
     budget = recompute_budget(0.3, prompt.n_chunk_tokens)
-    state = engine.start(prompt, source, recompute_chunk_rows=torch.empty(0, dtype=torch.long))
+    state = engine.start(prompt, source, FusionPlan(torch.empty(0, dtype=torch.long)))
     for layer in range(L):
         engine.step(state, layer, record_query_attention=layer == L - 1)
     selected = select_chunk_rows(state.query_attention[-1], prompt, budget)
-    fresh = engine.start(prompt, source, recompute_chunk_rows=selected)
+    fresh = engine.start(prompt, source, FusionPlan(selected))
     for layer in range(L):
         engine.step(fresh, layer)
     got = get_method("fusionrag", recompute_ratio=0.3).prefill(engine, prompt, source)
@@ -380,7 +381,7 @@ def test_restart_equals_a_fresh_start_with_the_same_rows():
 
 def test_reposition_rotates_every_computed_layer_exactly():
     engine, prompt, source = tiny_case("llama3rope")
-    state = engine.start(prompt, source, recompute_chunk_rows=torch.empty(0, dtype=torch.long))
+    state = engine.start(prompt, source, FusionPlan(torch.empty(0, dtype=torch.long)))
     for layer in range(engine.model.n_layers):
         engine.step(state, layer)
     new_positions = torch.arange(prompt.n_tokens) + 100

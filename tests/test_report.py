@@ -1,4 +1,6 @@
-"""evaluate(): summary numbers on hand-built run files, outputs written, bad files refused."""
+"""evaluate(): summary numbers on hand-built run files, intervals on every row, outputs written,
+bad files refused. Questions are replicated REPS times (q1-0 .. q4-5) so that the paired
+intervals have the MIN_QUESTIONS they need; every mean equals the 4-question one."""
 import json
 import math
 from pathlib import Path
@@ -9,17 +11,31 @@ from typer.testing import CliRunner
 
 from kvf import KvfError
 from kvf.eval.report import evaluate, summary_markdown, summary_table
+from kvf.eval.stats import MIN_QUESTIONS
 
 GOLD = {"q1": ["Paris"], "q2": ["Rome"], "q3": ["Berlin"], "q4": ["Madrid"]}
+REPS = 6
 
 
 def record(qid, method, answer, ratio=0.0, variant="prefix", dataset="toy", ttft=1.0, **extra):
     return {"qid": qid, "dataset": dataset, "method": method,
             "settings": {"ratio": ratio, "variant": variant, "top_k": 4, "chunk_tokens": 100},
-            "chunk_ids": ["c1"], "question": f"question {qid}", "answer": answer, "gold": GOLD[qid],
+            "chunk_ids": ["c1"], "question": f"question {qid}", "answer": answer, "gold": GOLD[qid.split("-")[0]],
             "prompt_tokens": 500, "chunk_tokens": 400, "recomputed_tokens": int(400 * ratio),
             "timings": {"load": 0.1, "select": 0.0, "recompute": 0.2, "first_token": ttft, "decode": 0.5},
             **extra}
+
+
+def replicated(method, answers: dict, **kw) -> list[dict]:
+    """One record per replicate of each base question q1..q4; answers[q] may be a dict of extra fields."""
+    out = []
+    for rep in range(REPS):
+        for q, answer in answers.items():
+            extra = {}
+            if isinstance(answer, tuple):
+                answer, extra = answer
+            out.append(record(f"{q}-{rep}", method, answer, **kw, **extra))
+    return out
 
 
 def write_run(path: Path, records) -> Path:
@@ -29,19 +45,17 @@ def write_run(path: Path, records) -> Path:
 
 @pytest.fixture
 def runs(tmp_path):
-    full = write_run(tmp_path / "full.jsonl", [
-        record("q1", "full", "Paris", ratio=1.0, ttft=2.0), record("q2", "full", "Rome", ratio=1.0, ttft=2.0),
-        record("q3", "full", "Berlin", ratio=1.0, ttft=2.0), record("q4", "full", "Lisbon", ratio=1.0, ttft=2.0)])
-    reuse = write_run(tmp_path / "reuse.jsonl", [
-        record("q1", "reuse", "London", ttft=0.5), record("q2", "reuse", "Rome", ttft=0.5),
-        record("q3", "reuse", "Munich", ttft=0.5), record("q4", "reuse", "Porto", ttft=0.5)])
+    full = write_run(tmp_path / "full.jsonl", replicated(
+        "full", {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}, ratio=1.0, ttft=2.0))
+    reuse = write_run(tmp_path / "reuse.jsonl", replicated(
+        "reuse", {"q1": "London", "q2": "Rome", "q3": "Munich", "q4": "Porto"}, ttft=0.5))
     # cacheblend at r = 0.2: right on q1, q2 ("in Rome" -> F1 2/3, substring 1), and q3 only vs full
-    blend = write_run(tmp_path / "blend.jsonl", [
-        record("q1", "cacheblend", "Paris", ratio=0.2, ttft=1.0, kl_full=0.1, top1_agree_full=True),
-        record("q2", "cacheblend", "in Rome", ratio=0.2, ttft=1.0, kl_full=0.3, top1_agree_full=True),
-        record("q3", "cacheblend", "Munich", ratio=0.2, ttft=1.0, kl_full=0.5, top1_agree_full=False),
-        record("q4", "cacheblend", "Lisbon", ratio=0.2, ttft=1.0, kl_full=0.7, top1_agree_full=False,
-               full_answer="Lisbon Portugal")])
+    blend = write_run(tmp_path / "blend.jsonl", replicated("cacheblend", {
+        "q1": ("Paris", {"kl_full": 0.1, "top1_agree_full": True}),
+        "q2": ("in Rome", {"kl_full": 0.3, "top1_agree_full": True}),
+        "q3": ("Munich", {"kl_full": 0.5, "top1_agree_full": False}),
+        "q4": ("Lisbon", {"kl_full": 0.7, "top1_agree_full": False, "full_answer": "Lisbon Portugal"})},
+        ratio=0.2, ttft=1.0))
     return [full, reuse, blend]
 
 
@@ -55,11 +69,11 @@ def test_summary_numbers(runs, tmp_path):
     summary = evaluate(runs, tmp_path / "out")
     assert list(summary.method) == ["full", "reuse", "cacheblend"]  # baselines first
     full, reuse, blend = (row(summary, m) for m in ("full", "reuse", "cacheblend"))
-    assert full.n == 4 and full.em == pytest.approx(0.75) and full.f1 == pytest.approx(0.75)
+    assert full.n == 4 * REPS and full.em == pytest.approx(0.75) and full.f1 == pytest.approx(0.75)
     assert reuse.f1 == pytest.approx(0.25)
     assert blend.em == pytest.approx(0.25)
     assert blend.f1 == pytest.approx((1 + 2 / 3 + 0 + 0) / 4)
-    assert blend.substring == pytest.approx(0.5)
+    assert blend.substring == pytest.approx(0.5) and blend.acc == pytest.approx(0.5)
     # (F1 - F1_reuse) / (F1_full - F1_reuse) = (5/12 - 1/4) / (3/4 - 1/4) = 1/3
     assert blend.norm_f1 == pytest.approx(1 / 3)
     assert full.norm_f1 == pytest.approx(1.0) and reuse.norm_f1 == pytest.approx(0.0)
@@ -73,6 +87,42 @@ def test_summary_numbers(runs, tmp_path):
     assert blend.ttft_s == pytest.approx(1.0) and blend.load_s == pytest.approx(0.1)
 
 
+def test_every_row_carries_paired_intervals_to_full_and_reuse(runs, tmp_path):
+    summary = evaluate(runs, tmp_path / "out")
+    blend, reuse = row(summary, "cacheblend"), row(summary, "reuse")
+    assert blend.metric == "f1"
+    assert blend.vs_full == pytest.approx(5 / 12 - 0.75) and blend.vs_full_low <= blend.vs_full <= blend.vs_full_high
+    assert blend.vs_full_high < 0                                   # significantly below full
+    # vs reuse: +1 on q1, -1/3 on q2, 0 on q3 and q4: a mean of +1/6 whose interval includes 0
+    assert blend.vs_reuse == pytest.approx(5 / 12 - 0.25) and blend.vs_reuse_low < 0 < blend.vs_reuse_high
+    assert reuse.vs_full == pytest.approx(-0.5) and math.isnan(reuse.vs_reuse)
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "significantly below full: reuse@0, cacheblend@0.2" in md
+    assert "significantly above reuse: none" in md
+    assert f"{blend.vs_full:+.3f} [{blend.vs_full_low:+.3f}, {blend.vs_full_high:+.3f}]" in md
+    assert "Made by `kvf eval` at commit" in md                      # results files say what made them
+
+
+def test_few_questions_are_too_few_to_compare(tmp_path):
+    few = [write_run(tmp_path / "f.jsonl", [record(f"q{i}-0", "full", "Paris", ratio=1.0) for i in (1, 2)]),
+           write_run(tmp_path / "b.jsonl", [record(f"q{i}-0", "cacheblend", "Rome", ratio=0.15) for i in (1, 2)])]
+    summary = evaluate(few, tmp_path / "out")
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "too few questions to compare (n = 2)" in md
+    assert "a clear lead" not in md and math.isnan(row(summary, "cacheblend").norm_f1)
+
+
+def test_ruler_records_score_the_share_of_gold_values(tmp_path):
+    recs = []
+    for i in range(MIN_QUESTIONS):
+        base = {"gold": ["4821", "7730"], "gold_mode": "all"}
+        recs.append({**record(f"q1-{i}", "full", "4821 and 7730", ratio=1.0), **base})
+        recs.append({**record(f"q1-{i}", "reuse", "4821", ratio=0.0), **base})
+    summary = evaluate([write_run(tmp_path / "r.jsonl", recs)], tmp_path / "out")
+    assert row(summary, "full").acc == 1.0 and row(summary, "reuse").acc == 0.5
+    assert row(summary, "reuse").metric == "acc" and row(summary, "reuse").vs_full == pytest.approx(-0.5)
+
+
 def test_outputs_written(runs, tmp_path):
     out = tmp_path / "out"
     summary = evaluate(runs, out)
@@ -83,8 +133,8 @@ def test_outputs_written(runs, tmp_path):
     csv = pd.read_csv(out / "summary.csv")
     assert list(csv.method) == ["full", "reuse", "cacheblend"]
     md = (out / "summary.md").read_text().split("Summary:\n\n")[1].splitlines()
-    assert md[0].startswith("| dataset | method |") and len(md) == 2 + 3
-    assert "| toy | cacheblend | prefix | 0.20 | 4 |" in md[4]
+    assert md[0].startswith("| dataset | method | variant |") and md[2 + 3] == ""
+    assert f"| toy | cacheblend | prefix | 0.20 | {4 * REPS} |" in md[4]
 
 
 def test_runs_table_says_what_was_run(runs, tmp_path):
@@ -92,81 +142,79 @@ def test_runs_table_says_what_was_run(runs, tmp_path):
         {**record(q, m, "x", ratio=1.0, dataset="nq"),
          "settings": {"ratio": 1.0, "variant": "prefix", "setting": "shared", "retriever": "dense", "top_k": 5,
                       "chunk_tokens": 256, "model": "SmolLM2"}}
-        for q in ("q1", "q2") for m in ("full", "reuse")])
+        for q in ("q1-0", "q2-0") for m in ("full", "reuse")])
     evaluate(runs + [shared], tmp_path / "out")
     runs_part = (tmp_path / "out" / "summary.md").read_text().split("Summary:")[0].splitlines()
-    assert runs_part[0] == "Runs:"
+    assert "Runs:" in runs_part
     assert "| nq | 2 | shared | dense top-5 of the corpus | 256 | 500 | SmolLM2 |" in runs_part
-    assert "| toy | 4 | - | - | 100 | 500 | - |" in runs_part
+    assert f"| toy | {4 * REPS} | - | - | 100 | 500 | - |" in runs_part
 
 
 def test_complete_only_keeps_questions_every_method_answered(runs, tmp_path):
     # a sweep stopped mid-question: cacheblend at 0.5 got to q1 and q2 only
-    partial = write_run(tmp_path / "blend05.jsonl", [record("q1", "cacheblend", "Paris", ratio=0.5),
-                                                     record("q2", "cacheblend", "Rome", ratio=0.5)])
+    partial = write_run(tmp_path / "blend05.jsonl", [record("q1-0", "cacheblend", "Paris", ratio=0.5),
+                                                     record("q2-0", "cacheblend", "Rome", ratio=0.5)])
     everything = evaluate(runs + [partial], tmp_path / "all")
     common = evaluate(runs + [partial], tmp_path / "common", complete_only=True)
-    assert set(everything.n) == {4, 2}
+    assert set(everything.n) == {4 * REPS, 2}
     assert set(common.n) == {2}  # every row now on q1, q2
     assert row(common, "full").f1 == pytest.approx(1.0) and row(common, "reuse").f1 == pytest.approx(0.5)
     # no question answered by all: a one-line error, not an empty table
-    lonely = write_run(tmp_path / "other.jsonl", [record("q3", "cacheblend", "Berlin", ratio=0.7)])
+    lonely = write_run(tmp_path / "other.jsonl", [record("q3-0", "cacheblend", "Berlin", ratio=0.7)])
     with pytest.raises(KvfError, match="--complete-only"):
         evaluate([partial, lonely], tmp_path / "none", complete_only=True)
 
 
-def test_rows_per_ratio_and_partial_overlap(runs, tmp_path):
-    more = write_run(tmp_path / "blend05.jsonl", [record("q1", "cacheblend", "Paris", ratio=0.5),
-                                                  record("q2", "cacheblend", "Rome", ratio=0.5)])
-    summary = evaluate(runs + [more], tmp_path / "out")
-    blend = summary[summary.method == "cacheblend"]
-    assert list(blend.ratio) == [0.2, 0.5]
-    half = blend.iloc[1]
-    # on q1, q2: F1 = 1, full = 1, reuse = 1/2 -> 1
-    assert half.n == 2 and half.norm_f1 == pytest.approx(1.0)
-
-
 def test_partial_overlap_is_noted(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(GOLD, "q5", ["Oslo"])
-    extra = write_run(tmp_path / "b.jsonl", [record("q1", "epic", "Paris", ratio=0.1),
-                                             record("q5", "epic", "Oslo", ratio=0.1)])
+    epic = [record(f"q{q}-{rep}", "epic", "Paris", ratio=0.1) for rep in range(REPS) for q in (1, 2, 3, 4)]
+    extra = write_run(tmp_path / "b.jsonl", epic + [record("q5-0", "epic", "Oslo", ratio=0.1)])
     summary = evaluate(runs + [extra], tmp_path / "out")
-    assert row(summary, "epic").note == "normalized F1 on 1/2 questions"
+    assert row(summary, "epic").note == f"normalized F1 on {4 * REPS}/{4 * REPS + 1} questions"
 
 
-def test_undefined_normalized_f1(tmp_path):
-    full = write_run(tmp_path / "f.jsonl", [record("q1", "full", "Paris")])
-    reuse = write_run(tmp_path / "r.jsonl", [record("q1", "reuse", "Paris")])
-    blend = write_run(tmp_path / "b.jsonl", [record("q1", "cacheblend", "Paris", ratio=0.3)])
+def test_undefined_normalized_f1_when_full_does_not_beat_reuse(tmp_path):
+    same = {"q1": "Paris", "q2": "Rome", "q3": "x", "q4": "y"}
+    full = write_run(tmp_path / "f.jsonl", replicated("full", same))
+    reuse = write_run(tmp_path / "r.jsonl", replicated("reuse", same))
+    blend = write_run(tmp_path / "b.jsonl", replicated("cacheblend", same, ratio=0.3))
     summary = evaluate([full, reuse, blend], tmp_path / "out")
     r = row(summary, "cacheblend")
-    assert math.isnan(r.norm_f1) and "undefined" in r.note
+    assert math.isnan(r.norm_f1) and "full does not beat reuse significantly" in r.note
     assert "| undefined |" in summary_markdown(summary)
 
 
+def test_normalized_f1_above_one_is_explained(runs, tmp_path):
+    better = write_run(tmp_path / "b.jsonl", replicated(
+        "epic", {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Madrid"}, ratio=0.3))
+    r = row(evaluate(runs + [better], tmp_path / "out"), "epic")
+    assert r.norm_f1 == pytest.approx(1.5) and "F1 above full's" in r.note
+
+
 def test_without_full_or_reuse(tmp_path):
-    blend = write_run(tmp_path / "b.jsonl", [record("q1", "cacheblend", "Paris", ratio=0.3)])
+    blend = write_run(tmp_path / "b.jsonl", [record("q1-0", "cacheblend", "Paris", ratio=0.3)])
     summary = evaluate([blend], tmp_path / "out")
     r = row(summary, "cacheblend")
     assert r.f1 == 1.0 and math.isnan(r.norm_f1) and math.isnan(r.ttft_ratio) and math.isnan(r.fidelity_f1)
     assert "needs full and reuse" in r.note
 
 
-def test_method_without_ratio_is_one_row(tmp_path, runs):
-    rec = record("q1", "cachefocus", "Paris")
-    del rec["settings"]["ratio"]
-    summary = evaluate(runs + [write_run(tmp_path / "cf.jsonl", [rec])], tmp_path / "out")
-    assert math.isnan(row(summary, "cachefocus").ratio)
-
-
 def test_reuse_of_same_variant_is_preferred(runs, tmp_path):
-    fusion_reuse = write_run(tmp_path / "reuse_fusion.jsonl", [
-        record(q, "reuse", a, variant="fusion") for q, a in [("q1", "Paris"), ("q2", "x"), ("q3", "y"), ("q4", "z")]])
-    fusion = write_run(tmp_path / "fusionrag.jsonl", [
-        record(q, "fusionrag", a, ratio=0.2, variant="fusion") for q, a in [("q1", "Paris"), ("q2", "Rome"), ("q3", "y"), ("q4", "z")]])
+    fusion_reuse = write_run(tmp_path / "reuse_fusion.jsonl", replicated(
+        "reuse", {"q1": "Paris", "q2": "x", "q3": "y", "q4": "z"}, variant="fusion"))
+    fusion = write_run(tmp_path / "fusionrag.jsonl", replicated(
+        "fusionrag", {"q1": "Paris", "q2": "Rome", "q3": "y", "q4": "z"}, ratio=0.2, variant="fusion"))
     summary = evaluate(runs + [fusion_reuse, fusion], tmp_path / "out")
     # fusion reuse F1 = 1/4, fusionrag F1 = 2/4, full 3/4 -> 1/2
     assert row(summary, "fusionrag").norm_f1 == pytest.approx(0.5)
+
+
+def test_labels_tell_apart_runs_of_one_method(runs, tmp_path):
+    other = [{**r, "label": "big-model"} for r in replicated(
+        "cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "x"}, ratio=0.2)]
+    summary = evaluate(runs + [write_run(tmp_path / "big.jsonl", other)], tmp_path / "out")
+    blends = summary[summary.method == "cacheblend"]
+    assert sorted(blends.label) == ["", "big-model"]
 
 
 def test_bad_run_files(tmp_path, runs):
@@ -175,16 +223,31 @@ def test_bad_run_files(tmp_path, runs):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(KvfError, match="empty.jsonl is empty"):
         evaluate([tmp_path / "empty.jsonl"], tmp_path / "out")
-    (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1", "full", "Paris")) + "\n{not json\n")
+    (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + "\n{not json\n")
     with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON"):
         evaluate([tmp_path / "broken.jsonl"], tmp_path / "out")
-    (tmp_path / "nogold.jsonl").write_text(json.dumps({**record("q1", "full", "Paris"), "gold": []}) + "\n")
-    with pytest.raises(KvfError, match="nogold.jsonl line 1"):
-        evaluate([tmp_path / "nogold.jsonl"], tmp_path / "out")
+    bad_values = {"qid": None, "timings": {"load": "fast"}, "settings": [1, 2]}
+    for field, value in bad_values.items():
+        (tmp_path / "bad.jsonl").write_text(json.dumps({**record("q1-0", "full", "Paris"), field: value}) + "\n")
+        with pytest.raises(KvfError, match=f"bad.jsonl line 1: not a kvf run record \\({field}"):
+            evaluate([tmp_path / "bad.jsonl"], tmp_path / "out")
+    nan_timing = json.dumps(record("q1-0", "full", "Paris")).replace('"load": 0.1', '"load": NaN')
+    (tmp_path / "nan.jsonl").write_text(nan_timing + "\n")
+    with pytest.raises(KvfError, match="nan.jsonl line 1: not a kvf run record \\(timings.load"):
+        evaluate([tmp_path / "nan.jsonl"], tmp_path / "out")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(KvfError, match="binary.jsonl is not UTF-8"):
+        evaluate([tmp_path / "binary.jsonl"], tmp_path / "out")
     with pytest.raises(KvfError, match="appears more than once"):
         evaluate(runs + [runs[2]], tmp_path / "out")
     with pytest.raises(KvfError, match="no run files"):
         evaluate([], tmp_path / "out")
+
+
+def test_out_that_is_a_file_is_refused(runs, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(KvfError, match="--out .*afile is a file"):
+        evaluate(runs, tmp_path / "afile")
 
 
 def test_mismatched_files_are_refused(tmp_path, runs, monkeypatch):
@@ -205,14 +268,16 @@ def test_rich_table_and_cli(runs, tmp_path):
     app = typer.Typer()
     app.command("eval")(eval_command)
     app.command("noop")(lambda: None)
-    result = CliRunner().invoke(app, ["eval", *map(str, runs), "--out", str(tmp_path / "cli")])
+    result = CliRunner().invoke(app, ["eval", *map(str, runs), "--out", str(tmp_path / "cli"),
+                                      "--compare", "cacheblend@0.2", "reuse"])
     assert result.exit_code == 0, result.output
     assert "summary.csv" in result.output and (tmp_path / "cli" / "summary.md").is_file()
+    assert "cacheblend@0.2 (A) vs reuse (B)" in result.output and "in Rome" in result.output
 
 
 # ---- is the most faithful method's lead real? ------------------------------------------------
 def test_paired_bootstrap_on_known_differences():
-    from kvf.eval.report import paired_bootstrap
+    from kvf.eval.stats import paired_bootstrap
     ones, zeros = pd.Series(1.0, index=["a", "b", "c"]), pd.Series(0.0, index=["a", "b", "c"])
     assert paired_bootstrap(ones, zeros) == (1.0, 1.0, 1.0, 3)             # every resample differs by 1
     mixed = pd.Series([1.0, 0.0, 1.0, 0.0], index=list("abcd"))
@@ -227,35 +292,41 @@ def test_paired_bootstrap_on_known_differences():
 def selective_runs(tmp_path, second_answers) -> list[Path]:
     """full, and two selective methods at 15%: `epic` always answers as full, `cacheblend` as given."""
     full_answers = {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}
-    return [write_run(tmp_path / "full.jsonl", [record(q, "full", a, ratio=1.0) for q, a in full_answers.items()]),
-            write_run(tmp_path / "epic.jsonl", [record(q, "epic", a, ratio=0.15) for q, a in full_answers.items()]),
-            write_run(tmp_path / "blend.jsonl", [record(q, "cacheblend", a, ratio=0.15)
-                                                 for q, a in second_answers.items()])]
+    return [write_run(tmp_path / "full.jsonl", replicated("full", full_answers, ratio=1.0)),
+            write_run(tmp_path / "epic.jsonl", replicated("epic", full_answers, ratio=0.15)),
+            write_run(tmp_path / "blend.jsonl", replicated("cacheblend", second_answers, ratio=0.15))]
 
 
 def most_faithful_line(tmp_path, second_answers) -> str:
     evaluate(selective_runs(tmp_path, second_answers), tmp_path / "out")
     text = (tmp_path / "out" / "summary.md").read_text()
-    return next(line for line in text.splitlines() if line.startswith("- toy:"))
+    return next(line for line in text.splitlines() if line.startswith("- toy: **"))
 
 
 def test_most_faithful_states_a_clear_lead(tmp_path):
     line = most_faithful_line(tmp_path, {"q1": "London", "q2": "Milan", "q3": "Munich", "q4": "Porto"})
     assert "**epic**" in line and "ahead of cacheblend (prefix, 0.000) by +1.000" in line
-    assert "95% CI [+1.000, +1.000]" in line and "4 questions, a clear lead" in line
+    assert "95% CI [+1.000, +1.000]" in line and f"{4 * REPS} questions, a clear lead" in line
 
 
 def test_most_faithful_says_when_the_lead_is_noise(tmp_path):
-    line = most_faithful_line(tmp_path, {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Porto"})
-    assert "**epic**" in line and "by +0.250" in line                      # one question of four differs
+    # cacheblend differs from full on 1 replicate of q4 only: a lead of 1/24
+    answers = replicated("cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}, ratio=0.15)
+    answers[-1]["answer"] = "Porto"
+    runs = selective_runs(tmp_path, {"q1": "Paris"})
+    write_run(runs[2], answers)
+    evaluate(runs, tmp_path / "out")
+    line = next(line for line in (tmp_path / "out" / "summary.md").read_text().splitlines()
+                if line.startswith("- toy: **"))
+    assert "**epic**" in line and f"by +{1 / 24:.3f}" in line
     assert "within noise: the interval includes 0" in line
 
 
 def test_rows_whose_records_ran_differently_say_so(tmp_path):
-    alike = [record(q, "cacheblend", "Paris", ratio=0.15) for q in ("q1", "q2")]
+    alike = [record(q, "cacheblend", "Paris", ratio=0.15) for q in ("q1-0", "q2-0")]
     for i, rec in enumerate(alike):
         rec["settings"]["store"] = f"/machine{i}/kv.zarr"
-    unlike = [record("q3", "cacheblend", "Paris", ratio=0.15), record("q4", "cacheblend", "Paris", ratio=0.15)]
+    unlike = [record("q3-0", "cacheblend", "Paris", ratio=0.15), record("q4-0", "cacheblend", "Paris", ratio=0.15)]
     unlike[1]["settings"]["top_k"] = 8
     summary = evaluate([write_run(tmp_path / "a.jsonl", alike)], tmp_path / "a")
     assert "mixed" not in row(summary, "cacheblend").note          # only the store's path differs

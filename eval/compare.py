@@ -1,0 +1,75 @@
+"""Per-question comparison of two runs: what each answered, against gold and against full prefill."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from kvf import KvfError
+from kvf.eval.metrics import token_f1
+from kvf.eval.report import primary_metric, reference_rows
+
+
+def select(df: pd.DataFrame, selector: str) -> pd.DataFrame:
+    """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model)."""
+    text, _, label = selector.partition(":")
+    method, _, ratio = text.partition("@")
+    rows = df[df.method == method]
+    if ratio:
+        try:
+            rows = rows[(rows.ratio - float(ratio)).abs() < 1e-9]
+        except ValueError:
+            raise KvfError(f"--compare {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
+    if label:
+        rows = rows[rows.label == label]
+    return one_group(rows, f"--compare {selector}")
+
+
+def one_group(rows: pd.DataFrame, what: str) -> pd.DataFrame:
+    if rows.empty:
+        raise KvfError(f"{what}: no records match; selectors look like method@ratio[:label], e.g. cacheblend@0.15")
+    groups = rows.groupby(["dataset", "method", "label", "variant", "ratio"]).ngroups
+    if groups > 1:
+        found = sorted({f"{m}@{r:g}" + (f":{lab}" if lab else "") for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
+        raise KvfError(f"{what} matches {groups} runs ({', '.join(found[:6])}); narrow it with @ratio or :label")
+    return rows
+
+
+def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """One row per question both answered: gold, both answers, full's answer, each one's scores."""
+    dataset = a.dataset.iloc[0]
+    metric = primary_metric(df[df.dataset == dataset])
+    full = reference_rows(df, dataset, "full", label=a.label.iloc[0])
+    a, b = a.set_index("qid"), b.set_index("qid")
+    common = [q for q in a.index if q in b.index]
+    if not common:
+        raise KvfError("the two runs share no question; compare runs of the same dataset")
+    rows = []
+    for qid in common:
+        ra, rb = a.loc[qid], b.loc[qid]
+        full_answer = ra.full_answer if isinstance(ra.full_answer, str) else (
+            full.answer.get(qid) if len(full) else None)
+        rows.append({"qid": qid, "question": ra.question if "question" in ra else "", "gold": " / ".join(ra.gold),
+                     "answer_a": ra.answer, "answer_b": rb.answer, "full_answer": full_answer or "",
+                     f"{metric}_a": ra[metric], f"{metric}_b": rb[metric],
+                     "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
+                     "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
+                     "kl_a": ra.kl_full, "kl_b": rb.kl_full})
+    return pd.DataFrame(rows)
+
+
+def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
+    from rich.table import Table
+    from rich.text import Text
+    out = Table(title=f"{name_a} (A) vs {name_b} (B): {len(table)} questions")
+    metric = next(c[:-2] for c in table.columns if c.endswith("_a") and c not in ("answer_a", "fidelity_a", "kl_a"))
+    for col in ("qid", "gold", "answer A", "answer B", "full prefill", f"{metric} A", f"{metric} B", "fid A", "fid B"):
+        out.add_column(col, overflow="fold")
+    for _, r in table.iterrows():
+        out.add_row(Text(str(r.qid)), Text(r.gold), Text(r.answer_a), Text(r.answer_b), Text(r.full_answer),
+                    _fmt(r[f"{metric}_a"]), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_a), _fmt(r.fidelity_b))
+    return out
+
+
+def _fmt(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"

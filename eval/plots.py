@@ -1,0 +1,129 @@
+"""Plots of a summary, the way a paper would show them: labelled axes with units, the number of
+questions in the title, 95% bootstrap intervals as error bars, one legend outside the data, and
+methods without a ratio knob as their own markers (full and reuse as reference lines)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+REFERENCE_METHODS = ("full", "reuse")
+POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
+METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
+
+
+def _label(row: pd.Series, show_variant: bool) -> str:
+    text = row.method + (f" [{row.label}]" if row.label else "")
+    return f"{text} ({row.variant})" if show_variant and row.variant else text
+
+
+def _fixed_ratio_methods(rows: pd.DataFrame) -> set[str]:
+    """Methods run at one ratio only (pcw, cachefocus, ...): drawn as single points, not lines."""
+    counts = rows.groupby(["method", "label", "variant"]).ratio.nunique()
+    return {m for (m, _, _), c in counts.items() if c == 1}
+
+
+def _palette(labels: list[str]) -> dict[str, tuple]:
+    from matplotlib import colormaps
+    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    return {label: palette(i % palette.N) for i, label in enumerate(sorted(labels))}
+
+
+def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str | None, ylabel: str,
+               colours: dict, show_variant: bool) -> bool:
+    """`column` vs recompute ratio on one axis; returns False when there is nothing to draw."""
+    rows = rows[rows[column].notna()]
+    if rows.empty:
+        return False
+    fixed = _fixed_ratio_methods(rows[~rows.method.isin(REFERENCE_METHODS)])
+    for _, row in rows[rows.method.isin(REFERENCE_METHODS)].iterrows():
+        style = "--" if row.method == "full" else ":"
+        ax.axhline(row[column], linestyle=style, color="black" if row.method == "full" else "dimgray",
+                   label=_label(row, show_variant))
+    marker = iter(POINT_MARKERS)
+    for (method, label, variant), line in rows[~rows.method.isin(REFERENCE_METHODS)].groupby(["method", "label", "variant"]):
+        line = line.sort_values("ratio")
+        name = _label(line.iloc[0], show_variant)
+        yerr = None
+        if low and high:
+            yerr = [(line[column] - line[low]).clip(lower=0).fillna(0), (line[high] - line[column]).clip(lower=0).fillna(0)]
+        if method in fixed:
+            ax.errorbar(line.recomputed_frac.fillna(line.ratio), line[column], yerr=yerr, fmt=next(marker, "o"),
+                        markersize=8, capsize=3, color=colours[name], label=name, linestyle="none")
+        else:
+            ax.errorbar(line.ratio, line[column], yerr=yerr, marker="o", capsize=3, color=colours[name], label=name)
+    ax.set(xlabel="recompute ratio (fraction of chunk tokens recomputed)", ylabel=ylabel)
+    ax.set_xlim(left=-0.01)
+    ax.grid(alpha=0.3)
+    return True
+
+
+def _annotate_empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray", wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _legend_outside(fig, axes) -> None:
+    handles = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles.keys()), loc="center left", bbox_to_anchor=(0.86, 0.5),
+                   fontsize="small", frameon=False)
+
+
+def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
+    """Two panels vs recompute ratio: the primary gold metric, and fidelity to full prefill (answer F1
+    against full's answer), each with 95% bootstrap intervals over questions."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg by default
+    rows = summary[summary.dataset == dataset]
+    metric = rows.metric.iloc[0]
+    show_variant = rows[~rows.method.isin(["full"])].variant.nunique() > 1
+    colours = _palette([_label(r, show_variant) for _, r in rows.iterrows() if r.method not in REFERENCE_METHODS])
+    fig = Figure(figsize=(13, 4.8))
+    gold_ax, fidelity_ax = fig.subplots(1, 2)
+    for ax, column, low, high, ylabel, title in (
+            (gold_ax, metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), "answer quality vs gold"),
+            (fidelity_ax, "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
+             "fidelity to full prefill")):
+        if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
+            ax.set_ylim(0, 1.02)
+            ax.set_title(title)
+        else:
+            _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
+                            if column == "fidelity_f1" else "no gold answers in these records")
+    n = int(rows.n.max())
+    fig.suptitle(f"{dataset}: quality vs recompute ratio (n = {n} questions; bars: 95% bootstrap intervals)")
+    _legend_outside(fig, [gold_ax, fidelity_ax])
+    fig.tight_layout(rect=(0, 0, 0.85, 0.95))
+    fig.savefig(path, dpi=130)
+
+
+def plot_ttft(summary: pd.DataFrame, path: Path):
+    """TTFT / full TTFT vs recompute ratio: one panel per dataset; a method keeps its colour in every
+    panel, and one legend serves them all."""
+    from matplotlib.figure import Figure
+    rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
+    datasets = sorted(rows.dataset.unique())
+    fig = Figure(figsize=(4.4 * max(1, len(datasets)) + 2.6, 4.6))
+    axes = fig.subplots(1, max(1, len(datasets)), sharey=True, squeeze=False)[0]
+    if not datasets:
+        _annotate_empty(axes[0], "no TTFT ratios: include a full run of the same questions")
+    show_variant = rows.variant.nunique() > 1
+    colours = _palette([_label(r, show_variant) for _, r in rows.iterrows() if r.method not in REFERENCE_METHODS])
+    for ax, dataset in zip(axes, datasets):
+        ax.axhline(1.0, linestyle="--", color="black", label="full")
+        part = rows[rows.dataset == dataset]
+        plot_panel(ax, part, "ttft_ratio", None, None, "", colours, show_variant)
+        full_s = summary[(summary.dataset == dataset) & (summary.method == "full")].ttft_s
+        absolute = f"; full TTFT {full_s.iloc[0]:.2f} s" if len(full_s) and not math.isnan(full_s.iloc[0]) else ""
+        ax.set_title(f"{dataset} (n = {int(part.n.max())}{absolute})", fontsize=10)
+        ax.set_ylim(bottom=0)
+    axes[0].set_ylabel("TTFT / full prefill TTFT (same questions)")
+    fig.suptitle("Time to first token vs recompute ratio")
+    _legend_outside(fig, axes)
+    fig.tight_layout(rect=(0, 0, 0.85, 0.95))
+    fig.savefig(path, dpi=130)

@@ -1,0 +1,1 @@
+"""Datasets as prepared directories: benchmark loaders, the synthetic set, the RULER-style suite, your own questions."""

@@ -1,0 +1,467 @@
+"""Benchmark loaders: published QA files -> Questions with their passages -> a prepared directory.
+
+A prepared directory is what the rest of kvf reads:
+    out_dir/corpus/passages.jsonl   {"id", "title", "text"}, every distinct passage once
+    out_dir/questions.jsonl         {"id", "question", "answers": [alias, ...], "context_ids": [...]}
+    out_dir/prepared.json           where it came from (dataset, source file, sha256, format, counts)
+It serves both settings: per-question contexts (a question's own context_ids, in order) and the
+shared corpus (all pooled passages).
+
+Accepted input formats (autodetected from the first record; gzip detected by magic bytes; a JSON
+array, JSON Lines, a single JSON object, or a pandas column-oriented export):
+    dpr      {"question", "answers" | "answer", "ctxs": [{"title", "text", ...}]}: DPR / FiD /
+             lost-in-the-middle NQ-open and TriviaQA, and CacheBlend/LongBench musique_s.json and
+             wikimqa_s*.json. `answers` may be a string, a list, or a list of lists (flattened).
+    2wiki    {"question", "answer", "context": [[title, [sentence, ...]], ...]}: 2WikiMultihopQA
+             (and HotpotQA) original; sentences are joined with single spaces.
+    musique  {"question", "answer", "answer_aliases", "paragraphs": [{"title", "paragraph_text"}]}:
+             MuSiQue original.
+    kilt     {"id", "input", "output": [{"answer"}, {"provenance": [...]}]}: KILT. KILT provenance
+             holds only Wikipedia ids, so passages must come with the record: either as DPR-style
+             `ctxs` (as retrievers write them) or as provenance entries that carry `text`.
+"""
+import gzip
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvf import KvfError
+from kvf.pipeline.files import write_atomic
+
+FORMATS = {
+    "dpr": "DPR-style {question, answers, ctxs[{title,text}]} (NQ-open, TriviaQA, CacheBlend/LongBench)",
+    "2wiki": "2WikiMultihopQA original {question, answer, context[[title,[sentences]]]}, pandas export too",
+    "musique": "MuSiQue original {question, answer, answer_aliases, paragraphs[{title,paragraph_text}]}",
+    "kilt": "KILT {input, output[{answer}], and ctxs or provenance with text}",
+}
+ACCEPTED_FORMATS = {
+    "nq": ["dpr", "kilt"],
+    "triviaqa": ["dpr", "kilt"],
+    "2wikimqa": ["dpr", "2wiki"],
+    "2wikimqa-dev": ["dpr", "2wiki"],
+    "musique": ["dpr", "musique"],
+}
+# where each benchmark's file sits under the data directory (see shared/data/SOURCES.md)
+DATASET_FILES = {
+    "nq": "nq/nq-open-oracle.jsonl.gz",
+    "musique": "musique/musique_s.json",
+    "2wikimqa": "2wikimqa/wikimqa_s_clean.json",
+    "2wikimqa-dev": "2wikimqa/2wikimqa_dev500_sampled_ds.json",
+}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Passage:
+    title: str
+    text: str
+
+    @property
+    def id(self) -> str:
+        return passage_id(self.title, self.text)
+
+
+@dataclass
+class Question:
+    qid: str
+    question: str
+    answers: list[str]                                   # may be empty: a question without gold answers
+    contexts: list[Passage] = field(default_factory=list)
+    context_ids: list[str] | None = None                 # document ids in the corpus; default: the passages' ids
+
+    def __post_init__(self):
+        if self.context_ids is None:
+            self.context_ids = [p.id for p in self.contexts]
+
+
+def passage_id(title: str, text: str) -> str:
+    """Stable content id: identical passages get one id wherever they come from."""
+    # json.dumps of the pair keeps ("a b", "c") and ("a", "b c") apart
+    key = json.dumps([title, text], ensure_ascii=False)
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# data directory
+
+def data_dir(flag: str | None = None) -> Path:
+    """--data-dir, else $KVF_DATA, else ../shared/data beside the repo if it exists."""
+    if flag:
+        path, origin = Path(flag), "--data-dir"
+    elif os.environ.get("KVF_DATA"):
+        path, origin = Path(os.environ["KVF_DATA"]), "KVF_DATA"
+    else:
+        path = REPO_ROOT.parent / "shared" / "data"
+        if not path.is_dir():
+            raise KvfError(f"no data directory: pass --data-dir DIR or set KVF_DATA ({path} does not exist)")
+        return path
+    if not path.is_dir():
+        raise KvfError(f"data directory {path} (from {origin}) does not exist")
+    return path
+
+
+def find_dataset_file(name: str, directory: str | Path | None = None) -> Path:
+    """The default input file of a benchmark inside the data directory."""
+    if name not in DATASET_FILES:
+        known = ", ".join(DATASET_FILES)
+        raise KvfError(f"no default file for dataset '{name}' (known: {known}); pass --input FILE")
+    path = data_dir(str(directory) if directory else None) / DATASET_FILES[name]
+    if not path.is_file():
+        raise KvfError(f"dataset file {path} is missing; pass --input FILE or fix --data-dir/KVF_DATA")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# reading files
+
+def read_text(path: Path) -> str:
+    """File contents as text, gunzipped when the file starts with the gzip magic bytes."""
+    if not path.is_file():
+        raise KvfError(f"input file {path} does not exist")
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise KvfError(f"{path} is not UTF-8 text ({e})") from None
+
+
+def _is_pandas_columns(obj: dict) -> bool:
+    # DataFrame.to_json() default: {column: {row_key: value}} with the same row keys everywhere
+    columns = list(obj.values())
+    if not columns or not all(isinstance(c, dict) for c in columns):
+        return False
+    row_keys = set(columns[0])
+    return bool(row_keys) and all(set(c) == row_keys for c in columns)
+
+
+def _pandas_rows(obj: dict) -> list[dict]:
+    row_keys = list(next(iter(obj.values())))
+    # row keys are "0".."n-1" strings: keep numeric order, not string order
+    row_keys.sort(key=lambda k: (0, int(k)) if str(k).isdigit() else (1, str(k)))
+    return [{col: obj[col][k] for col in obj} for k in row_keys]
+
+
+def _read_jsonl(path: Path, text: str) -> list[dict]:
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if not records:
+                raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {e.msg})") from None
+            raise KvfError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
+    return records
+
+
+def read_records(path: Path) -> list[dict]:
+    """All records of a JSON array, JSON Lines, single-object or pandas-column JSON file."""
+    path = Path(path)
+    text = read_text(path)
+    if not text.strip():
+        raise KvfError(f"input file {path} is empty")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):  # a JSON array: its own error says where it broke
+            raise KvfError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
+        data = _read_jsonl(path, text)
+    if isinstance(data, dict):
+        data = _pandas_rows(data) if _is_pandas_columns(data) else [data]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise KvfError(f"{path}: expected a list of JSON objects (records); accepted formats: {_format_list()}")
+    if not data:
+        raise KvfError(f"input file {path} holds no records")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+
+def _format_list(names=None) -> str:
+    return "; ".join(f"{n}: {FORMATS[n]}" for n in (names or FORMATS))
+
+
+def detect_format(record: dict) -> str | None:
+    """Which published format a record is in, from its keys; None if none fits."""
+    keys = set(record)
+    if "input" in keys and "output" in keys:
+        return "kilt"
+    if "question" not in keys:
+        return None
+    if "ctxs" in keys:
+        return "dpr"
+    if "paragraphs" in keys:
+        return "musique"
+    if "context" in keys and "answer" in keys:
+        return "2wiki"
+    return None
+
+
+def flatten_answers(value) -> list[str]:
+    """A string, a list, or a list of lists of aliases -> a flat list of distinct non-empty aliases."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    out = []
+    for item in value:
+        for alias in flatten_answers(item) if isinstance(item, list) else [item]:
+            if not isinstance(alias, str):
+                raise ValueError(f"answer {alias!r} is not a string")
+            if alias.strip() and alias not in out:
+                out.append(alias)
+    return out
+
+
+def _join_sentences(sentences: list[str]) -> str:
+    # 2Wiki sentences carry no separating whitespace; HotpotQA's do: add a space only when missing
+    text = ""
+    for s in sentences:
+        if text and not text[-1].isspace() and not s[:1].isspace():
+            text += " "
+        text += s
+    return text
+
+
+def _dpr_passages(ctxs) -> list[Passage]:
+    return [Passage(str(c.get("title") or ""), c["text"]) for c in ctxs]
+
+
+def _parse_dpr(rec: dict):
+    answers = rec["answers"] if "answers" in rec else rec.get("answer")
+    return rec["question"], flatten_answers(answers), _dpr_passages(rec["ctxs"])
+
+
+def _parse_2wiki(rec: dict):
+    passages = [Passage(title, _join_sentences(sentences)) for title, sentences in rec["context"]]
+    return rec["question"], flatten_answers([rec["answer"], rec.get("answer_aliases") or []]), passages
+
+
+def _parse_musique(rec: dict):
+    passages = [Passage(p.get("title") or "", p["paragraph_text"]) for p in rec["paragraphs"]]
+    return rec["question"], flatten_answers([rec["answer"], rec.get("answer_aliases") or []]), passages
+
+
+def _parse_kilt(rec: dict):
+    outputs = rec["output"]
+    answers = flatten_answers([o["answer"] for o in outputs if isinstance(o.get("answer"), str)])
+    if "ctxs" in rec:
+        passages = _dpr_passages(rec["ctxs"])
+    else:
+        passages = []
+        for o in outputs:
+            for prov in o.get("provenance") or []:
+                p = Passage(prov.get("title") or "", prov["text"]) if "text" in prov else None
+                if p and p not in passages:
+                    passages.append(p)
+    return rec["input"], answers, passages
+
+
+PARSERS = {"dpr": _parse_dpr, "2wiki": _parse_2wiki, "musique": _parse_musique, "kilt": _parse_kilt}
+
+
+def _source_qid(rec: dict) -> str | None:
+    # 2Wiki's _id is renamed _1 by pandas; its `id` column is then only the dev.json row index
+    for key in ("_id", "_1", "id", "qid"):
+        if rec.get(key) not in (None, ""):
+            return str(rec[key])
+    return None
+
+
+def parse_records(name: str, path: Path, records: list[dict]) -> tuple[list[Question], str, list[str]]:
+    """Records -> (questions, format, bad-record messages). A bad record has no answers, no
+    non-empty passages, or misses a field its format needs. Empty passages are dropped."""
+    if name not in ACCEPTED_FORMATS:
+        raise KvfError(f"unknown dataset '{name}'; known: {', '.join(ACCEPTED_FORMATS)}")
+    accepted = ACCEPTED_FORMATS[name]
+    fmt = detect_format(records[0])
+    if fmt not in accepted:
+        keys = ", ".join(sorted(records[0])[:12])
+        raise KvfError(f"{path}: unrecognised format for dataset '{name}' (first record keys: {keys}); "
+                       f"accepted: {_format_list(accepted)}")
+    questions, bad, seen = [], [], set()
+    for index, rec in enumerate(records):
+        try:
+            question, answers, passages = PARSERS[fmt](rec)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            bad.append(f"record {index}: not valid {fmt} format ({type(e).__name__}: {e})")
+            continue
+        # an empty passage holds nothing and the corpus reader skips it: drop it here too
+        passages = [p for p in passages if p.text.strip()]
+        if not answers:
+            bad.append(f"record {index}: no answers")
+            continue
+        if not passages:
+            bad.append(f"record {index}: no passages")
+            continue
+        # source ids when the file has them, else the record index: stable for the same file
+        qid = _source_qid(rec) or f"{name}-{index}"
+        if qid in seen:
+            qid = f"{qid}-{index}"
+        seen.add(qid)
+        questions.append(Question(qid, str(question), answers, passages))
+    return questions, fmt, bad
+
+
+def _check_bad(path: Path, bad: list[str], skip_bad: bool):
+    if bad and not skip_bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise KvfError(f"{path}: {bad[0]}{more}; fix the file or pass --skip-bad to skip such records")
+    if bad:
+        warnings.warn(f"{path}: skipped {len(bad)} bad record(s); first: {bad[0]}", stacklevel=3)
+
+
+def load_dataset(name: str, path: str | Path, skip_bad: bool = False) -> list[Question]:
+    """Read a benchmark file into Questions (format autodetected, see the module docstring)."""
+    path = Path(path)
+    questions, _, bad = parse_records(name, path, read_records(path))
+    _check_bad(path, bad, skip_bad)
+    return questions
+
+
+# ---------------------------------------------------------------------------------------------
+# prepared directory
+
+def _write_jsonl(path: Path, rows):
+    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def pool_passages(questions: list[Question]) -> dict[str, Passage]:
+    """Every distinct passage once, in first-seen order."""
+    pooled = {}
+    for q in questions:
+        for p in q.contexts:
+            pooled.setdefault(p.id, p)
+    return pooled
+
+
+def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dict) -> dict:
+    """Write corpus/passages.jsonl, questions.jsonl and prepared.json; returns the manifest."""
+    out_dir = Path(out_dir)
+    (out_dir / "corpus").mkdir(parents=True, exist_ok=True)
+    pooled = pool_passages(questions)
+    _write_jsonl(out_dir / "corpus" / "passages.jsonl",
+                 ({"id": pid, "title": p.title, "text": p.text} for pid, p in pooled.items()))
+    _write_jsonl(out_dir / "questions.jsonl",
+                 ({"id": q.qid, "question": q.question, "answers": q.answers,
+                   "context_ids": [p.id for p in q.contexts]} for q in questions))
+    manifest = {**manifest, "questions": len(questions), "passages": len(pooled)}
+    write_atomic(out_dir / "prepared.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    return manifest
+
+
+def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bool = False) -> dict:
+    """Convert a benchmark file into a prepared directory; returns its manifest (counts included)."""
+    path = Path(input_file)
+    questions, fmt, bad = parse_records(name, path, read_records(path))
+    _check_bad(path, bad, skip_bad)
+    manifest = {"dataset": name, "source": str(path.resolve()), "format": fmt,
+                "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "skipped": len(bad)}
+    return write_prepared(questions, out_dir, manifest)
+
+
+def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of a prepared JSONL file; every row must be a JSON object."""
+    if not path.is_file():
+        raise KvfError(f"{path} is missing: is {directory} a directory made by `kvf data prepare`?")
+    rows = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvfError(f"{path} is not UTF-8 text; re-run `kvf data prepare`") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KvfError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise KvfError(f"{path} line {lineno}: expected a JSON object")
+            rows.append((lineno, row))
+    return rows
+
+
+def _text_field(row: dict, name: str, where: str, fix: str) -> str:
+    value = row.get(name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and name == "id":
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise KvfError(f"{where}: needs a non-empty string \"{name}\"; {fix}")
+    return value
+
+
+def _answers_field(row: dict, where: str, required: bool) -> list[str]:
+    value = row.get("answers", row.get("answer"))
+    if value is None and not required:
+        return []
+    try:
+        answers = flatten_answers(value)
+    except ValueError:
+        answers = None
+    if answers is None or (required and not answers) or not isinstance(value, (str, list)):
+        raise KvfError(f"{where}: \"answers\" must be a string or a list of strings" + ("" if not required else
+                       " (every question needs at least one answer here)"))
+    return answers
+
+
+def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Passage]]:
+    """Read a prepared directory back: questions with their contexts resolved, and the corpus.
+
+    A question's context_ids are document ids of the corpus (as written in passages.jsonl), so a
+    hand-written prepared directory with its own ids ("p1", "p2") works like a generated one.
+    """
+    directory = Path(directory)
+    fix = "re-run `kvf data prepare` or fix the file"
+    passages_path = directory / "corpus" / "passages.jsonl"
+    passages = {}
+    for lineno, r in _read_prepared_jsonl(passages_path, directory):
+        where = f"{passages_path} line {lineno}"
+        passages[_text_field(r, "id", where, fix)] = Passage(str(r.get("title") or ""), _text_field(r, "text", where, fix))
+    questions, seen = [], set()
+    questions_path = directory / "questions.jsonl"
+    for lineno, r in _read_prepared_jsonl(questions_path, directory):
+        where = f"{questions_path} line {lineno}"
+        qid = _text_field(r, "id", where, fix)
+        if qid in seen:
+            raise KvfError(f"{where}: question id {qid} is used twice; give every question its own id")
+        seen.add(qid)
+        context_ids = r.get("context_ids")
+        if not isinstance(context_ids, list) or not all(isinstance(c, str) for c in context_ids):
+            raise KvfError(f"{where}: needs \"context_ids\", a list of passage ids from corpus/passages.jsonl "
+                           "(an empty list means: retrieve from the whole corpus)")
+        missing = [cid for cid in context_ids if cid not in passages]
+        if missing:
+            raise KvfError(f"{where}: question {qid} cites passage {missing[0]} not in corpus/passages.jsonl; {fix}")
+        questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
+                                  [passages[cid] for cid in context_ids], list(context_ids)))
+    if not questions:
+        raise KvfError(f"{questions_path} holds no questions; {fix}")
+    return questions, passages
+
+
+def load_questions_file(path: str | Path) -> list[Question]:
+    """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id"?, "passages"?}, where
+    passages are document ids of the workspace's corpus (leave them out to retrieve)."""
+    path = Path(path)
+    fix = "see README, 'Your own documents and questions'"
+    if not path.is_file():
+        raise KvfError(f"--questions {path}: no such file; pass a JSON Lines file of questions")
+    questions = []
+    for lineno, r in _read_prepared_jsonl(path, path.parent):
+        where = f"--questions {path} line {lineno}"
+        passages = r.get("passages", [])
+        if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
+            raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {fix}")
+        qid = str(r["id"]) if r.get("id") not in (None, "") else f"{path.stem}-{lineno}"
+        questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
+                                  [], list(passages)))
+    if not questions:
+        raise KvfError(f"--questions {path} holds no questions; {fix}")
+    return questions

@@ -1,0 +1,276 @@
+"""The common interface of fusion methods, and the registry that maps names to them.
+
+A method is one file under pipeline/fusion/methods/ (or in a directory named by $KVF_METHOD_PATH)
+with one FusionMethod subclass decorated with @register. The class declares everything about
+itself, and nothing else in kvf names it:
+- `name`, and `Knobs`: a dataclass whose fields (declared with `knob()`) become `kvf run` and
+  `kvf bench` flags with their help text, are validated, and are recorded with every run;
+- `ratio_is_knob` (False: the method recomputes a fixed amount, `fixed_ratio`, whatever --ratio
+  says), `offline_variant` (the stored variant it reads by default), `uses_store`;
+- `extras_hook`: an optional build-time hook (Cache-Craft's attention summaries) that build-cache,
+  run and bench call through this interface;
+- its answers to the engine's one layer loop (FusionEngine.fuse): `plan` (positions, the rows
+  recomputed from layer 0, the chunks loaded), `before_layer` / `after_layer`, `passes` and
+  `next_pass_rows`, `records_query_attention`, `finish`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvf import KvfError
+from kvf.pipeline.fusion.engine import (FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource,
+                                        recompute_budget)
+from kvf.pipeline.model.prompt import FusedPrompt
+
+METHODS: dict[str, type["FusionMethod"]] = {}
+METHOD_PATH_ENV = "KVF_METHOD_PATH"  # extra directories of method files, ':'-separated
+
+
+# ---- knobs ------------------------------------------------------------------------------------
+def knob(default, help: str, *, min=None, max=None, choices=None):
+    """One method knob: a dataclass field carrying its CLI help and its valid values."""
+    return field(default=default, metadata={"help": help, "min": min, "max": max, "choices": choices})
+
+
+@dataclass
+class NoKnobs:
+    """A method without knobs."""
+
+
+def flag_name(knob_name: str) -> str:
+    return "--" + knob_name.replace("_", "-")
+
+
+def knob_types(knobs_class: type) -> dict[str, type]:
+    """Field name -> its plain type (int, float, str, bool), Optional unwrapped."""
+    hints = typing.get_type_hints(knobs_class)
+    out = {}
+    for f in dataclasses.fields(knobs_class):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[f.name] = args[0] if args else hint
+    return out
+
+
+def check_knobs(knobs) -> None:
+    """Every knob's type and range, as one-line errors naming the flag."""
+    types = knob_types(type(knobs))
+    for f in dataclasses.fields(knobs):
+        value, meta, kind = getattr(knobs, f.name), f.metadata, types[f.name]
+        if value is None:
+            if f.default is not None:
+                raise KvfError(f"{flag_name(f.name)}: needs a value")
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            setattr(knobs, f.name, value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise KvfError(f"{flag_name(f.name)} {value!r}: expected {kind.__name__}")
+        if kind is float and value != value:
+            raise KvfError(f"{flag_name(f.name)} {value}: not a number")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise KvfError(f"{flag_name(f.name)} {value}: must be >= {meta['min']}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise KvfError(f"{flag_name(f.name)} {value}: must be <= {meta['max']}")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise KvfError(f"{flag_name(f.name)} {value}: must be one of {', '.join(map(str, meta['choices']))}")
+
+
+# ---- the method interface ---------------------------------------------------------------------
+class FusionMethod:
+    name = ""
+    Knobs: type = NoKnobs
+    ratio_is_knob = True          # False: the method ignores --ratio and recomputes `fixed_ratio`
+    fixed_ratio = 0.0
+    default_ratio = 0.15
+    offline_variant = "prefix"    # which stored variant it reads by default
+    uses_store = True             # False for `full`: it never reads chunk KVs
+    passes = 1                    # layer loops per request (two-pass methods select in the first)
+    extras_hook = None            # (engine, attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
+    extras_names: tuple = ()      # the extras an entry must carry for this method
+
+    def __init__(self, recompute_ratio: float | None = None, knobs=None, **knob_values):
+        if knobs is None:
+            unknown = sorted(set(knob_values) - {f.name for f in dataclasses.fields(self.Knobs)})
+            if unknown:
+                raise KvfError(f"{flag_name(unknown[0])}: method {self.name} has no such knob")
+            knobs = self.Knobs(**knob_values)
+        check_knobs(knobs)
+        self.knobs = knobs
+        if not self.ratio_is_knob:
+            recompute_ratio = self.fixed_ratio
+        elif recompute_ratio is None:
+            recompute_ratio = self.default_ratio
+        recompute_budget(recompute_ratio, 0)  # validates the range
+        self.recompute_ratio = float(recompute_ratio)
+
+    def settings(self) -> dict:
+        """What is recorded with every run: the ratio and every knob."""
+        return {"ratio": self.recompute_ratio, **dataclasses.asdict(self.knobs)}
+
+    def check_model(self, n_layers: int) -> None:
+        """Knobs that depend on the loaded model (e.g. a layer index) are checked here."""
+
+    def prefill(self, engine: FusionEngine, prompt: FusedPrompt, source: LayerKVSource | None = None,
+                max_new_tokens: int = 0) -> FusionResult:
+        """This method's fused prefill: the engine's one layer loop with this method's answers."""
+        return engine.fuse(self, prompt, source, max_new_tokens)
+
+    # ---- answers to the layer loop ----------------------------------------------------------
+    def plan(self, engine: FusionEngine, prompt: FusedPrompt, source: LayerKVSource | None,
+             max_new_tokens: int) -> FusionPlan:
+        """Before layer 0: positions, rows recomputed from layer 0, chunks loaded (timed as `select`)."""
+        return FusionPlan(self.initial_chunk_rows(prompt), self.positions(prompt), self.loaded_chunks(prompt))
+
+    def positions(self, prompt: FusedPrompt) -> torch.Tensor | None:
+        """[n] RoPE positions; None = contiguous from 0."""
+        return None
+
+    def initial_chunk_rows(self, prompt: FusedPrompt) -> torch.Tensor:
+        """Chunk rows recomputed from layer 0 (Q's rows always are). Default: none (full reuse)."""
+        return torch.empty(0, dtype=torch.long)
+
+    def loaded_chunks(self, prompt: FusedPrompt) -> list[int] | None:
+        """Chunks whose stored KV is read; None = all."""
+        return None
+
+    def before_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        """May shrink the recomputed set (engine.keep_rows) before `layer` runs."""
+
+    def after_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        """May read what the layer recorded, prune or re-position (engine.drop_rows_from_context, reposition)."""
+
+    def records_query_attention(self, state: FusionState, layer: int) -> bool:
+        """Whether this layer records Q's attention to every row (state.query_attention)."""
+        return False
+
+    def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
+        """Between passes: the chunk rows the next pass recomputes from layer 0."""
+        raise NotImplementedError(f"{self.name} declares {self.passes} passes but no next_pass_rows")
+
+    def finish(self, engine: FusionEngine, state: FusionState, result: FusionResult) -> None:
+        """After the last layer: adjust the result (e.g. compact the cache, report info)."""
+
+
+# ---- helpers shared by several methods -----------------------------------------------------------
+def all_chunk_rows(prompt: FusedPrompt) -> torch.Tensor:
+    return torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+
+
+def top_rows(scores: torch.Tensor, rows: torch.Tensor, budget: int) -> torch.Tensor:
+    """The `budget` rows with the highest scores (scores[i] belongs to rows[i]), sorted by row."""
+    if budget <= 0:
+        return rows[:0]
+    picked = torch.topk(scores.float().cpu(), min(budget, len(rows))).indices  # rows live on the CPU
+    return torch.sort(rows[picked]).values
+
+
+def chunk_attention(query_attention: torch.Tensor, prompt: FusedPrompt) -> torch.Tensor:
+    """[n] Q attention per cache row -> [k] attention per chunk (sum over its rows)."""
+    return torch.stack([query_attention[s:e].sum() for s, e in prompt.chunk_spans()])
+
+
+# ---- the registry -----------------------------------------------------------------------------
+def register(cls):
+    """Class decorator: make a method available by its name. A name can be registered once."""
+    if not cls.name:
+        raise TypeError(f"{cls.__qualname__} has no `name`")
+    known = METHODS.get(cls.name)
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise KvfError(f"method name {cls.name!r} is registered twice: by {known.__module__} and by {cls.__module__}; "
+                       "rename one of them")
+    METHODS[cls.name] = cls
+    return cls
+
+
+_discovered = False
+
+
+def discover() -> dict[str, type[FusionMethod]]:
+    """Import every method file (this package, then each $KVF_METHOD_PATH directory) once."""
+    global _discovered
+    if _discovered:
+        return METHODS
+    _discovered = True
+    package = Path(__file__).parent
+    for info in pkgutil.iter_modules([str(package)]):
+        if info.name != "base":
+            importlib.import_module(f"{__package__}.{info.name}")
+    for directory in filter(None, os.environ.get(METHOD_PATH_ENV, "").split(os.pathsep)):
+        if not Path(directory).is_dir():
+            raise KvfError(f"{METHOD_PATH_ENV}={directory}: not a directory of method files")
+        for path in sorted(Path(directory).glob("*.py")):
+            module_name = f"kvf_user_methods.{path.stem}"
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+    return METHODS
+
+
+def method_names() -> list[str]:
+    return sorted(discover())
+
+
+def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
+    """A method by name, at a ratio (None: its default) with its knobs."""
+    discover()
+    if name not in METHODS:
+        raise KvfError(f"--method {name}: unknown method; known methods: {', '.join(method_names())}")
+    return METHODS[name](recompute_ratio, **knob_values)
+
+
+def build_method(name: str, recompute_ratio: float, knobs: dict | None = None) -> FusionMethod:
+    """get_method with only the knobs this method takes that were set (other methods' flags are ignored)."""
+    discover()
+    get_method(name)  # validates the name
+    own = {f.name for f in dataclasses.fields(METHODS[name].Knobs)}
+    return get_method(name, recompute_ratio, **{k: v for k, v in (knobs or {}).items() if k in own and v is not None})
+
+
+@dataclass
+class KnobSpec:
+    """One CLI flag generated from the methods' knobs (shared when several methods use the same name)."""
+    name: str
+    type: type
+    help: str
+    methods: list[str]
+
+
+def knob_specs() -> list[KnobSpec]:
+    """Every knob of every registered method, one per name, in registration order."""
+    specs: dict[str, KnobSpec] = {}
+    for method_name in method_names():
+        cls = METHODS[method_name]
+        types = knob_types(cls.Knobs)
+        for f in dataclasses.fields(cls.Knobs):
+            spec = specs.get(f.name)
+            if spec is None:
+                specs[f.name] = KnobSpec(f.name, types[f.name], f"{method_name}: {f.metadata.get('help', '')} "
+                                         f"[default: {f.default}]", [method_name])
+            elif spec.type is not types[f.name]:
+                raise KvfError(f"knob {f.name} is {spec.type.__name__} in {spec.methods[0]} but "
+                               f"{types[f.name].__name__} in {method_name}; give one of them another name")
+            else:
+                spec.methods.append(method_name)
+                spec.help += f"; {method_name}: {f.metadata.get('help', '')} [default: {f.default}]"
+    return list(specs.values())
+
+
+def check_knobs_used(method_names_run: list[str], knobs: dict) -> None:
+    """A method flag that no method of the run takes is a mistake, not something to ignore silently."""
+    specs = {s.name: s for s in knob_specs()}
+    for name, value in knobs.items():
+        if value is not None and name in specs and not set(specs[name].methods) & set(method_names_run):
+            raise KvfError(f"{flag_name(name)}: none of the methods run ({', '.join(method_names_run)}) takes it; "
+                           f"it is a knob of {', '.join(specs[name].methods)}")

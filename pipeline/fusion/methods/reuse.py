@@ -1,0 +1,12 @@
+"""`reuse` (full reuse, TurboRAG / PromptCache style): every chunk's stored KV, re-positioned to
+contiguous positions; only Q is computed. Recompute ratio 0 by definition."""
+from __future__ import annotations
+
+from kvf.pipeline.fusion.methods.base import FusionMethod, register
+
+
+@register
+class FullReuse(FusionMethod):
+    name = "reuse"
+    ratio_is_knob = False
+    fixed_ratio = 0.0

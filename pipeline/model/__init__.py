@@ -1,0 +1,1 @@
+"""The transformer as functions: layer-by-layer forward, RoPE, greedy decoding, the prompt layout. No files, no store."""

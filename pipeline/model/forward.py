@@ -1,0 +1,215 @@
+"""A functional, layer-by-layer forward over the loaded HF weights (Llama, Mistral, Qwen2, Qwen3).
+
+The HF model runs a layer over every token; fusion needs to run a layer over *some* tokens (the
+ones being recomputed) against a KV cache that mostly came from disk. So we call the HF modules
+(projections, norms, MLP) ourselves and do attention with our own cache and mask.
+
+Shapes: t = tokens computed in this call, n = tokens in the cache, H = query heads,
+KV = key/value heads, d = head_dim, D = hidden size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvf import KvfError
+from kvf.pipeline.model.rope import Rope, apply_rope
+
+# Decoder families whose attention we can drive layer by layer (RoPE, GQA, pre-norm).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+MLP_BLOCK_ROWS = 1024  # rows per MLP call in long prefills (bounds the [rows, intermediate] transient)
+ATTN_BLOCK_ROWS = 256   # query rows per masked attention call (bounds scores; lets blocks skip later keys)
+
+
+class KVCache:
+    """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, device="cpu",
+                 dtype=torch.float32):
+        self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, device=device, dtype=dtype)  # [L, 2, KV, cap, d]
+        self.length = 0  # tokens filled so far (prefill fills [0, n) before decoding starts)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0, :, : self.length]  # [KV, n, d]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1, :, : self.length]  # [KV, n, d]
+
+    def write(self, layer: int, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [KV, t, d] go to the cache rows `index` (sequence positions in the cache)."""
+        self.kv[layer, 0, :, index] = k
+        self.kv[layer, 1, :, index] = v
+
+
+class Transformer:
+    """The model as a sequence of functions we can call on any subset of tokens."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise KvfError(f"architecture '{config.model_type}' cannot be fused; kvf supports "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.hf_model = hf_model
+        self.decoder = hf_model.model
+        self.layers = list(self.decoder.layers)
+        self.n_layers = len(self.layers)
+        attn = self.layers[0].self_attn
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.has_qk_norm = hasattr(attn, "q_norm")  # Qwen3 normalises q and k per head before RoPE
+        self.max_positions = config.max_position_embeddings
+        # Mistral-style sliding windows change the mask; we fuse only within the window.
+        self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        self.rope = Rope(self.decoder.rotary_emb, config)
+        # Float tensors live on the model's device in its dtype; index tensors (rows, positions)
+        # stay on the CPU and are moved where a kernel needs them.
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
+
+    # ---- one idea per function -------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [t] -> hidden [t, D]."""
+        return self.decoder.embed_tokens(token_ids.to(self.device))
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor):
+        """hidden [t, D] -> q [H, t, d], k [KV, t, d], v [KV, t, d]; q and k *before* RoPE."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q [H, t, d] (after RoPE) over keys/values [KV, n, d]; mask [t, n] bool (True = may attend).
+
+        With a mask, queries go in blocks of rows; `rows` [t] (sorted cache rows of the queries)
+        lets each block read only keys up to its last row, which the causal mask hides anyway:
+        selected tokens spread over the prompt then cost about half of t x n, like causal
+        attention does, instead of all of it. Scores are at most [H, block, n]: never n x n.
+        Returns the attention output after o_proj, [t, D].
+        """
+        t = q.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=is_causal,
+                                                 scale=self.scaling, enable_gqa=True)
+        else:
+            blocks = []
+            for i in range(0, t, ATTN_BLOCK_ROWS):
+                end = min(t, i + ATTN_BLOCK_ROWS)
+                n_keys = int(rows[end - 1]) + 1 if rows is not None else keys.shape[1]
+                blocks.append(F.scaled_dot_product_attention(
+                    q[None, :, i:end], keys[None, :, :n_keys], values[None, :, :n_keys],
+                    attn_mask=mask[i:end, :n_keys], scale=self.scaling, enable_gqa=True))
+            out = torch.cat(blocks, dim=2)
+        return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
+
+    def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Explicit attention weights of q [H, t, d] (after RoPE) over keys [KV, n, d], mask [t, n]
+        -> [H, t, n] float32. Only for the few rows whose weights a method reads (Q's rows, one
+        chunk at build time): SDPA never forms them."""
+        group = self.n_heads // self.n_kv_heads
+        scores = (q @ keys.repeat_interleave(group, dim=0).transpose(1, 2)) * self.scaling   # [H, t, n]
+        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).float()
+
+    def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual MLP block on [t, D] rows: per token, so running it on selected rows is exact.
+
+        Long row sets go through in blocks: the [t, intermediate] activations would otherwise be
+        the largest transient of a long prefill (several times the hidden states).
+        """
+        block = self.layers[layer]
+        out = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], MLP_BLOCK_ROWS):
+            rows = hidden[start: start + MLP_BLOCK_ROWS]
+            out[start: start + MLP_BLOCK_ROWS] = rows + block.mlp(block.post_attention_layernorm(rows))
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [t, D] -> logits [t, vocab]."""
+        return self.hf_model.lm_head(self.decoder.norm(hidden))
+
+    # ---- composite steps ------------------------------------------------------------------
+    def causal_mask(self, query_index: torch.Tensor, n_keys: int, key_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """query_index [t] = each query's row in the cache -> mask [t, n_keys] (key j visible iff j <= row)."""
+        query_index = query_index.to(self.device)
+        key_index = torch.arange(n_keys, device=self.device)
+        mask = key_index[None, :] <= query_index[:, None]
+        if self.sliding_window:
+            mask &= key_index[None, :] > query_index[:, None] - self.sliding_window
+        if key_keep is not None:  # keys dropped from the context (e.g. pruned chunks)
+            mask &= key_keep.to(self.device)[None, :]
+        return mask
+
+    def layer_step(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   cache: KVCache, mask: torch.Tensor | None, is_causal: bool = False,
+                   keys_out: list | None = None, attention_out: list | None = None,
+                   attention_rows: slice = slice(None)) -> torch.Tensor:
+        """Recompute one layer for the tokens at cache rows `rows` [t] with RoPE positions [t].
+
+        Their K/V overwrite the cache rows, then they attend over the whole cache: with `mask`
+        [t, n], or causally when is_causal (only valid when rows are all n cache rows), or to
+        everything when neither (a single last token). hidden [t, D] -> hidden [t, D].
+        keys_out collects the pre-RoPE keys [KV, t, d]; attention_out the attention weights of the
+        rows picked by attention_rows (default all t), averaged over heads: [t', n]. It needs `mask`
+        and costs one explicit [H, t', n] score matrix.
+        """
+        q, k, v = self.project_qkv(layer, hidden)
+        cos, sin = self.rope.cos_sin(positions, q.dtype)
+        if keys_out is not None:
+            keys_out.append(k)  # pre-RoPE keys, what the store keeps
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, rows, k, v)
+        if attention_out is not None:
+            probs = self.attention_probs(q[:, attention_rows], cache.keys(layer), mask[attention_rows])  # [H, t', n]
+            attention_out.append(probs.mean(dim=0))                                                   # [t', n]
+        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, rows)
+        return self.mlp(layer, hidden)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                positions: torch.Tensor | None = None, keep_pre_rope_keys: bool = False,
+                attention_out: list | None = None):
+        """Ordinary prefill of token_ids [t] into cache rows [start, start + t).
+
+        Returns (logits of the last token [vocab], pre-RoPE keys per layer or None). With
+        attention_out, every layer appends the tokens' head-averaged attention weights [t, start + t].
+        """
+        t = token_ids.shape[0]
+        rows = torch.arange(start, start + t)
+        positions = rows if positions is None else positions
+        cache.length = start + t
+        plain_causal = start == 0 and not self.sliding_window and attention_out is None  # SDPA's fast causal kernel
+        mask = None if plain_causal else self.causal_mask(rows, start + t)
+        hidden = self.embed(token_ids)
+        pre_rope_keys = [] if keep_pre_rope_keys else None
+        for layer in range(self.n_layers):
+            hidden = self.layer_step(layer, hidden, rows, positions, cache, mask, plain_causal, pre_rope_keys,
+                                     attention_out)
+        return self.logits(hidden[-1:])[0], pre_rope_keys
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position: int, cache: KVCache) -> torch.Tensor:
+        """One new token at cache row `cache.length` -> logits [vocab]."""
+        row = torch.tensor([cache.length])
+        cache.length += 1
+        hidden = self.embed(row.new_tensor([token_id]))
+        pos = row.new_tensor([position])
+        # The newest token sees the whole cache, so no mask unless a sliding window cuts it.
+        mask = self.causal_mask(row, cache.length) if self.sliding_window else None
+        for layer in range(self.n_layers):
+            hidden = self.layer_step(layer, hidden, row, pos, cache, mask)
+        return self.logits(hidden)[0]
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, capacity, self.head_dim, self.device, self.dtype)

@@ -1,0 +1,222 @@
+"""The run record: one JSON line per (question, method, settings), written by `kvf run` and read by
+`kvf eval`. This module is its one definition; ARCHITECTURE.md points here.
+
+    {"qid": str, "dataset": str, "method": str, "label": str | null,
+     "settings": {"ratio": float, "variant": "prefix"|"fusion", "top_k": int, "setting": str,
+                  "retriever": str | null, "chunk_tokens": int, "model": str, "max_new_tokens": int,
+                  "n_neighbours": int, "store_dtype": str, "compute_dtype": str, ...method knobs},
+     "chunk_ids": [str, ...],            # the chunks in prompt order
+     "question": str, "answer": str, "gold": [str, ...],   # gold may be empty (questions without answers)
+     "gold_mode": "any" | "all",         # any alias is right (QA) / every value is needed (RULER)
+     "prompt_tokens": int, "chunk_tokens": int, "recomputed_tokens": int, "recomputed_token_layers": int,
+     "timings": {"load": s, "select": s, "recompute": s, "first_token": s, "decode": s, "read": s},
+     "provenance": {"kvf_version": str, "commit": str | null, "device": str},
+     "shared": [str, ...],               # work shared with other records of the same question (see run.py)
+     # with --compare-full:
+     "full_answer": str, "kl_full": float, "top1_agree_full": bool}
+
+`first_token` is TTFT: from request start to the first token, loading included.
+
+A run file is append-only JSON Lines. RunFile opens one for a run: it holds an exclusive lock (a
+second `kvf run` on the same file is refused), refuses a file that is not a kvf run file, and cuts
+only a torn *last* line (a run killed mid-write), saying so.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvf import KvfError
+
+# settings that do not change an answer: left out when deciding whether a record can be resumed
+NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
+
+
+class Timings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    load: float = Field(ge=0, allow_inf_nan=False)
+    select: float = Field(ge=0, allow_inf_nan=False)
+    recompute: float = Field(ge=0, allow_inf_nan=False)
+    first_token: float = Field(ge=0, allow_inf_nan=False)
+    decode: float = Field(ge=0, allow_inf_nan=False)
+    read: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+
+class Provenance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kvf_version: str
+    commit: str | None = None
+    device: str
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+    qid: str = Field(min_length=1)
+    dataset: str = Field(min_length=1)
+    method: str = Field(min_length=1)
+    label: str | None = None
+    settings: dict[str, Any]
+    chunk_ids: list[str]
+    question: str
+    answer: str
+    gold: list[str]
+    gold_mode: str = Field(default="any", pattern="^(any|all)$")  # any alias right (QA) / every value needed (RULER)
+    prompt_tokens: int = Field(ge=0)
+    chunk_tokens: int = Field(ge=0)
+    recomputed_tokens: int = Field(ge=0)
+    recomputed_token_layers: int | None = Field(default=None, ge=0)
+    timings: Timings
+    provenance: Provenance | None = None
+    shared: list[str] = Field(default_factory=list)
+    full_answer: str | None = None
+    kl_full: float | None = Field(default=None, allow_inf_nan=False)
+    top1_agree_full: bool | None = None
+
+    @field_validator("qid", "dataset", "method", "question", "answer", mode="before")
+    @classmethod
+    def _plain_string(cls, value):
+        if not isinstance(value, str):  # a number or a dict qid is not silently turned into text
+            raise ValueError("must be a string")
+        return value
+
+    @field_validator("settings")
+    @classmethod
+    def _settings(cls, settings: dict) -> dict:
+        ratio = settings.get("ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError("settings.ratio must be a number within [0, 1]")
+        if not isinstance(settings.get("variant", ""), (str, type(None))):
+            raise ValueError("settings.variant must be a string")
+        return settings
+
+    # ---- derived --------------------------------------------------------------------------------
+    @property
+    def ratio(self) -> float:
+        return float(self.settings["ratio"])
+
+    @property
+    def variant(self) -> str:
+        return str(self.settings.get("variant") or "")
+
+    def answer_settings(self) -> dict:
+        """The settings that change an answer (what a resumed run must match)."""
+        return {k: v for k, v in self.settings.items() if k not in NOT_ANSWER_SETTINGS}
+
+    def to_line(self) -> str:
+        return json.dumps(self.model_dump(mode="json", exclude_none=True)) + "\n"
+
+
+def parse_record(data: Any, where: str) -> RunRecord:
+    """A JSON value -> RunRecord, or a one-line KvfError naming `where` and the first bad field."""
+    if not isinstance(data, dict):
+        raise KvfError(f"{where}: not a kvf run record (expected a JSON object)")
+    try:
+        return RunRecord.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "record"
+        raise KvfError(f"{where}: not a kvf run record ({field}: {first['msg']})") from None
+
+
+def read_records(path: Path) -> list[RunRecord]:
+    """Every record of a run file (for kvf eval): a line that is not a record is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvfError(f"run file {path} does not exist")
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg})") from None
+                records.append(parse_record(data, f"run file {path} line {lineno}"))
+    except UnicodeDecodeError:
+        raise KvfError(f"run file {path} is not UTF-8 text: pass the JSON Lines files `kvf run` writes") from None
+    if not records:
+        raise KvfError(f"run file {path} is empty: re-run `kvf run` or leave it out")
+    return records
+
+
+class RunFile:
+    """An append-only run file held by one `kvf run` at a time (see the module docstring)."""
+
+    def __init__(self, path: Path, warn: Callable[[str], None] = lambda message: None):
+        self.path = Path(path)
+        self.warn = warn
+        self._file = None
+
+    def __enter__(self) -> "RunFile":
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a+b")
+        except IsADirectoryError:
+            raise KvfError(f"--out {self.path} is a directory; pass a file path such as {self.path}/run.jsonl") from None
+        except OSError as e:
+            raise KvfError(f"--out {self.path}: cannot write it ({e.strerror}); pass a writable path") from None
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise KvfError(f"--out {self.path} is being written by another `kvf run`; wait for it or pass another --out") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()  # releases the lock
+
+    def records(self) -> list[RunRecord]:
+        """The records already in the file. A torn last line is cut (and said); any other bad line is an error."""
+        self._file.seek(0)
+        lines = self._file.read().split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+            complete = True
+        else:
+            complete = False  # the last line has no newline: maybe torn
+        records, good_bytes = [], 0
+        for lineno, raw in enumerate(lines, start=1):
+            last = lineno == len(lines)
+            try:
+                record = parse_record(json.loads(raw), f"--out {self.path} line {lineno}")
+            except (json.JSONDecodeError, UnicodeDecodeError, KvfError) as e:
+                if last and not complete and records:  # killed mid-write: only this line is lost
+                    self.warn(f"--out {self.path}: cut a torn last line (a run killed mid-write); it will be re-run")
+                    break
+                if not records and lineno == 1:
+                    raise KvfError(f"--out {self.path} is not a kvf run file (line 1 is not a run record); "
+                                   "pass a new --out, or --overwrite to replace it") from None
+                reason = str(e) if isinstance(e, KvfError) else f"--out {self.path} line {lineno}: malformed JSON"
+                raise KvfError(f"{reason}; fix or remove that line (kvf never drops records)") from None
+            records.append(record)
+            good_bytes += len(raw) + 1
+        if not complete and len(records) == len(lines):  # a whole record without its newline: keep it
+            self._file.write(b"\n")
+            self._file.flush()
+            good_bytes = self._file.tell()
+        if good_bytes < self._file.seek(0, os.SEEK_END):
+            self._file.truncate(good_bytes)
+        return records
+
+    def truncate_all(self) -> None:
+        """--overwrite: start the file afresh."""
+        self._file.truncate(0)
+
+    def append(self, record: RunRecord) -> None:
+        """One record, flushed and fsynced: a crash loses at most the record being written."""
+        self._file.seek(0, os.SEEK_END)
+        self._file.write(record.to_line().encode())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+
+def finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

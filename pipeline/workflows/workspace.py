@@ -1,0 +1,81 @@
+"""A workspace: what `kvf build-cache` writes for one corpus and model, and `kvf run` reads.
+
+    workspace/
+      manifest.json      model, fingerprints, chunking, store location and format
+      chunks.parquet     every chunk: id, doc, title, text, token ids
+      doc_chunks.json    doc id -> its chunk ids in order (per-question contexts)
+      bm25/              Lucene index (pyserini)
+      dense/             faiss index + embeddings
+      neighbours.json    chunk id -> top-n similar chunk ids (FusionRAG's offline input)
+      kv.zarr            the KV store, unless --store points elsewhere
+
+It also names store entries: the key of a chunk's KV says which model computed it, which offline
+variant, what it attended to (S, and for `fusion` its neighbours), and its token ids.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvf import KvfError
+from kvf.cachestore import entry_key
+from kvf.pipeline.files import write_atomic
+
+VARIANTS = ("prefix", "fusion")
+SYSTEM_VARIANT = "system"  # the entry holding S's own KV
+
+
+def ids_digest(ids: list) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+@dataclass
+class EntryKeys:
+    """Store keys of S and of chunks, for one model and one system prefix."""
+    model_fingerprint: str
+    prefix_ids: list[int]
+
+    def system(self) -> str:
+        return entry_key(self.model_fingerprint, SYSTEM_VARIANT, "", self.prefix_ids)
+
+    def chunk(self, variant: str, segment_ids: list[int], neighbour_ids: list[str] = ()) -> str:
+        """prefix: attended to S. fusion: attended to S then the neighbours (by chunk id, in order)."""
+        if variant not in VARIANTS:
+            raise KvfError(f"--variant {variant}: unknown; use one of {', '.join(VARIANTS)}")
+        context = [ids_digest(self.prefix_ids)] + (list(neighbour_ids) if variant == "fusion" else [])
+        return entry_key(self.model_fingerprint, variant, ids_digest(context), segment_ids)
+
+
+class Workspace:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # paths
+    manifest_path = property(lambda self: self.root / "manifest.json")
+    chunks_path = property(lambda self: self.root / "chunks.parquet")
+    doc_chunks_path = property(lambda self: self.root / "doc_chunks.json")
+    bm25_dir = property(lambda self: self.root / "bm25")
+    dense_dir = property(lambda self: self.root / "dense")
+    neighbours_path = property(lambda self: self.root / "neighbours.json")
+
+    def default_store(self, fmt: str | None = "zarr") -> str:
+        if fmt is None and (self.root / "kv.h5").exists():
+            fmt = "hdf5"
+        return str(self.root / ("kv.h5" if fmt == "hdf5" else "kv.zarr"))
+
+    def manifest(self) -> dict:
+        if not self.manifest_path.is_file():
+            raise KvfError(f"--workspace {self.root}: no manifest.json; build it first with `kvf build-cache CORPUS "
+                           f"--workspace {self.root}`")
+        return json.loads(self.manifest_path.read_text())
+
+    def write_manifest(self, manifest: dict) -> None:
+        write_atomic(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
+
+    def doc_chunks(self) -> dict[str, list[str]]:
+        return json.loads(self.doc_chunks_path.read_text())
+
+    def write_doc_chunks(self, doc_chunks: dict[str, list[str]]) -> None:
+        write_atomic(self.doc_chunks_path, json.dumps(doc_chunks))
