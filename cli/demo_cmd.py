@@ -26,8 +26,8 @@ def demo_command(
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
     console.print(answers_rows_table(rows, f"kvf demo: {questions} synthetic two-hop questions"))
-    console.print(f"TTFT = load + select + recompute + first token, stored KVs read from the store on disk "
-                  f"(recomputed = chunk tokens recomputed / chunk tokens).")
+    console.print("TTFT = load + select + recompute + first token, stored KVs read from the store on disk "
+                  "(recomputed = chunk tokens recomputed / chunk tokens).")
     by_method: dict[str, list] = {}
     for r in rows:
         by_method.setdefault(r["method"], []).append(r["timings"]["first_token"])

@@ -74,7 +74,8 @@ def main():
     except typer.TyperException as e:  # bad flags and arguments (typer's own click)
         ctx = getattr(e, "ctx", None)
         where = ctx.command_path if ctx is not None else "kvf"
-        message = " ".join(getattr(e, "format_message", lambda: str(e))().split())
+        format_message = getattr(e, "format_message", None)
+        message = " ".join((format_message() if format_message else str(e)).split())
         print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except typer.Abort:

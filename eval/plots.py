@@ -13,6 +13,12 @@ POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
 METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
 
 
+def save_figure(fig, path: Path) -> None:
+    from kvf.pipeline.files import atomic_path
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
+
+
 def _label(row: pd.Series, show_variant: bool) -> str:
     text = row.method + (f" [{row.label}]" if row.label else "")
     return f"{text} ({row.variant})" if show_variant and row.variant else text
@@ -99,7 +105,7 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
     fig.suptitle(f"{dataset}: quality vs recompute ratio (n = {n} questions; bars: 95% bootstrap intervals)")
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path)
 
 
 def plot_ttft(summary: pd.DataFrame, path: Path):
@@ -126,4 +132,4 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     fig.suptitle("Time to first token vs recompute ratio")
     _legend_outside(fig, axes)
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path)

@@ -27,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvf.pipeline.files import write_atomic
 from kvf.cachestore.dtypes import itemsize
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
@@ -186,7 +187,7 @@ def main():
           "Forward-only and build runs alternate chunk by chunk on the same chunks.", "",
           "| measure | value | note |", "|---|---|---|"]
     md += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    args.out.write_text("\n".join(md) + "\n")
+    write_atomic(args.out, "\n".join(md) + "\n")
     console.print(f"wrote {args.out}")
     if args.workdir is None:  # the store is ~23 KB per token: don't leave it in /tmp
         shutil.rmtree(work, ignore_errors=True)

@@ -61,3 +61,17 @@ def tiny_model(family: str, seed: int = 0):
 
 
 FAMILIES = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """A synthetic prepared dataset (3 questions, 3 passages each) and its workspace (64-token chunks)."""
+    import io
+    from rich.console import Console
+    from kvf.pipeline.data.synthetic import make_synthetic
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    root = tmp_path_factory.mktemp("run")
+    make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
+    build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
+                             variants=("prefix",), n_neighbours=2), Console(file=io.StringIO()))
+    return root

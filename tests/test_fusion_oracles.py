@@ -3,13 +3,11 @@ only what is exact), its first-token logits and greedy answer equal full prefill
 import pytest
 import torch
 
-from conftest import FAMILIES, tiny_model
 from kvf import KvfError
-from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, recompute_budget
+from kvf.pipeline.fusion.engine import FusionPlan, recompute_budget
 from kvf.pipeline.fusion.sources import InMemoryKV
-from kvf.pipeline.model.forward import Transformer
-from kvf.pipeline.fusion.methods import METHODS, get_method
-from kvf.pipeline.model.prompt import FusedPrompt, encode
+from kvf.pipeline.fusion.methods import get_method, method_names
+from kvf.pipeline.model.prompt import encode
 
 TOL = 1e-3
 
@@ -25,14 +23,6 @@ def embedded_case(answerer, short_docs):
                              "In which province was Zorvan Pellick born?")
     full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=12)
     return prompt, stored_kvs(answerer.engine, prompt), full
-
-
-@pytest.mark.parametrize("name,ratio", [("cacheblend", 1.0), ("prefix", 1.0)])
-def test_exact_methods_equal_full(answerer, embedded_case, name, ratio):
-    prompt, source, full = embedded_case
-    got = answerer.answer(prompt, get_method(name, recompute_ratio=ratio), source, max_new_tokens=12)
-    assert (got.fused.logits - full.fused.logits).abs().max().item() <= TOL
-    assert got.text == full.text and got.text
 
 
 def test_cacheblend_v_deviation_and_later_check_layer_at_ratio_one(answerer, embedded_case):
@@ -104,26 +94,12 @@ def test_cacheblend_picks_the_most_deviating_tokens(answerer, embedded_case):
     assert torch.equal(state.active_chunk_rows(), torch.arange(start, end))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_families_cacheblend_ratio_one_equals_full(family):
-    engine = FusionEngine(Transformer(tiny_model(family, seed=3)))
-    g = torch.Generator().manual_seed(1)
-    prompt = FusedPrompt(prefix_ids=torch.randint(0, 128, (5,), generator=g).tolist(),
-                         chunk_segments=[torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 7)],
-                         question_ids=torch.randint(0, 128, (6,), generator=g).tolist())
-    full = get_method("full").prefill(engine, prompt)
-    source = stored_kvs(engine, prompt)
-    for name in ("cacheblend", "prefix"):
-        got = get_method(name, recompute_ratio=1.0).prefill(engine, prompt, source)
-        assert (got.logits - full.logits).abs().max().item() <= 1e-4, name
-
-
 def test_unknown_method_lists_known_ones():
     with pytest.raises(KvfError) as err:
         get_method("nope")
     for name in ("full", "reuse", "prefix", "cacheblend"):
         assert name in str(err.value)
-    assert set(METHODS) >= {"full", "reuse", "prefix", "cacheblend"}
+    assert set(method_names()) >= {"full", "reuse", "prefix", "cacheblend"}
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5])

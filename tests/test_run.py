@@ -8,22 +8,11 @@ import pytest
 from rich.console import Console
 
 from kvf import KvfError
-from kvf.pipeline.data.synthetic import make_synthetic
-from kvf.pipeline.workflows.build import BuildOptions, build_cache
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
 
 QUIET = Console(file=io.StringIO())
 RECORD_FIELDS = {"qid", "dataset", "method", "settings", "chunk_ids", "question", "answer", "gold",
                  "prompt_tokens", "chunk_tokens", "recomputed_tokens", "timings"}
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run")
-    make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
-    build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
-                             variants=("prefix",), n_neighbours=2), QUIET)
-    return root
 
 
 def run_opts(built, out, **kw):

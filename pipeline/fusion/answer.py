@@ -48,8 +48,9 @@ class Answerer:
                max_new_tokens: int = 32, stop_strings: tuple[str, ...] = ()) -> Answer:
         started = time.perf_counter()
         fused = method.prefill(self.engine, prompt, source, max_new_tokens)
-        first_token = int(torch.argmax(fused.logits))  # noqa: F841  (TTFT ends when it exists)
+        int(torch.argmax(fused.logits))  # TTFT ends when the first token exists (on CUDA this also syncs)
         ttft = time.perf_counter() - started
-        generation = greedy_decode(self.transformer, self.tokenizer, fused, max_new_tokens, stop_strings)
+        generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
+                                   max_new_tokens, stop_strings)
         timings = dict(fused.timings, first_token=ttft, decode=generation.decode_seconds)
         return Answer(generation.text, prompt, fused, timings)

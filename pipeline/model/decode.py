@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.fusion.engine import FusionResult
-from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.model.forward import KVCache, Transformer
 
 
 @dataclass
@@ -32,13 +31,14 @@ def stop_token_ids(tokenizer, model_config) -> set[int]:
 
 
 @torch.inference_mode()
-def greedy_decode(model: Transformer, tokenizer, fused: FusionResult, max_new_tokens: int = 32,
-                  stop_strings: tuple[str, ...] = ()) -> Generation:
-    """The first token comes from the fused logits; each next one from one decode step."""
+def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KVCache, next_position: int,
+                  max_new_tokens: int = 32, stop_strings: tuple[str, ...] = ()) -> Generation:
+    """The first token comes from the prefill's logits [vocab]; each next one from one decode step
+    appended to `cache` at RoPE position next_position, next_position + 1, ..."""
     started = time.perf_counter()
     stops = stop_token_ids(tokenizer, model.config)
     token_ids: list[int] = []
-    logits, position = fused.logits, fused.next_position
+    position = next_position
     for step in range(max_new_tokens):
         token = int(torch.argmax(logits))
         if token in stops:
@@ -48,7 +48,7 @@ def greedy_decode(model: Transformer, tokenizer, fused: FusionResult, max_new_to
         if any(s in text for s in stop_strings):
             break
         if step + 1 < max_new_tokens:
-            logits = model.decode_step(token, position, fused.cache)
+            logits = model.decode_step(token, position, cache)
             position += 1
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     for s in stop_strings:

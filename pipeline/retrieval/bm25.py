@@ -1,9 +1,9 @@
 """Lucene BM25 over chunks, built and searched in-process with pyserini (local indexes only, no downloads)."""
 import os
-import shutil
 from pathlib import Path
 
 from kvf import KvfError
+from kvf.pipeline.files import atomic_dir
 from kvf.pipeline.retrieval.chunking import Chunk
 from kvf.pipeline.retrieval.java import ensure_java
 
@@ -20,21 +20,18 @@ def build_bm25(chunks: list[Chunk], index_dir: str | Path, threads: int | None =
         raise KvfError("no chunks to index for BM25; check the corpus produced documents")
     ensure_java()
     from pyserini.index.lucene import LuceneIndexer
-    index_dir = Path(index_dir)
-    if index_dir.exists():
-        shutil.rmtree(index_dir)  # a stale index with other chunk ids would silently mix in
-    index_dir.mkdir(parents=True)
     threads = threads or min(4, os.cpu_count() or 1)
-    # Anserini's SimpleIndexer: JsonCollection docs, default English analyzer (Porter stemming, stopwords)
-    indexer = LuceneIndexer(str(index_dir), threads=threads)
-    try:
-        for start in range(0, len(chunks), batch):  # in batches, so a long build shows progress
-            part = chunks[start: start + batch]
-            indexer.add_batch_dict([{"id": c.chunk_id, "contents": chunk_contents(c)} for c in part])
-            if on_batch is not None:
-                on_batch(len(part))
-    finally:
-        indexer.close()  # commits to disk
+    with atomic_dir(index_dir) as tmp:  # a stale index with other chunk ids must never mix in, nor half a new one
+        # Anserini's SimpleIndexer: JsonCollection docs, default English analyzer (Porter stemming, stopwords)
+        indexer = LuceneIndexer(str(tmp), threads=threads)
+        try:
+            for start in range(0, len(chunks), batch):  # in batches, so a long build shows progress
+                part = chunks[start: start + batch]
+                indexer.add_batch_dict([{"id": c.chunk_id, "contents": chunk_contents(c)} for c in part])
+                if on_batch is not None:
+                    on_batch(len(part))
+        finally:
+            indexer.close()  # commits to disk
 
 
 class BM25Searcher:

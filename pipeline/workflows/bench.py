@@ -31,6 +31,7 @@ from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import build_method, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
+from kvf.pipeline.files import atomic_path, write_atomic
 from kvf.pipeline.workflows.devices import compute_dtype
 from kvf.pipeline.workflows.workspace import EntryKeys
 
@@ -302,7 +303,7 @@ def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
 def write_results(df: pd.DataFrame, out: Path, device_label: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     csv, md, png = out / "ttft.csv", out / "ttft.md", out / "ttft_vs_context.png"
-    df.to_csv(csv, index=False)
+    write_atomic(csv, df.to_csv(index=False))
     cols = ["length", "mode", "method", "ratio", "pipeline", "ttft", "ttft_ratio", "load", "read", "select",
             "recompute", "load_hidden", "peak_over_kv"]
     lines = [f"# TTFT vs full prefill ({device_label})", "",
@@ -320,7 +321,7 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str) -> list[Path]:
         for _, r in hidden.iterrows():
             lines.append(f"| {r.length} | {r['mode']} | {r.method} | {r.load:.4f} | {r.load_no_pipeline:.4f} | "
                          f"{_fmt(r.hidden_fraction)} |")
-    md.write_text("\n".join(lines) + "\n")
+    write_atomic(md, "\n".join(lines) + "\n")
     plot_ratio_vs_length(df, png, device_label)
     return [csv, md, png]
 
@@ -350,7 +351,8 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
 
 
 def summary_table(df: pd.DataFrame, title: str) -> Table:

@@ -96,8 +96,11 @@ class FusionMethod:
     offline_variant = "prefix"    # which stored variant it reads by default
     uses_store = True             # False for `full`: it never reads chunk KVs
     passes = 1                    # layer loops per request (two-pass methods select in the first)
-    extras_hook = None            # (engine, attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
+    extras_hook = None            # (attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
     extras_names: tuple = ()      # the extras an entry must carry for this method
+    # what the contract test (tests/test_method_contract.py) holds every method to:
+    oracle_knobs: dict = {}       # with these knobs at ratio 1 the method reproduces full prefill
+    exact_budget = True           # recomputes exactly round(r * chunk tokens); False: within one token per chunk
 
     def __init__(self, recompute_ratio: float | None = None, knobs=None, **knob_values):
         if knobs is None:

@@ -274,6 +274,7 @@ class CacheCraft(FusionMethod):
     Knobs = CacheCraftKnobs
     default_ratio = 0.3
     extras_names = EXTRAS
+    exact_budget = False  # ceil(CFO_i |C_i|) per chunk: within one token per chunk of r * n
 
     @staticmethod
     def extras_hook(attention: list[torch.Tensor], context_lengths: list[int], context_ids: list[int]) -> dict:

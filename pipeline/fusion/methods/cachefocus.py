@@ -132,6 +132,7 @@ class CacheFocus(FusionMethod):
     Knobs = CacheFocusKnobs
     ratio_is_knob = False  # query-only prefill: no chunk token is recomputed whatever the ratio says
     fixed_ratio = 0.0
+    oracle_knobs = {"prune_every": 0}  # no pruning: contiguous positions, i.e. `reuse`
 
     def kept_count(self, k: int) -> int:
         """How many chunks survive pruning: --keep-chunks, default ceil(k / 2)."""

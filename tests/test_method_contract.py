@@ -1,0 +1,224 @@
+"""The contract every registered method passes, parametrised over the registry (no hand-kept lists):
+- at its compute-everything setting (ratio 1 with its oracle_knobs) it reproduces full prefill:
+  first-token logits within 1e-3 and the same greedy answer on the embedded model, 1e-4 on a tiny
+  model of every supported family; methods that never recompute a chunk token do so on one chunk;
+- it recomputes exactly round(r * n) chunk tokens (within one per chunk where the paper says ceil);
+- its knobs round-trip into run records, and `kvf run` has a flag for each of them;
+and a method written in one file outside kvf is found, with its flags, by `kvf run`."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from kvf import KvfError
+from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
+from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
+from kvf.pipeline.fusion.methods.base import flag_name, knob_types, register
+from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.model.prompt import FusedPrompt, encode
+
+NAMES = method_names()
+
+
+def stored_prefix_kvs(engine, prompt) -> InMemoryKV:
+    """Each chunk's `prefix` KV, with the build-time extras of every method that has a hook."""
+    hooks = [cls for cls in METHODS.values() if cls.extras_hook is not None]
+    kvs, extras = [], []
+    for seg in prompt.chunk_segments:
+        attention = []
+        kvs.append(engine.chunk_kv(seg, prompt.prefix_ids, None, attention_out=attention))
+        chunk_extras = {}
+        for cls in hooks:
+            chunk_extras.update(cls.extras_hook(attention, [prompt.n_prefix], list(prompt.prefix_ids)))
+        extras.append(chunk_extras)
+    return InMemoryKV(kvs, extras)
+
+
+def oracle_method(name):
+    cls = METHODS[name]
+    return get_method(name, 1.0, **cls.oracle_knobs)
+
+
+def recomputes_chunks(method) -> bool:
+    """Methods that never recompute a chunk token equal full prefill on one chunk only."""
+    return method.ratio_is_knob or method.fixed_ratio == 1.0
+
+
+@pytest.fixture(scope="module")
+def embedded(answerer, short_docs):
+    many = answerer.prompt([encode(answerer.tokenizer, d) for d in short_docs], "In which province was Zorvan Pellick born?")
+    one = answerer.prompt([encode(answerer.tokenizer, short_docs[0])], "Where was Zorvan Pellick born?")
+    cases = {}
+    for key, prompt in (("many", many), ("one", one)):
+        full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=8)
+        cases[key] = (prompt, stored_prefix_kvs(answerer.engine, prompt), full)
+    return cases
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compute_everything_equals_full_on_the_embedded_model(answerer, embedded, name):
+    method = oracle_method(name)
+    prompt, source, full = embedded["many" if recomputes_chunks(method) else "one"]
+    got = answerer.answer(prompt, method, source, max_new_tokens=8)
+    assert (got.fused.logits - full.fused.logits).abs().max().item() <= 1e-3
+    assert got.text == full.text and got.text
+
+
+def tiny_case(family):
+    engine = FusionEngine(Transformer(tiny_model(family, seed=3)))
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 128, (n,), generator=g).tolist()  # noqa: E731
+    many = FusedPrompt(ids(5), [ids(n) for n in (9, 14, 7)], ids(6))
+    one = FusedPrompt(many.prefix_ids, many.chunk_segments[:1], many.question_ids)
+    return engine, many, one
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compute_everything_equals_full_on_every_family(family):
+    engine, many, one = tiny_case(family)
+    for name in NAMES:
+        method = oracle_method(name)
+        prompt = many if recomputes_chunks(method) else one
+        full = get_method("full").prefill(engine, prompt)
+        got = method.prefill(engine, prompt, stored_prefix_kvs(engine, prompt))
+        assert (got.logits - full.logits).abs().max().item() <= 1e-4, name
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].ratio_is_knob])
+@pytest.mark.parametrize("ratio", [0.1, 0.37])
+def test_recomputes_its_budget(answerer, embedded, name, ratio):
+    prompt, source, _ = embedded["many"]
+    got = get_method(name, ratio).prefill(answerer.engine, prompt, source)
+    budget = recompute_budget(ratio, prompt.n_chunk_tokens)
+    slack = 0 if METHODS[name].exact_budget else len(prompt.chunk_segments)
+    assert abs(got.recomputed_tokens - budget) <= slack
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not METHODS[n].ratio_is_knob])
+def test_fixed_ratio_methods_record_their_fixed_ratio(answerer, embedded, name):
+    prompt, source, _ = embedded["many"]
+    method = get_method(name, 0.42)
+    assert method.recompute_ratio == METHODS[name].fixed_ratio
+    got = method.prefill(answerer.engine, prompt, source)
+    expected = prompt.n_chunk_tokens - (len(prompt.chunk_segments[0]) if name == "prefix" else 0)
+    assert got.recomputed_tokens == (expected if method.fixed_ratio == 1.0 else 0)
+
+
+def other_value(field, kind):
+    """A valid value of a knob that is not its default (what a user could pass)."""
+    meta, default = field.metadata, field.default
+    if kind is bool:
+        return not default
+    if meta.get("choices"):
+        return next(c for c in meta["choices"] if c != default)
+    if default is None:
+        return kind(meta["min"] if meta.get("min") is not None else 1)
+    return default + 1 if kind is int else min(meta.get("max") or 1.0, default + 0.25)
+
+
+def non_default_knobs() -> dict[str, dict]:
+    out = {}
+    for name in NAMES:
+        cls = METHODS[name]
+        types = knob_types(cls.Knobs)
+        out[name] = {f.name: other_value(f, types[f.name]) for f in dataclasses.fields(cls.Knobs)}
+    return out
+
+
+def test_knobs_round_trip_into_run_records(built, tmp_path):
+    from kvf.pipeline.workflows.run import RunOptions, run
+    knobs = {k: v for per_method in non_default_knobs().values() for k, v in per_method.items()}
+    out = tmp_path / "contract.jsonl"
+    from rich.console import Console
+    import io
+    run(RunOptions(out=out, methods=NAMES, ratios=[0.3], dataset=built / "data", workspace=built / "ws", limit=1,
+                   max_new_tokens=2, knobs=knobs), Console(file=io.StringIO()))
+    records = {json.loads(line)["method"]: json.loads(line) for line in out.read_text().splitlines()}
+    assert set(records) == set(NAMES)
+    for name, expected in non_default_knobs().items():
+        settings = records[name]["settings"]
+        for knob, value in expected.items():
+            assert settings[knob] == value, (name, knob)
+        assert settings["ratio"] == (0.3 if METHODS[name].ratio_is_knob else METHODS[name].fixed_ratio)
+
+
+def test_every_knob_has_a_run_and_bench_flag():
+    import typer
+    from kvf.cli.main import app
+    command = typer.main.get_command(app)
+    for sub in ("run", "bench"):
+        flags = {opt for p in command.commands[sub].params for opt in p.opts}
+        for name in NAMES:
+            for f in dataclasses.fields(METHODS[name].Knobs):
+                assert flag_name(f.name) in flags, (sub, name, f.name)
+
+
+def test_registry_rejects_a_second_method_of_the_same_name():
+    class Impostor(METHODS["reuse"]):
+        name = "reuse"
+    with pytest.raises(KvfError, match="registered twice"):
+        register(Impostor)
+    assert METHODS["reuse"] is not Impostor
+
+
+def test_out_of_range_knobs_name_the_flag():
+    for name in NAMES:
+        cls = METHODS[name]
+        types = knob_types(cls.Knobs)
+        for f in dataclasses.fields(cls.Knobs):
+            if f.metadata.get("min") is not None and types[f.name] in (int, float):
+                with pytest.raises(KvfError, match=flag_name(f.name)):
+                    get_method(name, **{f.name: f.metadata["min"] - 1})
+            if f.metadata.get("choices"):
+                with pytest.raises(KvfError, match=flag_name(f.name)):
+                    get_method(name, **{f.name: "no-such-choice"})
+
+
+TOY_METHOD = '''
+"""`toy`: recompute the first --first-tokens tokens of every chunk (a method in one file)."""
+from dataclasses import dataclass
+
+import torch
+
+from kvf.pipeline.fusion.methods import FusionMethod, knob, register
+
+
+@dataclass
+class ToyKnobs:
+    first_tokens: int = knob(2, "tokens recomputed at the start of every chunk", min=0)
+
+
+@register
+class Toy(FusionMethod):
+    name = "toy"
+    Knobs = ToyKnobs
+    ratio_is_knob = False
+
+    def initial_chunk_rows(self, prompt):
+        n = self.knobs.first_tokens
+        return torch.cat([torch.arange(s, min(e, s + n)) for s, e in prompt.chunk_spans()])
+'''
+
+
+def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(built, tmp_path):
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "toy.py").write_text(textwrap.dedent(TOY_METHOD))
+    env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "methods"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    kvf = [sys.executable, "-m", "kvf"]
+    help_text = subprocess.run([*kvf, "run", "--help"], capture_output=True, text=True, env=env).stdout
+    assert "--first-tokens" in help_text
+    out = tmp_path / "toy.jsonl"
+    proc = subprocess.run([*kvf, "run", "-d", built / "data", "-w", built / "ws", "-m", "toy", "--first-tokens", "3",
+                           "-n", "1", "--max-new-tokens", "2", "-o", out, "--no-show-answers"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["method"] == "toy" and record["settings"]["first_tokens"] == 3
+    assert record["recomputed_tokens"] == 3 * len(record["chunk_ids"])
