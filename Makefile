@@ -4,8 +4,13 @@
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
+#   make ruler   every method x {0,.15,.3} on the RULER-style suite at 2K and 4K, then results/ruler.md  (RULER_N=)
+#   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
+#   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
+#   make verify-smoke  the same on a few questions per file, against the committed records (minutes; part of make test)
+# Defaults equal the conditions of the committed results (tests/test_results.py checks it).
 # Real data is read from $(KVF_DATA) (default ../shared/data); it is never copied here.
 
 PYTHON ?= python3
@@ -13,13 +18,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KVF := $(VENV)/bin/kvf
 KVF_DATA ?= $(abspath ../shared/data)
-N ?= 8
+N ?= 50
 RATIOS ?= 0,0.05,0.15,0.3,1
 WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ttft bench-build clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration ttft bench-build verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -53,11 +58,12 @@ quality: $(WORK)/musique/questions.jsonl $(WORK)/2wikimqa/questions.jsonl $(WORK
 ALL_METHODS ?= full,reuse,pcw,epic,cacheblend,cachecraft,fusionrag,prophetkv,cachefocus
 METHOD_RATIOS ?= 0,0.05,0.15,0.3
 NEIGHBOURS ?= 3
-N_NQ ?= $(N)
+N_NQ ?= 50
 METHOD_SWEEP = $(KVF) run -m $(ALL_METHODS) -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
 # The sweep's raw records are evidence and live in git (results/methods/runs/): a sweep takes
 # hours on a 2-core CPU, and every later `make methods` resumes where the committed one stopped.
 METHOD_RUNS ?= results/methods/runs
+METHODS_OUT ?= results/methods
 # One target per dataset, so `OMP_NUM_THREADS=1 make -j2 methods` runs two sweeps side by side
 # (one thread each); every sweep resumes where it stopped.
 methods-nq: $(WORK)/nq/questions.jsonl
@@ -65,9 +71,33 @@ methods-nq: $(WORK)/nq/questions.jsonl
 methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
 	$(METHOD_SWEEP) -d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -o $(METHOD_RUNS)/$*.jsonl
 methods: methods-nq methods-2wikimqa methods-musique
-	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl --out results/methods
-	cat scripts/methods_header.md results/methods/summary.md > results/methods.md
-	@echo "results in results/methods.md and results/methods/ (summary.csv, plots)"
+	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl --out $(METHODS_OUT)
+	cat scripts/methods_header.md $(METHODS_OUT)/summary.md > $(METHODS_OUT).md
+	@echo "results in $(METHODS_OUT).md and $(METHODS_OUT)/ (summary.csv, plots)"
+
+# RULER-style suite: the tasks the embedded model solves with full prefill (ruler-calibration), 2K and 4K tokens.
+RULER_TASKS ?= niah_single,niah_multikey,boundary,alias
+RULER_N ?= 50
+RULER_RATIOS ?= 0,0.15,0.3
+RULER_RUNS ?= results/ruler/runs
+RULER_OUT ?= results/ruler
+RULER_SWEEP = $(KVF) run -m all -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
+$(WORK)/ruler-%/questions.jsonl: | setup
+	$(KVF) data ruler --length $* --n $(RULER_N) --tasks $(RULER_TASKS) --out $(WORK)/ruler-$*
+ruler-2048 ruler-4096: ruler-%: $(WORK)/ruler-%/questions.jsonl
+	$(RULER_SWEEP) -d $(WORK)/ruler-$* -o $(RULER_RUNS)/ruler-$*.jsonl
+ruler: ruler-2048 ruler-4096
+	$(KVF) eval --complete-only $(RULER_RUNS)/*.jsonl --out $(RULER_OUT)
+	cat scripts/ruler_header.md $(RULER_OUT)/summary.md > $(RULER_OUT).md
+	@echo "results in $(RULER_OUT).md and $(RULER_OUT)/ (summary.csv, plots)"
+
+# Every generated task, full prefill and full reuse only, at 2K: which tasks the model can solve at all.
+CALIBRATION_N ?= 20
+ruler-calibration: | setup
+	$(KVF) data ruler --length 2048 --n $(CALIBRATION_N) --tasks all --out $(WORK)/ruler-calibration
+	$(KVF) run -d $(WORK)/ruler-calibration -m full,reuse --max-new-tokens 32 --no-show-answers -o results/ruler_calibration/runs.jsonl
+	$(KVF) eval results/ruler_calibration/runs.jsonl --out results/ruler_calibration
+	cat scripts/ruler_calibration_header.md results/ruler_calibration/summary.md > results/ruler_calibration.md
 
 REPEATS ?= 3
 ttft: setup
@@ -75,7 +105,13 @@ ttft: setup
 	@echo "results in results/ (ttft.csv, ttft.md, ttft_vs_context.png)"
 
 bench-build: setup
-	$(PY) scripts/bench_build.py
+	$(PY) -m kvf.scripts.bench_build
+
+verify: setup
+	$(PY) -m kvf.scripts.verify
+
+verify-smoke: setup
+	$(PY) -m kvf.scripts.verify --smoke
 
 clean:
 	rm -rf $(WORK) runs

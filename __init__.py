@@ -1,10 +1,25 @@
-"""kvf: reuse precomputed chunk KV caches to make RAG prefill cheap, and measure what each fusion method keeps."""
+"""kvf: reuse precomputed chunk KV caches to make RAG prefill cheap, and measure what each fusion method keeps.
+
+The Python API, for notebooks:
+
+    import kvf
+    ws = kvf.open_workspace("workspace")                       # built by `kvf build-cache my_docs/`
+    answer = ws.answer("Who founded X?", method="cacheblend", ratio=0.15)
+    answer.text, answer.timings["first_token"], answer.recomputed_tokens
+    summary = kvf.evaluate(["runs/a.jsonl", "runs/b.jsonl"])  # a pandas DataFrame, as `kvf eval` prints
+"""
+from kvf.errors import KvfError  # noqa: F401
 
 __version__ = "0.1.0"
 
 
-class KvfError(Exception):
-    """A user-facing error: the CLI prints its message on one line and exits non-zero, no traceback.
+def open_workspace(path, model: str | None = None, device: str = "cpu"):
+    """A built workspace, ready to answer questions by fusing its stored chunk KVs (see kvf.pipeline.workflows.api)."""
+    from kvf.pipeline.workflows.api import WorkspaceSession
+    return WorkspaceSession(path, model=model, device=device)
 
-    Messages name the offending file or flag and the fix.
-    """
+
+def evaluate(run_files, out=None, complete_only: bool = False):
+    """Score run files (as `kvf eval`): the summary DataFrame; with `out`, also writes tables and plots there."""
+    from kvf.eval.api import evaluate_runs
+    return evaluate_runs(run_files, out, complete_only)

@@ -1,3 +1,3 @@
-from kvf.cli.main import main
+from kvf.cli.entry import main
 
 main()

@@ -8,6 +8,7 @@ header (shape, dtype, per-layer crc32, user attrs). Entries are immutable once c
 """
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -22,13 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore.dtypes import byte_view, check_dtype, empty_tensor, extra_to_numpy, itemsize, to_stored, STORE_DTYPES
 from kvf.cachestore.errors import BadShape, CorruptEntry, MissingEntry
 from kvf.cachestore.keys import check_key
 
 FORMAT_VERSION = 1
-STAGING = ".kvf-tmp"  # temp area inside the store root: same filesystem, so the commit rename is atomic
+STAGING = ".kvf-tmp"
+LOCK_FILE = ".kvf-lock"  # readers hold it shared, gc exclusively (local stores)  # temp area inside the store root: same filesystem, so the commit rename is atomic
 GRACE_S = 3600.0  # gc leaves younger garbage alone when it cannot tell whether its writer is alive
 HEADER_CACHE = 4096  # headers kept in memory; entries are immutable, so caching them is safe
 _HOST = socket.gethostname().replace("~", "-").replace("/", "-")
@@ -66,12 +68,19 @@ class EntryHeader:
         return int(np.prod(self.layer_shape)) * itemsize(self.dtype)
 
     def to_dict(self) -> dict:
+        """The header as stored, with a crc32 of everything else in it (key and shape included), so a
+        hand-edited or damaged header is caught before it is trusted."""
         d = dataclasses.asdict(self)
         d["shape"], d["layer_crc32"] = list(self.shape), list(self.layer_crc32)
-        return {"version": FORMAT_VERSION, **d}
+        d = {"version": FORMAT_VERSION, **d}
+        return {**d, "header_crc32": _header_crc(d)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "EntryHeader":
+        """Raises ValueError when the header's own checksum does not match (headers written before
+        checksums existed have none and are read as they are)."""
+        if "header_crc32" in d and _header_crc({k: v for k, v in d.items() if k != "header_crc32"}) != d["header_crc32"]:
+            raise ValueError("header checksum mismatch")
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         d["shape"], d["layer_crc32"] = tuple(d["shape"]), tuple(d["layer_crc32"])
@@ -232,8 +241,11 @@ class KVStore:
         return self.info()["bytes_per_token"]
 
     def verify(self) -> list[tuple[str, str]]:
-        """Re-read every entry and check every checksum. Returns [(key, problem)] for the bad ones."""
-        problems = []
+        """Re-read every entry and check every checksum and its identity (the key and shape its header
+        names). Returns [(key, problem)] for the bad ones, entry directories without metadata included."""
+        problems = [(name, "entry directory without its metadata (an interrupted copy or write): "
+                           "`kvf build-cache` rebuilds the entry, `kvf store gc --yes` removes it")
+                    for name in self._unfinished_entries()]
         for key in self.keys():
             self._forget(key)  # verify what is on disk now, not a cached header
             try:
@@ -255,19 +267,23 @@ class KVStore:
         """
         self._check_writable()
         freed = {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0}
-        for path in self._garbage(grace_s=grace_s):
+        garbage, entries = self.gc_plan(keep, grace_s)
+        for path in garbage:
             freed["bytes_freed"] += self.fs.size(path)
             self.fs.remove(path)
             freed["garbage_removed"] += 1
-        if keep is not None:
-            keep = set(keep)
-            for key in self._committed_keys():
-                if key not in keep:
-                    nbytes = self._entry_bytes(key)
-                    if self.delete(key):
-                        freed["entries_removed"] += 1
-                        freed["bytes_freed"] += nbytes
+        for key in entries:
+            nbytes = self._entry_bytes(key)
+            if self.delete(key):
+                freed["entries_removed"] += 1
+                freed["bytes_freed"] += nbytes
         return freed
+
+    def gc_plan(self, keep: set[str] | None = None, grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
+        """What gc would remove: (temp/garbage paths, committed keys not in keep; none when keep is None)."""
+        garbage = self._garbage(grace_s=grace_s)
+        entries = [] if keep is None else sorted(k for k in self._committed_keys() if k not in set(keep))
+        return garbage, entries
 
     # ------------------------------------------------------------------ shared helpers
 
@@ -279,6 +295,7 @@ class KVStore:
                 self._headers.move_to_end(key)
                 return header
         header = self._read_header(key)  # MissingEntry / CorruptEntry
+        self._check_header(key, header)  # before anything is allocated or read from it
         if cache:
             with self._lock:
                 self._headers[key] = header
@@ -343,6 +360,20 @@ class KVStore:
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return KvfError(f"store {self.path} is not writable ({e.strerror}); fix its permissions or use another --store path")
         return KvfError(f"could not write entry {key} in store {self.path}: {e}; committed entries are intact")
+
+    def _check_header(self, key: str, header: EntryHeader) -> None:
+        """An entry's header must name this key and a shape and dtype this store can hold."""
+        if header.key != key:
+            raise self._corrupt(key, f"it holds the entry of key {header.key[:16]}... (a misplaced copy)")
+        shape = header.shape
+        if len(shape) != 5 or shape[1] != 2 or min(shape) < 1 or len(header.layer_crc32) != shape[0]:
+            raise self._corrupt(key, f"damaged header (shape {list(shape)})")
+        for dim, name in ((0, "layers"), (2, "kv_heads"), (4, "head_dim")):
+            want = self.meta.get(name)
+            if want is not None and shape[dim] != want:
+                raise self._corrupt(key, f"damaged header: {name}={shape[dim]} but the store holds {name}={want}")
+        if header.dtype != self.dtype:
+            raise self._corrupt(key, f"damaged header: dtype {header.dtype} but the store holds {self.dtype}")
 
     def _check_writable(self) -> None:
         if self.readonly:
@@ -434,6 +465,44 @@ class KVStore:
 
     def _uncommitted(self, grace_s: float) -> list[str]:
         return []
+
+    def _unfinished_entries(self) -> list[str]:
+        """Names of entry directories in place but without metadata (reported by verify)."""
+        return []
+
+    # ------------------------------------------------------------------ locking (local stores)
+
+    @contextmanager
+    def shared_lock(self):
+        """Held by every process that reads or writes entries; gc waits for none of them: it refuses."""
+        with self._flock(fcntl.LOCK_SH):
+            yield self
+
+    @contextmanager
+    def exclusive_lock(self):
+        """gc's: refused with a one-line error while another kvf process holds the store."""
+        try:
+            with self._flock(fcntl.LOCK_EX | fcntl.LOCK_NB):
+                yield self
+        except BlockingIOError:
+            raise KvfError(f"store {self.path} is in use by another kvf process (a run or a build); "
+                           "run gc when it has finished") from None
+
+    @contextmanager
+    def _flock(self, mode: int):
+        if not self.fs.local:  # object stores have no locks: gc there must not overlap readers
+            yield
+            return
+        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _header_crc(d: dict) -> int:
+    return zlib.crc32(json.dumps(d, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _json_clean(obj: dict, what: str) -> dict:

@@ -1,5 +1,5 @@
 """Store errors. All are `kvf.KvfError`, so the CLI prints them on one line and exits 1."""
-from kvf import KvfError
+from kvf.errors import KvfError
 
 
 class StoreMismatch(KvfError):

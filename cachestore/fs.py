@@ -11,8 +11,13 @@ import shutil
 
 
 class LocalFS:
+    """`root`: removals outside it (through a symlink, say) are refused, so no store operation ever
+    deletes anything that is not the store's."""
     local = True
     sep = os.sep
+
+    def __init__(self, root: str | None = None):
+        self.root = os.path.realpath(root) if root else None
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -71,8 +76,21 @@ class LocalFS:
         except FileNotFoundError:
             return None
 
+    def inside_root(self, path: str) -> bool:
+        """True when `path` itself (not what a symlink at it points to) lies inside the root."""
+        if self.root is None:
+            return True
+        parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        return parent == self.root or parent.startswith(self.root + os.sep)
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
+
     def remove(self, path: str) -> None:
-        """Remove a file or a directory tree; missing is fine."""
+        """Remove a file or a directory tree; missing is fine. A symlink is removed, never followed;
+        a path outside the root (reached through a symlinked directory) is refused."""
+        if not self.inside_root(path):
+            raise ValueError(f"refusing to remove {path}: it lies outside the store {self.root}")
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -121,6 +139,9 @@ class FsspecFS:
 
     local = False
     sep = "/"
+
+    def is_link(self, path: str) -> bool:
+        return False  # object stores have no symlinks
 
     def __init__(self, fs):
         self.fs = fs

@@ -5,7 +5,7 @@ import os
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore.base import FORMAT_VERSION, KVStore
 from kvf.cachestore.dtypes import check_dtype
 from kvf.cachestore.errors import StoreMismatch
@@ -71,13 +71,14 @@ def _canon(value) -> str:
 def _resolve(path: str):
     """(filesystem, root path). file:// URLs and plain paths use the local fast path."""
     if "://" not in path:
-        return LocalFS(), os.path.abspath(os.path.expanduser(path))
+        root = os.path.abspath(os.path.expanduser(path))
+        return LocalFS(root), root
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
         raise KvfError(f"cannot open store URL {path}: {e}") from e
     if isinstance(fs, LocalFileSystem):
-        return LocalFS(), os.path.abspath(root)
+        return LocalFS(os.path.abspath(root)), os.path.abspath(root)
     return FsspecFS(fs), root.rstrip("/")
 
 

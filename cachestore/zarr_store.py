@@ -92,13 +92,17 @@ class ZarrKVStore(KVStore):
         return self.fs.exists(self.fs.join(self._entry_dir(key), "zarr.json"))
 
     def _entry_dirs(self):
-        """(key, dir) for every directory in the fan-out level, committed or not."""
+        """(key, dir) for every directory in the fan-out level, committed or not. Symlinks (a fan-out
+        directory or an entry that points elsewhere) are never followed: nothing outside the store
+        is read as an entry, or deleted as garbage."""
         for fan in self.fs.listdir(self.root):
             if len(fan) != 2 or fan == STAGING:
                 continue
             fan_dir = self.fs.join(self.root, fan)
+            if self.fs.is_link(fan_dir):
+                continue
             for name in self.fs.listdir(fan_dir):
-                if name != "zarr.json":
+                if name != "zarr.json" and not self.fs.is_link(self.fs.join(fan_dir, name)):
                     yield name, self.fs.join(fan_dir, name)
 
     def _committed_keys(self):
@@ -122,6 +126,10 @@ class ZarrKVStore(KVStore):
         with self._staged(self._staging_path(header.key)) as tmp:
             self._write_files(tmp, header, stored, extras)
             self._ensure_fanout(header.key)
+            if self.fs.exists(final) and not self._is_committed(header.key):
+                # a directory without metadata (an interrupted copy) would block the commit forever:
+                # move it aside as garbage, then commit
+                self.fs.publish(final, self._staging_path(header.key, ".unfinished"))
             return self.fs.publish(tmp, final)  # the commit; False if another writer was first
 
     def _write_in_place(self, final: str, header: EntryHeader, stored: np.ndarray, extras: dict) -> bool:
@@ -227,7 +235,10 @@ class ZarrKVStore(KVStore):
         return True
 
     def _uncommitted(self, grace_s: float) -> list[str]:
-        """Entry directories without their zarr.json: interrupted in-place writes (object stores)."""
+        """Entry directories without their zarr.json, older than grace_s: interrupted in-place writes
+        (object stores) or interrupted copies. A local writer never leaves one (it commits by rename)."""
         return [d for _, d in self._entry_dirs()
-                if not self.fs.exists(self.fs.join(d, "zarr.json"))
-                and (self.fs.local or not _younger_than(self.fs, d, grace_s))]
+                if not self.fs.exists(self.fs.join(d, "zarr.json")) and not _younger_than(self.fs, d, grace_s)]
+
+    def _unfinished_entries(self) -> list[str]:
+        return [key for key, d in self._entry_dirs() if not self.fs.exists(self.fs.join(d, "zarr.json"))]

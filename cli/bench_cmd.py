@@ -13,7 +13,7 @@ console = Console(width=max(Console().width, 120))
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from kvf import KvfError
+    from kvf.errors import KvfError
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

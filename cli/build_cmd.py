@@ -28,6 +28,7 @@ def build_cache_command(
     extras_for: Optional[str] = typer.Option(None, "--extras-for", help="Methods whose build-time extras every entry stores, comma-separated, or all (e.g. cachecraft)."),
     bm25: bool = typer.Option(True, "--bm25/--no-bm25", help="Build the BM25 index."),
     dense: bool = typer.Option(True, "--dense/--no-dense", help="Build the dense index (always built when --variant has fusion)."),
+    rebuild: Optional[str] = typer.Option(None, "--rebuild", help="Rebuild these stages even if they look current: bm25, dense, neighbours (a damaged index)."),
     device: DeviceOption = "cpu",
 ):
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
@@ -39,6 +40,6 @@ def build_cache_command(
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()),
                         n_neighbours=neighbours, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
-                        device=device)
+                        device=device, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()))
     summary = build_cache(opts, console)
     console.print(summary_table(summary))

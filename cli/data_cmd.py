@@ -14,34 +14,64 @@ data_app = typer.Typer(help="Prepare benchmark data: a corpus of passages plus q
 
 @data_app.command("prepare")
 def prepare_command(
-    name: Annotated[str, typer.Argument(help=f"Dataset name: {', '.join(ACCEPTED_FORMATS)}.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory to write corpus/passages.jsonl and questions.jsonl to.")],
+    name: Annotated[str, typer.Argument(help=f"Dataset name: {', '.join(ACCEPTED_FORMATS)}, or custom (your own questions).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write corpus/passages.jsonl and questions.jsonl to.")],
     input_file: Annotated[Optional[Path], typer.Option(
         "--input", help="Benchmark file (JSON, JSON Lines, gzip or not; format autodetected). "
-                        "Default: the dataset's file in the data directory.")] = None,
+                        "[default: the dataset's file in the data directory]")] = None,
     data_dir: Annotated[Optional[str], typer.Option(
-        "--data-dir", help="Data directory for the default input (else $KVF_DATA, else ../shared/data).")] = None,
+        "--data-dir", help="Data directory for the default input [default: $KVF_DATA, else ../shared/data].")] = None,
+    corpus: Annotated[Optional[Path], typer.Option(
+        "--corpus", help="custom: documents whose ids your questions' passages name (a folder or file, as for build-cache).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="Keep only the first N questions.")] = None,
     skip_bad: Annotated[bool, typer.Option(
-        "--skip-bad", help="Skip records with no answers or no passages (with a warning) instead of failing.")] = False,
+        "--skip-bad/--no-skip-bad", help="Skip records with no answers or no passages (with a warning) instead of failing.")] = False,
 ):
-    """Convert a QA benchmark file into a prepared directory (passages pooled once, stable ids)."""
-    path = input_file or find_dataset_file(name, data_dir)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        manifest = prepare(name, path, out, skip_bad=skip_bad)
-    for w in caught:
-        typer.echo(f"warning: {w.message}", err=True)
+    """Convert a QA benchmark file (or your own questions) into a prepared directory (passages pooled once, stable ids)."""
+    if name == "custom":
+        from kvf.errors import KvfError
+        from kvf.pipeline.data.datasets import prepare_custom
+        if input_file is None:
+            raise KvfError("kvf data prepare custom needs --input FILE (JSON Lines of {question, answers, passages})")
+        manifest = prepare_custom(input_file, out, corpus, limit)
+    else:
+        path = input_file or find_dataset_file(name, data_dir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manifest = prepare(name, path, out, skip_bad=skip_bad, limit=limit)
+        for w in caught:
+            typer.echo(f"warning: {w.message}", err=True)
     typer.echo(f"{name}: {manifest['questions']} questions, {manifest['passages']} distinct passages "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
 
 
 @data_app.command("synthetic")
 def synthetic_command(
-    out: Annotated[Path, typer.Option("--out", help="Directory to write the synthetic prepared corpus to.")],
-    n: Annotated[int, typer.Option("--n", help="Number of two-hop questions.")] = 20,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the synthetic prepared corpus to.")],
+    n: Annotated[int, typer.Option("--n", "--limit", "-n", min=1, help="Number of two-hop questions.")] = 20,
     passages: Annotated[int, typer.Option("--passages", help="Passages per question (two hold the facts).")] = 4,
     seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives the same corpus.")] = 0,
 ):
     """Generate a small synthetic two-hop corpus (fictional entities) that needs no data directory."""
     questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed)
     typer.echo(f"synthetic: {len(questions)} questions, {len(questions) * passages} passages (seed {seed}) -> {out}")
+
+
+@data_app.command("ruler")
+def ruler_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the prepared RULER-style suite to.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated tasks, or all.")] = "all",
+    length: Annotated[int, typer.Option("--length", help="Sample length in model tokens (1024, 2048, 4096, 8192).")] = 2048,
+    n: Annotated[int, typer.Option("--n", "--limit", "-n", help="Samples per task.")] = 50,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives the same suite.")] = 0,
+    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Passage size in model tokens: build the workspace with the same --chunk-tokens.")] = 256,
+    model: Annotated[Optional[str], typer.Option("--model", help="Model whose tokenizer measures lengths (default: the embedded one).")] = None,
+):
+    """Generate a RULER-style long-context suite (needles, variable tracking, frequent words, two-hop, cross-chunk tasks)."""
+    from kvf.pipeline.data.ruler import TASKS, make_ruler
+    from kvf.pipeline.workflows.weights import open_model
+    names = list(TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+    model_ref = open_model(model)
+    questions = make_ruler(out, model_ref.tokenizer, names, length, n, seed, chunk_tokens,
+                           model_ref.config.max_position_embeddings)
+    typer.echo(f"ruler-{length}: {len(questions)} samples ({n} per task: {', '.join(names)}; seed {seed}) -> {out}")

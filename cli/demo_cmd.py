@@ -22,7 +22,10 @@ def demo_command(
     workspace: Path = typer.Option(None, "--workspace", "-w", help="Where to build the demo store [default: a temp dir]."),
 ):
     """Build a chunk KV store for a synthetic corpus, then answer with full, reuse and cacheblend."""
+    from kvf.pipeline.files import check_writable_dir
     from kvf.pipeline.workflows.demo import run_demo
+    if workspace is not None:
+        check_writable_dir(workspace, "--workspace")
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
     console.print(answers_rows_table(rows, f"kvf demo: {questions} synthetic two-hop questions"))

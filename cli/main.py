@@ -8,14 +8,16 @@ one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import typer
 
-from kvf import KvfError, __version__
+from kvf import __version__
+from kvf.cli.entry import Interrupted, Terminated
+from kvf.errors import KvfError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # kvf shows its own progress
 
 app = typer.Typer(help="kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -57,19 +59,14 @@ app.command("eval")(eval_command)
 app.command("compare")(compare_command)
 
 
-class Terminated(Exception):
-    """SIGTERM, turned into an exception so the same clean exit path runs as for Ctrl-C."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
-
-
 def main():
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    """Run the CLI; every way it can end is one line on stderr (see the module docstring).
+    Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
     debug = "--debug" in sys.argv[1:]
     try:
         code = app(prog_name="kvf", standalone_mode=False)  # click's usage errors come to us, to be printed on one line
+        if code == 130:  # typer turns a KeyboardInterrupt it sees into this code
+            raise KeyboardInterrupt
         sys.exit(code if isinstance(code, int) else 0)
     except typer.TyperException as e:  # bad flags and arguments (typer's own click)
         ctx = getattr(e, "ctx", None)
@@ -78,18 +75,15 @@ def main():
         message = " ".join((format_message() if format_message else str(e)).split())
         print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
-    except typer.Abort:
+    except (Interrupted, Terminated) as e:
+        print(f"kvf: {e.word}; re-run the same command to resume", file=sys.stderr)
+        sys.exit(e.code)
+    except (KeyboardInterrupt, typer.Abort):
         print("kvf: interrupted; re-run the same command to resume", file=sys.stderr)
         sys.exit(130)
     except KvfError as e:
         print(f"kvf: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("kvf: interrupted; re-run the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    except Terminated:
-        print("kvf: terminated; re-run the same command to resume", file=sys.stderr)
-        sys.exit(143)
     except OSError as e:
         if debug:
             raise

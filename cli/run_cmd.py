@@ -34,12 +34,14 @@ def run_command(
     label: Optional[str] = typer.Option(None, "--label", help="Name this run, to compare runs of one method with other models or settings."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out instead of resuming it."),
     show_answers: bool = typer.Option(True, "--show-answers/--no-show-answers", help="Print a table of the answers at the end."),
+    qid: Optional[str] = typer.Option(None, "--qid", help="Answer only these question ids, comma-separated."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once untimed first, so TTFT leaves out one-time set-up."),
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
     **knobs,
 ):
     """Answer every question with each method and ratio; one JSON line per question, method and ratio."""
-    from kvf import KvfError
+    from kvf.errors import KvfError
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
     auto = ratio.strip() == "auto"
     if auto:
@@ -52,7 +54,8 @@ def run_command(
                       workspace=workspace, variant=variant, top_k=top_k, limit=limit, setting=setting,
                       retriever=retriever, compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
-                      auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite)
+                      auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite,
+                      qids=[q.strip() for q in qid.split(",") if q.strip()] if qid else None, warmup=warmup)
     path = run(opts, console)
     if show_answers:
         from kvf.cli.tables import answers_table

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 
 class SearchMode(str, Enum):
@@ -49,11 +49,13 @@ def search_command(
     query: Annotated[str, typer.Argument(help="What to search for, in plain words.")],
     workspace: Annotated[Path, typer.Option(
         "--workspace", "-w", help="Workspace folder holding chunks.parquet, bm25/ and dense/.")] = Path("workspace"),
-    k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to show.")] = 5,
+    k: Annotated[int, typer.Option("--top-k", "-k", "--k", min=1, help="How many chunks to show.")] = 5,
     mode: Annotated[SearchMode, typer.Option(
-        help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,
+        "--retriever", "--mode", help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the hits as JSON.")] = False,
 ):
     """Search the workspace's chunks and print the top hits."""
+    import json
     from kvf.pipeline.retrieval.chunking import read_chunks_table
     if not workspace.is_dir():
         raise KvfError(f"--workspace {workspace} does not exist; "
@@ -65,6 +67,10 @@ def search_command(
     if unknown:
         raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "
                        f"(e.g. {unknown[0][:12]}); rebuild with `kvf build-cache CORPUS --workspace {workspace}`")
+    if json_out:
+        print(json.dumps([{"rank": i + 1, "score": score, "chunk_id": cid, "doc_id": chunks_by_id[cid].doc_id,
+                           "text": chunks_by_id[cid].text} for i, (cid, score) in enumerate(hits)]))
+        return
     console = Console()
     if not hits:
         console.print(f"no {mode.value} hits for {query!r}", markup=False)

@@ -1,4 +1,7 @@
-"""`kvf store info|verify|gc`: inspect and maintain a chunk KV store."""
+"""`kvf store info|verify|gc`: inspect and maintain a chunk KV store (by --store, or a workspace's)."""
+from __future__ import annotations
+
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -6,14 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvf import KvfError
 from kvf.cachestore import open_store
+from kvf.errors import KvfError
 
 store_app = typer.Typer(help="Inspect and maintain a chunk KV store (info, verify, gc).", no_args_is_help=True)
 console = Console()
 
-StoreOpt = Annotated[str, typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5; default: detect.")]
+StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
+WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", "-w", help="Use this workspace's store.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 [default: detect].")]
 
 
 def _size(n: float | None) -> str:
@@ -25,12 +29,26 @@ def _size(n: float | None) -> str:
         n /= 1024
 
 
+def resolve_store(store: str | None, workspace: Path | None) -> str:
+    """--store, or the store named by --workspace's manifest (one of them)."""
+    if (store is None) == (workspace is None):
+        raise KvfError("pass --store PATH (or URL) or --workspace DIR, one of them")
+    if store is not None:
+        return store
+    from kvf.pipeline.workflows.workspace import Workspace
+    return Workspace(workspace).store_location()
+
+
 @store_app.command()
-def info(store: StoreOpt, format: FormatOpt = None):
+def info(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+         json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False):
     """Entries, tokens, bytes on disk and per token, variants, and the store's identity."""
-    s = open_store(store, format, readonly=True)
-    i = s.info()
-    table = Table(title=f"kvf store {store}", show_header=False)
+    location = resolve_store(store, workspace)
+    i = open_store(location, format, readonly=True).info()
+    if json_out:
+        print(json.dumps(i, default=str))
+        return
+    table = Table(title=f"kvf store {location}", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
     table.add_row("format", f"{i['format']} ({i['dtype']}, compressor {i['compressor']})")
@@ -48,10 +66,11 @@ def info(store: StoreOpt, format: FormatOpt = None):
 
 
 @store_app.command()
-def verify(store: StoreOpt, format: FormatOpt = None,
-           delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete corrupt entries so a rebuild recomputes them.")] = False):
-    """Re-read every entry and check its checksums; exit 1 if any entry is bad."""
-    s = open_store(store, format, readonly=not delete_bad)
+def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+           delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete bad entries so a rebuild recomputes them.")] = False):
+    """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
+    location = resolve_store(store, workspace)
+    s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
     bad = s.verify()
     for key, problem in bad:
@@ -59,22 +78,19 @@ def verify(store: StoreOpt, format: FormatOpt = None,
         if delete_bad:
             s.delete(key)
     if not bad:
-        console.print(f"[green]{n} entries OK[/green] in {store}")
+        console.print(f"[green]{n} entries OK[/green] in {location}")
         return
     action = "deleted; rebuild to recompute them" if delete_bad else "re-run with --delete-bad, then rebuild"
-    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {store} ({action})")
+    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {location} ({action})")
     raise typer.Exit(1)
 
 
 @store_app.command()
-def gc(store: StoreOpt, format: FormatOpt = None,
-       keep: Annotated[Optional[Path], typer.Option("--keep", help="File of keys to keep, one per line: every other entry is deleted.")] = None):
-    """Remove temp data left by crashed writers (and, with --keep, every entry not listed)."""
-    keep_keys = None
-    if keep is not None:
-        if not keep.is_file():
-            raise KvfError(f"--keep file {keep} not found; pass a file with one key per line")
-        keep_keys = {line.strip() for line in keep.read_text().splitlines() if line.strip()}
-    freed = open_store(store, format).gc(keep=keep_keys)
-    console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
-                  f"freed {_size(freed['bytes_freed'])} in {store}")
+def gc(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+       keep: Annotated[Optional[Path], typer.Option("--keep", help="File of store keys to keep, one per line: every other entry goes.")] = None,
+       keep_workspace: Annotated[Optional[Path], typer.Option("--keep-workspace", help="Keep every entry this workspace's chunks and variants use; every other entry goes.")] = None,
+       yes: Annotated[bool, typer.Option("--yes", help="Delete for real; without it gc only says what it would delete.")] = False):
+    """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
+    from kvf.pipeline.workflows.gc import collect
+    location = resolve_store(store, workspace)
+    collect(location, format, keep, keep_workspace, yes, console)

@@ -5,7 +5,7 @@ import math
 
 import pandas as pd
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.eval.metrics import token_f1
 from kvf.eval.report import primary_metric, reference_rows
 

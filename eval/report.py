@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
+from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.records import RunRecord, read_records
 
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
@@ -438,23 +439,11 @@ def _safe_name(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
-def check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise KvfError(f"--out {out_dir} is a file; pass a directory for summary.csv, summary.md and the plots")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".kvf-write-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise KvfError(f"--out {out_dir}: cannot write there ({e.strerror}); pass a writable directory") from None
-
-
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None) -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
     complete_only: score only questions every method answered (see complete_questions).
     The written paths are in `summary.attrs["written"]`."""
-    check_out_dir(Path(out_dir))
+    check_writable_dir(out_dir, "--out")
     df = load_runs([Path(p) for p in run_files])
     if complete_only:
         df = complete_questions(df)

@@ -66,3 +66,19 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_writable_dir(path: str | Path, flag: str) -> Path:
+    """A directory kvf is about to write into: created if missing; a file there, or a place that
+    cannot be written, is a one-line error naming the flag."""
+    from kvf.errors import KvfError
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise KvfError(f"{flag} {path} is a file; pass a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvf-write-probe-"):
+            pass
+    except OSError as e:
+        raise KvfError(f"{flag} {path}: cannot write there ({e.strerror}); pass a writable directory") from None
+    return path

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.workflows.bench import BenchOptions, bench, write_results
 from kvf.pipeline.fusion.controller import choose_ratio
 

@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 
 from conftest import tiny_config
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
 from kvf.cli.main import main

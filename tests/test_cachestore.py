@@ -15,7 +15,7 @@ import torch
 import zarr
 from typer.testing import CliRunner
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore import BadShape, CorruptEntry, MissingEntry, StoreMismatch, entry_key, open_store
 from kvf.cachestore.base import _HOST, STAGING
 from kvf.cachestore.fs import FsspecFS, LocalFS
@@ -593,10 +593,17 @@ def test_cli_info_verify_gc(tmp_path, fmt):
     assert open_store(store.path).keys() == [key_of(0)]
     assert runner.invoke(store_app, ["verify", "--store", store.path]).exit_code == 0
 
+    store.put(key_of(2), rand_kv(seed=2), attrs={"variant": "prefix"})
     keep = tmp_path / "keep.txt"
-    keep.write_text("")
+    keep.write_text("")   # an empty keep list would delete everything: refused
     res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep)])
+    assert res.exit_code != 0 and "none of its 0 lines" in str(res.exception)
+    keep.write_text(key_of(0) + "\n")
+    res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep)])  # a preview only
+    assert res.exit_code == 0 and "would remove 0 temp/garbage items and 1 of 2 entries" in " ".join(res.output.split())
+    assert open_store(store.path).keys() == sorted([key_of(0), key_of(2)])
+    res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep), "--yes"])
     assert res.exit_code == 0 and "1 entries" in res.output
-    assert open_store(store.path).keys() == []
+    assert open_store(store.path).keys() == [key_of(0)]
     res = runner.invoke(store_app, ["info", "--store", str(tmp_path / "nope")])
     assert res.exit_code != 0 and isinstance(res.exception, KvfError)

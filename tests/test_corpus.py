@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.retrieval.chunking import (chunk_documents, chunk_id_for, read_chunks_table, split_documents,
                                    tokenize_document, tokenizer_fingerprint, window_starts, write_chunks_table,
                                    _fingerprints)

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import (Passage, data_dir, detect_format, find_dataset_file, load_dataset,
                                load_prepared, passage_id, prepare)
 

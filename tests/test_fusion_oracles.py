@@ -3,7 +3,7 @@ only what is exact), its first-token logits and greedy answer equal full prefill
 import pytest
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionPlan, recompute_budget
 from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.fusion.methods import get_method, method_names

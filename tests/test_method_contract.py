@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, tiny_model
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
 from kvf.pipeline.fusion.methods.base import flag_name, knob_types, register

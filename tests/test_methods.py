@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_model
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, recompute_budget
 from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.model.forward import Transformer

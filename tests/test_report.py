@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.eval.report import evaluate, summary_markdown, summary_table
 from kvf.eval.stats import MIN_QUESTIONS
 

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.retrieval.chunking import Chunk, write_chunks_table
 
 TOPICS = {

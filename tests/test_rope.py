@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.model.rope import Rope, apply_rope, reposition_keys
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
 
 QUIET = Console(file=io.StringIO())

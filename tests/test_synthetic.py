@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import load_prepared
 from kvf.pipeline.data.synthetic import make_synthetic
 

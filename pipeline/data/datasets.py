@@ -24,25 +24,29 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf import KvfError
-from kvf.pipeline.files import write_atomic
+from kvf.errors import KvfError
+from kvf.pipeline.files import check_writable_dir, write_atomic
 
 FORMATS = {
     "dpr": "DPR-style {question, answers, ctxs[{title,text}]} (NQ-open, TriviaQA, CacheBlend/LongBench)",
-    "2wiki": "2WikiMultihopQA original {question, answer, context[[title,[sentences]]]}, pandas export too",
+    "2wiki": "2WikiMultihopQA / HotpotQA original {question, answer, context[[title,[sentences]]], supporting_facts}, pandas export too",
+    "longbench": "LongBench JSON Lines {input, context, answers, _id}: the context's 'Passage N:' blocks become passages",
     "musique": "MuSiQue original {question, answer, answer_aliases, paragraphs[{title,paragraph_text}]}",
     "kilt": "KILT {input, output[{answer}], and ctxs or provenance with text}",
 }
 ACCEPTED_FORMATS = {
     "nq": ["dpr", "kilt"],
     "triviaqa": ["dpr", "kilt"],
-    "2wikimqa": ["dpr", "2wiki"],
+    "2wikimqa": ["dpr", "2wiki", "longbench"],
     "2wikimqa-dev": ["dpr", "2wiki"],
-    "musique": ["dpr", "musique"],
+    "musique": ["dpr", "musique", "longbench"],
+    "hotpotqa": ["2wiki", "dpr", "longbench"],
+    "longbench": ["longbench"],
 }
 # where each benchmark's file sits under the data directory (see shared/data/SOURCES.md)
 DATASET_FILES = {
@@ -50,6 +54,7 @@ DATASET_FILES = {
     "musique": "musique/musique_s.json",
     "2wikimqa": "2wikimqa/wikimqa_s_clean.json",
     "2wikimqa-dev": "2wikimqa/2wikimqa_dev500_sampled_ds.json",
+    "hotpotqa": "hotpotqa/hotpotqa_dev500_fullwiki_sampled_ds.json",
 }
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +76,9 @@ class Question:
     answers: list[str]                                   # may be empty: a question without gold answers
     contexts: list[Passage] = field(default_factory=list)
     context_ids: list[str] | None = None                 # document ids in the corpus; default: the passages' ids
+    gold_mode: str = "any"                               # "all": every answer value is needed (RULER)
+    task: str | None = None                              # a generated suite's task; records' dataset is "name/task"
+    fact_chunks: list[int] | None = None                 # which passages hold the facts (generated suites)
 
     def __post_init__(self):
         if self.context_ids is None:
@@ -191,6 +199,8 @@ def _format_list(names=None) -> str:
 def detect_format(record: dict) -> str | None:
     """Which published format a record is in, from its keys; None if none fits."""
     keys = set(record)
+    if {"input", "context", "answers"} <= keys:
+        return "longbench"
     if "input" in keys and "output" in keys:
         return "kilt"
     if "question" not in keys:
@@ -230,8 +240,15 @@ def _join_sentences(sentences: list[str]) -> str:
     return text
 
 
+def make_passage(title, text) -> Passage:
+    """A passage from a record; a text that is not a string (null, a number) is a bad record."""
+    if not isinstance(text, str):
+        raise ValueError(f"passage text is {type(text).__name__}, not a string")
+    return Passage(str(title or ""), text)
+
+
 def _dpr_passages(ctxs) -> list[Passage]:
-    return [Passage(str(c.get("title") or ""), c["text"]) for c in ctxs]
+    return [make_passage(c.get("title"), c.get("text")) for c in ctxs]
 
 
 def _parse_dpr(rec: dict):
@@ -240,12 +257,12 @@ def _parse_dpr(rec: dict):
 
 
 def _parse_2wiki(rec: dict):
-    passages = [Passage(title, _join_sentences(sentences)) for title, sentences in rec["context"]]
+    passages = [make_passage(title, _join_sentences(sentences)) for title, sentences in rec["context"]]
     return rec["question"], flatten_answers([rec["answer"], rec.get("answer_aliases") or []]), passages
 
 
 def _parse_musique(rec: dict):
-    passages = [Passage(p.get("title") or "", p["paragraph_text"]) for p in rec["paragraphs"]]
+    passages = [make_passage(p.get("title"), p.get("paragraph_text")) for p in rec["paragraphs"]]
     return rec["question"], flatten_answers([rec["answer"], rec.get("answer_aliases") or []]), passages
 
 
@@ -258,13 +275,27 @@ def _parse_kilt(rec: dict):
         passages = []
         for o in outputs:
             for prov in o.get("provenance") or []:
-                p = Passage(prov.get("title") or "", prov["text"]) if "text" in prov else None
+                p = make_passage(prov.get("title"), prov["text"]) if "text" in prov else None
                 if p and p not in passages:
                     passages.append(p)
     return rec["input"], answers, passages
 
 
-PARSERS = {"dpr": _parse_dpr, "2wiki": _parse_2wiki, "musique": _parse_musique, "kilt": _parse_kilt}
+LONGBENCH_PASSAGE = re.compile(r"(?m)^Passage \d+:\s*\n")
+
+
+def _parse_longbench(rec: dict):
+    """LongBench hotpotqa / 2wikimqa / musique: `context` holds 'Passage N:\nTitle\ntext' blocks."""
+    blocks = [b.strip() for b in LONGBENCH_PASSAGE.split(rec["context"]) if b.strip()]
+    passages = []
+    for block in blocks:
+        title, _, text = block.partition("\n")
+        passages.append(Passage(title.strip(), text.strip()) if text.strip() else Passage("", title.strip()))
+    return rec["input"], flatten_answers(rec["answers"]), passages
+
+
+PARSERS = {"dpr": _parse_dpr, "2wiki": _parse_2wiki, "musique": _parse_musique, "kilt": _parse_kilt,
+           "longbench": _parse_longbench}
 
 
 def _source_qid(rec: dict) -> str | None:
@@ -342,29 +373,99 @@ def pool_passages(questions: list[Question]) -> dict[str, Passage]:
     return pooled
 
 
-def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dict) -> dict:
-    """Write corpus/passages.jsonl, questions.jsonl and prepared.json; returns the manifest."""
-    out_dir = Path(out_dir)
-    (out_dir / "corpus").mkdir(parents=True, exist_ok=True)
+def question_row(q: Question) -> dict:
+    row = {"id": q.qid, "question": q.question, "answers": q.answers, "context_ids": [p.id for p in q.contexts]}
+    if q.gold_mode != "any":
+        row["gold_mode"] = q.gold_mode
+    if q.task is not None:
+        row["task"] = q.task
+    if q.fact_chunks is not None:
+        row["fact_chunks"] = q.fact_chunks
+    return row
+
+
+def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dict,
+                   corpus_extra: list[Passage] = ()) -> dict:
+    """Write corpus/passages.jsonl, questions.jsonl and prepared.json; returns the manifest.
+    corpus_extra: more passages for the shared corpus that no question cites."""
+    out_dir = check_writable_dir(out_dir, "--out")
+    (out_dir / "corpus").mkdir(exist_ok=True)
     pooled = pool_passages(questions)
-    _write_jsonl(out_dir / "corpus" / "passages.jsonl",
-                 ({"id": pid, "title": p.title, "text": p.text} for pid, p in pooled.items()))
-    _write_jsonl(out_dir / "questions.jsonl",
-                 ({"id": q.qid, "question": q.question, "answers": q.answers,
-                   "context_ids": [p.id for p in q.contexts]} for q in questions))
+    for p in corpus_extra:
+        pooled.setdefault(p.id, p)
     manifest = {**manifest, "questions": len(questions), "passages": len(pooled)}
-    write_atomic(out_dir / "prepared.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    try:
+        _write_jsonl(out_dir / "corpus" / "passages.jsonl",
+                     ({"id": pid, "title": p.title, "text": p.text} for pid, p in pooled.items()))
+        _write_jsonl(out_dir / "questions.jsonl", (question_row(q) for q in questions))
+        write_atomic(out_dir / "prepared.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise KvfError(f"--out {out_dir}: cannot write there ({e.strerror}); pass a writable directory") from None
     return manifest
 
 
-def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bool = False) -> dict:
-    """Convert a benchmark file into a prepared directory; returns its manifest (counts included)."""
+def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bool = False,
+            limit: int | None = None) -> dict:
+    """Convert a benchmark file into a prepared directory; returns its manifest (counts included).
+    limit: keep the first N questions (the same N first questions a run with --limit N answers)."""
+    if limit is not None and limit < 1:
+        raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
     path = Path(input_file)
     questions, fmt, bad = parse_records(name, path, read_records(path))
     _check_bad(path, bad, skip_bad)
+    if limit is not None:
+        questions = questions[:limit]
     manifest = {"dataset": name, "source": str(path.resolve()), "format": fmt,
                 "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "skipped": len(bad)}
     return write_prepared(questions, out_dir, manifest)
+
+
+def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Path | None = None,
+                   limit: int | None = None) -> dict:
+    """`kvf data prepare custom --input FILE [--corpus DOCS]`: your own questions -> a prepared directory.
+
+    FILE is JSON Lines, one question per line:
+        {"id": "q1", "question": "...", "answers": ["...", ...],
+         "passages": [{"title": "...", "text": "..."}, ...]}      # the question's own passages, or
+         "passages": ["doc-id", ...]                                # ids of documents in --corpus
+    "id" is optional; leave "passages" out (or empty) to retrieve from the whole corpus at run time.
+    """
+    from kvf.pipeline.retrieval.corpus import read_corpus
+    path = Path(input_file)
+    if limit is not None and limit < 1:
+        raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
+    documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
+    fix = "see README, 'Your own documents and questions'"
+    questions, seen = [], set()
+    for lineno, row in _read_prepared_jsonl(path, path.parent):
+        where = f"--input {path} line {lineno}"
+        text = _text_field(row, "question", where, fix)
+        answers = _answers_field(row, where, required=True) if "answers" in row or "answer" in row else None
+        if answers is None:
+            raise KvfError(f"{where}: needs \"answers\" (a string or a list of strings); {fix}")
+        passages = []
+        for item in row.get("passages") or []:
+            if isinstance(item, str):
+                if item not in documents:
+                    raise KvfError(f"{where}: passage id {item!r} is not a document of --corpus "
+                                   f"{corpus or '(none given)'}; pass --corpus DOCS or give the passage as {{title, text}}")
+                passages.append(Passage(documents[item].title, documents[item].text))
+            elif isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():
+                passages.append(Passage(str(item.get("title") or ""), item["text"]))
+            else:
+                raise KvfError(f"{where}: each passage is a document id or {{\"title\", \"text\"}} with a non-empty text")
+        qid = str(row["id"]) if row.get("id") not in (None, "") else f"custom-{lineno}"
+        if qid in seen:
+            raise KvfError(f"{where}: question id {qid} is used twice; give every question its own id")
+        seen.add(qid)
+        questions.append(Question(qid, text, answers, passages))
+    if not questions:
+        raise KvfError(f"--input {path} holds no questions; {fix}")
+    questions = questions[:limit] if limit is not None else questions
+    extra = [Question(f"doc-{d}", "", [], [Passage(doc.title, doc.text)]) for d, doc in documents.items()]
+    manifest = {"dataset": "custom", "source": str(path.resolve()), "format": "custom",
+                "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "skipped": 0}
+    return write_prepared(questions, out_dir, manifest, corpus_extra=[p for q in extra for p in q.contexts])
 
 
 def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
@@ -439,8 +540,12 @@ def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Pass
         missing = [cid for cid in context_ids if cid not in passages]
         if missing:
             raise KvfError(f"{where}: question {qid} cites passage {missing[0]} not in corpus/passages.jsonl; {fix}")
+        gold_mode = r.get("gold_mode", "any")
+        if gold_mode not in ("any", "all"):
+            raise KvfError(f"{where}: gold_mode must be \"any\" (one alias suffices) or \"all\" (every value needed)")
         questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
-                                  [passages[cid] for cid in context_ids], list(context_ids)))
+                                  [passages[cid] for cid in context_ids], list(context_ids), gold_mode,
+                                  r.get("task") if isinstance(r.get("task"), str) else None, r.get("fact_chunks")))
     if not questions:
         raise KvfError(f"{questions_path} holds no questions; {fix}")
     return questions, passages

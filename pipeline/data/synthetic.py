@@ -11,7 +11,7 @@ Deterministic for a given seed (one random.Random, no set-order dependence).
 import random
 from pathlib import Path
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import Passage, Question, write_prepared
 
 ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "pr", "qu",

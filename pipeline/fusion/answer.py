@@ -51,6 +51,6 @@ class Answerer:
         int(torch.argmax(fused.logits))  # TTFT ends when the first token exists (on CUDA this also syncs)
         ttft = time.perf_counter() - started
         generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
-                                   max_new_tokens, stop_strings)
+                                   max_new_tokens, stop_strings, fused.calibration)
         timings = dict(fused.timings, first_token=ttft, decode=generation.decode_seconds)
         return Answer(generation.text, prompt, fused, timings)

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvf import KvfError
-from kvf.pipeline.model.forward import KVCache, Transformer
+from kvf.errors import KvfError
+from kvf.pipeline.model.forward import KVCache, SpanCalibration, Transformer
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import apply_rope, reposition_keys
 
@@ -64,6 +64,7 @@ class FusionPlan:
     positions: torch.Tensor | None = None        # [n] RoPE positions; None = contiguous from 0
     loaded_chunks: list[int] | None = None       # chunks whose stored KV is read; None = all
     scratch: dict = field(default_factory=dict)  # the method's working data for this request
+    calibration: SpanCalibration | None = None   # recomputed rows (and decoding) re-weight a span (APE)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class FusionState:
     cos: torch.Tensor                # [n, d] RoPE tables at `positions`, shared by all layers
     sin: torch.Tensor                # [n, d]
     max_new_tokens: int = 0
+    calibration: SpanCalibration | None = None
     scratch: dict = field(default_factory=dict)   # the method's working data (FusionPlan.scratch)
     info: dict = field(default_factory=dict)      # what the method reports (FusionResult.info)
     pass_index: int = 0
@@ -115,6 +117,7 @@ class FusionResult:
     recomputed_token_layers: int     # chunk token x layer products actually computed
     timings: dict                    # seconds: load, select, recompute
     info: dict = field(default_factory=dict)
+    calibration: SpanCalibration | None = None   # decoding keeps the method's attention calibration
 
 
 class FusionEngine:
@@ -253,7 +256,7 @@ class FusionEngine:
         prefix_kv = self.prefix_kv(prompt.prefix_ids) if prefix_kv is None else prefix_kv
         cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)  # [n, d]
         state = FusionState(prompt, positions, cache, rows, hidden, loaded, source, prefix_kv, cos, sin,
-                            max_new_tokens=max_new_tokens, scratch=plan.scratch)
+                            max_new_tokens=max_new_tokens, calibration=plan.calibration, scratch=plan.scratch)
         if source is not None and hasattr(source, "start"):
             source.start(loaded)  # a pipelined source starts reading layer 0 now
         return state
@@ -313,7 +316,7 @@ class FusionEngine:
         attention = [] if record_query_attention else None
         state.hidden = self.model.layer_step(layer, state.hidden, state.rows, state.positions[state.rows],
                                              state.cache, state.mask, attention_out=attention,
-                                             attention_rows=question)
+                                             attention_rows=question, calibration=state.calibration)
         n_chunk_active = int(state.chunk_row_mask()[state.rows].sum())
         state.token_layers += n_chunk_active
         state.chunk_rows_recomputed = n_chunk_active
@@ -358,4 +361,4 @@ class FusionEngine:
         timings = {"load": load_seconds, "select": state.select_seconds,
                    "recompute": max(0.0, total - load_seconds - state.select_seconds)}
         return FusionResult(logits, state.cache, int(state.positions[-1]) + 1, state.chunk_rows_recomputed,
-                            state.token_layers, timings, dict(state.info))
+                            state.token_layers, timings, dict(state.info), state.calibration)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.model.forward import KVCache, Transformer
+from kvf.pipeline.model.forward import KVCache, SpanCalibration, Transformer
 
 
 @dataclass
@@ -32,7 +32,8 @@ def stop_token_ids(tokenizer, model_config) -> set[int]:
 
 @torch.inference_mode()
 def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KVCache, next_position: int,
-                  max_new_tokens: int = 32, stop_strings: tuple[str, ...] = ()) -> Generation:
+                  max_new_tokens: int = 32, stop_strings: tuple[str, ...] = (),
+                  calibration: SpanCalibration | None = None) -> Generation:
     """The first token comes from the prefill's logits [vocab]; each next one from one decode step
     appended to `cache` at RoPE position next_position, next_position + 1, ..."""
     started = time.perf_counter()
@@ -48,7 +49,7 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
         if any(s in text for s in stop_strings):
             break
         if step + 1 < max_new_tokens:
-            logits = model.decode_step(token, position, cache)
+            logits = model.decode_step(token, position, cache, calibration)
             position += 1
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     for s in stop_strings:

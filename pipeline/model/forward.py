@@ -9,14 +9,31 @@ KV = key/value heads, d = head_dim, D = hidden size.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.model.rope import Rope, apply_rope
 
 # Decoder families whose attention we can drive layer by layer (RoPE, GQA, pre-norm).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class SpanCalibration:
+    """Attention of some queries re-weighted over one span of cache rows (APE's calibration).
+
+    Scores over rows [start, end) are divided by `temperature` and that span's total weight is
+    rescaled: with lse_span and lse_rest the log-sum-exp of the scores inside and outside the span,
+    the two parts are mixed by softmax([temperature * scale * lse_span, lse_rest]). temperature =
+    scale = 1 is ordinary attention.
+    """
+    start: int
+    end: int
+    temperature: float
+    scale: float
 
 
 MLP_BLOCK_ROWS = 1024  # rows per MLP call in long prefills (bounds the [rows, intermediate] transient)
@@ -90,7 +107,8 @@ class Transformer:
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+               mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None,
+               calibration: SpanCalibration | None = None) -> torch.Tensor:
         """q [H, t, d] (after RoPE) over keys/values [KV, n, d]; mask [t, n] bool (True = may attend).
 
         With a mask, queries go in blocks of rows; `rows` [t] (sorted cache rows of the queries)
@@ -100,7 +118,11 @@ class Transformer:
         Returns the attention output after o_proj, [t, D].
         """
         t = q.shape[1]
-        if mask is None:
+        if calibration is not None:
+            if mask is None:
+                mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
+            out = self.calibrated_attention(q, keys, values, mask, calibration)[None]
+        elif mask is None:
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=is_causal,
                                                  scale=self.scaling, enable_gqa=True)
         else:
@@ -113,6 +135,23 @@ class Transformer:
                     attn_mask=mask[i:end, :n_keys], scale=self.scaling, enable_gqa=True))
             out = torch.cat(blocks, dim=2)
         return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
+
+    def calibrated_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                             cal: SpanCalibration) -> torch.Tensor:
+        """q [H, t, d] over keys/values [KV, n, d] with the span [cal.start, cal.end) re-weighted
+        (SpanCalibration) -> [H, t, d]. Explicit scores [H, t, n]: for the few rows that use it."""
+        group = self.n_heads // self.n_kv_heads
+        k, v = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)   # [H, n, d]
+        scores = ((q @ k.transpose(1, 2)) * self.scaling).masked_fill(~mask, float("-inf"))   # [H, t, n]
+        in_span = torch.zeros(scores.shape[-1], dtype=torch.bool, device=q.device)
+        in_span[cal.start: cal.end] = True
+        span = scores[..., in_span] / cal.temperature                                           # [H, t, s]
+        rest = scores.masked_fill(in_span, float("-inf"))                                       # [H, t, n]
+        lse_span, lse_rest = torch.logsumexp(span, -1), torch.logsumexp(rest, -1)               # [H, t]
+        out_span = torch.nan_to_num(span.softmax(-1)) @ v[:, in_span]                          # [H, t, d]
+        out_rest = torch.nan_to_num(rest.softmax(-1)) @ v                                      # [H, t, d]
+        mix = torch.stack([lse_span * cal.temperature * cal.scale, lse_rest], dim=-1).softmax(-1)  # [H, t, 2]
+        return mix[..., :1] * out_span + mix[..., 1:] * out_rest
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Explicit attention weights of q [H, t, d] (after RoPE) over keys [KV, n, d], mask [t, n]
@@ -154,7 +193,7 @@ class Transformer:
     def layer_step(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                    cache: KVCache, mask: torch.Tensor | None, is_causal: bool = False,
                    keys_out: list | None = None, attention_out: list | None = None,
-                   attention_rows: slice = slice(None)) -> torch.Tensor:
+                   attention_rows: slice = slice(None), calibration: SpanCalibration | None = None) -> torch.Tensor:
         """Recompute one layer for the tokens at cache rows `rows` [t] with RoPE positions [t].
 
         Their K/V overwrite the cache rows, then they attend over the whole cache: with `mask`
@@ -173,7 +212,7 @@ class Transformer:
         if attention_out is not None:
             probs = self.attention_probs(q[:, attention_rows], cache.keys(layer), mask[attention_rows])  # [H, t', n]
             attention_out.append(probs.mean(dim=0))                                                   # [t', n]
-        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, rows)
+        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, rows, calibration)
         return self.mlp(layer, hidden)
 
     @torch.inference_mode()
@@ -199,8 +238,9 @@ class Transformer:
         return self.logits(hidden[-1:])[0], pre_rope_keys
 
     @torch.inference_mode()
-    def decode_step(self, token_id: int, position: int, cache: KVCache) -> torch.Tensor:
-        """One new token at cache row `cache.length` -> logits [vocab]."""
+    def decode_step(self, token_id: int, position: int, cache: KVCache,
+                    calibration: SpanCalibration | None = None) -> torch.Tensor:
+        """One new token at cache row `cache.length` -> logits [vocab] (calibration: see SpanCalibration)."""
         row = torch.tensor([cache.length])
         cache.length += 1
         hidden = self.embed(row.new_tensor([token_id]))
@@ -208,7 +248,7 @@ class Transformer:
         # The newest token sees the whole cache, so no mask unless a sliding window cuts it.
         mask = self.causal_mask(row, cache.length) if self.sliding_window else None
         for layer in range(self.n_layers):
-            hidden = self.layer_step(layer, hidden, row, pos, cache, mask)
+            hidden = self.layer_step(layer, hidden, row, pos, cache, mask, calibration=calibration)
         return self.logits(hidden)[0]
 
     def new_cache(self, capacity: int) -> KVCache:

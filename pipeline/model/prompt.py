@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the documents below. "
                  "Reply with the answer only, in a few words.")

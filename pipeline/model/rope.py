@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 POSITION_INDEPENDENT_ROPE = ("default", "llama3", "linear", "yarn")
 

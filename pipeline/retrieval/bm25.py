@@ -2,7 +2,7 @@
 import os
 from pathlib import Path
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.files import atomic_dir
 from kvf.pipeline.retrieval.chunking import Chunk
 from kvf.pipeline.retrieval.java import ensure_java
@@ -18,7 +18,7 @@ def build_bm25(chunks: list[Chunk], index_dir: str | Path, threads: int | None =
     """(Re)build a Lucene index at index_dir with one document per chunk, id = chunk_id."""
     if not chunks:
         raise KvfError("no chunks to index for BM25; check the corpus produced documents")
-    ensure_java()
+    ensure_java(str(Path(index_dir).parent))
     from pyserini.index.lucene import LuceneIndexer
     threads = threads or min(4, os.cpu_count() or 1)
     with atomic_dir(index_dir) as tmp:  # a stale index with other chunk ids must never mix in, nor half a new one
@@ -42,9 +42,13 @@ class BM25Searcher:
         if not index_dir.is_dir() or not any(index_dir.glob("segments_*")):
             raise KvfError(f"BM25 index {index_dir} does not exist or is incomplete; build it with "
                            f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
-        ensure_java()
+        ensure_java(str(index_dir.parent))
         from pyserini.search.lucene import LuceneSearcher
-        self.searcher = LuceneSearcher(str(index_dir))  # BM25 k1=0.9, b=0.4 (Anserini defaults)
+        try:
+            self.searcher = LuceneSearcher(str(index_dir))  # BM25 k1=0.9, b=0.4 (Anserini defaults)
+        except Exception as e:  # a damaged Lucene file surfaces as a Java exception through pyjnius
+            raise KvfError(f"BM25 index {index_dir} is damaged ({str(e).splitlines()[0][:80]}); rebuild it with "
+                           f"`kvf build-cache CORPUS --workspace {index_dir.parent} --rebuild bm25`") from None
 
     def search(self, query: str, k: int = 10) -> list[tuple[str, float]]:
         """Top-k (chunk_id, score), best first."""
@@ -52,4 +56,9 @@ class BM25Searcher:
             raise KvfError("the search query is empty; pass some words to search for")
         if k < 1:
             raise KvfError(f"-k must be at least 1 (got {k})")
-        return [(hit.docid, float(hit.score)) for hit in self.searcher.search(query, k=k)]
+        try:
+            hits = self.searcher.search(query, k=k)
+        except Exception as e:  # Java exceptions (a damaged segment) come through pyjnius
+            raise KvfError(f"BM25 search failed ({str(e).splitlines()[0][:80]}); the index may be damaged: rebuild it "
+                           "with `kvf build-cache CORPUS --workspace WS --rebuild bm25`") from None
+        return [(hit.docid, float(hit.score)) for hit in hits]

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.retrieval.corpus import Document, warn
 
 

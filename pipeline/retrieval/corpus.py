@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
 _stderr = Console(stderr=True)

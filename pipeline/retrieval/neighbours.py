@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.files import write_atomic
 
 

@@ -23,12 +23,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore import open_store
 from kvf.pipeline.fusion.controller import choose_ratio, measure_bandwidth, measure_token_layer_seconds
 from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.model.forward import Transformer
-from kvf.pipeline.fusion.methods import build_method, method_names
+from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, write_atomic
@@ -197,7 +197,7 @@ def median_row(rows: list[dict]) -> dict:
 
 def plan(opts: BenchOptions) -> list:
     """(method, ratio) pairs; methods without a ratio knob run once."""
-    names = method_names() if "all" in opts.methods else opts.methods
+    names = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
     pairs, seen = [], set()
     for name in names:
         for ratio in opts.ratios:

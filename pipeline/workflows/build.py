@@ -17,13 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore import open_store
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, split_documents, tokenizer_fingerprint, unique_chunks, validate_chunking,
                                    write_chunks_table)
 from kvf.pipeline.retrieval.corpus import Document, read_corpus
-from kvf.pipeline.files import atomic_path, write_atomic
+from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.weights import ModelRef, open_model
@@ -48,6 +48,7 @@ class BuildOptions:
     bm25: bool = True
     dense: bool = True
     device: str = "cpu"
+    rebuild: tuple[str, ...] = ()        # stages to rebuild whatever the manifest says (a damaged index)
 
 
 @dataclass
@@ -141,6 +142,16 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, docs: list[Docume
 
 
 # ---- stage 2: indexes and neighbours ----------------------------------------------------------
+REBUILDABLE = ("bm25", "dense", "neighbours")
+
+
+def index_digests(manifest: dict, chunk_ids: list[str]) -> dict[str, str]:
+    """What each index's entry in manifest["indexes"] must be for the current chunks table."""
+    chunk_set = ids_digest(chunk_ids)
+    return {"bm25": chunk_set, "dense": ids_digest([chunk_set, manifest.get("embedder") or "default",
+                                                   manifest.get("n_neighbours")])}
+
+
 def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previous: dict,
                   console: Console | None = None) -> list[StageStat]:
     """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed."""
@@ -148,7 +159,7 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
     stats = []
     chunk_set = ids_digest([c.chunk_id for c in chunks])
     tokens = sum(len(c.token_ids) for c in chunks)
-    if opts.bm25 and not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir()):
+    if opts.bm25 and ("bm25" in opts.rebuild or not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir())):
         from kvf.pipeline.retrieval.bm25 import build_bm25
         started = time.perf_counter()
         with stage(console, "BM25 index", len(chunks)) as advance:
@@ -156,7 +167,8 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
         stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
     need_dense = opts.dense or "fusion" in opts.variants
     dense_key = ids_digest([chunk_set, opts.embedder or "default", opts.n_neighbours])
-    if need_dense and not (previous.get("dense") == dense_key and ws.neighbours_path.is_file()):
+    fresh = previous.get("dense") == dense_key and ws.neighbours_path.is_file() and ws.dense_dir.is_dir()
+    if need_dense and (not fresh or {"dense", "neighbours"} & set(opts.rebuild)):
         from kvf.pipeline.retrieval.dense import Embedder, build_dense
         started = time.perf_counter()
         with stage(console, "dense index", len(chunks)) as advance:
@@ -305,11 +317,14 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     validate_chunking(opts.chunk_tokens, opts.overlap)
+    for stage_name in opts.rebuild:
+        if stage_name not in REBUILDABLE:
+            raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")
     docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
     ws = Workspace(opts.workspace)
-    _check_writable(ws.root)
-    previous = ws.manifest() if ws.manifest_path.is_file() else {}
+    check_writable_dir(ws.root, "--workspace")
+    previous = previous_manifest(ws, console)
     store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     with _writing(ws):
@@ -323,7 +338,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for)
-    summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+    with store.shared_lock():  # gc refuses while a build writes
+        summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
     write_workspace_manifest(ws, opts, model_ref, store, index_state,
                              variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
                              extras_for=extras_for)
@@ -338,7 +354,8 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
         ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
                            "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
                            "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap,
-                           "store": store_location(ws, opts.store, store.format), "format": store.format,
+                           "store": ws.relative_store(store_location(ws, opts.store, store.format)), "format": store.format,
+                           "model_arg": opts.model,
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "extras_for": list(extras_for)})
@@ -353,6 +370,17 @@ def _writing(ws: Workspace):
         problem = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
         raise KvfError(f"--workspace {ws.root}: cannot write {e.filename or 'its files'} ({problem}); "
                        "free space or fix permissions and re-run (stored KV entries are intact)") from None
+
+
+def previous_manifest(ws: Workspace, console: Console) -> dict:
+    """The workspace's manifest, or {} when there is none; a damaged one is rebuilt (said on stderr)."""
+    if not ws.manifest_path.is_file():
+        return {}
+    try:
+        return ws.manifest()
+    except KvfError:
+        console.print(f"warning: {ws.manifest_path} is damaged; rebuilding every stage of the workspace", style="yellow")
+        return {}
 
 
 def extras_methods(names) -> list[str]:
@@ -382,16 +410,6 @@ def workspace_extras(manifest: dict) -> list[str]:
 def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
     from kvf.pipeline.retrieval.neighbours import load_neighbours
     return load_neighbours(ws.neighbours_path)
-
-
-def _check_writable(root: Path) -> None:
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / ".kvf-write-probe"
-        write_atomic(probe, "ok")
-        probe.unlink()
-    except OSError as e:
-        raise KvfError(f"--workspace {root}: not writable ({e.strerror}); pass a writable directory") from None
 
 
 def summary_table(summary: BuildSummary) -> Table:

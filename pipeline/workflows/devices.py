@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

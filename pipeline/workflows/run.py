@@ -17,20 +17,18 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
-from kvf.pipeline.fusion.answer import Answerer
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used
-from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.records import RunFile, RunRecord, parse_record
-from kvf.pipeline.retrieval.chunking import read_chunks_table
-from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, open_workspace_store, stage_chunks, stage_indexes,
-                                          workspace_extras, write_workspace_manifest)
-from kvf.pipeline.workflows.devices import check_device, compute_dtype
+from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
+                                          write_workspace_manifest)
+from kvf.pipeline.workflows.devices import check_device
 from kvf.pipeline.workflows.provenance import provenance
+from kvf.pipeline.workflows.session import Fused, Session, workspace_path
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import Workspace
 
@@ -65,6 +63,8 @@ class RunOptions:
     quality_floor: float = DEFAULT_QUALITY_FLOOR
     label: str | None = None            # tells apart runs of one method with other models or settings
     overwrite: bool = False
+    qids: list[str] | None = None       # answer only these questions
+    warmup: bool = True                 # one untimed call per method first (keeps kernel set-up out of TTFT)
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -79,13 +79,13 @@ def parse_ratios(text: str) -> list[float]:
 
 
 def parse_methods(text: str) -> list[str]:
-    """-m a,b,c ('all' = every registered method), checked against the registry."""
-    from kvf.pipeline.fusion.methods import method_names
+    """-m a,b,c ('all' = every registered method but those equal to full by construction), checked."""
+    from kvf.pipeline.fusion.methods import METHODS, method_names
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise KvfError(f"--method {text!r}: name at least one method, e.g. -m full,reuse,cacheblend")
     if "all" in names:
-        names = method_names()
+        names = [n for n in names if n != "all"] + [n for n in method_names() if METHODS[n].in_all]
     for name in names:
         get_method(name)  # unknown names: one line listing the known ones
     return list(dict.fromkeys(names))
@@ -184,6 +184,7 @@ class ChunkPicker:
         self.setting, self.top_k, self.ws = setting, top_k, ws
         self.doc_chunks = ws.doc_chunks()
         if setting == "shared":
+            check_index_fresh(ws, retriever)
             if retriever == "bm25":
                 from kvf.pipeline.retrieval.bm25 import BM25Searcher
                 self.searcher = BM25Searcher(ws.bm25_dir)
@@ -212,6 +213,19 @@ class ChunkPicker:
         return ids
 
 
+def check_index_fresh(ws: Workspace, retriever: str) -> None:
+    """An index built from another chunks table (the corpus changed, then a --no-bm25 rebuild) is refused."""
+    from kvf.pipeline.retrieval.chunking import read_chunks_table
+    from kvf.pipeline.workflows.build import index_digests
+    manifest = ws.manifest()
+    built_from = (manifest.get("indexes") or {}).get(retriever)
+    if built_from is None:
+        return  # built before indexes recorded their chunk set
+    if built_from != index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])[retriever]:
+        raise KvfError(f"the {retriever} index of workspace {ws.root} was built from another set of chunks (the corpus "
+                       f"changed since); rebuild it with `kvf build-cache CORPUS --workspace {ws.root} --rebuild {retriever}`")
+
+
 # ---- the workspace -------------------------------------------------------------------------------
 def default_workspace(opts: RunOptions) -> Path:
     if opts.workspace is not None:
@@ -221,9 +235,7 @@ def default_workspace(opts: RunOptions) -> Path:
 
 def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus."""
-    ws = Workspace(default_workspace(opts))
-    if ws.root.exists() and not ws.root.is_dir():
-        raise KvfError(f"--workspace {ws.root} is a file; pass a directory (build one with `kvf build-cache CORPUS -w DIR`)")
+    ws = workspace_path(default_workspace(opts))
     if ws.manifest_path.is_file():
         return ws
     if opts.dataset is None:
@@ -253,6 +265,12 @@ def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
     else:
         questions = load_questions_file(opts.questions)
         name = opts.questions.stem
+    if opts.qids:
+        known = {q.qid for q in questions}
+        missing = [qid for qid in opts.qids if qid not in known]
+        if missing:
+            raise KvfError(f"--qid {missing[0]}: no such question in {opts.dataset or opts.questions}")
+        questions = [q for q in questions if q.qid in set(opts.qids)]
     if opts.limit is not None:
         questions = questions[: opts.limit]
     return questions, name
@@ -302,54 +320,38 @@ def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device)
     questions, name = load_questions(opts)
-    if not questions:
-        raise KvfError(f"{opts.dataset or opts.questions}: no questions to answer")
     planned = plan_methods(opts)
     setting, why = resolve_setting(opts.setting, questions)
-    console.print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""))
-    with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow")) as run_file:
+    workspace_path(default_workspace(opts))  # a file there is refused before anything is written
+    with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True)) as run_file:
         if opts.overwrite:
             run_file.truncate_all()
         existing = run_file.records()
+        # the first line of output (stdout: stderr is for problems) says how chunks are chosen, and why
+        Console().print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""),
+                        markup=False, highlight=False)
         ws = ensure_workspace(opts, console)
-        manifest = ws.manifest()
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions)
-        model_ref = open_model(opts.model)
-        if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
-            raise KvfError(f"--workspace {ws.root} was built with model {manifest.get('model')}; pass that --model "
-                           "or use another --workspace")
-        dtype = compute_dtype(opts.device, opts.dtype)
-        answerer = Answerer(model_ref.load(opts.device, dtype).model, model_ref.tokenizer)
-        n_layers = answerer.transformer.n_layers
+        extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
+        session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
         for p in planned:
-            p.method.check_model(n_layers)
+            p.method.check_model(session.n_layers)
+        manifest = session.manifest
         base_settings = {"top_k": opts.top_k, "setting": setting,
                          "retriever": opts.retriever if setting == "shared" else None,
-                         "chunk_tokens": manifest.get("chunk_tokens"), "model": model_ref.name,
+                         "chunk_tokens": manifest.get("chunk_tokens"), "model": session.model_ref.name,
                          "max_new_tokens": opts.max_new_tokens, "n_neighbours": manifest.get("n_neighbours"),
-                         "store_dtype": manifest.get("dtype", "float16"), "compute_dtype": str(dtype).replace("torch.", ""),
-                         "pipeline": opts.pipeline}
+                         "store_dtype": manifest.get("dtype", "float16"),
+                         "compute_dtype": str(session.dtype).replace("torch.", ""), "pipeline": opts.pipeline}
         settings_of = {id(p): {**auto_settings(p.method, opts), "variant": p.variant, **base_settings} for p in planned}
         check_resumable(existing, {(p.method.name, opts.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
-
-        store = open_workspace_store(ws, model_ref, opts.store or manifest.get("store"), None,
-                                     manifest.get("dtype", "float16"), create=True)
-        extras_for = sorted({p.method.name for p in planned if p.method.extras_hook is not None and p.method.uses_store}
-                            | set(workspace_extras(manifest)))
-        builder = EntryBuilder(model_ref, store, opts.device, tuple(extras_for), engine=answerer.engine)
-        answerer.engine.remember_prefix_kv(builder.template.prefix_ids, builder.system_kv())
-        chunks_by_id = {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
-        neighbours = None
-        if any(p.variant == "fusion" for p in planned):
-            from kvf.pipeline.retrieval.neighbours import load_neighbours
-            neighbours = load_neighbours(ws.neighbours_path, set(chunks_by_id))
-        token_layer_seconds = measure_token_layer_seconds(answerer.transformer) if opts.auto_ratio else None
+        token_layer_seconds = measure_token_layer_seconds(session.answerer.transformer) if opts.auto_ratio else None
         full_method = get_method("full")
         prov = provenance(opts.device)
-        warmed: set[str] = set()
+        warmed: set[str] = set() if opts.warmup else {p.method.name for p in planned} | {"full"}
         stats = MethodStats()
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
@@ -362,41 +364,38 @@ def run(opts: RunOptions, console: Console) -> Path:
                 if not todo:
                     continue
                 chunk_ids = picker.chunk_ids(q)
-                unknown = [cid for cid in chunk_ids if cid not in chunks_by_id]
-                if unknown:
-                    raise KvfError(f"the {opts.retriever} index of workspace {ws.root} names chunk {unknown[0][:12]} missing from "
-                                   f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {ws.root}`")
-                chunks = [chunks_by_id[cid] for cid in chunk_ids]
-                prompt = answerer.prompt([c.token_ids for c in chunks], q.question)
-                keys = {v: ensure_entries(builder, v, chunks, neighbours, chunks_by_id, progress, offline)
+                chunks = session.chunks(chunk_ids, opts.retriever)
+                prompt = session.prompt(chunks, q.question)
+                keys = {v: session.entries(v, chunks,
+                                           on_missing=lambda n, v=v: progress.update(
+                                               offline, description=f"offline KVs ({v})", total=n, completed=0, visible=True),
+                                           on_done=lambda: progress.advance(offline))
                         for v in {p.variant for p in todo if p.method.uses_store}}
-                extras = {v: [store.get_extras(k) for k in ks] for v, ks in keys.items()} if extras_for else {}
+                progress.update(offline, visible=False)
                 full = None
                 if opts.compare_full:
-                    warm_up(answerer, full_method, prompt, None, warmed)
-                    full = answerer.answer(prompt, full_method, None, opts.max_new_tokens)
+                    if "full" not in warmed:
+                        session.warm_up(prompt, full_method, None)
+                        warmed.add("full")
+                    full = session.answer(prompt, full_method, None, opts.max_new_tokens).answer
                 for p in todo:
-                    method = p.method
+                    method, variant_keys = p.method, keys.get(p.variant)
                     if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
-                        method = with_auto_ratio(method, store, keys.get(p.variant, []), prompt, token_layer_seconds, opts)
-
-                    def source(pipeline=opts.pipeline):
-                        if not method.uses_store:
-                            return None
-                        return StoreKVSource(store, keys[p.variant], n_layers, pipeline, extras.get(p.variant))
+                        method = with_auto_ratio(method, session.store, variant_keys or [], prompt, token_layer_seconds, opts)
                     if not method.uses_store and full is not None:
-                        src, ans = None, full  # --compare-full has just timed this very prefill: do not run it twice
+                        fused = Fused(full, None)  # --compare-full has just timed this very prefill: do not run it twice
                     else:
-                        warm_up(answerer, method, prompt, source(), warmed)
-                        src = source()
-                        ans = answerer.answer(prompt, method, src, opts.max_new_tokens)
-                    settings = {**settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(store.path)}
-                    rec = {"qid": q.qid, "dataset": name, "method": method.name, "label": opts.label,
-                           "settings": settings, "chunk_ids": chunk_ids, "question": q.question, "gold": q.answers,
-                           "provenance": prov, **ans.record()}
-                    if src is not None:
-                        src.close()
-                        rec["timings"]["read"] = round(src.read_seconds, 6)
+                        if method.name not in warmed:
+                            session.warm_up(prompt, method, variant_keys)
+                            warmed.add(method.name)
+                        fused = session.answer(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline)
+                    ans = fused.answer
+                    settings = {**settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
+                    rec = {"qid": q.qid, "dataset": f"{name}/{q.task}" if q.task else name, "method": method.name,
+                           "label": opts.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
+                           "gold": q.answers, "gold_mode": q.gold_mode, "provenance": prov, **ans.record()}
+                    if fused.read_seconds is not None:
+                        rec["timings"]["read"] = round(fused.read_seconds, 6)
                     if full is not None:
                         rec.update(full_answer=full.text, kl_full=kl_divergence(full.fused.logits, ans.fused.logits),
                                    top1_agree_full=bool(torch.argmax(full.fused.logits) == torch.argmax(ans.fused.logits)))
@@ -412,15 +411,6 @@ def method_label(method: FusionMethod) -> str:
     return f"{method.name}@{method.recompute_ratio:g}" if method.ratio_is_knob else method.name
 
 
-def warm_up(answerer: Answerer, method: FusionMethod, prompt, source, warmed: set[str]) -> None:
-    """A method's first call pays one-time kernel set-up: run it once, untimed, so TTFT leaves it out."""
-    if method.name not in warmed:
-        method.prefill(answerer.engine, prompt, source)
-        warmed.add(method.name)
-        if source is not None and hasattr(source, "close"):
-            source.close()
-
-
 def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
                     opts: RunOptions) -> FusionMethod:
     """The same method at the ratio where recomputing a layer takes as long as loading one."""
@@ -429,18 +419,3 @@ def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_
     layer_bytes, bandwidth = measure_bandwidth(store, keys)
     ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, opts.quality_floor)
     return build_method(method.name, ratio, opts.knobs)
-
-
-def ensure_entries(builder: EntryBuilder, variant: str, chunks, neighbours, chunks_by_id, progress=None,
-                   task=None) -> list[str]:
-    """Store keys of the question's chunks, computing missing entries now (offline work, untimed)."""
-    missing = builder.missing(variant, chunks, neighbours)
-    if missing and progress is not None:
-        progress.update(task, description=f"offline KVs ({variant})", total=len(missing), completed=0, visible=True)
-    for chunk in missing:
-        builder.compute(variant, chunk, neighbours, chunks_by_id)
-        if progress is not None:
-            progress.advance(task)
-    if missing and progress is not None:
-        progress.update(task, visible=False)
-    return [builder.key(variant, c, neighbours) for c in chunks]

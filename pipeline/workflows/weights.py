@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.model.forward import SUPPORTED_ARCHITECTURES
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,12 +48,31 @@ def embedded_gguf_path() -> Path:
     return Path(spec.origin).parent / EMBEDDED_GGUF
 
 
-def _sha256_file_head(path: Path, head_bytes: int = 1 << 20) -> str:
-    """Hash of size + first MiB: cheap, and distinct for any two real weight files."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
+def file_sha256(path: Path) -> str:
+    """sha256 of a whole file, streamed; cached by (path, size, mtime) under the cache dir, so a weight
+    file is hashed once. Every byte counts: a fine-tuned copy that differs in one layer gets
+    another fingerprint, so its stored KVs are never confused with the original's."""
+    stat = path.stat()
+    cache_file = cache_dir() / "file-hashes.json"
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if ident in known:
+        return known[ident]
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        h.update(f.read(head_bytes))
-    return h.hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    try:  # best effort: a read-only cache dir only costs the hash again next time
+        from kvf.pipeline.files import write_atomic
+        known = {k: v for k, v in known.items() if not k.startswith(f"{path.resolve()}|")}
+        write_atomic(cache_file, json.dumps({**known, ident: digest}))
+    except OSError:
+        pass
+    return digest
 
 
 def _check_gguf(path: Path) -> None:
@@ -75,7 +94,7 @@ def _check_architecture(model_type: str | None, source: str) -> None:
 
 
 def _converted_dir_for(gguf: Path) -> Path:
-    return cache_dir() / "models" / f"{gguf.stem}-{_sha256_file_head(gguf)[:16]}"
+    return cache_dir() / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -110,9 +129,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    """The model's identity for the KV store: config.json and the full hash of every weight file."""
+    h = hashlib.sha256(b"kvf-weights-v2\0" + (model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
-        h.update(f.name.encode() + _sha256_file_head(f).encode())
+        h.update(f.name.encode() + file_sha256(f).encode())
     return h.hexdigest()
 
 

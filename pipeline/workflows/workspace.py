@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.cachestore import entry_key
 from kvf.pipeline.files import write_atomic
 
@@ -69,13 +69,48 @@ class Workspace:
         if not self.manifest_path.is_file():
             raise KvfError(f"--workspace {self.root}: no manifest.json; build it first with `kvf build-cache CORPUS "
                            f"--workspace {self.root}`")
-        return json.loads(self.manifest_path.read_text())
+        manifest = self._read_json(self.manifest_path)
+        if not isinstance(manifest, dict):
+            raise self.damaged(self.manifest_path)
+        return manifest
+
+    def damaged(self, path: Path) -> KvfError:
+        return KvfError(f"{path} is damaged; rebuild it with `kvf build-cache CORPUS --workspace {self.root}` "
+                        "(stored KV entries are kept)")
+
+    def _read_json(self, path: Path):
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise self.damaged(path) from None
+
+    def store_location(self) -> str:
+        """The workspace's store: a URL, an absolute path, or a path relative to the workspace (so a
+        moved workspace keeps using its own store, never the old location)."""
+        location = self.manifest().get("store") or self.default_store(None)
+        if "://" in location or Path(location).is_absolute():
+            return location
+        return str((self.root / location).resolve())
+
+    def relative_store(self, location: str) -> str:
+        """What the manifest records for a store: relative to the workspace when it lies inside it."""
+        if "://" in location:
+            return location
+        try:
+            return str(Path(location).resolve().relative_to(self.root.resolve()))
+        except ValueError:
+            return str(Path(location).resolve())
 
     def write_manifest(self, manifest: dict) -> None:
         write_atomic(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
 
     def doc_chunks(self) -> dict[str, list[str]]:
-        return json.loads(self.doc_chunks_path.read_text())
+        if not self.doc_chunks_path.is_file():
+            raise KvfError(f"{self.doc_chunks_path} is missing; rebuild it with `kvf build-cache CORPUS --workspace {self.root}`")
+        doc_chunks = self._read_json(self.doc_chunks_path)
+        if not isinstance(doc_chunks, dict) or not all(isinstance(v, list) for v in doc_chunks.values()):
+            raise self.damaged(self.doc_chunks_path)
+        return doc_chunks
 
     def write_doc_chunks(self, doc_chunks: dict[str, list[str]]) -> None:
         write_atomic(self.doc_chunks_path, json.dumps(doc_chunks))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import (FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource,
                                         recompute_budget)
 from kvf.pipeline.model.prompt import FusedPrompt
@@ -99,6 +99,7 @@ class FusionMethod:
     extras_hook = None            # (attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
     extras_names: tuple = ()      # the extras an entry must carry for this method
     # what the contract test (tests/test_method_contract.py) holds every method to:
+    in_all = True                 # part of `-m all` (prefix is not: it equals full by construction)
     oracle_knobs: dict = {}       # with these knobs at ratio 1 the method reproduces full prefill
     exact_budget = True           # recomputes exactly round(r * chunk tokens); False: within one token per chunk
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budget
 from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.model.prompt import FusedPrompt

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource
 from kvf.pipeline.fusion.methods.base import FusionMethod, chunk_attention, knob, register
 from kvf.pipeline.model.prompt import FusedPrompt

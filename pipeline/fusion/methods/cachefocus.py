@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf import KvfError
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource
 from kvf.pipeline.fusion.methods.base import FusionMethod, chunk_attention, knob, register
 from kvf.pipeline.model.forward import KVCache, Transformer

@@ -13,6 +13,7 @@ class PrefixCaching(FusionMethod):
     name = "prefix"
     ratio_is_knob = False
     fixed_ratio = 1.0
+    in_all = False  # its answers equal full prefill's by construction: sweeps run it only when named
 
     def loaded_chunks(self, prompt: FusedPrompt) -> list[int]:
         return [0] if prompt.chunk_segments else []

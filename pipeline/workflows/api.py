@@ -1,0 +1,70 @@
+"""The Python API behind `kvf.open_workspace`: answer questions from a built workspace in a notebook."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvf.errors import KvfError
+from kvf.pipeline.fusion.methods import build_method
+from kvf.pipeline.workflows.session import Session, workspace_path
+
+
+@dataclass
+class WorkspaceAnswer:
+    text: str
+    chunk_ids: list[str]               # the chunks in prompt order
+    recomputed_tokens: int
+    chunk_tokens: int
+    prompt_tokens: int
+    timings: dict                      # seconds: load, select, recompute, first_token (TTFT), decode
+    settings: dict = field(default_factory=dict)
+
+
+class WorkspaceSession:
+    """kvf.open_workspace(path): `answer()` retrieves (or takes) chunks and fuses their stored KVs."""
+
+    def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu"):
+        ws = workspace_path(path)
+        if not ws.manifest_path.is_file():
+            raise KvfError(f"{ws.root}: no workspace there; build one with `kvf build-cache YOUR_DOCS -w {ws.root}`")
+        self.session = Session(ws, model, device)
+        self._searchers: dict[str, object] = {}
+
+    def search(self, question: str, top_k: int = 5, retriever: str = "bm25") -> list[tuple[str, float]]:
+        """(chunk id, score) of the top-k chunks for a question."""
+        if retriever not in self._searchers:
+            ws = self.session.ws
+            if retriever == "bm25":
+                from kvf.pipeline.retrieval.bm25 import BM25Searcher
+                self._searchers[retriever] = BM25Searcher(ws.bm25_dir)
+            elif retriever == "dense":
+                from kvf.pipeline.retrieval.dense import DenseSearcher
+                self._searchers[retriever] = DenseSearcher(ws.dense_dir)
+            else:
+                raise KvfError(f"retriever={retriever!r}: use bm25 or dense")
+        return self._searchers[retriever].search(question, top_k)
+
+    def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int = 5,
+               retriever: str = "bm25", documents: list[str] | None = None, variant: str | None = None,
+               max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:
+        """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
+        order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
+        s = self.session
+        fusion = build_method(method, ratio if ratio is not None else build_method(method, 0.15).recompute_ratio, knobs)
+        fusion.check_model(s.n_layers)
+        if documents is not None:
+            doc_chunks = s.ws.doc_chunks()
+            missing = [d for d in documents if d not in doc_chunks]
+            if missing:
+                raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}")
+            chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
+        else:
+            chunk_ids = [cid for cid, _ in self.search(question, top_k, retriever)]
+        chunks = s.chunks(chunk_ids, retriever)
+        prompt = s.prompt(chunks, question)
+        variant = variant or fusion.offline_variant
+        keys = s.entries(variant, chunks) if fusion.uses_store else None
+        fused = s.answer(prompt, fusion, keys, max_new_tokens)
+        record = fused.answer.record()
+        return WorkspaceAnswer(fused.answer.text, chunk_ids, record["recomputed_tokens"], record["chunk_tokens"],
+                               record["prompt_tokens"], record["timings"], {**fusion.settings(), "variant": variant})

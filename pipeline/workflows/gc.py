@@ -1,0 +1,82 @@
+"""`kvf store gc`: collect garbage, and entries nobody keeps, without ever wiping a store by mistake.
+
+- Without --yes it only says what it would delete.
+- A keep list must name at least one entry of the store (store keys are 64-hex entry keys, not
+  the chunk ids users see in chunks.parquet and run records), else it is refused.
+- --keep-workspace WS keeps every entry that workspace's chunks can use (S, and each chunk's
+  prefix and fusion entries), which is what users mean.
+- It holds the store's exclusive lock: while a run or a build reads or writes it, gc refuses.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from kvf.cachestore import open_store
+from kvf.errors import KvfError
+from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
+
+
+def read_keep_file(path: Path) -> set[str]:
+    if not path.is_file():
+        raise KvfError(f"--keep {path}: no such file; pass a file with one store key per line")
+    try:
+        return {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    except UnicodeDecodeError:
+        raise KvfError(f"--keep {path} is not a text file of store keys") from None
+
+
+def workspace_keys(path: Path) -> set[str]:
+    """Every store key the workspace's chunks can use: S's entry, and each chunk's prefix and fusion entries."""
+    from kvf.pipeline.model.prompt import make_template
+    from kvf.pipeline.retrieval.chunking import read_chunks_table
+    from kvf.pipeline.workflows.weights import open_model
+    ws = Workspace(path)
+    manifest = ws.manifest()
+    model_ref = open_model(manifest.get("model_arg", None if manifest.get("model") == "SmolLM2-135M-Instruct"
+                                        else manifest.get("model")))
+    template = make_template(model_ref.tokenizer)
+    keys = EntryKeys(model_ref.fingerprint, template.prefix_ids)
+    neighbours = {}
+    if ws.neighbours_path.is_file():
+        from kvf.pipeline.retrieval.neighbours import load_neighbours
+        neighbours = load_neighbours(ws.neighbours_path)
+    wanted = {keys.system()}
+    for chunk in read_chunks_table(ws.chunks_path):
+        segment = template.chunk_segment(chunk.token_ids)
+        wanted.add(keys.chunk("prefix", segment))
+        if chunk.chunk_id in neighbours:
+            wanted.add(keys.chunk("fusion", segment, neighbours[chunk.chunk_id]))
+    return wanted
+
+
+def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspace: Path | None, yes: bool,
+            console: Console) -> dict:
+    store = open_store(location, fmt)
+    with store.exclusive_lock():
+        existing = set(store.keys())
+        keep = None
+        if keep_file is not None:
+            listed = read_keep_file(keep_file)
+            if not listed & existing:
+                raise KvfError(f"--keep {keep_file}: none of its {len(listed)} lines names an entry of store {location} "
+                               "(store keys are the 64-hex entry keys that `kvf store info --json` lists, not chunk ids); "
+                               "to keep what a workspace uses, pass --keep-workspace WS")
+            keep = listed
+        if keep_workspace is not None:
+            used = workspace_keys(keep_workspace)
+            if not used & existing:
+                raise KvfError(f"--keep-workspace {keep_workspace}: the workspace uses none of the {len(existing)} entries of "
+                               f"store {location} (another model or another store?); nothing would be kept, so nothing is deleted")
+            keep = (keep or set()) | used
+        garbage, entries = store.gc_plan(keep)
+        if not yes:
+            nbytes = sum(store.fs.size(p) for p in garbage) + sum(store._entry_bytes(k) for k in entries)
+            console.print(f"would remove {len(garbage)} temp/garbage items and {len(entries)} of {len(existing)} entries "
+                          f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them")
+            return {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0, "would_remove": len(entries)}
+        freed = store.gc(keep=keep)
+        console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
+                      f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}")
+        return freed

@@ -1,0 +1,121 @@
+"""A session: one loaded model over one workspace and its KV store. Chunks in, fused answers out.
+
+`kvf run` answers a dataset through one; the Python API (`kvf.open_workspace`) is one. Missing
+store entries are computed on demand (offline work, untimed), with the build-time extras of the
+methods that need them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvf.errors import KvfError
+from kvf.pipeline.fusion.answer import Answer, Answerer
+from kvf.pipeline.fusion.methods import FusionMethod
+from kvf.pipeline.fusion.sources import StoreKVSource
+from kvf.pipeline.model.prompt import FusedPrompt
+from kvf.pipeline.retrieval.chunking import Chunk, read_chunks_table
+from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store, workspace_extras
+from kvf.pipeline.workflows.devices import check_device, compute_dtype
+from kvf.pipeline.workflows.weights import open_model
+from kvf.pipeline.workflows.workspace import Workspace
+
+
+@dataclass
+class Fused:
+    """One timed answer, and what it read from the store."""
+    answer: Answer
+    read_seconds: float | None     # total store read time (None: the method read nothing)
+
+
+class Session:
+    def __init__(self, ws: Workspace, model: str | None = None, device: str = "cpu", dtype: str | None = None,
+                 store: str | None = None, extras_for: tuple[str, ...] = ()):
+        check_device(device)
+        self.ws, self.manifest = ws, ws.manifest()
+        self.model_ref = open_model(model)
+        if self.manifest.get("model_fingerprint") not in (None, self.model_ref.fingerprint):
+            raise KvfError(f"--workspace {ws.root} was built with model {self.manifest.get('model')}; pass that --model "
+                           "or use another --workspace")
+        self.dtype = compute_dtype(device, dtype)
+        self.device = device
+        self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
+        self.store = open_workspace_store(ws, self.model_ref, store or ws.store_location(), None,
+                                          self.manifest.get("dtype", "float16"), create=True)
+        self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
+        self._store_lock.__enter__()
+        self.extras_for = tuple(sorted(set(extras_for) | set(workspace_extras(self.manifest))))
+        self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
+        self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
+        self.chunks_by_id = {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
+        self._neighbours = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.answerer.transformer.n_layers
+
+    def neighbours(self) -> dict[str, list[str]]:
+        """The fusion variant's neighbours, checked against this workspace's chunks (loaded once)."""
+        if self._neighbours is None:
+            from kvf.pipeline.retrieval.neighbours import load_neighbours
+            self._neighbours = load_neighbours(self.ws.neighbours_path, set(self.chunks_by_id))
+        return self._neighbours
+
+    def chunks(self, chunk_ids: list[str], index: str = "retrieval") -> list[Chunk]:
+        unknown = [cid for cid in chunk_ids if cid not in self.chunks_by_id]
+        if unknown:
+            raise KvfError(f"the {index} index of workspace {self.ws.root} names chunk {unknown[0][:12]} missing from "
+                           f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {self.ws.root}`")
+        return [self.chunks_by_id[cid] for cid in chunk_ids]
+
+    def prompt(self, chunks: list[Chunk], question: str) -> FusedPrompt:
+        return self.answerer.prompt([c.token_ids for c in chunks], question)
+
+    def entries(self, variant: str, chunks: list[Chunk], on_missing=None, on_done=None) -> list[str]:
+        """Store keys of these chunks' `variant` KVs, computing missing entries now (offline work, untimed).
+        on_missing(n) is told how many will be computed, on_done() after each one."""
+        neighbours = self.neighbours() if variant == "fusion" else None
+        missing = self.builder.missing(variant, chunks, neighbours)
+        if missing and on_missing is not None:
+            on_missing(len(missing))
+        for chunk in missing:
+            self.builder.compute(variant, chunk, neighbours, self.chunks_by_id)
+            if on_done is not None:
+                on_done()
+        return [self.builder.key(variant, c, neighbours) for c in chunks]
+
+    def source(self, method: FusionMethod, keys: list[str] | None, pipeline: bool = True) -> StoreKVSource | None:
+        if not method.uses_store:
+            return None
+        extras = [self.store.get_extras(k) for k in keys] if method.extras_names else None
+        return StoreKVSource(self.store, keys, self.n_layers, pipeline, extras)
+
+    @torch.inference_mode()
+    def answer(self, prompt: FusedPrompt, method: FusionMethod, keys: list[str] | None, max_new_tokens: int,
+               pipeline: bool = True) -> Fused:
+        """One timed request: load + fuse + first token, then decode."""
+        source = self.source(method, keys, pipeline)
+        try:
+            answer = self.answerer.answer(prompt, method, source, max_new_tokens)
+        finally:
+            if source is not None:
+                source.close()
+        return Fused(answer, source.read_seconds if source is not None else None)
+
+    def warm_up(self, prompt: FusedPrompt, method: FusionMethod, keys: list[str] | None) -> None:
+        """One untimed call: one-time kernel set-up stays out of the timed requests."""
+        source = self.source(method, keys)
+        try:
+            method.prefill(self.answerer.engine, prompt, source)
+        finally:
+            if source is not None:
+                source.close()
+
+
+def workspace_path(path: str | Path) -> Workspace:
+    ws = Workspace(Path(path))
+    if ws.root.exists() and not ws.root.is_dir():
+        raise KvfError(f"--workspace {ws.root} is a file; pass a directory (build one with `kvf build-cache CORPUS -w DIR`)")
+    return ws

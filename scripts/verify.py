@@ -1,0 +1,208 @@
+"""Checked reproductions, pyserini two-click style: does every committed number still come out?
+
+    python -m kvf.scripts.verify            # make verify: re-run every results file's command, check every number
+    python -m kvf.scripts.verify --smoke    # make verify-smoke: re-answer a few questions per results file
+    python -m kvf.scripts.verify --rescore  # only re-score the committed raw records (seconds)
+
+results/expected.yaml lists, for every committed results file, the command that makes it, its
+conditions (N, ratios, model, data files with sha256), its key numbers with a tolerance, and:
+- `table`: the committed CSV/JSON the numbers are read from (always checked: the file says what
+  expected.yaml says);
+- `rescore` (optional): a command that recomputes the table from committed raw records into {out};
+- `rerun`: the command that re-runs the conditions from scratch into {out} (hours for a sweep);
+- `smoke` (optional): commands that re-answer a few questions into {out}/smoke.jsonl, whose records
+  must equal the committed ones (same answer, same tokens recomputed).
+Prints OK / FAIL per number and exits 1 if anything failed. Data files are checked by sha256 first.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXPECTED = REPO / "results" / "expected.yaml"
+
+
+def load_expected(path: Path = EXPECTED) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("KVF_DATA") or REPO.parent / "shared" / "data")
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    if path.suffix == ".json":
+        return pd.DataFrame([json.loads(path.read_text())])
+    return pd.read_csv(path)
+
+
+def lookup(table: pd.DataFrame, where: dict, column: str) -> float:
+    rows = table
+    for key, value in (where or {}).items():
+        if isinstance(value, float):
+            rows = rows[(rows[key] - value).abs() < 1e-9]
+        else:
+            rows = rows[rows[key].astype(str) == str(value)]
+    if len(rows) != 1:
+        raise LookupError(f"{len(rows)} rows match {where}")
+    return float(rows.iloc[0][column])
+
+
+def within(got: float, number: dict, strict: bool) -> bool:
+    """strict: re-scoring the same records must give the same number (to its printed precision)."""
+    want = float(number["value"])
+    if strict:
+        return abs(got - want) <= 5e-4 * max(1.0, abs(want))
+    if "relative" in number:
+        return abs(got - want) <= float(number["relative"]) * abs(want)
+    return abs(got - want) <= float(number.get("tolerance", 0.0))
+
+
+def check_numbers(name: str, table_path: Path, numbers: list[dict], strict: bool, report: list) -> None:
+    try:
+        table = read_table(table_path)
+    except FileNotFoundError:
+        report.append((False, f"{name}: {table_path} was not written"))
+        return
+    for number in numbers:
+        label = f"{name}: {number['name']}"
+        try:
+            got = lookup(table, number.get("where"), number["column"])
+        except (LookupError, KeyError) as e:
+            report.append((False, f"{label}: not in {table_path.name} ({e})"))
+            continue
+        ok = within(got, number, strict) and not math.isnan(got)
+        bound = "same to print precision" if strict else (f"±{number['relative']:.0%}" if "relative" in number
+                                                           else f"±{number.get('tolerance', 0)}")
+        report.append((ok, f"{label} = {got:.4g} (committed {float(number['value']):.4g}, {bound})"))
+
+
+def check_data(entry: dict, report: list) -> bool:
+    ok = True
+    for name, spec in (entry.get("conditions", {}).get("data") or {}).items():
+        path = data_dir() / spec["file"]
+        if not path.is_file():
+            report.append((False, f"data {name}: {path} missing (set KVF_DATA)"))
+            ok = False
+            continue
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        same = digest == spec["sha256"]
+        report.append((same, f"data {name}: {spec['file']} sha256 {'matches' if same else 'DIFFERS: ' + digest}"))
+        ok &= same
+    return ok
+
+
+def run(command: str, out: Path, log: Path) -> bool:
+    """Run one shell-free command line ({out} filled in) from the repo root; its output goes to log."""
+    argv = [a.replace("{out}", str(out)) for a in shlex.split(command)]
+    argv = [os.environ.get("KVF", str(Path(sys.executable).with_name("kvf")))] + argv[1:] if argv[0] == "kvf" else argv
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(argv)}\n")
+        f.flush()
+        return subprocess.run(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode == 0
+
+
+def expand_globs(command: str) -> str:
+    """Commands run without a shell: expand REPO-relative globs (results/methods/runs/*.jsonl) here."""
+    parts = []
+    for token in shlex.split(command):
+        if "*" in token and "{out}" not in token:
+            parts += sorted(str(p.relative_to(REPO)) for p in REPO.glob(token)) or [token]
+        else:
+            parts.append(token)
+    return shlex.join(parts)
+
+
+def compare_records(name: str, got_path: Path, committed: list[Path], report: list) -> None:
+    """Every re-run record must equal the committed record of the same question, method and ratio."""
+    def key(r):
+        s = r["settings"]
+        return (r["qid"], r["method"], r.get("label"), s.get("variant"), round(float(s["ratio"]), 9))
+    reference = {key(r): r for path in committed for r in map(json.loads, path.read_text().splitlines())}
+    got = [json.loads(line) for line in got_path.read_text().splitlines()] if got_path.is_file() else []
+    if not got:
+        report.append((False, f"{name}: smoke run wrote no records"))
+    for r in got:
+        ref = reference.get(key(r))
+        label = f"{name}: {r['qid']} {r['method']}@{r['settings']['ratio']:g}"
+        if ref is None:
+            report.append((False, f"{label}: no committed record to compare with"))
+            continue
+        same = (r["answer"] == ref["answer"] and r["recomputed_tokens"] == ref["recomputed_tokens"]
+                and r["prompt_tokens"] == ref["prompt_tokens"])
+        report.append((same, f"{label}: answer {r['answer']!r} " + ("= committed" if same else f"!= committed {ref['answer']!r}")))
+
+
+def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
+    expected = load_expected()
+    report: list[tuple[bool, str]] = []
+    work = Path(keep or tempfile.mkdtemp(prefix="kvf-verify-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for name, entry in expected.items():
+        if only and name not in only:
+            continue
+        out = work / Path(name).stem
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "log.txt"
+        numbers = entry.get("numbers", [])
+        check_numbers(name, REPO / entry["table"], numbers, strict=True, report=report)   # the committed file
+        if mode == "smoke":
+            steps = entry.get("smoke")
+            if not steps:
+                continue
+            if not check_data(entry, report):
+                continue
+            ok = all(run(step, out, log) for step in steps["commands"])
+            report.append((ok, f"{name}: smoke commands " + ("ran" if ok else f"failed (see {log})")))
+            if ok:
+                compare_records(name, out / "smoke.jsonl", sorted(REPO.glob(steps["records"])), report)
+        elif mode == "rescore" or (mode == "full" and "rescore" in entry and "rerun" not in entry):
+            if "rescore" in entry:
+                ok = run(expand_globs(entry["rescore"]), out, log)
+                check_numbers(name, out / Path(entry["table"]).name, numbers, strict=True, report=report) if ok else \
+                    report.append((False, f"{name}: rescore failed (see {log})"))
+        else:  # full: re-run the conditions from scratch
+            if "rescore" in entry:
+                rescored = out / "rescore"
+                rescored.mkdir(exist_ok=True)
+                if run(expand_globs(entry["rescore"]), rescored, log):
+                    check_numbers(name, rescored / Path(entry["table"]).name, numbers, strict=True, report=report)
+            if not check_data(entry, report):
+                continue
+            ok = all(run(step, out, log) for step in entry["rerun"])
+            if not ok:
+                report.append((False, f"{name}: rerun failed (see {log})"))
+                continue
+            check_numbers(name, out / entry["rerun_table"], numbers, strict=False, report=report)
+    for ok, line in report:
+        print(("OK   " if ok else "FAIL ") + line)
+    failed = sum(not ok for ok, _ in report)
+    print(f"{len(report) - failed} OK, {failed} FAIL ({mode}; work in {work})")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="re-answer a few questions")
+    group.add_argument("--rescore", action="store_const", dest="mode", const="rescore", help="re-score committed records")
+    parser.add_argument("--only", nargs="*", help="results files to check (default: all in expected.yaml)")
+    parser.add_argument("--keep", type=Path, help="work directory to keep (default: a temp dir)")
+    args = parser.parse_args(argv)
+    return verify(args.mode or "full", args.only, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

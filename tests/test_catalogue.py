@@ -1,0 +1,386 @@
+"""The bad-input catalogue: every case found by trying kvf as a new (or careless, or hostile) user
+would, run through the real CLI entry point. Each must end with exit != 0, exactly one line on
+stderr that says what is wrong and names the flag or file, and no traceback. Add new cases here as
+they are found. (Cases that need signals or two processes run as subprocesses further down.)"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvf.cli.main import main
+
+NOWHERE = "/proc/self/kvf-no-write"   # a place no user, root included, can create files in
+SUB_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (0 if code is None else code), out, err
+
+
+def assert_one_line(code: int, err: str, *fragments: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code not in (0, None), err
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("kvf: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def data(built, tmp_path):
+    """A copy of the synthetic prepared dataset (tests may damage it) and the shared built workspace."""
+    shutil.copytree(built / "data", tmp_path / "data")
+    return tmp_path / "data", built / "ws"
+
+
+def run_args(data, out, *extra):
+    dataset, ws = data
+    return ["run", "-d", dataset, "-w", ws, "-m", "reuse", "-n", "1", "--max-new-tokens", "2", "--no-show-answers",
+            "-o", out, *extra]
+
+
+# ---- flags and paths: refused before any work -----------------------------------------------------
+CASES = {
+    "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
+    "run --limit -1": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "-1"), ["--limit"]),
+    "run -m ,": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", ",", "-o", t / "o.jsonl"], ["--method"]),
+    "run --quality-floor 5": (lambda d, t: run_args(d, t / "o.jsonl", "-r", "auto", "--quality-floor", "5"), ["--quality-floor"]),
+    "run --max-new-tokens -1": (lambda d, t: run_args(d, t / "o.jsonl", "--max-new-tokens", "-1"), ["--max-new-tokens"]),
+    "run --check-layer 99": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-n", "1",
+                                           "--check-layer", "99", "-o", t / "o.jsonl"], ["--check-layer 99", "30 layers"]),
+    "run knob no method takes": (lambda d, t: run_args(d, t / "o.jsonl", "--check-layer", "2"), ["--check-layer", "cacheblend"]),
+    "run --device cuda": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "cuda"), ["--device cuda", "CUDA"]),
+    "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
+    "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),
+    "run -o DIR": (lambda d, t: run_args(d, t), ["--out", "is a directory"]),
+    "run -o read-only": (lambda d, t: run_args(d, Path(NOWHERE) / "o.jsonl"), ["--out"]),
+    "run -w FILE": (lambda d, t: ["run", "-d", d[0], "-w", d[0] / "questions.jsonl", "-m", "reuse", "-o", t / "o.jsonl"],
+                    ["--workspace", "is a file"]),
+    "run -d and -q": (lambda d, t: [*run_args(d, t / "o.jsonl"), "-q", d[0] / "questions.jsonl"], ["--dataset", "--questions"]),
+    "eval --out FILE": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
+    "eval --out read-only": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", NOWHERE], ["--out"]),
+    "eval binary": (lambda d, t: ["eval", write(t / "b.jsonl", b"\xff\xfe\x00\x01"), "--out", t / "e"], ["not UTF-8"]),
+    "eval settings list": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings=[1])), "--out", t / "e"], ["settings"]),
+    "eval string ratio": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings={"ratio": "0.15"})), "--out", t / "e"], ["settings"]),
+    "eval string timings": (lambda d, t: ["eval", write(t / "s.jsonl", record(timings="fast")), "--out", t / "e"], ["timings"]),
+    "eval null qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid=None)), "--out", t / "e"], ["qid"]),
+    "eval dict qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid={"a": 1})), "--out", t / "e"], ["qid"]),
+    "eval NaN timing": (lambda d, t: ["eval", write(t / "s.jsonl", record().replace(b'"load": 0.1', b'"load": NaN')),
+                                      "--out", t / "e"], ["timings.load"]),
+    "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
+    "demo --workspace read-only": (lambda d, t: ["demo", "--workspace", NOWHERE], ["--workspace"]),
+    "demo --max-new-tokens -1": (lambda d, t: ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
+    "data synthetic --out FILE": (lambda d, t: ["data", "synthetic", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
+    "data synthetic --out read-only": (lambda d, t: ["data", "synthetic", "--out", NOWHERE], ["--out"]),
+    "data ruler too long": (lambda d, t: ["data", "ruler", "--length", "9000", "--out", t / "r"], ["--length 9000"]),
+    "data ruler unknown task": (lambda d, t: ["data", "ruler", "--tasks", "nope", "--out", t / "r"], ["--tasks nope"]),
+    "data ruler --n 0": (lambda d, t: ["data", "ruler", "--n", "0", "--out", t / "r"], ["--n 0"]),
+    "bench --chunk-tokens 0": (lambda d, t: ["bench", "--chunk-tokens", "0"], ["--chunk-tokens"]),
+    "bench --repeats 0": (lambda d, t: ["bench", "--repeats", "0"], ["--repeats"]),
+    "bench --device cuda": (lambda d, t: ["bench", "--device", "cuda"], ["--device cuda"]),
+    "build-cache --device cuda": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--device", "cuda"], ["--device cuda"]),
+    "build-cache --rebuild nope": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--rebuild", "nope"], ["--rebuild nope"]),
+    "store needs one of": (lambda d, t: ["store", "info"], ["--store", "--workspace"]),
+    "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
+        t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
+        "--out", t / "p"], ["record 0", "not a string"]),
+    "prepare custom no answers": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "passages": [{"text": "x"}]}\n'), "--out", t / "p"], ["line 1", "answers"]),
+    "prepare custom no question": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
+    "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["nope"]}\n'), "--out", t / "p"], ["line 1", "nope"]),
+}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data if data.endswith(b"\n") else data + b"\n")
+    return path
+
+
+def record(**changes) -> bytes:
+    rec = {"qid": "q1", "dataset": "toy", "method": "full", "settings": {"ratio": 1.0, "variant": "prefix"},
+           "chunk_ids": ["c1"], "question": "q", "answer": "a", "gold": ["a"], "prompt_tokens": 5, "chunk_tokens": 3,
+           "recomputed_tokens": 3, "timings": {"load": 0.1, "select": 0.0, "recompute": 0.2, "first_token": 0.3, "decode": 0.1}}
+    return json.dumps({**rec, **changes}).encode()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
+    make_args, fragments = CASES[case]
+    code, _, err = run_cli(make_args(data, tmp_path), capsys, monkeypatch)
+    assert_one_line(code, err, *fragments)
+
+
+# ---- data that is not what kvf needs --------------------------------------------------------------
+def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatch):
+    dataset, _ = data
+    rows = [json.loads(line) for line in (dataset / "questions.jsonl").read_text().splitlines()]
+    for damage, fragment in (({"context_ids": None}, "context_ids"), ({"id": None}, '"id"')):
+        (dataset / "questions.jsonl").write_text(json.dumps({**rows[0], **damage}) + "\n")
+        code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+        assert_one_line(code, err, "questions.jsonl line 1", fragment)
+    (dataset / "questions.jsonl").write_text("")
+    code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, "holds no questions")
+
+
+def test_empty_context_ids_say_which_setting_and_why(data, tmp_path, capsys, monkeypatch):
+    dataset, _ = data
+    rows = [json.loads(line) for line in (dataset / "questions.jsonl").read_text().splitlines()]
+    (dataset / "questions.jsonl").write_text("".join(json.dumps({**r, "context_ids": []}) + "\n" for r in rows))
+    code, out, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert code == 0
+    first = [line for line in out.splitlines() if line.strip()][0]
+    assert first.startswith("setting: shared (the questions name no passages)")
+
+
+def test_passages_with_no_chunks_in_the_workspace_are_refused(data, tmp_path, capsys, monkeypatch):
+    """A hand-written dataset whose passage ids are not the workspace's documents: never an empty context."""
+    dataset, _ = data
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "corpus").mkdir()
+    (tmp_path / "other" / "corpus" / "passages.jsonl").write_text(json.dumps({"id": "p1", "title": "", "text": "Zorvan lives in Quillmarsh."}) + "\n")
+    (tmp_path / "other" / "questions.jsonl").write_text(json.dumps(
+        {"id": "q1", "question": "Where does Zorvan live?", "answers": ["Quillmarsh"], "context_ids": ["p1", "p1"]}) + "\n")
+    code, _, err = run_cli(run_args((tmp_path / "other", data[1]), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, "question q1", "p1", "another corpus")
+
+
+# ---- resuming: stale records, other files, two writers ----------------------------------------------
+def test_resumed_run_with_other_settings_is_refused(data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o.jsonl"
+    assert run_cli(run_args(data, out), capsys, monkeypatch)[0] == 0
+    for changed in (["--max-new-tokens", "3"], ["--top-k", "2"]):
+        code, _, err = run_cli(run_args(data, out, *changed), capsys, monkeypatch)
+        assert_one_line(code, err, f"--out {out}", "other settings", "--overwrite")
+    assert run_cli(run_args(data, out, "--max-new-tokens", "3", "--overwrite"), capsys, monkeypatch)[0] == 0
+    assert json.loads(out.read_text().splitlines()[0])["settings"]["max_new_tokens"] == 3
+
+
+def test_run_file_that_is_not_kvf_s_is_refused_and_only_a_torn_last_line_is_cut(data, tmp_path, capsys, monkeypatch):
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": 1, "text": "mine"}\n{"id": 2, "text": "also mine"}\n')
+    code, _, err = run_cli(run_args(data, other), capsys, monkeypatch)
+    assert_one_line(code, err, "not a kvf run file")
+    assert other.read_text().count("mine") == 2                       # untouched
+    out = tmp_path / "o.jsonl"
+    assert run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)[0] == 0
+    good = out.read_text().splitlines()
+    out.write_text(good[0] + '\n{"note": "hand-added"}\n' + good[1] + "\n")
+    code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)
+    assert_one_line(code, err, "line 2", "kvf never drops records")
+    assert out.read_text().count("\n") == 3                           # nothing deleted
+    out.write_text(good[0] + "\n" + good[1][: len(good[1]) // 2])
+    code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)
+    assert code == 0 and "cut a torn last line" in err
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_two_runs_on_one_out_file(data, tmp_path):
+    out = tmp_path / "o.jsonl"
+    from kvf.pipeline.records import RunFile
+    with RunFile(out):  # the first `kvf run` holds the file
+        proc = subprocess.run([sys.executable, "-m", "kvf", *map(str, run_args(data, out))], capture_output=True,
+                              text=True, env=SUB_ENV)
+    assert_one_line(proc.returncode, proc.stderr, "being written by another `kvf run`")
+
+
+def test_run_with_another_datasets_workspace(data, tmp_path, capsys, monkeypatch):
+    from kvf.pipeline.data.synthetic import make_synthetic
+    make_synthetic(tmp_path / "other", n_questions=2, passages_per_question=3, seed=99)
+    code, _, err = run_cli(run_args((tmp_path / "other", data[1]), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, "has no chunks in workspace", "another corpus")
+
+
+# ---- the store: gc that cannot wipe it, entries that cannot lie (issues 19, 20) --------------------------
+@pytest.fixture
+def ws_copy(built, tmp_path):
+    """A private copy of the built workspace (store inside), to damage."""
+    shutil.copytree(built / "ws", tmp_path / "ws", symlinks=True)
+    shutil.copytree(built / "data", tmp_path / "data")
+    return tmp_path / "data", tmp_path / "ws"
+
+
+def chunk_entry_keys(store):
+    return [k for k in store.keys() if store.attrs(k).get("variant") == "prefix"]
+
+
+def test_gc_refuses_keep_lists_that_keep_nothing_and_previews_by_default(ws_copy, tmp_path, capsys, monkeypatch):
+    from kvf.cachestore import open_store
+    _, ws = ws_copy
+    store = open_store(str(ws / "kv.zarr"))
+    n = len(store.keys())
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = run_cli(["store", "gc", "-w", ws, "--keep", tmp_path / "empty.txt", "--yes"], capsys, monkeypatch)
+    assert_one_line(code, err, "--keep", "none of its 0 lines")
+    chunk_ids = json.loads((ws / "doc_chunks.json").read_text())
+    (tmp_path / "ids.txt").write_text("\n".join(c for ids in chunk_ids.values() for c in ids))
+    code, _, err = run_cli(["store", "gc", "-w", ws, "--keep", tmp_path / "ids.txt", "--yes"], capsys, monkeypatch)
+    assert_one_line(code, err, "not chunk ids", "--keep-workspace")
+    with store.shared_lock():   # a `kvf run` reading the store
+        code, _, err = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
+        assert_one_line(code, err, "in use by another kvf process")
+    foreign = "f" * 64
+    store.put(foreign, store.get(chunk_entry_keys(store)[0]), attrs={"variant": "prefix"})
+    code, out, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws], capsys, monkeypatch)
+    assert code == 0 and "would remove 0 temp/garbage items and 1 of" in " ".join(out.split())
+    code, _, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
+    assert code == 0 and len(open_store(str(ws / "kv.zarr")).keys()) == n    # only the foreign entry went
+
+
+def test_gc_never_follows_a_symlink_out_of_the_store(ws_copy, tmp_path, capsys, monkeypatch):
+    _, ws = ws_copy
+    outside = tmp_path / "precious"
+    (outside / "old-entry").mkdir(parents=True)
+    (outside / "old-entry" / "data").write_text("keep me")
+    os.utime(outside / "old-entry", (0, 0))
+    os.symlink(outside, ws / "kv.zarr" / "zz")                       # named like a fan-out directory
+    os.symlink(outside, ws / "kv.zarr" / ".kvf-tmp" / ("0" * 64 + "~host~1~abcd"))  # and like a temp dir
+    code, _, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
+    assert code == 0 and (outside / "old-entry" / "data").read_text() == "keep me"
+
+
+def test_damaged_or_misplaced_entries_are_refused_before_they_are_read(ws_copy, tmp_path, capsys, monkeypatch):
+    from kvf.cachestore import open_store
+    data, ws = ws_copy
+    store = open_store(str(ws / "kv.zarr"))
+    a, b = chunk_entry_keys(store)[:2]
+    entry = lambda key: ws / "kv.zarr" / key[:2] / key          # noqa: E731
+    shutil.rmtree(entry(a))
+    shutil.copytree(entry(b), entry(a))                          # a bad rsync: B's files where A belongs
+    code, out, _ = run_cli(["store", "verify", "-w", ws], capsys, monkeypatch)
+    assert code == 1 and "misplaced copy" in out
+    code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl", "-n", "3"), capsys, monkeypatch)
+    assert_one_line(code, err, "misplaced copy", "kvf store verify")
+    meta = json.loads((entry(b) / "zarr.json").read_text())      # a header whose shape was damaged
+    meta["attributes"]["kvf_entry"]["shape"][3] = 10 ** 9
+    (entry(b) / "zarr.json").write_text(json.dumps(meta))
+    code, out, _ = run_cli(["store", "verify", "-w", ws], capsys, monkeypatch)
+    assert code == 1 and "header checksum mismatch" in out
+
+
+def test_an_entry_directory_without_metadata_is_reported_and_rebuilt(ws_copy, capsys, monkeypatch):
+    from kvf.cachestore import open_store
+    data, ws = ws_copy
+    key = chunk_entry_keys(open_store(str(ws / "kv.zarr")))[0]
+    (ws / "kv.zarr" / key[:2] / key / "zarr.json").unlink()       # an interrupted copy
+    code, out, _ = run_cli(["store", "verify", "-w", ws], capsys, monkeypatch)
+    assert code == 1 and "without its metadata" in out
+    code, _, err = run_cli(["build-cache", data / "corpus", "-w", ws, "--chunk-tokens", "64", "--neighbours", "2"],
+                           capsys, monkeypatch)
+    assert code == 0, err
+    assert run_cli(["store", "verify", "-w", ws], capsys, monkeypatch)[0] == 0
+
+
+def test_a_moved_workspace_uses_its_own_store(ws_copy, tmp_path, capsys, monkeypatch):
+    data, ws = ws_copy
+    moved = tmp_path / "moved"
+    ws.rename(moved)
+    assert json.loads((moved / "manifest.json").read_text())["store"] == "kv.zarr"
+    code, _, err = run_cli(run_args((data, moved), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert code == 0, err
+    assert not ws.exists()                                         # nothing written where it used to be
+
+
+def test_damaged_workspace_files_are_one_line_and_build_cache_repairs_them(ws_copy, tmp_path, capsys, monkeypatch):
+    data, ws = ws_copy
+    shared = ["run", "-d", data, "-w", ws, "-m", "reuse", "-n", "1", "--max-new-tokens", "2", "--setting", "shared",
+              "--no-show-answers", "-o", tmp_path / "o.jsonl"]
+    doc_chunks = (ws / "doc_chunks.json").read_text()
+    (ws / "doc_chunks.json").write_text("{garbage")
+    code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, "doc_chunks.json is damaged", "kvf build-cache")
+    (ws / "doc_chunks.json").write_text(doc_chunks)
+    faiss_file = ws / "dense" / "index.faiss"
+    faiss_file.write_bytes(faiss_file.read_bytes()[:100])
+    code, _, err = run_cli([*shared, "--retriever", "dense"], capsys, monkeypatch)
+    assert_one_line(code, err, "dense index", "--rebuild dense")
+    for segment in (ws / "bm25").glob("*.si"):
+        segment.write_bytes(b"\x00" * 64)
+    code, _, err = run_cli(shared, capsys, monkeypatch)
+    assert_one_line(code, err, "BM25", "--rebuild bm25")
+    (ws / "manifest.json").write_text("not json")
+    code, _, err = run_cli(shared, capsys, monkeypatch)
+    assert_one_line(code, err, "manifest.json is damaged")
+    code, _, err = run_cli(["build-cache", data / "corpus", "-w", ws, "--chunk-tokens", "64", "--neighbours", "2",
+                            "--rebuild", "bm25,dense"], capsys, monkeypatch)
+    assert code == 0 and "is damaged; rebuilding" in err
+    assert run_cli(shared, capsys, monkeypatch)[0] == 0
+    assert run_cli([*shared, "--retriever", "dense", "--overwrite"], capsys, monkeypatch)[0] == 0
+
+
+def test_a_stale_bm25_index_is_refused(ws_copy, tmp_path, capsys, monkeypatch):
+    data, ws = ws_copy
+    (data / "corpus" / "extra.txt").write_text("Quorbel Vantrich founded the Drelvan glassworks in 1802.")
+    code, _, err = run_cli(["build-cache", data / "corpus", "-w", ws, "--chunk-tokens", "64", "--neighbours", "2",
+                            "--no-bm25"], capsys, monkeypatch)
+    assert code == 0, err
+    code, _, err = run_cli(["run", "-d", data, "-w", ws, "-m", "reuse", "-n", "1", "--setting", "shared",
+                            "--no-show-answers", "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)
+    assert_one_line(code, err, "bm25 index", "another set of chunks", "--rebuild bm25")
+
+
+def test_foreign_neighbours_are_one_line(ws_copy, tmp_path, capsys, monkeypatch):
+    data, ws = ws_copy
+    (ws / "neighbours.json").write_text(json.dumps({"a" * 64: ["b" * 64]}))
+    code, _, err = run_cli([*run_args((data, ws), tmp_path / "o.jsonl")[:5], "-m", "fusionrag", "-n", "1",
+                            "--no-show-answers", "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)
+    assert_one_line(code, err, "neighbours", "not in this workspace", "kvf build-cache")
+
+
+def test_workspace_files_follow_the_umask(built):
+    for name in ("chunks.parquet", "manifest.json", "doc_chunks.json", "neighbours.json"):
+        mode = (built / "ws" / name).stat().st_mode & 0o777
+        assert mode == 0o666 & ~current_umask(), (name, oct(mode))
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path, monkeypatch):
+    from kvf.pipeline.workflows.weights import _weights_fingerprint
+    monkeypatch.setenv("KVF_CACHE", str(tmp_path / "cache"))
+    original, tuned = tmp_path / "original", tmp_path / "tuned"
+    for d in (original, tuned):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+    weights = os.urandom(3 << 20)
+    (original / "model.safetensors").write_bytes(weights)
+    (tuned / "model.safetensors").write_bytes(weights[:-10] + bytes(10))   # same size, same first MiB
+    assert _weights_fingerprint(original) != _weights_fingerprint(tuned)
+    assert _weights_fingerprint(original) == _weights_fingerprint(original)  # cached, stable
+
+
+# ---- signals once the JVM is loaded ---------------------------------------------------------------------
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_and_sigterm_after_the_jvm_is_up_exit_cleanly(tmp_path, sig, code, word):
+    from kvf.pipeline.data.synthetic import make_synthetic
+    make_synthetic(tmp_path / "data", n_questions=200, passages_per_question=4, seed=5)
+    proc = subprocess.Popen([sys.executable, "-m", "kvf", "build-cache", str(tmp_path / "data" / "corpus"), "-w",
+                             str(tmp_path / "ws"), "--chunk-tokens", "64"], cwd=tmp_path, env=SUB_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (tmp_path / "ws" / "bm25").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)   # the BM25 index exists: the JVM is running, the dense stage has begun
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert_one_line(proc.returncode, err, word, "re-run")
+    assert not list(tmp_path.glob("hs_err_pid*.log"))

@@ -1,0 +1,49 @@
+"""Committed numbers check themselves: results/expected.yaml agrees with the committed results
+tables, the README's numbers are generated from it, the Makefile's defaults are its conditions,
+every results file says what made it, and `make verify-smoke` reproduces committed records."""
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from kvf.scripts import readme, verify
+
+REPO = verify.REPO
+EXPECTED = verify.load_expected()
+
+
+def test_committed_tables_hold_the_expected_numbers():
+    report = []
+    for name, entry in EXPECTED.items():
+        verify.check_numbers(name, REPO / entry["table"], entry["numbers"], strict=True, report=report)
+    assert report and all(ok for ok, _ in report), [line for ok, line in report if not ok]
+
+
+def test_readme_numbers_are_generated_from_expected_yaml():
+    assert readme.current_block(), "README.md lost its results markers"
+    assert readme.current_block() == readme.render(), "README numbers are stale: run `python -m kvf.scripts.readme --write`"
+
+
+def makefile_defaults() -> dict:
+    text = (REPO / "Makefile").read_text()
+    return dict(re.findall(r"^(\w+) \?= (.*)$", text, flags=re.M))
+
+
+def test_makefile_defaults_are_the_committed_conditions():
+    defaults = makefile_defaults()
+    for name, entry in EXPECTED.items():
+        for variable, value in (entry.get("makefile") or {}).items():
+            assert defaults.get(variable) == str(value), f"{name}: Makefile {variable} ?= {defaults.get(variable)}, committed {value}"
+
+
+def test_every_results_file_says_what_made_it():
+    for name in EXPECTED:
+        text = (REPO / name).read_text()
+        assert re.search(r"Made by `[^`]+` at commit [0-9a-f]{7,}", text), f"{name} does not state its command and commit"
+
+
+@pytest.mark.skipif(not (Path(os.environ.get("KVF_DATA") or REPO.parent / "shared" / "data") / "musique").is_dir(),
+                    reason="benchmark data not available (set KVF_DATA)")
+def test_verify_smoke_reproduces_committed_records(tmp_path, capsys):
+    assert verify.main(["--smoke", "--keep", str(tmp_path)]) == 0, capsys.readouterr().out
