@@ -60,7 +60,8 @@ def bench_command(
                       "so treat single-repeat ratios as noise", style="yellow")
     df = bench(opts, console)
     label = f"{random_weights or model or 'SmolLM2-135M-Instruct'} on {device}"
-    written = write_results(df, out, label)
+    import sys
+    written = write_results(df, out, label, "kvf " + " ".join(sys.argv[1:]), repeats)
     if json_out:
         print(df.to_json(orient="records"))
     else:

@@ -36,9 +36,9 @@ def test_bench_measures_every_method_against_full(tiny_bench):
     # cacheblend, fusionrag, epic and cachecraft at two ratios, full and reuse once, at both lengths
     assert len(warm) == 2 * (2 + 4 * 2)
     for _, row in warm[warm.method == "cacheblend"].iterrows():
-        assert row.recomputed_tokens == int(row.ratio * row.chunk_tokens + 0.5)
+        assert row.recomputed_tokens == int(row.ratio * row.context_tokens + 0.5)
     assert set(df["mode"]) == {"warm", "cold"}
-    assert (df[df.method != "full"].read > 0).all()          # KVs really came from the store
+    assert (df[df.method != "full"].read_ms > 0).all()          # KVs really came from the store
     assert (~df.pipeline).any() and df.ratio_auto.any()      # no-pipeline comparison and --ratio auto ran
 
 
@@ -47,7 +47,11 @@ def test_bench_writes_tables_and_plot(tiny_bench):
     paths = write_results(df, out, "tiny on cpu")
     assert [p.name for p in paths] == ["ttft.csv", "ttft.md", "ttft_vs_context.png"]
     assert len(pd.read_csv(paths[0])) == len(df)
-    assert "Pipelined loading" in paths[1].read_text()
+    text = paths[1].read_text()
+    assert "Pipelined loading" in text and "All times in ms" in text and "(auto r=" in text
+    assert "Made by `kvf bench` at commit" in text
+    assert {"ttft_ms", "load_ms", "chunk_size", "context_tokens"} <= set(pd.read_csv(paths[0]).columns)
+    assert df.load_hidden.dropna().between(0, 1).all()
     assert paths[2].stat().st_size > 1000
 
 

@@ -273,7 +273,8 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
                     row.update(length=prompt.n_tokens, method=method.name,
                                ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
                                ratio_auto=method is run_list[-1][0] and auto is not None,
-                               chunk_tokens=prompt.n_chunk_tokens, fused_kv_bytes=fused_kv_bytes,
+                               context_tokens=prompt.n_chunk_tokens, chunk_size=opts.chunk_tokens,
+                               fused_kv_bytes=fused_kv_bytes,
                                model_bytes=model_bytes)
                     rows.append(row)
                     progress.advance(task)
@@ -281,75 +282,111 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     return add_ratios(df)
 
 
+TIME_COLUMNS = ("ttft", "load", "read", "select", "recompute")
+
+
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """TTFT / full TTFT (same length, same mode), hidden load share, memory check."""
+    """TTFT / full TTFT (same length, same mode), hidden load share, memory check, times in ms."""
     full = df[df.method == "full"].set_index(["length", "mode"]).ttft
     df["ttft_ratio"] = [row.ttft / full.get((row.length, row["mode"]), float("nan")) for _, row in df.iterrows()]
-    df["load_hidden"] = [1 - row.load / row.read if row.read > 0 else float("nan") for _, row in df.iterrows()]
+    # share of the store's read time that compute hid; clamped to [0, 1]: without pipelining the
+    # wait is the read plus a little bookkeeping, which would read as a tiny negative share
+    df["load_hidden"] = [min(1.0, max(0.0, 1 - row.load / row.read)) if row.read > 0 else float("nan")
+                         for _, row in df.iterrows()]
     df["peak_over_kv"] = df.peak_bytes / df.fused_kv_bytes
-    return df
+    for column in TIME_COLUMNS:
+        df[f"{column}_ms"] = 1000 * df[column]
+    df["label"] = [method_label(row) for _, row in df.iterrows()]
+    return df.drop(columns=list(TIME_COLUMNS))
+
+
+def method_label(row) -> str:
+    """What a row timed: the method, its ratio when it has one, and (auto) for the controller's pick."""
+    if row.ratio_auto:
+        return f"{row.method} (auto r={row.ratio:.2f})"
+    fixed = row.method in ("full", "reuse", "pcw", "ape", "cachefocus") or row.ratio != row.ratio
+    return row.method if fixed else f"{row.method}@{row.ratio:g}"
 
 
 def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
     """Per method at 0.15: load time with pipelining vs without (same length and mode)."""
     on = df[df.pipeline & (df.ratio == 0.15) & ~df.ratio_auto].set_index(["length", "mode", "method"])
     off = df[~df.pipeline].set_index(["length", "mode", "method"])
-    joined = on[["load", "read", "recompute"]].join(off[["load"]].rename(columns={"load": "load_no_pipeline"}),
-                                                    how="inner")
-    joined["hidden_fraction"] = 1 - joined.load / joined.load_no_pipeline.where(joined.load_no_pipeline > 0)
+    joined = on[["load_ms", "read_ms", "recompute_ms"]].join(
+        off[["load_ms"]].rename(columns={"load_ms": "load_no_pipeline_ms"}), how="inner")
+    hidden = 1 - joined.load_ms / joined.load_no_pipeline_ms.where(joined.load_no_pipeline_ms > 0)
+    joined["hidden_fraction"] = hidden.clip(0.0, 1.0)
     return joined.reset_index()
 
 
-def write_results(df: pd.DataFrame, out: Path, device_label: str) -> list[Path]:
+MD_COLUMNS = ["length", "mode", "label", "pipeline", "ttft_ms", "ttft_ratio", "load_ms", "read_ms", "select_ms",
+              "recompute_ms", "load_hidden", "peak_over_kv"]
+FORMATS = {"ttft_ms": "{:.1f}", "load_ms": "{:.2f}", "read_ms": "{:.2f}", "select_ms": "{:.2f}",
+           "recompute_ms": "{:.1f}", "ttft_ratio": "{:.3f}", "load_hidden": "{:.2f}", "peak_over_kv": "{:.2f}"}
+
+
+def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str = "kvf bench",
+                  repeats: int | None = None) -> list[Path]:
+    from kvf.pipeline.workflows.provenance import git_commit
     out.mkdir(parents=True, exist_ok=True)
     csv, md, png = out / "ttft.csv", out / "ttft.md", out / "ttft_vs_context.png"
     write_atomic(csv, df.to_csv(index=False))
-    cols = ["length", "mode", "method", "ratio", "pipeline", "ttft", "ttft_ratio", "load", "read", "select",
-            "recompute", "load_hidden", "peak_over_kv"]
     lines = [f"# TTFT vs full prefill ({device_label})", "",
-             "Median over repeats after a warm-up; `ttft_ratio` = method TTFT / full TTFT in the same process. "
-             "`load` = time waiting for the store, `read` = total read time, `load_hidden` = 1 - load/read. "
-             "`peak_over_kv` = peak memory above the loaded model / fused KV size.", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+             f"Made by `{command}` at commit {git_commit() or 'unknown'}"
+             + (f"; median of {repeats} timed requests per row after one warm-up" if repeats else "") + ". "
+             "All times in ms. `ttft_ratio` = method TTFT / full TTFT in the same process on the same prompt. "
+             "`load_ms` = time waiting for the store, `read_ms` = total read time, `load_hidden` = 1 - load/read "
+             "(the share of reading hidden behind compute, clamped to [0, 1]). `peak_over_kv` = peak memory above "
+             "the loaded model / fused KV size. `(auto r=...)` rows ran at the loading controller's ratio "
+             "(`kvf run --ratio auto`).", "",
+             "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     for _, row in df.iterrows():
-        lines.append("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(row[c], FORMATS.get(c)) for c in MD_COLUMNS) + " |")
     hidden = pipeline_hidden_share(df)
     if len(hidden):
         lines += ["", "## Pipelined loading (ratio 0.15)", "",
-                  "| length | mode | method | load (pipelined) | load (no pipeline) | hidden fraction |",
+                  "| length | mode | method | load ms (pipelined) | load ms (no pipeline) | hidden fraction |",
                   "|---|---|---|---|---|---|"]
         for _, r in hidden.iterrows():
-            lines.append(f"| {r.length} | {r['mode']} | {r.method} | {r.load:.4f} | {r.load_no_pipeline:.4f} | "
-                         f"{_fmt(r.hidden_fraction)} |")
+            lines.append(f"| {r.length} | {r['mode']} | {r.method} | {r.load_ms:.2f} | {r.load_no_pipeline_ms:.2f} | "
+                         f"{_fmt(r.hidden_fraction, '{:.2f}')} |")
     write_atomic(md, "\n".join(lines) + "\n")
     plot_ratio_vs_length(df, png, device_label)
     return [csv, md, png]
 
 
-def _fmt(value) -> str:
+def _fmt(value, spec: str | None = None) -> str:
     if isinstance(value, float):
-        return "-" if value != value else f"{value:.4g}"
+        if value != value:
+            return "-"
+        return spec.format(value) if spec else f"{value:.4g}"
     return str(value)
 
 
 def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> None:
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
-    warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto & (df.method != "full")]
-    fixed_ratio = set(warm[warm.method != "full"].groupby("method").ratio.nunique().loc[lambda c: c == 1].index)
-    for (method, ratio), g in warm.groupby(["method", "ratio"], dropna=False):
-        if method not in fixed_ratio and ratio != 0.15:
-            continue  # one line per method: selective ones at 0.15, the others (reuse, pcw, ...) as they are
-        label = method if method in fixed_ratio else f"{method} @ {ratio:g}"
+    warm = df[(df["mode"] == "warm") & df.pipeline]
+    full = warm[warm.method == "full"].sort_values("length")
+    ax.axhline(1.0, linestyle="--", color="black", label="full prefill")
+    fixed = warm[~warm.ratio_auto & warm.label.isin(["reuse", "pcw", "ape", "cachefocus"])]
+    selective = warm[~warm.ratio_auto & (warm.ratio == 0.15)]
+    markers = iter(["s", "D", "^", "v", "P", "X"])
+    for label, g in fixed.groupby("label"):
+        g = g.sort_values("length")
+        ax.plot(g.length, g.ttft_ratio, marker=next(markers, "o"), linestyle=":", label=label)
+    for label, g in selective.groupby("label"):
         g = g.sort_values("length")
         ax.plot(g.length, g.ttft_ratio, marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT / full prefill TTFT")
-    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})")
+    absolute = ", ".join(f"{int(r.length)}: {r.ttft_ms / 1000:.2f} s" for _, r in full.iterrows())
+    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\nfull prefill TTFT: {absolute}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=130, format="png")
@@ -357,10 +394,9 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
 
 def summary_table(df: pd.DataFrame, title: str) -> Table:
     table = Table(title=title)
-    for col in ("tokens", "mode", "method", "ratio", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV"):
+    for col in ("tokens", "mode", "method", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV"):
         table.add_column(col, justify="right")
     for _, r in df[df.pipeline].iterrows():
-        table.add_row(str(r.length), r["mode"], r.method + (" (auto)" if r.ratio_auto else ""), _fmt(r.ratio),
-                      f"{1000 * r.ttft:.0f}", f"{r.ttft_ratio:.3f}", f"{1000 * r.load:.1f}", f"{1000 * r.read:.1f}",
-                      _fmt(r.load_hidden), f"{r.peak_over_kv:.2f}")
+        table.add_row(str(r.length), r["mode"], r.label, f"{r.ttft_ms:.1f}", f"{r.ttft_ratio:.3f}",
+                      f"{r.load_ms:.2f}", f"{r.read_ms:.2f}", _fmt(r.load_hidden, "{:.2f}"), f"{r.peak_over_kv:.2f}")
     return table

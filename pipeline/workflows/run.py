@@ -167,13 +167,16 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
 
 
 # ---- choosing chunks -----------------------------------------------------------------------------
-def resolve_setting(setting: str, questions: list[Question]) -> tuple[str, str]:
-    """(setting, why): auto picks per-question when questions bring several passages, else shared."""
+def resolve_setting(setting: str, questions: list[Question], own_questions: bool = False) -> tuple[str, str]:
+    """(setting, why): auto picks per-question when questions bring several passages (or, in your own
+    --questions file, name any), else shared retrieval."""
     if setting != "auto":
         return setting, "as asked (--setting)"
     most = max(len(q.context_ids) for q in questions)
     if most == 0:
         return "shared", "the questions name no passages"
+    if own_questions:
+        return "per-question", "the questions name their passages"
     if most == 1:  # one passage per question (NQ-open oracle) only makes sense pooled into a shared corpus
         return "shared", "each question names at most one passage"
     return "per-question", f"questions name up to {most} passages"
@@ -321,7 +324,7 @@ def run(opts: RunOptions, console: Console) -> Path:
     check_device(opts.device)
     questions, name = load_questions(opts)
     planned = plan_methods(opts)
-    setting, why = resolve_setting(opts.setting, questions)
+    setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
     with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True)) as run_file:
         if opts.overwrite:

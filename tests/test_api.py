@@ -1,0 +1,67 @@
+"""The README's paths for a researcher's own material: the Python API (kvf.open_workspace, kvf.evaluate),
+and `kvf run -w WS -q my_questions.jsonl` on documents built with `kvf build-cache my_docs/`."""
+import json
+import sys
+
+import pytest
+
+import kvf
+from kvf.cli.main import main
+from kvf.pipeline.fusion.engine import recompute_budget
+
+
+def cli(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_open_workspace_answers_by_fusing_stored_chunks(built):
+    ws = kvf.open_workspace(built / "ws")
+    docs = json.loads((built / "ws" / "doc_chunks.json").read_text())
+    first_doc = next(iter(docs))
+    answer = ws.answer("Where was the subject born?", method="cacheblend", ratio=0.15, documents=[first_doc],
+                       max_new_tokens=4)
+    assert answer.text and answer.chunk_ids == docs[first_doc]
+    assert answer.recomputed_tokens == recompute_budget(0.15, answer.chunk_tokens)
+    assert answer.timings["first_token"] > 0 and answer.settings["check_layer"] == 1
+    hits = ws.search("capital province", top_k=2)
+    assert len(hits) == 2
+    retrieved = ws.answer("capital province", method="reuse", top_k=2, max_new_tokens=2)
+    assert retrieved.chunk_ids == [cid for cid, _ in hits] and retrieved.recomputed_tokens == 0
+    with pytest.raises(kvf.KvfError, match="not in workspace"):
+        ws.answer("q", documents=["no-such-doc"])
+
+
+def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):
+    docs = tmp_path / "my_docs"
+    docs.mkdir()
+    for i, text in enumerate(short_docs):
+        (docs / f"doc{i}.txt").write_text(text)
+    code, _, err = cli(["build-cache", docs, "-w", tmp_path / "workspace", "--chunk-tokens", "64"], capsys, monkeypatch)
+    assert code == 0, err
+    questions = tmp_path / "my_questions.jsonl"
+    questions.write_text(json.dumps({"question": "Which province is Quillmarsh the capital of?", "answers": ["Drelvan"]})
+                         + "\n" + json.dumps({"question": "Where do wild goats live?"}) + "\n")
+    out = tmp_path / "runs" / "mine.jsonl"
+    code, stdout, err = cli(["run", "-w", tmp_path / "workspace", "-q", questions, "-m", "full,cacheblend", "-r", "0.15",
+                             "-k", "2", "--max-new-tokens", "6", "-o", out], capsys, monkeypatch)
+    assert code == 0, err
+    assert stdout.startswith("setting: shared (the questions name no passages), bm25 top-2")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4 and {r["method"] for r in records} == {"full", "cacheblend"}
+    assert records[0]["gold"] == ["Drelvan"] and any(r["gold"] == [] for r in records)   # answers are optional
+    assert "kvf run: 4 answers" in stdout                                                # the answers table
+    summary = kvf.evaluate([out])
+    assert set(summary.method) == {"full", "cacheblend"}
+    code, _, err = cli(["compare", out, out, "--method", "full"], capsys, monkeypatch)
+    assert code == 0, err
+    own = tmp_path / "own_passages.jsonl"   # questions that name their documents are answered from them
+    own.write_text(json.dumps({"question": "Where do wild goats live?", "passages": ["doc2.txt"]}) + "\n")
+    code, stdout, err = cli(["run", "-w", tmp_path / "workspace", "-q", own, "-m", "reuse", "--max-new-tokens", "4",
+                             "-o", tmp_path / "own.jsonl"], capsys, monkeypatch)
+    assert code == 0 and stdout.startswith("setting: per-question (the questions name their passages)"), err
+    record = json.loads((tmp_path / "own.jsonl").read_text())
+    assert record["chunk_ids"] == json.loads((tmp_path / "workspace" / "doc_chunks.json").read_text())["doc2.txt"]
