@@ -178,9 +178,13 @@ class FsspecFS:
         return int(self.fs.size(path)) if self.fs.exists(path) else 0
 
     def mtime(self, path: str) -> float | None:
+        """A file's modification time; for a "directory" (a prefix), its newest file's."""
         try:
+            if self.fs.isdir(path):
+                times = [self.fs.modified(p).timestamp() for p in self.fs.find(path)]
+                return max(times) if times else None
             return self.fs.modified(path).timestamp()
-        except (FileNotFoundError, NotImplementedError, OSError, AttributeError):
+        except (FileNotFoundError, NotImplementedError, OSError, AttributeError, ValueError):
             return None
 
     def remove(self, path: str) -> None:

@@ -1,6 +1,7 @@
 """open_store: find or create a store at a path or URL, and check it is the store the caller means."""
 import json
 import os
+from contextlib import contextmanager
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -30,6 +31,11 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
     if format not in (None, *FORMATS):
         raise KvfError(f"unknown store format {format!r} for {path}; use --format zarr or --format hdf5")
     fs, root = _resolve(path)
+    with remote_errors(fs, path):
+        return _open(fs, root, path, format, meta, create, readonly, compressor)
+
+
+def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) -> KVStore:
     found = _detect(fs, root, path)
     if found is None:
         if not create:
@@ -37,6 +43,9 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
         if readonly:
             raise KvfError(f"no kvf store at {path} and it was opened read-only, so it cannot be created")
         found = format or "zarr"
+        if not fs.local and not fs.exists(root.split("/")[0]):  # s3fs would create a mistyped bucket
+            raise KvfError(f"--store {path}: the bucket does not exist; create it first (e.g. `aws s3 mb "
+                           f"s3://{root.split('/')[0]}`) or pass another --store")
         _create(FORMATS[found], fs, root, path, meta or {}, compressor)
     elif format is not None and format != found:
         raise KvfError(f"store {path} is a {found} store, not {format}; pass --format {found} or leave --format out")
@@ -52,6 +61,33 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
         return cls(fs, root, path, identity, readonly, compressor)
     except ValueError as e:  # bad compressor name / dtype
         raise KvfError(f"store {path}: {e}") from e
+
+
+@contextmanager
+def remote_errors(fs, path: str):
+    """An object store's failures (no endpoint, no bucket, no access) as one line naming the fix."""
+    if fs.local:
+        yield
+        return
+    try:
+        yield
+    except KvfError:
+        raise
+    except Exception as e:  # botocore, aiohttp and s3fs raise many types; classify by what they say
+        text = f"{type(e).__name__}: {e}"
+        first = text.splitlines()[0][:160]
+        if "NoSuchBucket" in text or ("bucket" in text.lower() and isinstance(e, FileNotFoundError)):
+            raise KvfError(f"--store {path}: the bucket does not exist ({first}); create it first "
+                           "(e.g. `aws s3 mb s3://BUCKET`) or pass another --store") from None
+        if isinstance(e, PermissionError) or any(w in text for w in ("AccessDenied", "InvalidAccessKeyId",
+                                                                     "SignatureDoesNotMatch", "InvalidClientTokenId",
+                                                                     "NoCredentials", "Forbidden")):
+            raise KvfError(f"--store {path}: access denied ({first}); check AWS_ACCESS_KEY_ID / "
+                           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+        if any(w in text for w in ("Connect", "connect", "Endpoint", "Timeout", "refused")) or isinstance(e, OSError):
+            raise KvfError(f"--store {path}: cannot reach the object store ({first}); check --s3-endpoint "
+                           "(or AWS_ENDPOINT_URL) and that the server is up") from None
+        raise
 
 
 def check_meta(path: str, stored: dict, wanted: dict) -> None:
@@ -89,6 +125,8 @@ def _detect(fs, root: str, path: str) -> str | None:
         try:
             identity = cls.read_identity(fs, root)
         except (ValueError, OSError) as e:
+            if not fs.local and not isinstance(e, ValueError):
+                raise  # an object store's own failure (access, endpoint): remote_errors says which
             raise KvfError(f"store {path}: cannot read {cls.MARKER} ({e}); is this a kvf store?") from e
         if identity == {}:
             raise KvfError(f"{path} holds a {cls.MARKER} that is not a kvf store's; use another --store path")

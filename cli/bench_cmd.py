@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, with_method_knobs
+from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
 
 console = Console(width=max(Console().width, 120))
 
@@ -40,6 +40,8 @@ def bench_command(
     dtype: DtypeOption = None,
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON (one object per row) instead of a table."),
     out: Path = typer.Option(Path("results"), "--out", "-o", help="Directory for ttft.csv, ttft.md and ttft_vs_context.png."),
+    store: Optional[str] = typer.Option(None, "--store", help="Where the benchmark's store goes: a path or URL (s3://bucket/prefix) [default: a temp dir]."),
+    s3_endpoint: S3EndpointOption = None,
     **knobs,
 ):
     """Median TTFT, its breakdown, peak memory and the ratio to full prefill, warm and cold store."""
@@ -48,13 +50,14 @@ def bench_command(
     from kvf.pipeline.workflows.devices import check_device
     from kvf.pipeline.workflows.run import parse_methods, parse_ratios
     check_device(device)
+    use_s3_endpoint(s3_endpoint)
     methods = parse_methods(method) if method else ["all"]
     check_knobs_used(parse_methods(method) if method else parse_methods("all"), knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,
                         ratios=parse_ratios(ratio), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
                         compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,
                         model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
-                        knobs=knobs)
+                        knobs=knobs, store_url=store)
     if repeats == 1:
         console.print("warning: --repeats 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
                       "so treat single-repeat ratios as noise", style="yellow")

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, ModelOption
+from kvf.cli.options import DeviceOption, ModelOption, S3EndpointOption, use_s3_endpoint
 
 console = Console(stderr=True)
 
@@ -30,11 +30,13 @@ def build_cache_command(
     dense: bool = typer.Option(True, "--dense/--no-dense", help="Build the dense index (always built when --variant has fusion)."),
     rebuild: Optional[str] = typer.Option(None, "--rebuild", help="Rebuild these stages even if they look current: bm25, dense, neighbours (a damaged index)."),
     device: DeviceOption = "cpu",
+    s3_endpoint: S3EndpointOption = None,
 ):
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device)  # before any work: a bad device must not leave a half-built workspace
+    use_s3_endpoint(s3_endpoint)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()),

@@ -11,6 +11,17 @@ import typer
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", help="Local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, or cuda (cuda:N) with a CUDA build of torch.")]
+S3EndpointOption = Annotated[Optional[str], typer.Option(
+    "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
+
+
+def use_s3_endpoint(endpoint: str | None) -> None:
+    """--s3-endpoint: the standard variable botocore (and so s3fs, and Ray workers) read."""
+    import os
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", help="Compute dtype: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].")]
 

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, with_method_knobs
+from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
 
 console = Console(stderr=True)
 
@@ -38,11 +38,14 @@ def run_command(
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once untimed first, so TTFT leaves out one-time set-up."),
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
+    store: Optional[str] = typer.Option(None, "--store", help="KV store path or URL (s3://bucket/prefix) [default: the workspace's]."),
+    s3_endpoint: S3EndpointOption = None,
     **knobs,
 ):
     """Answer every question with each method and ratio; one JSON line per question, method and ratio."""
     from kvf.errors import KvfError
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
+    use_s3_endpoint(s3_endpoint)
     auto = ratio.strip() == "auto"
     if auto:
         ratios = [quality_floor]
@@ -55,7 +58,8 @@ def run_command(
                       retriever=retriever, compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
                       auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite,
-                      qids=[q.strip() for q in qid.split(",") if q.strip()] if qid else None, warmup=warmup)
+                      qids=[q.strip() for q in qid.split(",") if q.strip()] if qid else None, warmup=warmup,
+                      store=store)
     path = run(opts, console)
     if show_answers:
         from kvf.cli.tables import answers_table

@@ -18,6 +18,7 @@ console = Console()
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
 WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", "-w", help="Use this workspace's store.")]
 FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 [default: detect].")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
 def _size(n: float | None) -> str:
@@ -29,8 +30,10 @@ def _size(n: float | None) -> str:
         n /= 1024
 
 
-def resolve_store(store: str | None, workspace: Path | None) -> str:
+def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None) -> str:
     """--store, or the store named by --workspace's manifest (one of them)."""
+    from kvf.cli.options import use_s3_endpoint
+    use_s3_endpoint(endpoint)
     if (store is None) == (workspace is None):
         raise KvfError("pass --store PATH (or URL) or --workspace DIR, one of them")
     if store is not None:
@@ -41,9 +44,10 @@ def resolve_store(store: str | None, workspace: Path | None) -> str:
 
 @store_app.command()
 def info(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
-         json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False):
+         json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False,
+         s3_endpoint: EndpointOpt = None):
     """Entries, tokens, bytes on disk and per token, variants, and the store's identity."""
-    location = resolve_store(store, workspace)
+    location = resolve_store(store, workspace, s3_endpoint)
     i = open_store(location, format, readonly=True).info()
     if json_out:
         print(json.dumps(i, default=str))
@@ -67,9 +71,10 @@ def info(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatO
 
 @store_app.command()
 def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
-           delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete bad entries so a rebuild recomputes them.")] = False):
+           delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete bad entries so a rebuild recomputes them.")] = False,
+           s3_endpoint: EndpointOpt = None):
     """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
-    location = resolve_store(store, workspace)
+    location = resolve_store(store, workspace, s3_endpoint)
     s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
     bad = s.verify()
@@ -89,8 +94,9 @@ def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: Forma
 def gc(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
        keep: Annotated[Optional[Path], typer.Option("--keep", help="File of store keys to keep, one per line: every other entry goes.")] = None,
        keep_workspace: Annotated[Optional[Path], typer.Option("--keep-workspace", help="Keep every entry this workspace's chunks and variants use; every other entry goes.")] = None,
-       yes: Annotated[bool, typer.Option("--yes", help="Delete for real; without it gc only says what it would delete.")] = False):
+       yes: Annotated[bool, typer.Option("--yes", help="Delete for real; without it gc only says what it would delete.")] = False,
+       s3_endpoint: EndpointOpt = None):
     """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
     from kvf.pipeline.workflows.gc import collect
-    location = resolve_store(store, workspace)
+    location = resolve_store(store, workspace, s3_endpoint)
     collect(location, format, keep, keep_workspace, yes, console)

@@ -153,7 +153,7 @@ def test_build_writes_chunks_indexes_store_and_summary(built):
     assert stages["kv prefix"].seconds > 0
     # the manifest names the store by absolute path, so `kvf run` finds it from any directory
     manifest = ws.manifest()
-    assert manifest["store"] == str((ws.root / "kv.zarr").resolve())
+    assert manifest["store"] == "kv.zarr"  # relative to the workspace, so a moved workspace keeps its store
     neighbours = json.loads(ws.neighbours_path.read_text())
     assert set(neighbours) == {c.chunk_id for c in chunks}
     assert all(len(n) == 2 and cid not in n for cid, n in neighbours.items())
@@ -466,8 +466,8 @@ def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_doc
     result = kvf_cli("build-cache", "corpus", "--workspace", "ws", "--chunk-tokens", CHUNK_TOKENS, "--neighbours", 2,
                      "--variant", "prefix,fusion", "--extras-for", "cachecraft", "--no-bm25", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    # relative --workspace: the manifest still names the store absolutely, for `kvf run` from elsewhere
-    assert json.loads((ws / "manifest.json").read_text())["store"] == str(ws / "kv.zarr")
+    # the store inside the workspace is named relative to it: a moved workspace keeps using it
+    assert json.loads((ws / "manifest.json").read_text())["store"] == "kv.zarr"
     assert "Traceback" not in result.stderr
     for text in ("kv prefix", "kv fusion", "dense index", "tokens/s", "items/s", "entries written"):
         assert text in result.stderr, text

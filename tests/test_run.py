@@ -84,7 +84,7 @@ def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, t
     made_by_run = json.loads((ws / "manifest.json").read_text())
     made_by_build = json.loads((built / "ws" / "manifest.json").read_text())
     assert set(made_by_run) == set(made_by_build)
-    assert made_by_run["format"] == "zarr" and made_by_run["store"] == str((ws / "kv.zarr").resolve())
+    assert made_by_run["format"] == "zarr" and made_by_run["store"] == "kv.zarr"  # relative: the workspace can move
     assert made_by_run["tokenizer_fingerprint"] == made_by_build["tokenizer_fingerprint"]
     assert made_by_run["variants"] == [] and made_by_run["chunk_tokens"] == 64
 

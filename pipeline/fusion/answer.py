@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.model.decode import greedy_decode
+from kvf.pipeline.model.decode import Pending, greedy_decode, greedy_decode_batch
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -23,6 +23,7 @@ class Answer:
     prompt: FusedPrompt
     fused: FusionResult
     timings: dict          # load, select, recompute, first_token, decode (seconds)
+    decoded_with: int = 1  # answers decoded in the same batch (decode seconds are the batch's, shared)
 
     def record(self) -> dict:
         return {"answer": self.text, "prompt_tokens": self.prompt.n_tokens,
@@ -46,11 +47,37 @@ class Answerer:
     @torch.inference_mode()
     def answer(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,
                max_new_tokens: int = 32, stop_strings: tuple[str, ...] = ()) -> Answer:
+        """One request: the fused prefill (TTFT), then greedy decoding."""
+        fused, timings = self.prefill(prompt, method, source, max_new_tokens)
+        generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
+                                   max_new_tokens, stop_strings, fused.calibration)
+        return Answer(generation.text, prompt, fused, dict(timings, decode=generation.decode_seconds))
+
+    @torch.inference_mode()
+    def prefill(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,
+                max_new_tokens: int = 32) -> tuple[FusionResult, dict]:
+        """The timed part of a request: load + fuse + first token. -> (result, timings incl. first_token)."""
         started = time.perf_counter()
         fused = method.prefill(self.engine, prompt, source, max_new_tokens)
         int(torch.argmax(fused.logits))  # TTFT ends when the first token exists (on CUDA this also syncs)
-        ttft = time.perf_counter() - started
-        generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
-                                   max_new_tokens, stop_strings, fused.calibration)
-        timings = dict(fused.timings, first_token=ttft, decode=generation.decode_seconds)
-        return Answer(generation.text, prompt, fused, timings)
+        return fused, dict(fused.timings, first_token=time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def decode_many(self, prompt: FusedPrompt, prefilled: list[tuple[FusionResult, dict]], max_new_tokens: int = 32,
+                    stop_strings: tuple[str, ...] = ()) -> list[Answer]:
+        """Decode several prefilled answers of one prompt together (greedy_decode_batch); answers whose
+        decoding needs its own attention (a calibration) are decoded alone."""
+        batched = [i for i, (f, _) in enumerate(prefilled) if f.calibration is None and not self.transformer.sliding_window]
+        generations = dict(zip(batched, greedy_decode_batch(
+            self.transformer, self.tokenizer, [Pending(prefilled[i][0].logits, prefilled[i][0].cache,
+                                                       prefilled[i][0].next_position) for i in batched],
+            max_new_tokens, stop_strings))) if batched else {}
+        answers = []
+        for i, (fused, timings) in enumerate(prefilled):
+            generation = generations.get(i) or greedy_decode(
+                self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position, max_new_tokens,
+                stop_strings, fused.calibration)
+            answer = Answer(generation.text, prompt, fused, dict(timings, decode=generation.decode_seconds))
+            answer.decoded_with = len(batched) if i in generations else 1
+            answers.append(answer)
+        return answers

@@ -67,6 +67,7 @@ class BenchOptions:
     dtype_compute: str | None = None  # compute dtype (default float32 on cpu, bfloat16 on cuda)
     out: Path = Path("results")
     workdir: Path | None = None
+    store_url: str | None = None      # where the benchmark stores go (a path or URL; default: workdir)
 
 
 # ---- model and prompts --------------------------------------------------------------------------
@@ -244,7 +245,8 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
         task = progress.add_task("benchmarking", total=n_runs)
         for length in opts.lengths:
             prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
-            store = open_store(str(workdir / f"store-{length}.zarr"), "zarr", create=True,
+            location = f"{opts.store_url.rstrip('/')}/store-{length}.zarr" if opts.store_url else str(workdir / f"store-{length}.zarr")
+            store = open_store(location, "zarr", create=True,
                                meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
                                      "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
             keys = store_chunk_kvs(engine, prompt, store, methods)

@@ -28,7 +28,7 @@ from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, st
                                           write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device
 from kvf.pipeline.workflows.provenance import provenance
-from kvf.pipeline.workflows.session import Fused, Session, workspace_path
+from kvf.pipeline.workflows.session import Session, workspace_path
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import Workspace
 
@@ -351,10 +351,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_resumable(existing, {(p.method.name, opts.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
-        token_layer_seconds = measure_token_layer_seconds(session.answerer.transformer) if opts.auto_ratio else None
-        full_method = get_method("full")
-        prov = provenance(opts.device)
-        warmed: set[str] = set() if opts.warmup else {p.method.name for p in planned} | {"full"}
+        runner = QuestionRunner(opts, session, picker, planned, settings_of, name)
         stats = MethodStats()
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
@@ -366,48 +363,99 @@ def run(opts: RunOptions, console: Console) -> Path:
                 progress.advance(task, len(planned) - len(todo))
                 if not todo:
                     continue
-                chunk_ids = picker.chunk_ids(q)
-                chunks = session.chunks(chunk_ids, opts.retriever)
-                prompt = session.prompt(chunks, q.question)
-                keys = {v: session.entries(v, chunks,
-                                           on_missing=lambda n, v=v: progress.update(
-                                               offline, description=f"offline KVs ({v})", total=n, completed=0, visible=True),
-                                           on_done=lambda: progress.advance(offline))
-                        for v in {p.variant for p in todo if p.method.uses_store}}
-                progress.update(offline, visible=False)
-                full = None
-                if opts.compare_full:
-                    if "full" not in warmed:
-                        session.warm_up(prompt, full_method, None)
-                        warmed.add("full")
-                    full = session.answer(prompt, full_method, None, opts.max_new_tokens).answer
-                for p in todo:
-                    method, variant_keys = p.method, keys.get(p.variant)
-                    if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
-                        method = with_auto_ratio(method, session.store, variant_keys or [], prompt, token_layer_seconds, opts)
-                    if not method.uses_store and full is not None:
-                        fused = Fused(full, None)  # --compare-full has just timed this very prefill: do not run it twice
-                    else:
-                        if method.name not in warmed:
-                            session.warm_up(prompt, method, variant_keys)
-                            warmed.add(method.name)
-                        fused = session.answer(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline)
-                    ans = fused.answer
-                    settings = {**settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
-                    rec = {"qid": q.qid, "dataset": f"{name}/{q.task}" if q.task else name, "method": method.name,
-                           "label": opts.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
-                           "gold": q.answers, "gold_mode": q.gold_mode, "provenance": prov, **ans.record()}
-                    if fused.read_seconds is not None:
-                        rec["timings"]["read"] = round(fused.read_seconds, 6)
-                    if full is not None:
-                        rec.update(full_answer=full.text, kl_full=kl_divergence(full.fused.logits, ans.fused.logits),
-                                   top1_agree_full=bool(torch.argmax(full.fused.logits) == torch.argmax(ans.fused.logits)))
+                on_missing = lambda n, v: progress.update(offline, description=f"offline KVs ({v})", total=n,  # noqa: E731
+                                                          completed=0, visible=True)
+                for rec in runner.records(q, todo, on_missing, lambda: progress.advance(offline)):
+                    progress.update(offline, visible=False)
                     run_file.append(parse_record(rec, "kvf run (internal)"))
-                    stats.add(method_label(method), ans.timings["first_token"])
+                    stats.add(method_label_of(rec), rec["timings"]["first_token"])
                     progress.update(task, advance=1, stats=stats.line())
     if stats.ttft:
         console.print(stats.line(width=400))
     return opts.out
+
+
+DECODE_BATCH = 8  # answers of one question decoded together (greedy_decode_batch); caches held at once
+
+
+class QuestionRunner:
+    """Answers one question with every planned method: its chunks' entries once, the full prefill once
+    (shared by `full` and --compare-full), each method's timed prefill, then the answers decoded
+    together in batches. What a record shares with others is listed in its `shared` field."""
+
+    def __init__(self, opts: RunOptions, session: Session, picker: ChunkPicker, planned: list[Planned],
+                 settings_of: dict, name: str):
+        self.opts, self.session, self.picker, self.planned = opts, session, picker, planned
+        self.settings_of, self.name = settings_of, name
+        self.prov = provenance(opts.device)
+        self.full_method = get_method("full")
+        self.warmed: set[str] = set() if opts.warmup else {p.method.name for p in planned} | {"full"}
+        self.token_layer_seconds = (measure_token_layer_seconds(session.answerer.transformer)
+                                    if opts.auto_ratio else None)
+
+    def warm(self, prompt, method: FusionMethod, keys) -> None:
+        if method.name not in self.warmed:  # one untimed call per method: kernel set-up stays out of TTFT
+            self.session.warm_up(prompt, method, keys)
+            self.warmed.add(method.name)
+
+    def records(self, q: Question, todo: list[Planned], on_missing=None, on_done=None):
+        """Yield one run record (a dict) per planned method of `todo`, for question q."""
+        opts, session = self.opts, self.session
+        chunk_ids = self.picker.chunk_ids(q)
+        chunks = session.chunks(chunk_ids, opts.retriever)
+        prompt = session.prompt(chunks, q.question)
+        keys = {v: session.entries(v, chunks, on_missing=(lambda n, v=v: on_missing(n, v)) if on_missing else None,
+                                   on_done=on_done)
+                for v in {p.variant for p in todo if p.method.uses_store}}
+        needs_full = opts.compare_full or any(not p.method.uses_store for p in todo)
+        full = None
+        if needs_full:
+            self.warm(prompt, self.full_method, None)
+            full = session.prefill(prompt, self.full_method, None, opts.max_new_tokens)
+        jobs = []  # (planned, method, (fused, timings))
+        for p in todo:
+            method, variant_keys = p.method, keys.get(p.variant)
+            if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
+                method = with_auto_ratio(method, session.store, variant_keys or [], prompt, self.token_layer_seconds, opts)
+            if not method.uses_store:
+                jobs.append((p, method, full))  # the full prefill timed above: not run twice
+                continue
+            self.warm(prompt, method, variant_keys)
+            jobs.append((p, method, session.prefill(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline)))
+        to_decode = ([full] if full else []) + [pre for _, _, pre in jobs if pre is not full]
+        answer_of = {id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}
+        full_answer = answer_of[id(full)] if full else None
+        for p, method, prefilled in jobs:
+            ans = answer_of[id(prefilled)]
+            settings = {**self.settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
+            rec = {"qid": q.qid, "dataset": f"{self.name}/{q.task}" if q.task else self.name, "method": method.name,
+                   "label": opts.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
+                   "gold": q.answers, "gold_mode": q.gold_mode, "provenance": self.prov, **ans.record()}
+            shared = []
+            if prefilled is full and opts.compare_full:
+                shared.append("prefill:full")
+            if ans.decoded_with > 1:
+                shared.append(f"decode-batch:{ans.decoded_with}")
+            rec["shared"] = shared
+            if "read" in prefilled[1]:
+                rec["timings"]["read"] = round(prefilled[1]["read"], 6)
+            if full_answer is not None and opts.compare_full:
+                rec.update(full_answer=full_answer.text,
+                           kl_full=kl_divergence(full_answer.fused.logits, ans.fused.logits),
+                           top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)))
+            yield rec
+
+    def decode(self, prompt, prefilled: list) -> list:
+        """Decode prefilled answers in batches of DECODE_BATCH; returns answers in the same order."""
+        answers = []
+        for start in range(0, len(prefilled), DECODE_BATCH):
+            answers += self.session.answerer.decode_many(prompt, prefilled[start: start + DECODE_BATCH],
+                                                         self.opts.max_new_tokens)
+        return answers
+
+
+def method_label_of(rec: dict) -> str:
+    return f"{rec['method']}@{rec['settings']['ratio']:g}"
 
 
 def method_label(method: FusionMethod) -> str:

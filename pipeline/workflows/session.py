@@ -104,6 +104,20 @@ class Session:
                 source.close()
         return Fused(answer, source.read_seconds if source is not None else None)
 
+    @torch.inference_mode()
+    def prefill(self, prompt: FusedPrompt, method: FusionMethod, keys: list[str] | None, max_new_tokens: int,
+                pipeline: bool = True) -> tuple:
+        """The timed part of one request -> (FusionResult, timings with first_token and read)."""
+        source = self.source(method, keys, pipeline)
+        try:
+            fused, timings = self.answerer.prefill(prompt, method, source, max_new_tokens)
+        finally:
+            if source is not None:
+                source.close()
+        if source is not None:
+            timings["read"] = source.read_seconds
+        return fused, timings
+
     def warm_up(self, prompt: FusedPrompt, method: FusionMethod, keys: list[str] | None) -> None:
         """One untimed call: one-time kernel set-up stays out of the timed requests."""
         source = self.source(method, keys)
