@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, ModelOption, S3EndpointOption, use_s3_endpoint
+from kvf.cli.options import (DeviceOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption, WorkersOption,
+                             check_ray_flags, use_s3_endpoint)
 
 console = Console(stderr=True)
 
@@ -31,17 +32,23 @@ def build_cache_command(
     rebuild: Optional[str] = typer.Option(None, "--rebuild", help="Rebuild these stages even if they look current: bm25, dense, neighbours (a damaged index)."),
     device: DeviceOption = "cpu",
     s3_endpoint: S3EndpointOption = None,
+    ray: RayOption = None,
+    workers: WorkersOption = None,
+    threads: ThreadsOption = 1,
+    batch: int = typer.Option(16, "--batch", min=1, help="Chunks per Ray task.", rich_help_panel="Scale-out"),
 ):
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device)  # before any work: a bad device must not leave a half-built workspace
     use_s3_endpoint(s3_endpoint)
+    check_ray_flags(ray, workers)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()),
                         n_neighbours=neighbours, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
-                        device=device, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()))
+                        device=device, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),
+                        ray=ray, workers=workers, threads=threads, batch=batch)
     summary = build_cache(opts, console)
     console.print(summary_table(summary))

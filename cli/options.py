@@ -22,6 +22,22 @@ def use_s3_endpoint(endpoint: str | None) -> None:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
+RayOption = Annotated[Optional[str], typer.Option(
+    "--ray", help="Spread the work over Ray actors: local (start Ray on this machine) or a cluster address "
+                  "(auto, ray://HEAD:10001). Needs pip install 'kvf[ray]'.", rich_help_panel="Scale-out")]
+WorkersOption = Annotated[Optional[int], typer.Option(
+    "--workers", min=1, help="Ray actors, each with its own model [default: one per CPU, or per GPU with --device cuda].",
+    rich_help_panel="Scale-out")]
+ThreadsOption = Annotated[int, typer.Option(
+    "--threads", min=1, help="torch threads per Ray actor.", rich_help_panel="Scale-out")]
+
+
+def check_ray_flags(ray: str | None, workers: int | None) -> None:
+    from kvf.errors import KvfError
+    if workers is not None and ray is None:
+        raise KvfError("--workers needs --ray (e.g. --ray local --workers 2)")
+
+
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", help="Compute dtype: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].")]
 

@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
+from kvf.cli.options import (DeviceOption, DtypeOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption,
+                             WorkersOption, check_ray_flags, use_s3_endpoint, with_method_knobs)
 
 console = Console(stderr=True)
 
@@ -40,12 +41,16 @@ def run_command(
     dtype: DtypeOption = None,
     store: Optional[str] = typer.Option(None, "--store", help="KV store path or URL (s3://bucket/prefix) [default: the workspace's]."),
     s3_endpoint: S3EndpointOption = None,
+    ray: RayOption = None,
+    workers: WorkersOption = None,
+    threads: ThreadsOption = 1,
     **knobs,
 ):
     """Answer every question with each method and ratio; one JSON line per question, method and ratio."""
     from kvf.errors import KvfError
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
     use_s3_endpoint(s3_endpoint)
+    check_ray_flags(ray, workers)
     auto = ratio.strip() == "auto"
     if auto:
         ratios = [quality_floor]
@@ -59,7 +64,7 @@ def run_command(
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
                       auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite,
                       qids=[q.strip() for q in qid.split(",") if q.strip()] if qid else None, warmup=warmup,
-                      store=store)
+                      store=store, ray=ray, workers=workers, threads=threads)
     path = run(opts, console)
     if show_answers:
         from kvf.cli.tables import answers_table

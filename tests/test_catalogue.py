@@ -92,6 +92,13 @@ CASES = {
     "bench --device cuda": (lambda d, t: ["bench", "--device", "cuda"], ["--device cuda"]),
     "build-cache --device cuda": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--device", "cuda"], ["--device cuda"]),
     "build-cache --rebuild nope": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--rebuild", "nope"], ["--rebuild nope"]),
+    "run --workers without --ray": (lambda d, t: run_args(d, t / "o.jsonl", "--workers", "2"), ["--workers", "--ray"]),
+    "run --ray malformed": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "nonsense"), ["--ray nonsense", "HOST:PORT"]),
+    "run --ray unreachable": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "127.0.0.1:1"), ["--ray 127.0.0.1:1", "cannot reach"]),
+    "build-cache --ray unreachable": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "127.0.0.1:1"],
+                                      ["--ray 127.0.0.1:1", "cannot reach"]),
+    "build-cache --workers 0": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "local", "--workers", "0"],
+                                ["--workers"]),
     "store needs one of": (lambda d, t: ["store", "info"], ["--store", "--workspace"]),
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),

@@ -49,6 +49,10 @@ class BuildOptions:
     dense: bool = True
     device: str = "cpu"
     rebuild: tuple[str, ...] = ()        # stages to rebuild whatever the manifest says (a damaged index)
+    ray: str | None = None               # Ray address for the KV stage ("local": start one here); None: this process
+    workers: int | None = None           # Ray actors (default: one per CPU, or per GPU with --device cuda)
+    threads: int = 1                     # torch threads per Ray actor
+    batch: int = 16                      # chunks per Ray task
 
 
 @dataclass
@@ -317,6 +321,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     validate_chunking(opts.chunk_tokens, opts.overlap)
+    if opts.ray is not None:
+        from kvf.pipeline.workflows.distributed import check_ray_address
+        check_ray_address(opts.ray)
+    if opts.batch < 1 or opts.threads < 1:
+        raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
     for stage_name in opts.rebuild:
         if stage_name not in REBUILDABLE:
             raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")
@@ -339,7 +348,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for)
     with store.shared_lock():  # gc refuses while a build writes
-        summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+        if opts.ray is not None:
+            from kvf.pipeline.workflows.distributed import build_kv_with_ray
+            summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary)
+        else:
+            summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
     write_workspace_manifest(ws, opts, model_ref, store, index_state,
                              variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
                              extras_for=extras_for)

@@ -26,9 +26,9 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used
 from kvf.pipeline.records import RunFile, RunRecord, parse_record
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
                                           write_workspace_manifest)
-from kvf.pipeline.workflows.devices import check_device
+from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.provenance import provenance
-from kvf.pipeline.workflows.session import Session, workspace_path
+from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import Workspace
 
@@ -65,6 +65,9 @@ class RunOptions:
     overwrite: bool = False
     qids: list[str] | None = None       # answer only these questions
     warmup: bool = True                 # one untimed call per method first (keeps kernel set-up out of TTFT)
+    ray: str | None = None              # Ray address ("local": start one here): questions spread over actors
+    workers: int | None = None          # Ray actors (default: one per CPU, or per GPU with --device cuda)
+    threads: int = 1                    # torch threads per Ray actor
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -112,6 +115,9 @@ def check_options(opts: RunOptions) -> None:
     if not opts.methods:
         raise KvfError("--method: name at least one method")
     check_knobs_used(opts.methods, opts.knobs or {})
+    if opts.ray is not None:
+        from kvf.pipeline.workflows.distributed import check_ray_address
+        check_ray_address(opts.ray)
 
 
 # ---- what to run ---------------------------------------------------------------------------------
@@ -185,15 +191,22 @@ def resolve_setting(setting: str, questions: list[Question], own_questions: bool
 class ChunkPicker:
     def __init__(self, ws: Workspace, setting: str, top_k: int, retriever: str):
         self.setting, self.top_k, self.ws = setting, top_k, ws
+        self.retriever, self._searcher = retriever, None
         self.doc_chunks = ws.doc_chunks()
         if setting == "shared":
             check_index_fresh(ws, retriever)
-            if retriever == "bm25":
+
+    @property
+    def searcher(self):
+        """Opened on first use (a --ray driver only checks questions: its workers search)."""
+        if self._searcher is None:
+            if self.retriever == "bm25":
                 from kvf.pipeline.retrieval.bm25 import BM25Searcher
-                self.searcher = BM25Searcher(ws.bm25_dir)
+                self._searcher = BM25Searcher(self.ws.bm25_dir)
             else:
                 from kvf.pipeline.retrieval.dense import DenseSearcher
-                self.searcher = DenseSearcher(ws.dense_dir)
+                self._searcher = DenseSearcher(self.ws.dense_dir)
+        return self._searcher
 
     def check_questions(self, questions: list[Question]) -> None:
         """Every passage a question names must have chunks in the workspace: never an empty context by accident."""
@@ -319,6 +332,20 @@ class MethodStats:
         return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def base_settings(opts: RunOptions, setting: str, manifest: dict, model_name: str, dtype: torch.dtype) -> dict:
+    """The answer-changing settings every record of this run carries, besides its method's own."""
+    return {"top_k": opts.top_k, "setting": setting, "retriever": opts.retriever if setting == "shared" else None,
+            "chunk_tokens": manifest.get("chunk_tokens"), "model": model_name,
+            "max_new_tokens": opts.max_new_tokens, "n_neighbours": manifest.get("n_neighbours"),
+            "store_dtype": manifest.get("dtype", "float16"), "compute_dtype": str(dtype).replace("torch.", ""),
+            "pipeline": opts.pipeline}
+
+
+def settings_for(planned: list[Planned], opts: RunOptions, base: dict) -> dict[int, dict]:
+    """Each planned method's recorded settings, by id(planned)."""
+    return {id(p): {**auto_settings(p.method, opts), "variant": p.variant, **base} for p in planned}
+
+
 def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device)
@@ -336,43 +363,55 @@ def run(opts: RunOptions, console: Console) -> Path:
         ws = ensure_workspace(opts, console)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions)
-        extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
-        session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
+        if opts.ray is None:
+            extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
+            session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
+            model_name, dtype, n_layers = session.model_ref.name, session.dtype, session.n_layers
+        else:  # the driver only plans and writes: its workers load the model
+            model_ref = open_model(opts.model)
+            check_workspace_model(ws, model_ref)
+            model_name, dtype, n_layers = model_ref.name, compute_dtype(opts.device, opts.dtype), model_ref.config.num_hidden_layers
         for p in planned:
-            p.method.check_model(session.n_layers)
-        manifest = session.manifest
-        base_settings = {"top_k": opts.top_k, "setting": setting,
-                         "retriever": opts.retriever if setting == "shared" else None,
-                         "chunk_tokens": manifest.get("chunk_tokens"), "model": session.model_ref.name,
-                         "max_new_tokens": opts.max_new_tokens, "n_neighbours": manifest.get("n_neighbours"),
-                         "store_dtype": manifest.get("dtype", "float16"),
-                         "compute_dtype": str(session.dtype).replace("torch.", ""), "pipeline": opts.pipeline}
-        settings_of = {id(p): {**auto_settings(p.method, opts), "variant": p.variant, **base_settings} for p in planned}
+            p.method.check_model(n_layers)
+        settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, opts.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
-        runner = QuestionRunner(opts, session, picker, planned, settings_of, name)
+        todo_of = {q.qid: [i for i, p in enumerate(planned)
+                           if record_key(q.qid, p.method.name, opts.label, settings_of[id(p)]) not in done]
+                   for q in questions}
         stats = MethodStats()
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
                       transient=True) as progress:
             task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
-            offline = progress.add_task("offline KVs", total=None, stats="", visible=False)
-            for q in questions:
-                todo = [p for p in planned if record_key(q.qid, p.method.name, opts.label, settings_of[id(p)]) not in done]
-                progress.advance(task, len(planned) - len(todo))
-                if not todo:
-                    continue
-                on_missing = lambda n, v: progress.update(offline, description=f"offline KVs ({v})", total=n,  # noqa: E731
-                                                          completed=0, visible=True)
-                for rec in runner.records(q, todo, on_missing, lambda: progress.advance(offline)):
-                    progress.update(offline, visible=False)
-                    run_file.append(parse_record(rec, "kvf run (internal)"))
-                    stats.add(method_label_of(rec), rec["timings"]["first_token"])
-                    progress.update(task, advance=1, stats=stats.line())
+            progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))
+
+            def write(rec: dict) -> None:
+                run_file.append(parse_record(rec, "kvf run (internal)"))
+                stats.add(method_label_of(rec), rec["timings"]["first_token"])
+                progress.update(task, advance=1, stats=stats.line())
+
+            jobs = [(q, todo_of[q.qid]) for q in questions if todo_of[q.qid]]
+            if opts.ray is not None:
+                from kvf.pipeline.workflows.distributed import run_with_ray
+                run_with_ray(opts, jobs, setting, name, ws.root, write)
+            else:
+                answer_here(QuestionRunner(opts, session, picker, planned, settings_of, name), jobs, progress, write)
     if stats.ttft:
         console.print(stats.line(width=400))
     return opts.out
+
+
+def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -> None:
+    """Answer (question, planned indices) jobs in this process, showing offline KV work as it happens."""
+    offline = progress.add_task("offline KVs", total=None, stats="", visible=False)
+    on_missing = lambda n, v: progress.update(offline, description=f"offline KVs ({v})", total=n,  # noqa: E731
+                                              completed=0, visible=True)
+    for q, indices in jobs:
+        for rec in runner.records(q, [runner.planned[i] for i in indices], on_missing, lambda: progress.advance(offline)):
+            progress.update(offline, visible=False)
+            write(rec)
 
 
 DECODE_BATCH = 8  # answers of one question decoded together (greedy_decode_batch); caches held at once

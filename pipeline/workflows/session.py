@@ -36,9 +36,7 @@ class Session:
         check_device(device)
         self.ws, self.manifest = ws, ws.manifest()
         self.model_ref = open_model(model)
-        if self.manifest.get("model_fingerprint") not in (None, self.model_ref.fingerprint):
-            raise KvfError(f"--workspace {ws.root} was built with model {self.manifest.get('model')}; pass that --model "
-                           "or use another --workspace")
+        check_workspace_model(ws, self.model_ref)
         self.dtype = compute_dtype(device, dtype)
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
@@ -126,6 +124,14 @@ class Session:
         finally:
             if source is not None:
                 source.close()
+
+
+def check_workspace_model(ws: Workspace, model_ref) -> None:
+    """A workspace's entries are only valid for the model that built them."""
+    manifest = ws.manifest()
+    if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
+        raise KvfError(f"--workspace {ws.root} was built with model {manifest.get('model')}; pass that --model "
+                       "or use another --workspace")
 
 
 def workspace_path(path: str | Path) -> Workspace:

@@ -1,0 +1,276 @@
+"""Ray as kvf's distributed engine (`kvf build-cache --ray`, `kvf run --ray`; `pip install 'kvf[ray]'`).
+
+- build-cache: chunking and indexing stay on the driver; chunk KVs are computed by Ray actors, one
+  model per actor, in batches of chunks, each actor writing straight into the shared store (a local
+  path, a shared filesystem or s3://). S's entry is stored by the driver first, and `prefix` entries
+  before `fusion` ones (a fusion entry reads its neighbours' prefix entries), so no two actors ever
+  write the same key at the same time. A local store commits entries atomically anyway; an object
+  store commits by marker, so the ordering is what keeps it correct there.
+- run: questions are spread over actors, each with its own model and store reader; every record
+  comes back to the driver, the only writer of the run file (resumable, no duplicates, no torn lines).
+- Actors are restarted and their in-flight task retried when a worker dies (kill -9 included):
+  entries are content-addressed and a retried batch skips what was committed, so the store ends
+  the same as a one-process build.
+With no address, a local Ray instance sized to the machine is started.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from kvf.errors import KvfError
+
+WORKER_ENV = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "KVF_CACHE", "KVF_DATA", "AWS_ACCESS_KEY_ID",
+              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE",
+              "KVF_METHOD_PATH", "KVF_RAY_PID_DIR")
+
+
+def start_ray(address: str | None, threads: int = 1):
+    """ray, initialised: connected to `address`, or a local instance sized to the machine."""
+    try:
+        import ray
+    except ImportError:
+        raise KvfError("--ray needs Ray: pip install 'kvf[ray]'") from None
+    env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
+    env.update(OMP_NUM_THREADS=str(threads), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    if ray.is_initialized():
+        return ray
+    check_ray_address(address)
+    try:
+        if address in (None, "", "local"):
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env}, configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env}, configure_logging=False)
+    except Exception as e:  # ConnectionError, RuntimeError, ValueError... for a bad or unreachable address
+        raise KvfError(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:120]}); "
+                       "check the address (`ray status` on the head node) or pass --ray local") from None
+    return ray
+
+
+def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
+    """Checked before any work starts. Ray retries an unreachable head for minutes: try its port once
+    first, and say so in one line."""
+    import socket
+    if address in (None, "", "local", "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise KvfError(f"--ray {address}: expected local, auto, HOST:PORT (the head's GCS port, 6379) or "
+                       "ray://HOST:PORT (Ray client, 10001)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise KvfError(f"--ray {address}: cannot reach a Ray head there ({e.strerror or e}); start one with "
+                       "`ray start --head`, check the address, or pass --ray local") from None
+
+
+def worker_count(ray, workers: int | None, device: str) -> int:
+    if workers is not None:
+        if workers < 1:
+            raise KvfError(f"--workers {workers}: must be >= 1")
+        return workers
+    resource = "GPU" if device.startswith("cuda") else "CPU"
+    return max(1, int(ray.cluster_resources().get(resource, 1)))
+
+
+def write_pid_marker() -> None:
+    """For tests that kill a worker mid-task: each batch announces its process while it runs."""
+    directory = os.environ.get("KVF_RAY_PID_DIR")
+    if directory:
+        with open(os.path.join(directory, f"{os.getpid()}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def clear_pid_marker() -> None:
+    directory = os.environ.get("KVF_RAY_PID_DIR")
+    if directory:
+        try:
+            os.unlink(os.path.join(directory, f"{os.getpid()}.pid"))
+        except FileNotFoundError:
+            pass
+
+
+# ---- build-cache ---------------------------------------------------------------------------------
+class KVWorkerImpl:
+    """One model and one store writer; builds the KV entries of batches of chunks."""
+
+    def __init__(self, model: str | None, store: str, dtype: str, device: str, extras_for: tuple, threads: int):
+        import torch
+        from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
+        from kvf.pipeline.workflows.weights import open_model
+        from kvf.pipeline.workflows.workspace import Workspace
+        torch.set_num_threads(threads)
+        model_ref = open_model(model)
+        opened = open_workspace_store(Workspace("."), model_ref, store, None, dtype, create=False)
+        self.builder = EntryBuilder(model_ref, opened, device, extras_for)
+
+    def build(self, variant: str, chunks: list, neighbours: dict | None, by_id: dict) -> dict:
+        import time
+        write_pid_marker()
+        started = time.perf_counter()
+        entries, nbytes = self.builder.entries_written, self.builder.bytes_written
+        for chunk in self.builder.missing(variant, chunks, neighbours):  # a retried batch skips what is done
+            self.builder.compute(variant, chunk, neighbours, by_id)
+        clear_pid_marker()
+        return {"chunks": len(chunks), "entries_written": self.builder.entries_written - entries,
+                "bytes_written": self.builder.bytes_written - nbytes, "seconds": time.perf_counter() - started}
+
+
+@functools.lru_cache(maxsize=None)
+def remote_class(impl: type):
+    import ray
+    return ray.remote(max_restarts=3, max_task_retries=3)(impl)
+
+
+def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, console, summary) -> list:
+    """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats."""
+    from ray.util import ActorPool
+    ray = start_ray(opts.ray, opts.threads)
+    builder.system_kv()  # S once, by the driver: actors only read it
+    n_workers = worker_count(ray, opts.workers, opts.device)
+    model = str(absolute(opts.model)) if opts.model else None
+    workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
+                                                           opts.device, tuple(m.name for m in builder.extras_methods), opts.threads)
+               for _ in range(n_workers)]
+    try:
+        stats = build_batches(opts, builder, ActorPool(workers), n_workers, chunks, neighbours, console, summary, ray)
+    finally:
+        for w in workers:
+            ray.kill(w)
+    summary.entries_written += builder.entries_written  # S, if the driver stored it
+    summary.bytes_written += builder.bytes_written
+    return stats
+
+
+def build_batches(opts, builder, pool, n_workers: int, chunks: list, neighbours: dict | None, console, summary,
+                  ray) -> list:
+    """Each variant's missing entries, in batches of --batch chunks, over the actor pool."""
+    import time
+    from kvf.pipeline.workflows.build import StageStat, in_shard, stage
+    by_id = {c.chunk_id: c for c in chunks}
+    mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
+    stats = []
+    for variant in build_order(opts.variants):
+        wanted = mine if variant in opts.variants else neighbour_chunks(mine, neighbours, by_id)
+        todo = builder.missing(variant, wanted, neighbours)
+        summary.entries_skipped += len(wanted) - len(todo) if variant in opts.variants else 0
+        stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(todo), sum(len(c.token_ids) for c in todo))
+        started = time.perf_counter()
+        batches = [todo[i: i + opts.batch] for i in range(0, len(todo), opts.batch)]
+
+        def submit(worker, batch, variant=variant):
+            return worker.build.remote(variant, batch, *fusion_context(variant, batch, neighbours, by_id))
+
+        with stage(console, f"KV {variant} on {n_workers} Ray workers", len(todo)) as advance, task_errors(ray):
+            for result in pool.map_unordered(submit, batches):
+                advance(result["chunks"])
+                summary.entries_written += result["entries_written"]
+                summary.bytes_written += result["bytes_written"]
+        stat.seconds = time.perf_counter() - started
+        stat.note = "" if todo else "all entries present"
+        stats.append(stat)
+    return stats
+
+
+def build_order(variants) -> list[str]:
+    """prefix before fusion: fusion entries read their neighbours' prefix entries."""
+    return ["prefix"] + [v for v in variants if v != "prefix"] if "fusion" in variants else list(variants)
+
+
+def neighbour_chunks(chunks: list, neighbours: dict | None, by_id: dict) -> list:
+    """The chunks whose prefix entries the fusion entries of `chunks` read (what a one-process build
+    computes on demand)."""
+    wanted = {nid for c in chunks for nid in (neighbours or {}).get(c.chunk_id, [])}
+    return [by_id[nid] for nid in sorted(wanted) if nid in by_id]
+
+
+def fusion_context(variant: str, batch: list, neighbours: dict | None, by_id: dict) -> tuple[dict | None, dict]:
+    """(neighbours, chunks by id) of just this batch: what its fusion entries attend to. A task carries
+    these, not the corpus-wide tables."""
+    if variant != "fusion":
+        return None, {}
+    mine = {c.chunk_id: neighbours.get(c.chunk_id, []) for c in batch}
+    return mine, {nid: by_id[nid] for ids in mine.values() for nid in ids} | {c.chunk_id: c for c in batch}
+
+
+# ---- run -------------------------------------------------------------------------------------------
+class RunWorkerImpl:
+    """One session (model + store reader) answering whole questions with every planned method."""
+
+    def __init__(self, opts, setting: str, name: str, workspace: str):
+        import torch
+        from kvf.pipeline.workflows.run import (ChunkPicker, QuestionRunner, base_settings, plan_methods,
+                                                settings_for)
+        from kvf.pipeline.workflows.session import Session
+        from kvf.pipeline.workflows.workspace import Workspace
+        torch.set_num_threads(opts.threads)
+        ws = Workspace(Path(workspace))
+        self.planned = plan_methods(opts)  # the driver's plan: same options, same order
+        extras_for = {p.method.name for p in self.planned if p.method.extras_hook is not None}
+        session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
+        settings_of = settings_for(self.planned, opts, base_settings(opts, setting, session.manifest,
+                                                                     session.model_ref.name, session.dtype))
+        self.runner = QuestionRunner(opts, session, ChunkPicker(ws, setting, opts.top_k, opts.retriever),
+                                     self.planned, settings_of, name)
+
+    def answer(self, question, indices: list[int]) -> list[dict]:
+        write_pid_marker()
+        records = list(self.runner.records(question, [self.planned[i] for i in indices]))
+        clear_pid_marker()
+        return records
+
+
+def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, write) -> None:
+    """Answer (question, planned indices) jobs on Ray actors; write(record dict) runs on the driver,
+    the only writer of the run file."""
+    from ray.util import ActorPool
+    ray = start_ray(opts.ray, opts.threads)
+    n_workers = min(worker_count(ray, opts.workers, opts.device), max(1, len(jobs)))
+    worker_opts = replace(opts, ray=None, **{f: absolute(getattr(opts, f)) for f in ("dataset", "questions", "workspace", "out")})
+    workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()))
+               for _ in range(n_workers)]
+    try:
+        with task_errors(ray):
+            for records in ActorPool(workers).map_unordered(lambda w, job: w.answer.remote(*job), jobs):
+                for rec in records:
+                    write(rec)
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+# ---- shared ----------------------------------------------------------------------------------------
+def absolute(path):
+    """Paths sent to workers are absolute: a worker's working directory is not the driver's."""
+    return None if path is None else Path(path).resolve()
+
+
+def store_address(store) -> str:
+    return str(Path(store.root).resolve()) if store.fs.local else store.path
+
+
+def actor_class(ray, impl: type, opts):
+    """impl as a Ray actor: restarted (and its in-flight task retried) when its process dies; one
+    GPU per actor with --device cuda, else opts.threads CPUs."""
+    gpu = 1 if opts.device.startswith("cuda") else 0
+    return remote_class(impl).options(num_cpus=0 if gpu else opts.threads, num_gpus=gpu)
+
+
+@contextmanager
+def task_errors(ray):
+    """A KvfError raised in a worker is re-raised here as itself (one line); a worker that keeps dying
+    is one line too."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, KvfError):
+            raise KvfError(str(cause)) from None
+        raise KvfError(f"a Ray worker failed: {str(cause or e).strip().splitlines()[-1][:200]}") from None
+    except ray.exceptions.RayActorError as e:
+        raise KvfError(f"a Ray worker died and could not be restarted ({str(e).strip().splitlines()[0][:160]}); "
+                       "see `ray logs` or run without --ray") from None
