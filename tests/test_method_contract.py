@@ -3,6 +3,8 @@
   first-token logits within 1e-3 and the same greedy answer on the embedded model, 1e-4 on a tiny
   model of every supported family; methods that never recompute a chunk token do so on one chunk;
 - it recomputes exactly round(r * n) chunk tokens (within one per chunk where the paper says ceil);
+- a method that declares `query_pass` gives the same bits when its first pass comes from a sweep's
+  shared pass as when it runs alone, and is charged that pass's time;
 - its knobs round-trip into run records, and `kvf run` has a flag for each of them;
 and a method written in one file outside kvf is found, with its flags, by `kvf run`."""
 import dataclasses
@@ -109,6 +111,25 @@ def test_fixed_ratio_methods_record_their_fixed_ratio(answerer, embedded, name):
     got = method.prefill(answerer.engine, prompt, source)
     expected = prompt.n_chunk_tokens - (len(prompt.chunk_segments[0]) if name == "prefix" else 0)
     assert got.recomputed_tokens == (expected if method.fixed_ratio == 1.0 else 0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].query_pass])
+def test_a_shared_query_pass_gives_the_bits_of_a_lone_request(answerer, embedded, name):
+    """Every ratio of a query_pass method, and reuse, on one shared pass == each run alone."""
+    prompt, source, _ = embedded["many"]
+    engine, shared = answerer.engine, {}
+    ratios = [0.0, 0.15, 0.3] if METHODS[name].ratio_is_knob else [None]
+    for ratio in ratios:
+        alone = get_method(name, ratio).prefill(engine, prompt, source, max_new_tokens=4)
+        fused, timings = answerer.prefill(prompt, get_method(name, ratio), source, 4, shared)
+        assert torch.equal(fused.logits, alone.logits), (name, ratio)
+        assert torch.equal(fused.cache.kv[:, :, :, : prompt.n_tokens], alone.cache.kv[:, :, :, : prompt.n_tokens])
+        assert (fused.recomputed_tokens, fused.recomputed_token_layers) == (alone.recomputed_tokens,
+                                                                            alone.recomputed_token_layers)
+        assert fused.info["shared"] == ["query-pass"]
+        assert timings["first_token"] >= shared["query-pass"].seconds  # each request pays the whole pass
+    assert answerer.decode_many(prompt, [(fused, timings)], 4)[0].text == \
+        answerer.answer(prompt, get_method(name, ratios[-1]), source, 4).text
 
 
 def other_value(field, kind):

@@ -61,6 +61,28 @@ def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, m
         assert rec["answer"] == rec["full_answer"] and rec["kl_full"] == 0.0 and rec["top1_agree_full"]
 
 
+def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp_path, monkeypatch):
+    """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio) and
+    decodes in batches; --no-share runs every request alone. Same answers, and the shared pieces are
+    named in each record."""
+    from kvf.pipeline.fusion.engine import FusionEngine
+    passes = []
+    original = FusionEngine.query_pass
+    monkeypatch.setattr(FusionEngine, "query_pass", lambda self, *a: passes.append(1) or original(self, *a))
+    kw = dict(methods=["reuse", "prophetkv", "fusionrag"], ratios=[0.15, 0.3], warmup=False, limit=1)
+    run(run_opts(built, tmp_path / "shared.jsonl", **kw), QUIET)
+    assert len(passes) == 2  # one pass on the prefix variant, one on the fusion variant
+    run(run_opts(built, tmp_path / "alone.jsonl", share=False, **kw), QUIET)
+    assert len(passes) == 2
+    shared, alone = read_records(tmp_path / "shared.jsonl"), read_records(tmp_path / "alone.jsonl")
+    key = lambda r: (r["qid"], r["method"], r["settings"]["ratio"])  # noqa: E731
+    assert len(shared) == 5 and {key(r): r["answer"] for r in shared} == {key(r): r["answer"] for r in alone}
+    for rec in shared:
+        variant = rec["settings"]["variant"]
+        assert f"query-pass:{variant}" in rec["shared"] and "decode-batch:5" in rec["shared"]
+    assert all(rec["shared"] == [] for rec in alone)
+
+
 def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
     out = tmp_path / "runs.jsonl"
     opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])

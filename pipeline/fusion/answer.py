@@ -55,12 +55,14 @@ class Answerer:
 
     @torch.inference_mode()
     def prefill(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,
-                max_new_tokens: int = 32) -> tuple[FusionResult, dict]:
-        """The timed part of a request: load + fuse + first token. -> (result, timings incl. first_token)."""
+                max_new_tokens: int = 32, shared: dict | None = None) -> tuple[FusionResult, dict]:
+        """The timed part of a request: load + fuse + first token. -> (result, timings incl. first_token).
+        shared: see FusionEngine.fuse; work taken from it is charged at its full cost."""
         started = time.perf_counter()
-        fused = method.prefill(self.engine, prompt, source, max_new_tokens)
+        fused = method.prefill(self.engine, prompt, source, max_new_tokens, shared)
         int(torch.argmax(fused.logits))  # TTFT ends when the first token exists (on CUDA this also syncs)
-        return fused, dict(fused.timings, first_token=time.perf_counter() - started)
+        elapsed = time.perf_counter() - started + fused.info.get("charged_seconds", 0.0)
+        return fused, dict(fused.timings, first_token=elapsed)
 
     @torch.inference_mode()
     def decode_many(self, prompt: FusedPrompt, prefilled: list[tuple[FusionResult, dict]], max_new_tokens: int = 32,

@@ -109,6 +109,25 @@ class FusionState:
 
 
 @dataclass
+class QueryPass:
+    """A query-only pass over every loaded chunk (reuse's whole request, and FusionRAG's and ProphetKV's
+    first pass), kept so a sweep runs it once per question and stored variant (`shared`, see fuse)."""
+    cache: KVCache                   # after the pass: stored KVs loaded at every layer, Q's rows written
+    hidden: torch.Tensor             # [|Q|, D] Q's hidden states after the last layer
+    query_attention: list            # per layer [n]: Q's mean attention to every row (all layers recorded)
+    token_layers: int
+    seconds: float                   # the pass, as a lone request pays it
+    load_seconds: float              # of which waiting for the store
+
+
+@dataclass
+class NotRunHere:
+    """Nothing to charge: this request ran the shared work itself, inside its own wall time."""
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+@dataclass
 class FusionResult:
     logits: torch.Tensor             # [vocab] first-token logits
     cache: KVCache                   # fused cache, length n, room for decoding
@@ -170,23 +189,35 @@ class FusionEngine:
     # ---- online: the one fused prefill ----------------------------------------------------------
     @torch.inference_mode()
     def fuse(self, method: "FusionMethod", prompt: FusedPrompt, source: LayerKVSource | None,
-             max_new_tokens: int = 0) -> FusionResult:
+             max_new_tokens: int = 0, shared: dict | None = None) -> FusionResult:
         """S | C1..Ck | Q -> fused cache and first-token logits, the way `method` says.
 
         Timing: time in the method's hooks is `select`; so is a whole selection pass (every pass but
         the last, e.g. FusionRAG's query-only pass) less the store loading it waited for; `load` is
         the time spent waiting for the store; `recompute` is the rest.
+
+        shared: work done once for several requests on one prompt and stored variant (a sweep's
+        methods x ratios). A method whose first pass is the plain query-only pass (`query_pass`)
+        takes it from there, run by the first such request; each request is still charged the
+        pass's full time, as a lone request would pay it, and says so in result.info["shared"].
         """
         started = time.perf_counter()
         load_before = source.load_seconds if source is not None else 0.0
         if not method.uses_store:
             return self.full_prefill(prompt, max_new_tokens, started)
-        t0 = time.perf_counter()
-        plan = method.plan(self, prompt, source, max_new_tokens)
-        plan_seconds = time.perf_counter() - t0
-        state = self.start(prompt, source, plan, max_new_tokens)
-        state.select_seconds += plan_seconds
-        for pass_index in range(method.passes):
+        first_pass = 0
+        if shared is not None and method.query_pass:
+            state, charged = self.from_query_pass(method, prompt, source, max_new_tokens, shared)
+            started -= charged.seconds            # the pass run by an earlier request: charged in full
+            load_before -= charged.load_seconds
+            first_pass = 1
+        else:
+            t0 = time.perf_counter()
+            plan = method.plan(self, prompt, source, max_new_tokens)
+            plan_seconds = time.perf_counter() - t0
+            state = self.start(prompt, source, plan, max_new_tokens)
+            state.select_seconds += plan_seconds
+        for pass_index in range(first_pass, method.passes):
             pass_started, load_at_pass = time.perf_counter(), self._loaded(source)
             select_at_pass = state.select_seconds
             if pass_index > 0:  # what the last pass found decides what this one recomputes
@@ -208,6 +239,40 @@ class FusionEngine:
         result = self.finish(state, self._loaded(source) - load_before, started)
         method.finish(self, state, result)
         return result
+
+    def query_pass(self, prompt: FusedPrompt, source: LayerKVSource | None, max_new_tokens: int) -> QueryPass:
+        """Every chunk loaded at contiguous positions, only Q computed, Q's attention recorded at every layer."""
+        started, load_before = time.perf_counter(), self._loaded(source)
+        state = self.start(prompt, source, FusionPlan(torch.empty(0, dtype=torch.long)), max_new_tokens)
+        for layer in range(self.model.n_layers):
+            self.step(state, layer, record_query_attention=True)
+        return QueryPass(state.cache, state.hidden, state.query_attention, state.token_layers,
+                         time.perf_counter() - started, self._loaded(source) - load_before)
+
+    def from_query_pass(self, method: "FusionMethod", prompt: FusedPrompt, source: LayerKVSource | None,
+                        max_new_tokens: int, shared: dict) -> tuple[FusionState, "QueryPass | NotRunHere"]:
+        """The state a lone request of `method` would be in after its first pass, from the shared pass
+        (run now if it is not there yet), on a copy of its cache; and what this request is charged for
+        the pass beyond its own wall time (the whole pass when an earlier request ran it)."""
+        charged: QueryPass | NotRunHere = shared.get("query-pass") or NotRunHere()
+        if "query-pass" not in shared:
+            shared["query-pass"] = self.query_pass(prompt, source, max_new_tokens)
+        done: QueryPass = shared["query-pass"]
+        cache = self.model.new_cache(done.cache.kv.shape[3])
+        cache.kv.copy_(done.cache.kv)
+        cache.length = done.cache.length
+        positions = torch.arange(prompt.n_tokens)
+        cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)
+        state = FusionState(prompt, positions, cache, prompt.question_rows(), done.hidden.clone(),
+                            list(range(len(prompt.chunk_segments))), source, self.prefix_kv(prompt.prefix_ids),
+                            cos, sin, max_new_tokens=max_new_tokens, loaded_layers=set(range(self.model.n_layers)),
+                            token_layers=done.token_layers)
+        state.query_attention = [a for layer, a in enumerate(done.query_attention)
+                                 if method.records_query_attention(state, layer)]
+        if method.passes > 1:  # the shared pass was this method's selection pass
+            state.select_seconds = max(0.0, done.seconds - done.load_seconds)
+        state.info.update(shared=["query-pass"], charged_seconds=charged.seconds)
+        return state, charged
 
     @staticmethod
     def _loaded(source: LayerKVSource | None) -> float:

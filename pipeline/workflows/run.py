@@ -65,6 +65,7 @@ class RunOptions:
     overwrite: bool = False
     qids: list[str] | None = None       # answer only these questions
     warmup: bool = True                 # one untimed call per method first (keeps kernel set-up out of TTFT)
+    share: bool = True                  # work done once per question for all methods (False: lone requests, as v1)
     ray: str | None = None              # Ray address ("local": start one here): questions spread over actors
     workers: int | None = None          # Ray actors (default: one per CPU, or per GPU with --device cuda)
     threads: int = 1                    # torch threads per Ray actor
@@ -452,6 +453,7 @@ class QuestionRunner:
             self.warm(prompt, self.full_method, None)
             full = session.prefill(prompt, self.full_method, None, opts.max_new_tokens)
         jobs = []  # (planned, method, (fused, timings))
+        shared_of = {v: {} for v in keys} if opts.share else {}  # per variant: its query-only pass, once
         for p in todo:
             method, variant_keys = p.method, keys.get(p.variant)
             if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
@@ -460,7 +462,8 @@ class QuestionRunner:
                 jobs.append((p, method, full))  # the full prefill timed above: not run twice
                 continue
             self.warm(prompt, method, variant_keys)
-            jobs.append((p, method, session.prefill(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline)))
+            jobs.append((p, method, session.prefill(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline,
+                                                    shared_of.get(p.variant))))
         to_decode = ([full] if full else []) + [pre for _, _, pre in jobs if pre is not full]
         answer_of = {id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}
         full_answer = answer_of[id(full)] if full else None
@@ -473,6 +476,8 @@ class QuestionRunner:
             shared = []
             if prefilled is full and opts.compare_full:
                 shared.append("prefill:full")
+            if prefilled[0].info.get("shared"):
+                shared += [f"{piece}:{p.variant}" for piece in prefilled[0].info["shared"]]
             if ans.decoded_with > 1:
                 shared.append(f"decode-batch:{ans.decoded_with}")
             rec["shared"] = shared
@@ -485,10 +490,11 @@ class QuestionRunner:
             yield rec
 
     def decode(self, prompt, prefilled: list) -> list:
-        """Decode prefilled answers in batches of DECODE_BATCH; returns answers in the same order."""
-        answers = []
-        for start in range(0, len(prefilled), DECODE_BATCH):
-            answers += self.session.answerer.decode_many(prompt, prefilled[start: start + DECODE_BATCH],
+        """Decode prefilled answers in batches of DECODE_BATCH (one by one without sharing); returns
+        answers in the same order."""
+        answers, batch = [], DECODE_BATCH if self.opts.share else 1
+        for start in range(0, len(prefilled), batch):
+            answers += self.session.answerer.decode_many(prompt, prefilled[start: start + batch],
                                                          self.opts.max_new_tokens)
         return answers
 

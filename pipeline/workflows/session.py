@@ -104,15 +104,16 @@ class Session:
 
     @torch.inference_mode()
     def prefill(self, prompt: FusedPrompt, method: FusionMethod, keys: list[str] | None, max_new_tokens: int,
-                pipeline: bool = True) -> tuple:
-        """The timed part of one request -> (FusionResult, timings with first_token and read)."""
+                pipeline: bool = True, shared: dict | None = None) -> tuple:
+        """The timed part of one request -> (FusionResult, timings with first_token and read).
+        shared: work shared with other requests on this prompt and variant (FusionEngine.fuse)."""
         source = self.source(method, keys, pipeline)
         try:
-            fused, timings = self.answerer.prefill(prompt, method, source, max_new_tokens)
+            fused, timings = self.answerer.prefill(prompt, method, source, max_new_tokens, shared)
         finally:
             if source is not None:
                 source.close()
-        if source is not None:
+        if source is not None and not fused.info.get("charged_seconds"):  # (a shared pass read for it elsewhere)
             timings["read"] = source.read_seconds
         return fused, timings
 

@@ -11,7 +11,8 @@ itself, and nothing else in kvf names it:
   run and bench call through this interface;
 - its answers to the engine's one layer loop (FusionEngine.fuse): `plan` (positions, the rows
   recomputed from layer 0, the chunks loaded), `before_layer` / `after_layer`, `passes` and
-  `next_pass_rows`, `records_query_attention`, `finish`.
+  `next_pass_rows`, `records_query_attention`, `finish`, and `query_pass` (its first pass is
+  reuse's, so a sweep may share it).
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ class FusionMethod:
     offline_variant = "prefix"    # which stored variant it reads by default
     uses_store = True             # False for `full`: it never reads chunk KVs
     passes = 1                    # layer loops per request (two-pass methods select in the first)
+    query_pass = False            # True: its first pass is reuse's plain query-only pass (default plan, no
+                                  # hooks in it), which a sweep runs once per question and variant
     extras_hook = None            # (attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
     extras_names: tuple = ()      # the extras an entry must carry for this method
     # what the contract test (tests/test_method_contract.py) holds every method to:
@@ -126,9 +129,9 @@ class FusionMethod:
         """Knobs that depend on the loaded model (e.g. a layer index) are checked here."""
 
     def prefill(self, engine: FusionEngine, prompt: FusedPrompt, source: LayerKVSource | None = None,
-                max_new_tokens: int = 0) -> FusionResult:
+                max_new_tokens: int = 0, shared: dict | None = None) -> FusionResult:
         """This method's fused prefill: the engine's one layer loop with this method's answers."""
-        return engine.fuse(self, prompt, source, max_new_tokens)
+        return engine.fuse(self, prompt, source, max_new_tokens, shared)
 
     # ---- answers to the layer loop ----------------------------------------------------------
     def plan(self, engine: FusionEngine, prompt: FusedPrompt, source: LayerKVSource | None,

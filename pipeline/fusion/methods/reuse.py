@@ -10,3 +10,4 @@ class FullReuse(FusionMethod):
     name = "reuse"
     ratio_is_knob = False
     fixed_ratio = 0.0
+    query_pass = True  # the whole request is the query-only pass
