@@ -10,7 +10,7 @@ The Python API, for notebooks:
 """
 from kvf.errors import KvfError  # noqa: F401
 
-__version__ = "0.1.0"
+from kvf.version import __version__  # noqa: F401
 
 
 def open_workspace(path, model: str | None = None, device: str = "cpu"):

@@ -161,7 +161,13 @@ class FsspecFS:
         return len(data)
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        # not fs.exists: some fsspec/s3fs versions answer False when the endpoint is down, which would read
+        # as "no store here"; info() lets a failure to reach the server propagate
+        try:
+            self.fs.info(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path)

@@ -25,6 +25,7 @@ def run_command(
     variant: Optional[str] = typer.Option(None, "--variant", help="Stored KV variant: prefix or fusion [default: each method's own]."),
     top_k: int = typer.Option(5, "--top-k", "-k", min=1, help="Chunks retrieved per question in the shared setting."),
     limit: Optional[int] = typer.Option(None, "--limit", "-n", min=1, help="Answer only the first N questions [default: all]."),
+    offset: int = typer.Option(0, "--offset", min=0, help="Skip the first N questions (with -n: a held-out slice, e.g. --offset 100 -n 50)."),
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto."),
     retriever: str = typer.Option("bm25", "--retriever", help="bm25 or dense (shared setting)."),
     compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
@@ -60,7 +61,7 @@ def run_command(
     if (dataset is None) == (questions is None):
         raise KvfError("pass either --dataset DIR (a prepared directory) or --questions FILE (with --workspace)")
     opts = RunOptions(dataset=dataset, questions=questions, methods=parse_methods(method), ratios=ratios, out=out,
-                      workspace=workspace, variant=variant, top_k=top_k, limit=limit, setting=setting,
+                      workspace=workspace, variant=variant, top_k=top_k, limit=limit, offset=offset, setting=setting,
                       retriever=retriever, compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
                       auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite,

@@ -80,5 +80,5 @@ def check_writable_dir(path: str | Path, flag: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".kvf-write-probe-"):
             pass
     except OSError as e:
-        raise KvfError(f"{flag} {path}: cannot write there ({e.strerror}); pass a writable directory") from None
+        raise KvfError(f"{flag} {path} is not writable ({e.strerror}); pass a writable directory") from None
     return path

@@ -14,11 +14,11 @@ def test_wheel_holds_only_the_kvf_package(tmp_path):
     top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert top_level == {"kvf", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("kvf/cli/main.py", "kvf/pipeline/engine.py", "kvf/cachestore/base.py", "kvf/eval/metrics.py",
-                   "kvf/pipeline/methods/cacheblend.py"):
+    for module in ("kvf/cli/main.py", "kvf/pipeline/fusion/engine.py", "kvf/cachestore/base.py", "kvf/eval/metrics.py",
+                   "kvf/pipeline/fusion/methods/cacheblend.py"):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kvf = kvf.cli.main:main" in entry_points
+    assert "kvf = kvf.cli.entry:main" in entry_points
 
 
 def test_kvf_help_from_another_directory(tmp_path):

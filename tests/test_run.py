@@ -202,3 +202,33 @@ def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
     assert all("ratio_mode" not in r["settings"] for r in records if r["method"] == "reuse")
     run(opts, QUIET)  # resuming matches auto records by mode, whatever ratio they got
     assert len(read_records(out)) == len(records)
+
+
+def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(built, tmp_path):
+    """-m NAME:KNOB=VALUE:variant=V runs that entry with those settings alone, labelled by them; --offset
+    answers a later slice (a held-out split) and nothing before it."""
+    out = tmp_path / "specs.jsonl"
+    opts = run_opts(built, out, methods=["cacheblend", "cacheblend:check_layer=2:variant=fusion"], ratios=[0.3],
+                    offset=1, limit=1)
+    run(opts, QUIET)
+    records = read_records(out)
+    from kvf.pipeline.data.datasets import load_prepared
+    all_qids = [q.qid for q in load_prepared(built / "data")[0]]
+    assert {r["qid"] for r in records} == {all_qids[1]}
+    by_label = {r.get("label"): r for r in records}
+    assert set(by_label) == {None, "check_layer=2:variant=fusion"}
+    assert by_label[None]["settings"]["check_layer"] != 2 and by_label[None]["settings"]["variant"] == "prefix"
+    assert by_label["check_layer=2:variant=fusion"]["settings"] | {"check_layer": 2, "variant": "fusion"} \
+        == by_label["check_layer=2:variant=fusion"]["settings"]
+    run(opts, QUIET)  # resuming finds both entries done
+    assert len(read_records(out)) == 2
+
+
+@pytest.mark.parametrize("entry,fragment", [("cacheblend:nope=1", "no knob 'nope'"),
+                                            ("cacheblend:check_layer=abc", "must be int"),
+                                            ("cacheblend:variant=middle", "use prefix or fusion"),
+                                            ("cacheblend:check_layer", "expected NAME:KNOB=VALUE")])
+def test_bad_method_entries_are_one_line_errors(entry, fragment):
+    from kvf.pipeline.workflows.run import parse_methods
+    with pytest.raises(KvfError, match=fragment):
+        parse_methods(entry)

@@ -400,7 +400,7 @@ def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dic
         _write_jsonl(out_dir / "questions.jsonl", (question_row(q) for q in questions))
         write_atomic(out_dir / "prepared.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     except OSError as e:
-        raise KvfError(f"--out {out_dir}: cannot write there ({e.strerror}); pass a writable directory") from None
+        raise KvfError(f"--out {out_dir} is not writable ({e.strerror}); pass a writable directory") from None
     return manifest
 
 

@@ -6,9 +6,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import kvf
+from kvf.version import __version__
 
-REPO_ROOT = Path(kvf.__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # pipeline/workflows/provenance.py -> the kvf package root
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,4 +28,4 @@ def git_commit() -> str | None:
 
 
 def provenance(device: str) -> dict:
-    return {"kvf_version": kvf.__version__, "commit": git_commit(), "device": device}
+    return {"kvf_version": __version__, "commit": git_commit(), "device": device}

@@ -47,6 +47,7 @@ class RunOptions:
     variant: str | None = None          # default: the method's own offline variant
     top_k: int = 5
     limit: int | None = None
+    offset: int = 0                     # skip the first N questions (e.g. a held-out split: --offset 100 -n 50)
     setting: str = "auto"
     retriever: str = "bm25"
     compare_full: bool = False
@@ -83,16 +84,69 @@ def parse_ratios(text: str) -> list[float]:
 
 
 def parse_methods(text: str) -> list[str]:
-    """-m a,b,c ('all' = every registered method but those equal to full by construction), checked."""
+    """-m a,b,c ('all' = every registered method but those equal to full by construction), checked.
+    An entry may set knobs and the stored variant for that entry alone (an ablation in one run):
+    NAME:KNOB=VALUE:..., e.g. -m prophetkv,prophetkv:variant=fusion,cacheblend:check_layer=3."""
     from kvf.pipeline.fusion.methods import METHODS, method_names
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    if not names:
+    entries = [m.strip() for m in text.split(",") if m.strip()]
+    if not entries:
         raise KvfError(f"--method {text!r}: name at least one method, e.g. -m full,reuse,cacheblend")
-    if "all" in names:
-        names = [n for n in names if n != "all"] + [n for n in method_names() if METHODS[n].in_all]
-    for name in names:
-        get_method(name)  # unknown names: one line listing the known ones
-    return list(dict.fromkeys(names))
+    if "all" in entries:
+        entries = [n for n in entries if n != "all"] + [n for n in method_names() if METHODS[n].in_all]
+    for entry in entries:
+        parse_method_spec(entry)  # unknown names and knobs: one line listing the known ones
+    return list(dict.fromkeys(entries))
+
+
+@dataclass
+class MethodSpec:
+    """One --method entry: a method, and knobs or a stored variant set for this entry alone."""
+    text: str
+    name: str
+    knobs: dict
+    variant: str | None
+
+    @property
+    def label(self) -> str | None:
+        """Entries with their own settings are told apart in records and tables by their text."""
+        return self.text.split(":", 1)[1] if ":" in self.text else None
+
+
+def parse_method_spec(text: str) -> MethodSpec:
+    from kvf.pipeline.fusion.methods import METHODS
+    from kvf.pipeline.fusion.methods.base import knob_types
+    name, *pairs = [part.strip() for part in text.split(":")]
+    get_method(name)
+    types, knobs, variant = knob_types(METHODS[name].Knobs), {}, None
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3")
+        if key == "variant":
+            if value not in ("prefix", "fusion"):
+                raise KvfError(f"--method {text}: variant {value!r}; use prefix or fusion")
+            variant = value
+        elif key not in types:
+            known = ", ".join(sorted(types)) or "none"
+            raise KvfError(f"--method {text}: {name} has no knob {key!r} (its knobs: {known}; or variant)")
+        else:
+            knobs[key] = knob_value(text, key, value, types[key])
+    return MethodSpec(text, name, knobs, variant)
+
+
+def knob_value(text: str, key: str, value: str, kind: type):
+    """A knob value written in a --method entry, as its declared type."""
+    if value.lower() == "none":
+        return None
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise KvfError(f"--method {text}: {key} is true or false, not {value!r}")
+        return value.lower() in ("true", "1", "yes")
+    try:
+        return kind(value)
+    except ValueError:
+        raise KvfError(f"--method {text}: {key} must be {kind.__name__}, not {value!r}") from None
 
 
 def check_options(opts: RunOptions) -> None:
@@ -101,6 +155,8 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError("pass either --dataset DIR (a prepared directory) or --questions FILE (with --workspace)")
     if opts.limit is not None and opts.limit < 1:
         raise KvfError(f"--limit {opts.limit}: must be >= 1 (leave it out to answer every question)")
+    if opts.offset < 0:
+        raise KvfError(f"--offset {opts.offset}: must be >= 0")
     if opts.max_new_tokens < 1:
         raise KvfError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
     if opts.top_k < 1:
@@ -115,7 +171,7 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
     if not opts.methods:
         raise KvfError("--method: name at least one method")
-    check_knobs_used(opts.methods, opts.knobs or {})
+    check_knobs_used([parse_method_spec(m).name for m in opts.methods], opts.knobs or {})
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray_address
         check_ray_address(opts.ray)
@@ -126,20 +182,23 @@ def check_options(opts: RunOptions) -> None:
 class Planned:
     method: FusionMethod
     variant: str
+    label: str | None = None     # the run's --label, and the entry's own settings if it has any
 
 
 def plan_methods(opts: RunOptions) -> list[Planned]:
     """Every (method, stored variant) to run per question: methods x ratios, duplicates dropped
     (full, reuse, prefix, ... ignore the ratio, so a sweep runs them once)."""
     planned, seen = [], set()
-    for name in opts.methods:
+    for entry in opts.methods:
+        spec = parse_method_spec(entry)
+        label = " ".join(filter(None, (opts.label, spec.label))) or None
         for ratio in opts.ratios:
-            method = build_method(name, ratio, opts.knobs)
-            variant = opts.variant or method.offline_variant
-            key = (name, variant, json.dumps(method.settings(), sort_keys=True))
+            method = build_method(spec.name, ratio, {**(opts.knobs or {}), **spec.knobs})
+            variant = spec.variant or opts.variant or method.offline_variant
+            key = (spec.name, label, variant, json.dumps(method.settings(), sort_keys=True))
             if key not in seen:
                 seen.add(key)
-                planned.append(Planned(method, variant))
+                planned.append(Planned(method, variant, label))
     return planned
 
 
@@ -288,6 +347,10 @@ def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
         if missing:
             raise KvfError(f"--qid {missing[0]}: no such question in {opts.dataset or opts.questions}")
         questions = [q for q in questions if q.qid in set(opts.qids)]
+    if opts.offset:
+        if opts.offset >= len(questions):
+            raise KvfError(f"--offset {opts.offset}: {opts.dataset or opts.questions} has only {len(questions)} questions")
+        questions = questions[opts.offset:]
     if opts.limit is not None:
         questions = questions[: opts.limit]
     return questions, name
@@ -375,11 +438,11 @@ def run(opts: RunOptions, console: Console) -> Path:
         for p in planned:
             p.method.check_model(n_layers)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
-        check_resumable(existing, {(p.method.name, opts.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
+        check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
         todo_of = {q.qid: [i for i, p in enumerate(planned)
-                           if record_key(q.qid, p.method.name, opts.label, settings_of[id(p)]) not in done]
+                           if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
                    for q in questions}
         stats = MethodStats()
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -471,7 +534,7 @@ class QuestionRunner:
             ans = answer_of[id(prefilled)]
             settings = {**self.settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
             rec = {"qid": q.qid, "dataset": f"{self.name}/{q.task}" if q.task else self.name, "method": method.name,
-                   "label": opts.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
+                   "label": p.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
                    "gold": q.answers, "gold_mode": q.gold_mode, "provenance": self.prov, **ans.record()}
             shared = []
             if prefilled is full and opts.compare_full:
@@ -503,10 +566,6 @@ def method_label_of(rec: dict) -> str:
     return f"{rec['method']}@{rec['settings']['ratio']:g}"
 
 
-def method_label(method: FusionMethod) -> str:
-    return f"{method.name}@{method.recompute_ratio:g}" if method.ratio_is_knob else method.name
-
-
 def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
                     opts: RunOptions) -> FusionMethod:
     """The same method at the ratio where recomputing a layer takes as long as loading one."""
@@ -514,4 +573,4 @@ def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_
         return method
     layer_bytes, bandwidth = measure_bandwidth(store, keys)
     ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, opts.quality_floor)
-    return build_method(method.name, ratio, opts.knobs)
+    return type(method)(ratio, knobs=method.knobs)
