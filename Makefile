@@ -4,10 +4,12 @@
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
-#   make ruler   every method x {0,.15,.3} on the RULER-style suite at 2K and 4K, then results/ruler.md  (RULER_N=)
+#   make ruler   every method at 15% on the calibrated RULER-style tasks at 2K, then results/ruler.md  (RULER_N=)
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
+#   make bench-scale  Ray workers vs one process, shared vs lone sweep work, 1M-chunk cost projection
+#   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md)
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
 #   make verify-smoke  the same on a few questions per file, against the committed records (minutes; part of make test)
 # Defaults equal the conditions of the committed results (tests/test_results.py checks it).
@@ -24,7 +26,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration ttft bench-build verify verify-smoke clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -77,27 +79,58 @@ methods: methods-nq methods-2wikimqa methods-musique
 
 # RULER-style suite: the tasks the embedded model solves with full prefill (ruler-calibration), 2K and 4K tokens.
 RULER_TASKS ?= niah_single,niah_multikey,boundary,alias
-RULER_N ?= 50
-RULER_RATIOS ?= 0,0.15,0.3
+RULER_N ?= 10
+RULER_RATIOS ?= 0.15
 RULER_RUNS ?= results/ruler/runs
 RULER_OUT ?= results/ruler
-RULER_SWEEP = $(KVF) run -m all -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
+RULER_METHODS ?= all
+RULER_SWEEP = $(KVF) run -m $(RULER_METHODS) -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
 $(WORK)/ruler-%/questions.jsonl: | setup
 	$(KVF) data ruler --length $* --n $(RULER_N) --tasks $(RULER_TASKS) --out $(WORK)/ruler-$*
 ruler-2048 ruler-4096: ruler-%: $(WORK)/ruler-%/questions.jsonl
 	$(RULER_SWEEP) -d $(WORK)/ruler-$* -o $(RULER_RUNS)/ruler-$*.jsonl
-ruler: ruler-2048 ruler-4096
+ruler: ruler-2048
 	$(KVF) eval --complete-only $(RULER_RUNS)/*.jsonl --out $(RULER_OUT)
 	cat scripts/ruler_header.md $(RULER_OUT)/summary.md > $(RULER_OUT).md
 	@echo "results in $(RULER_OUT).md and $(RULER_OUT)/ (summary.csv, plots)"
 
 # Every generated task, full prefill and full reuse only, at 2K: which tasks the model can solve at all.
-CALIBRATION_N ?= 20
+CALIBRATION_N ?= 10
+CALIBRATION_OUT ?= results/ruler_calibration
 ruler-calibration: | setup
 	$(KVF) data ruler --length 2048 --n $(CALIBRATION_N) --tasks all --out $(WORK)/ruler-calibration
-	$(KVF) run -d $(WORK)/ruler-calibration -m full,reuse --max-new-tokens 32 --no-show-answers -o results/ruler_calibration/runs.jsonl
-	$(KVF) eval results/ruler_calibration/runs.jsonl --out results/ruler_calibration
-	cat scripts/ruler_calibration_header.md results/ruler_calibration/summary.md > results/ruler_calibration.md
+	$(KVF) run -d $(WORK)/ruler-calibration -m full,reuse --max-new-tokens 32 --no-show-answers -o $(CALIBRATION_OUT)/runs.jsonl
+	$(KVF) eval $(CALIBRATION_OUT)/runs.jsonl --out $(CALIBRATION_OUT)
+	cat scripts/ruler_calibration_header.md $(CALIBRATION_OUT)/summary.md > $(CALIBRATION_OUT).md
+
+# kvf's own method (results/kvfuse.md): the ablation on MuSiQue's first questions (dev), then the
+# held-out comparison on later questions, never used to choose anything (--offset).
+KVFUSE_DEV_N ?= 11
+KVFUSE_TEST_OFFSET ?= 115
+KVFUSE_TEST_N ?= 20
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0
+KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
+# held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
+KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
+KVFUSE_RUN = $(KVF) run -d $(WORK)/musique --neighbours 3 -r 0.15 --max-new-tokens 12 --no-show-answers
+kvfuse-dev: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o results/kvfuse/runs/dev-musique.jsonl
+kvfuse-test: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o results/kvfuse/runs/test-musique.jsonl
+	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o results/kvfuse/runs/test-b-musique.jsonl
+kvfuse-probe: $(WORK)/musique/questions.jsonl
+	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5
+kvfuse-bench: setup
+	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 3 --no-cold --no-compare-no-pipeline \
+	  --no-auto-ratio --out results/kvfuse/bench
+kvfuse: kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench
+	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
+	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test
+	$(KVF) eval --complete-only results/kvfuse/runs/test-b-musique.jsonl --out results/kvfuse/test-b
+
+# Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
+bench-scale: setup
+	$(PY) -m kvf.scripts.bench_scale --workdir $(WORK)/bench-scale
 
 REPEATS ?= 3
 ttft: setup

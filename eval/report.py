@@ -123,6 +123,16 @@ def complete_questions(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
+    """A generated suite's records ("ruler-2048/alias", ...) once more under "ruler-2048 (all tasks)":
+    per task n is small, pooled over tasks the paired intervals can separate methods."""
+    tasks = df[df.dataset.str.contains("/", regex=False)]
+    suites = tasks.dataset.str.split("/").str[0]
+    many = suites.groupby(suites).transform(lambda s: tasks.loc[s.index].dataset.nunique()) > 1
+    pooled = tasks[many].assign(dataset=suites[many] + POOLED)
+    return pd.concat([df, pooled], ignore_index=True) if len(pooled) else df
+
+
 def _check_duplicates(df: pd.DataFrame):
     # the same question twice in one group double-weights it: usually a run file passed twice
     dup = df[df.duplicated(GROUP_KEYS + ["qid"], keep=False)]
@@ -165,9 +175,14 @@ def _check_overlap(group: pd.DataFrame, ref: pd.DataFrame):
                        f"{', '.join(sorted(set(ref.file)))} (different dataset?)")
 
 
+POOLED = " (all tasks)"
+
+
 def primary_metric(rows: pd.DataFrame) -> str:
-    """acc (RULER: share of gold values present) where answers need all gold values, else F1."""
-    return "acc" if (rows.gold_mode == "all").any() else "f1"
+    """acc (RULER: share of gold values present) for a generated suite's tasks ("suite/task", and their
+    pooled rows) and wherever answers need all gold values; else F1."""
+    suite = rows.dataset.str.contains("/", regex=False) | rows.dataset.str.endswith(POOLED)
+    return "acc" if (rows.gold_mode == "all").any() or suite.any() else "f1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +462,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     df = load_runs([Path(p) for p in run_files])
     if complete_only:
         df = complete_questions(df)
+    df = with_pooled_tasks(df)
     summary = summarize(df)
     summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command)]
     summary.attrs["records"] = df

@@ -403,3 +403,31 @@ def test_query_attention_forms_only_the_question_rows(name, knobs):
         assert rec.attention_queries == [nq] * L
     else:
         assert rec.attention_queries[0] == active and max(rec.attention_queries) == active
+
+
+@pytest.fixture(scope="module")
+def long_case(answerer):
+    """Chunks of ~250 tokens (15% of a chunk is then tens of rows, as on real passages)."""
+    from kvf.pipeline.data.synthetic import make_synthetic
+    texts = [p.text for q in make_synthetic(None, n_questions=12, passages_per_question=2, seed=3) for p in q.contexts]
+    chunks = [" ".join(texts[i: i + 6]) for i in range(0, 18, 6)]
+    prompt = answerer.prompt([encode(answerer.tokenizer, c) for c in chunks], make_synthetic(None, 1)[0].question)
+    return prompt, prefix_kvs_with_summaries(answerer.engine, prompt), get_method("full").prefill(answerer.engine, prompt)
+
+
+@pytest.mark.parametrize("propagate", ["after", "before"])
+def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(answerer, long_case, propagate):
+    """kvfuse shifts each chunk's kept rows by the mean K/V move of its recomputed rows: the chunk rows
+    of the fused cache end nearer full prefill's (all layers together); with `after` the recomputed
+    rows are untouched (the shift is seen by decoding only), with `before` they see it too."""
+    prompt, source, full = long_case
+    rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+    want = full.cache.kv[:, :, :, rows]                                          # [L, 2, KV, n, d]
+    got = {p: get_method("kvfuse", 0.15, propagate=p, propagate_from=0.33).prefill(answerer.engine, prompt, source)
+           for p in ("off", propagate)}
+    error = {p: ((r.cache.kv[:, :, :, rows] - want).norm() / want.norm()).item() for p, r in got.items()}
+    assert error[propagate] < error["off"], error
+    first = round(0.33 * want.shape[0])
+    assert torch.equal(got["off"].cache.kv[:first], got[propagate].cache.kv[:first])  # propagate_from
+    if propagate == "after":
+        assert torch.equal(got["off"].logits, got["after"].logits)

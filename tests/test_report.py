@@ -332,3 +332,12 @@ def test_rows_whose_records_ran_differently_say_so(tmp_path):
     assert "mixed" not in row(summary, "cacheblend").note          # only the store's path differs
     summary = evaluate([write_run(tmp_path / "b.jsonl", unlike)], tmp_path / "b")
     assert "mixed settings: top_k=4/8" in row(summary, "cacheblend").note
+
+
+def test_a_generated_suite_is_also_scored_over_all_its_tasks():
+    import pandas as pd
+    from kvf.eval.report import with_pooled_tasks
+    df = pd.DataFrame({"dataset": ["ruler/a", "ruler/a", "ruler/b", "nq", "one/x"], "qid": ["1", "2", "3", "4", "5"]})
+    pooled = with_pooled_tasks(df)
+    assert sorted(pooled[pooled.dataset == "ruler (all tasks)"].qid) == ["1", "2", "3"]
+    assert len(pooled) == len(df) + 3  # a suite of one task and a plain dataset are not repeated

@@ -1,0 +1,129 @@
+"""`kvfuse`: kvf's own method. Design, ablation and held-out numbers: results/kvfuse.md.
+
+What the harness showed on MuSiQue dev questions (the first ones of the file; held-out numbers use
+later questions, results/kvfuse/runs/):
+- at 15%, ProphetKV's layer-averaged question attention keeps more fidelity than FusionRAG's
+  last-layer attention on the same similarity-enhanced (`fusion`) stored variant (dev: 0.90 vs 0.83);
+  kvfuse ranks tokens by the layer average (score_layers=all) on the `fusion` variant. Scoring with
+  the early layers only, or forcing EPIC's first tokens of every chunk into the budget, changed
+  little (0.90, 0.91).
+- what no method repairs is the 85% of rows it keeps: they still miss the cross-chunk context. The
+  recomputed rows of the same chunk show, layer by layer, how that context moves K and V (fresh -
+  stored). After each layer kvfuse adds each chunk's mean move to the chunk's kept rows (keys
+  compared before RoPE and re-rotated at each kept row's position, so the move does not depend on
+  where rows sit). The layer's own attention has already run, so the first token is ProphetKV's on
+  the fusion variant; decoding reads the shifted rows (dev fidelity 0.94 vs 0.90 without).
+  Cost: two means and one add per chunk and layer, no extra forward work.
+- shifting before the layer's attention (propagate=before), so the recomputed rows and the question
+  see the shifted rows too, halved the first-token KL on dev prompts (results/kvfuse/probe.md) but
+  lost answer fidelity on held-out questions (0.55): a closer cache is not a closer answer.
+
+Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
+at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
+each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
+score_layers, sink_tokens, propagate (off / after / before) and propagate_from. Budget: exactly
+round(ratio x chunk tokens), sinks included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budget
+from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
+from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
+from kvf.pipeline.model.prompt import FusedPrompt
+from kvf.pipeline.model.rope import reposition_keys
+
+
+@dataclass
+class KvFuseKnobs:
+    score_layers: str = knob("all", "layers whose question attention ranks tokens: all (averaged) or last",
+                             choices=("all", "last", "early", "late"))
+    sink_tokens: int = knob(0, "first tokens of every chunk always recomputed, inside the budget", min=0)
+    propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
+                               "off, after (seen by decoding) or before (seen by this layer too)",
+                          choices=("off", "after", "before"))
+    propagate_from: float = knob(0.0, "first layer shifted, as a fraction of the layers (early layers barely move)",
+                                 min=0.0, max=1.0)
+
+
+@register
+class KvFuse(FusionMethod):
+    name = "kvfuse"
+    Knobs = KvFuseKnobs
+    offline_variant = "fusion"
+    passes = 2
+    query_pass = True
+
+    def records_query_attention(self, state: FusionState, layer: int) -> bool:
+        return state.pass_index == 0 and layer in self.scored_layers(state.cache.kv.shape[0])
+
+    def scored_layers(self, n_layers: int) -> list[int]:
+        return {"all": list(range(n_layers)), "last": [n_layers - 1], "early": list(range(n_layers // 2)),
+                "late": list(range(n_layers // 2, n_layers))}[self.knobs.score_layers]
+
+    def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
+        prompt = state.prompt
+        budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
+        scores = torch.stack(state.query_attention).mean(dim=0)          # [L', n] -> [n]
+        sinks = sink_rows(prompt, self.knobs.sink_tokens, budget)          # [s] first tokens of every chunk
+        chunk_rows = all_chunk_rows(prompt)
+        scores = scores[chunk_rows].clone()
+        scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
+        selected = top_rows(scores, chunk_rows, budget)
+        state.scratch["selected"] = selected
+        return selected
+
+    # ---- propagation: the rows kept from the store move with their chunk's recomputed rows ----
+    def propagates(self, state: FusionState, layer: int) -> bool:
+        n_layers = state.cache.kv.shape[0]
+        return (state.pass_index == 1 and self.knobs.propagate != "off"
+                and layer >= round(self.knobs.propagate_from * n_layers))
+
+    def before_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        if not self.propagates(state, layer):
+            return
+        rows = state.active_chunk_rows()
+        if self.knobs.propagate == "after":
+            state.scratch["stored"] = state.cache.kv[layer][:, :, rows].clone()   # [2, KV, a, d] before overwrite
+            return
+        is_chunk = state.chunk_row_mask()[state.rows]
+        fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
+        fresh = torch.stack([fresh_k[:, is_chunk], fresh_v[:, is_chunk]])       # [2, KV, a, d]
+        shift_kept_rows(engine, state, layer, rows, state.cache.kv[layer][:, :, rows], fresh)
+
+    def after_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        if not self.propagates(state, layer) or self.knobs.propagate != "after":
+            return
+        rows = state.active_chunk_rows()
+        shift_kept_rows(engine, state, layer, rows, state.scratch.pop("stored"), state.cache.kv[layer][:, :, rows])
+
+
+def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
+                    stored: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Add to every kept (not recomputed) row of a chunk the mean change fresh - stored [2, KV, a, d] of
+    that chunk's recomputed `rows` at this layer (keys compared before RoPE)."""
+    if len(rows) == 0:
+        return
+    rope, positions = engine.model.rope, state.positions
+    delta_k = reposition_keys(fresh[0] - stored[0], rope, positions[rows], torch.zeros_like(rows))  # [KV, a, d]
+    delta_v = fresh[1] - stored[1]
+    active = torch.zeros(state.n, dtype=torch.bool)
+    active[rows] = True
+    for start, end in state.prompt.chunk_spans():
+        mine = (rows >= start) & (rows < end)
+        kept = torch.arange(start, end)[~active[start:end]]
+        if not mine.any() or len(kept) == 0:
+            continue
+        mean_k = delta_k[:, mine].mean(dim=1, keepdim=True).expand(-1, len(kept), -1)   # [KV, m, d]
+        state.cache.kv[layer, 0][:, kept] += reposition_keys(mean_k, rope, torch.zeros_like(kept), positions[kept])
+        state.cache.kv[layer, 1][:, kept] += delta_v[:, mine].mean(dim=1, keepdim=True)
+
+
+def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int) -> torch.Tensor:
+    """The first `per_chunk` rows of every chunk, cut to the budget (earlier chunks first)."""
+    counts = [min(per_chunk, len(c)) for c in prompt.chunk_segments]
+    rows = chunk_initial_rows(prompt, counts)
+    return rows[:budget]

@@ -1,0 +1,303 @@
+"""Scaling benchmark: build-cache and sweeps in one process vs on 1 and 2 Ray workers, and what a
+sweep's shared work saves per question. Everything is measured side by side in one run.
+
+    python -m kvf.scripts.bench_scale [--questions 48 --passages 4 --sweep-questions 16 --share-questions 2]
+
+On a synthetic corpus (kvf.pipeline.data.synthetic; no download) and the embedded model, every
+process computing with one torch thread:
+1. build throughput (chunks/s of the KV stage, prefix variant): one process, Ray x1, Ray x2. The three
+   stores must hold the same keys and the same bytes (checked, not assumed). Ray's times include its
+   actors' start-up (one model load each, in parallel); the one-process time does not include its
+   model load (stage_kv starts timing after it).
+2. sweep throughput (answers/s of `kvf run`, wall time including every model load): one process,
+   Ray x1, Ray x2, on the same questions and methods. The records must agree.
+3. per-question cost of a methods sweep (every method x ratios, --compare-full) with --no-share (every
+   request alone, decode batch 1: how v1 ran) and with sharing, on the same questions.
+4. a written projection of the cost of a 1M-chunk store (bytes measured per token here; GPU hours
+   from FLOPs under stated assumptions).
+Prints rich tables and writes results/scale.md, results/scale.json and results/scale.png.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvf.cachestore import open_store
+from kvf.pipeline.data.synthetic import make_synthetic
+from kvf.pipeline.files import write_atomic
+from kvf.pipeline.workflows.build import BuildOptions, build_cache
+from kvf.pipeline.workflows.provenance import git_commit
+from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = Console(file=io.StringIO())
+SWEEP_METHODS = "all"
+SWEEP_RATIOS = [0.0, 0.05, 0.15, 0.3]
+
+# stated assumptions of the projection (not measured here)
+H100_BF16_DENSE_FLOPS = 989e12   # NVIDIA H100 SXM datasheet, dense BF16
+ASSUMED_MFU = 0.40               # prefill is compute-bound; 40% is a typical well-tuned figure
+ASSUMED_GPU_DOLLARS_PER_HOUR = 2.50
+ASSUMED_S3_DOLLARS_PER_GB_MONTH = 0.023
+ASSUMED_WRITE_GB_PER_S = 1.0     # sustained object-store writes of one 8-GPU node
+LLAMA3_8B = {"name": "Llama-3-8B", "params": 8.0e9, "layers": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--questions", type=int, default=48, help="synthetic questions (the corpus is their passages)")
+    p.add_argument("--passages", type=int, default=4, help="passages per question")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="chunks per Ray task")
+    p.add_argument("--sweep-questions", type=int, default=16, help="questions of the throughput sweeps")
+    p.add_argument("--sweep-methods", default="full,reuse,cacheblend,prophetkv")
+    p.add_argument("--share-questions", type=int, default=2, help="questions of the shared-work comparison")
+    p.add_argument("--corpus-chunks", type=float, default=1e6, help="chunks in the projected corpus")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the projection")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed afterwards")
+    p.add_argument("--share-note", default="nothing else running", help="what else ran during part 3")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
+    return p.parse_args()
+
+
+def cached(work: Path, part: str, compute):
+    """A part's numbers, computed once per work dir (a rerun with the same --workdir resumes)."""
+    path = work / f"part-{part}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    value = compute()
+    write_atomic(path, json.dumps(value))
+    return value
+
+
+# ---- 1. build ------------------------------------------------------------------------------------
+def timed_build(corpus: Path, workspace: Path, ray_workers: int | None, batch: int) -> dict:
+    opts = BuildOptions(corpus=corpus, workspace=workspace, bm25=False, dense=False, threads=1, batch=batch,
+                        ray=None if ray_workers is None else "local", workers=ray_workers)
+    summary = build_cache(opts, QUIET)
+    kv = [s for s in summary.stages if s.name.startswith("kv prefix")][0]
+    return {"chunks": kv.items, "tokens": kv.tokens, "seconds": kv.seconds, "chunks_per_s": kv.items / kv.seconds,
+            "bytes": summary.bytes_written}
+
+
+def same_store(a: Path, b: Path) -> bool:
+    """Same keys, and every entry's tensor equal bit for bit."""
+    store_a, store_b = open_store(str(a), readonly=True), open_store(str(b), readonly=True)
+    keys = sorted(store_a.keys())
+    return keys == sorted(store_b.keys()) and all(torch.equal(store_a.get(k), store_b.get(k)) for k in keys)
+
+
+# ---- 2. sweep throughput -------------------------------------------------------------------------
+def timed_run(data: Path, workspace: Path, out: Path, methods: str, n: int, ray_workers: int | None,
+              **kw) -> dict:
+    opts = RunOptions(out=out, methods=parse_methods(methods), dataset=data, workspace=workspace, limit=n,
+                      max_new_tokens=kw.pop("max_new_tokens", 8), ray=None if ray_workers is None else "local",
+                      workers=ray_workers, threads=1, **kw)
+    started = time.perf_counter()
+    run(opts, QUIET)
+    seconds = time.perf_counter() - started
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return {"questions": n, "answers": len(records), "seconds": seconds, "answers_per_s": len(records) / seconds,
+            "records": records}
+
+
+def answers_of(records: list[dict]) -> dict:
+    return {(r["qid"], r["method"], r["settings"].get("ratio")): r["answer"] for r in records}
+
+
+# ---- 4. projection ----------------------------------------------------------------------------------
+def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
+    return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * dtype_bytes
+
+
+def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict) -> dict:
+    tokens = chunks * chunk_tokens
+    llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
+    gpu_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
+    return {"chunks": chunks, "tokens": tokens, "gpus": gpus,
+            "smollm_bytes": tokens * measured["bytes_per_token"],
+            "smollm_cpu_core_hours": tokens / measured["tokens_per_core_s"] / 3600,
+            "llama_bytes": llama_bytes, "llama_gpu_hours": gpu_seconds / 3600,
+            "llama_wall_hours": gpu_seconds / 3600 / gpus,
+            "llama_dollars": gpu_seconds / 3600 * ASSUMED_GPU_DOLLARS_PER_HOUR,
+            "llama_storage_dollars_month": llama_bytes / 1e9 * ASSUMED_S3_DOLLARS_PER_GB_MONTH,
+            "llama_write_hours": llama_bytes / 1e9 / (ASSUMED_WRITE_GB_PER_S * max(1, gpus // 8)) / 3600}
+
+
+# ---- report ---------------------------------------------------------------------------------------
+def table(title: str, columns: list[str], rows: list[list]) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        t.add_row(*map(str, r))
+    return t
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def throughput_rows(results: dict, unit: str) -> list[list]:
+    one = results["ray x1"][unit]
+    return [[name, f"{r[unit]:.3f}", f"{r['seconds']:.1f}", f"{r[unit] / one:.2f}×"] for name, r in results.items()]
+
+
+def plot(build: dict, sweep: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, results, unit, label in ((axes[0], build, "chunks_per_s", "build-cache KV stage (chunks/s)"),
+                                     (axes[1], sweep, "answers_per_s", "kvf run sweep (answers/s)")):
+        names = list(results)
+        ax.bar(names, [results[n][unit] for n in names], color=["#888888", "#4C72B0", "#DD8452"])
+        ax.set_ylabel(label)
+        ax.set_xlabel("execution (1 torch thread per process)")
+        ax.spines[["top", "right"]].set_visible(False)
+    fig.suptitle("Throughput on a 2-core CPU, SmolLM2-135M-Instruct (float32)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvf-bench-scale-"))
+    data = work / "data"
+    if not (data / "questions.jsonl").exists():
+        make_synthetic(data, n_questions=args.questions, passages_per_question=args.passages, seed=0)
+    corpus = data / "corpus"
+    console.print(f"synthetic corpus: {args.questions} questions x {args.passages} passages; work dir {work}")
+
+    def one_build(name, workers):
+        shutil.rmtree(work / f"ws-{name}", ignore_errors=True)
+        console.print(f"build-cache, {name} ...")
+        return timed_build(corpus, work / f"ws-{name}", workers, args.batch)
+    build = {name: cached(work, f"build-{workers}", lambda n=name, w=workers: one_build(n, w))
+             for name, workers in (("one process", None), ("ray x1", 1), ("ray x2", 2))}
+    stores = {name: work / f"ws-{name}" / "kv.zarr" for name in build}
+    builds_equal = all(same_store(stores["one process"], stores[n]) for n in ("ray x1", "ray x2"))
+
+    def one_sweep(name, workers):
+        console.print(f"kvf run sweep, {name} ...")
+        (work / f"sweep-{name}.jsonl").unlink(missing_ok=True)
+        return timed_run(data, work / "ws-one process", work / f"sweep-{name}.jsonl", args.sweep_methods,
+                         args.sweep_questions, workers)
+    sweep = {name: cached(work, f"sweep-{workers}", lambda n=name, w=workers: one_sweep(n, w))
+             for name, workers in (("one process", None), ("ray x1", 1), ("ray x2", 2))}
+    sweeps_equal = all(answers_of(sweep["one process"]["records"]) == answers_of(sweep[n]["records"])
+                       for n in ("ray x1", "ray x2"))
+
+    # every method needs both stored variants (and Cache-Craft's summaries): built before timing
+    if not (work / "ws-share" / "manifest.json").exists():
+        console.print("build-cache for the methods sweep (prefix and fusion variants; untimed) ...")
+        build_cache(BuildOptions(corpus=corpus, workspace=work / "ws-share", bm25=False, variants=("prefix", "fusion"),
+                                 n_neighbours=3, extras_for=("cachecraft",)), QUIET)
+
+    def one_share(name, shared):
+        console.print(f"methods sweep per question, {name} ...")
+        (work / f"share-{shared}.jsonl").unlink(missing_ok=True)
+        return timed_run(data, work / "ws-share", work / f"share-{shared}.jsonl", SWEEP_METHODS,
+                         args.share_questions, None, ratios=SWEEP_RATIOS, compare_full=True, share=shared,
+                         max_new_tokens=16, n_neighbours=3)
+    share = {name: cached(work, f"share-{shared}", lambda n=name, s=shared: one_share(n, s))
+             for name, shared in (("lone requests (--no-share)", False), ("shared work (default)", True))}
+    share_equal = answers_of(share["lone requests (--no-share)"]["records"]) == \
+        answers_of(share["shared work (default)"]["records"])
+
+    one = build["one process"]
+    measured = {"bytes_per_token": one["bytes"] / one["tokens"], "tokens_per_core_s": one["tokens"] / one["seconds"]}
+    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured)
+
+    build_rows = throughput_rows(build, "chunks_per_s")
+    sweep_rows = throughput_rows(sweep, "answers_per_s")
+    per_q = {n: r["seconds"] / r["questions"] for n, r in share.items()}
+    lone, shared_s = per_q["lone requests (--no-share)"], per_q["shared work (default)"]
+    share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}"] for n, s in per_q.items()]
+    for title, cols, rows in (("build-cache KV stage", ["execution", "chunks/s", "seconds", "vs ray x1"], build_rows),
+                              ("kvf run sweep", ["execution", "answers/s", "seconds", "vs ray x1"], sweep_rows),
+                              ("methods sweep per question", ["mode", "questions", "answers", "s/question"], share_rows)):
+        console.print(table(title, cols, rows))
+    console.print(f"Ray builds equal the one-process build (keys and bytes): {builds_equal}; "
+                  f"sweep answers equal: {sweeps_equal}; shared == lone answers: {share_equal}; "
+                  f"shared / lone per-question cost: {shared_s / lone:.2f}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot(build, sweep, args.out.with_suffix(".png"))
+    conditions = (f"model SmolLM2-135M-Instruct (embedded GGUF, float32 on CPU), {os.cpu_count()} CPU cores, one "
+                  f"torch thread per process; synthetic corpus (kvf.pipeline.data.synthetic, seed 0) of "
+                  f"{args.questions} questions x {args.passages} passages = {one['chunks']} chunks, "
+                  f"{one['tokens']:,} tokens")
+    command = "python -m kvf.scripts.bench_scale " + shlex.join(sys.argv[1:])
+    md = ["# Scale-out: Ray workers and shared sweep work\n",
+          f"Made by `{command.strip()}` at commit {git_commit() or 'unknown'}.  \nConditions: {conditions}.\n",
+          "## Build throughput (KV stage, prefix variant)\n",
+          markdown_table(["execution", "chunks/s", "seconds", "vs ray x1"], build_rows),
+          f"\nRay builds equal the one-process build, same keys and same bytes: **{builds_equal}** "
+          f"(checked entry by entry). Ray times include actor start-up (a model load per actor, in parallel); "
+          f"the one-process time starts after its model load. Batches of {args.batch} chunks.\n",
+          "## Sweep throughput (`kvf run`)\n",
+          markdown_table(["execution", "answers/s", "seconds", "vs ray x1"], sweep_rows),
+          f"\n{args.sweep_questions} questions x methods {args.sweep_methods} at ratio 0.15, 8 new tokens; wall "
+          f"time including every process's model load. Same answers on every path: **{sweeps_equal}**.\n",
+          "## Per-question cost of a methods sweep: lone requests vs shared work\n",
+          markdown_table(["mode", "questions", "answers", "s/question"], share_rows),
+          f"\nEvery registered method x ratios {SWEEP_RATIOS}, --compare-full, 16 new tokens, the same "
+          f"{args.share_questions} questions, measured with {args.share_note}. Shared / lone = **{shared_s / lone:.2f}**; same answers: "
+          f"**{share_equal}**. Sharing does once per question what lone requests repeat (the full prefill, "
+          "each variant's query-only pass, decoding in batches); the tokens each method recomputes are its "
+          "own and cannot be shared, so they bound the saving.\n",
+          f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",
+          markdown_table(["model", "what", "value", "from"], [
+              ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
+               f"measured {measured['bytes_per_token'] / 1024:.1f} KiB per stored token (float16, all files)"],
+              ["SmolLM2-135M", "CPU core-hours", f"{proj['smollm_cpu_core_hours']:,.0f}",
+               f"measured {measured['tokens_per_core_s']:.0f} tokens/s per core (one process, one thread)"],
+              ["Llama-3-8B", "store size", f"{proj['llama_bytes'] / 2**40:.1f} TiB",
+               f"{kv_bytes_per_token(LLAMA3_8B) // 1024} KiB per token (32 layers x 2 x 8 KV heads x 128 x float16)"],
+              ["Llama-3-8B", "GPU-hours (H100)", f"{proj['llama_gpu_hours']:,.0f}",
+               f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at "
+               f"{ASSUMED_MFU:.0%} MFU"],
+              ["Llama-3-8B", f"wall hours on {args.gpus} GPUs", f"{proj['llama_wall_hours']:,.1f}",
+               "Ray actors, one per GPU, scale linearly (as measured above on CPU)"],
+              ["Llama-3-8B", "hours to write the store", f"{proj['llama_write_hours']:,.1f}",
+               f"assumed {ASSUMED_WRITE_GB_PER_S:g} GB/s of sustained object-store writes per 8-GPU node"],
+              ["Llama-3-8B", "compute dollars", f"${proj['llama_dollars']:,.0f}",
+               f"assumed ${ASSUMED_GPU_DOLLARS_PER_HOUR:.2f} per H100-hour"],
+              ["Llama-3-8B", "storage dollars per month", f"${proj['llama_storage_dollars_month']:,.0f}",
+               f"assumed ${ASSUMED_S3_DOLLARS_PER_GB_MONTH} per GB-month (S3 standard)"],
+          ]),
+          "\nMeasured rows come from this run; the Llama-3-8B rows are arithmetic on the stated assumptions "
+          "(no GPU was measured). The fusion variant doubles bytes and compute. At this size the store, "
+          "not the prefill, is the cost: writing and keeping 30 TiB outweighs a few GPU-hours of compute.\n",
+          f"![throughput]({args.out.with_suffix('.png').name})\n"]
+    write_atomic(args.out, "\n".join(md))
+    numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
+               "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
+               "shared_over_lone": shared_s / lone, "builds_equal": builds_equal, "sweeps_equal": sweeps_equal,
+               "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
+    write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1))
+    console.print(f"wrote {args.out}, {args.out.with_suffix('.json').name}, {args.out.with_suffix('.png').name}")
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
