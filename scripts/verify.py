@@ -51,7 +51,9 @@ def read_table(path: Path) -> pd.DataFrame:
 def lookup(table: pd.DataFrame, where: dict, column: str) -> float:
     rows = table
     for key, value in (where or {}).items():
-        if isinstance(value, float):
+        if value in ("", None):  # an unlabelled row: the CSV holds no value there
+            rows = rows[rows[key].isna() | (rows[key].astype(str) == "")]
+        elif isinstance(value, float):
             rows = rows[(rows[key] - value).abs() < 1e-9]
         else:
             rows = rows[rows[key].astype(str) == str(value)]
