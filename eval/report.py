@@ -128,7 +128,7 @@ def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
     per task n is small, pooled over tasks the paired intervals can separate methods."""
     tasks = df[df.dataset.str.contains("/", regex=False)]
     suites = tasks.dataset.str.split("/").str[0]
-    many = suites.groupby(suites).transform(lambda s: tasks.loc[s.index].dataset.nunique()) > 1
+    many = tasks.groupby(suites).dataset.transform("nunique") > 1
     pooled = tasks[many].assign(dataset=suites[many] + POOLED)
     return pd.concat([df, pooled], ignore_index=True) if len(pooled) else df
 

@@ -286,7 +286,8 @@ def main():
           ]),
           "\nMeasured rows come from this run; the Llama-3-8B rows are arithmetic on the stated assumptions "
           "(no GPU was measured). The fusion variant doubles bytes and compute. At this size the store, "
-          "not the prefill, is the cost: writing and keeping 30 TiB outweighs a few GPU-hours of compute.\n",
+          f"not the prefill, is the cost: writing and keeping {proj['llama_bytes'] / 2**40:.1f} TiB outweighs "
+          f"{proj['llama_gpu_hours']:,.0f} GPU-hours of compute.\n",
           f"![throughput]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
     numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
