@@ -4,7 +4,8 @@
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
-#   make ruler   every method at 15% on the calibrated RULER-style tasks at 2K, then results/ruler.md  (RULER_N=)
+#   make ruler   every method on the calibrated RULER-style tasks: 2K at ratios {0,.15,.3}, 4K at .15; results/ruler.md (RULER_N=)
+#   make hotpotqa  every method at 15% on HotpotQA (dev, fullwiki), then results/hotpotqa.md            (HOTPOTQA_N=)
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
@@ -26,7 +27,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -80,19 +81,41 @@ methods: methods-nq methods-2wikimqa methods-musique
 # RULER-style suite: the tasks the embedded model solves with full prefill (ruler-calibration), 2K and 4K tokens.
 RULER_TASKS ?= niah_single,niah_multikey,boundary,alias
 RULER_N ?= 10
-RULER_RATIOS ?= 0.15
+RULER_RATIOS ?= 0,0.15,0.3
 RULER_RUNS ?= results/ruler/runs
 RULER_OUT ?= results/ruler
-RULER_METHODS ?= all
+RULER_METHODS ?= all,kvfuse:propagate=before:propagate_from=0.33
 RULER_SWEEP = $(KVF) run -m $(RULER_METHODS) -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
-$(WORK)/ruler-%/questions.jsonl: | setup
-	$(KVF) data ruler --length $* --n $(RULER_N) --tasks $(RULER_TASKS) --out $(WORK)/ruler-$*
-ruler-2048 ruler-4096: ruler-%: $(WORK)/ruler-%/questions.jsonl
-	$(RULER_SWEEP) -d $(WORK)/ruler-$* -o $(RULER_RUNS)/ruler-$*.jsonl
-ruler: ruler-2048
+# Each seed is a fresh set of RULER_N samples per task (seed 0: work/ruler-2048, others: work/ruler-2048-sS);
+# their records pool into one dataset per length. 4K samples cost ~4x as much on this CPU: one seed, one ratio.
+RULER_SEEDS ?= 0 1
+RULER_4K_SEEDS ?= 0
+RULER_4K_RATIOS ?= 0.15
+ruler-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
+ruler-4096: RULER_SEEDS = $(RULER_4K_SEEDS)
+ruler-2048 ruler-4096: ruler-%: | setup
+	for seed in $(RULER_SEEDS); do \
+	  suffix=$$([ $$seed = 0 ] || echo -s$$seed); dir=$(WORK)/ruler-$*$$suffix; \
+	  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $* --n $(RULER_N) --seed $$seed \
+	    --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	  $(RULER_SWEEP) -d $$dir -o $(RULER_RUNS)/ruler-$*$$suffix.jsonl || exit 1; \
+	done
+ruler: ruler-2048 ruler-4096
 	$(KVF) eval --complete-only $(RULER_RUNS)/*.jsonl --out $(RULER_OUT)
 	cat scripts/ruler_header.md $(RULER_OUT)/summary.md > $(RULER_OUT).md
 	@echo "results in $(RULER_OUT).md and $(RULER_OUT)/ (summary.csv, plots)"
+
+# HotpotQA (dev, fullwiki: the retriever's 10 passages per question): every method at 15%.
+HOTPOTQA_N ?= 30
+HOTPOTQA_RATIOS ?= 0.15
+HOTPOTQA_RUNS ?= results/hotpotqa/runs
+HOTPOTQA_OUT ?= results/hotpotqa
+hotpotqa: $(WORK)/hotpotqa/questions.jsonl
+	$(KVF) run -d $(WORK)/hotpotqa -m all -r $(HOTPOTQA_RATIOS) -n $(HOTPOTQA_N) --neighbours $(NEIGHBOURS) --compare-full \
+	  --max-new-tokens 12 --no-show-answers -o $(HOTPOTQA_RUNS)/hotpotqa.jsonl
+	$(KVF) eval --complete-only $(HOTPOTQA_RUNS)/hotpotqa.jsonl --out $(HOTPOTQA_OUT)
+	cat scripts/hotpotqa_header.md $(HOTPOTQA_OUT)/summary.md > $(HOTPOTQA_OUT).md
+	@echo "results in $(HOTPOTQA_OUT).md and $(HOTPOTQA_OUT)/ (summary.csv, pairs.csv, plots)"
 
 # Every generated task, full prefill and full reuse only, at 2K: which tasks the model can solve at all.
 CALIBRATION_N ?= 10

@@ -16,7 +16,7 @@ METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold valu
 def save_figure(fig, path: Path) -> None:
     from kvf.pipeline.files import atomic_path
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130, format="png")
+        fig.savefig(tmp, dpi=130, format="png", bbox_inches="tight")  # long legend labels stay inside
 
 
 def _label(row: pd.Series, show_variant: bool) -> str:
@@ -24,16 +24,19 @@ def _label(row: pd.Series, show_variant: bool) -> str:
     return f"{text} ({row.variant})" if show_variant and row.variant else text
 
 
-def _fixed_ratio_methods(rows: pd.DataFrame) -> set[str]:
-    """Methods run at one ratio only (pcw, cachefocus, ...): drawn as single points, not lines."""
+def _fixed_ratio_methods(rows: pd.DataFrame) -> set[tuple]:
+    """(method, label, variant) run at one ratio only (pcw, cachefocus, ...): single points, not lines."""
     counts = rows.groupby(["method", "label", "variant"]).ratio.nunique()
-    return {m for (m, _, _), c in counts.items() if c == 1}
+    return {key for key, c in counts.items() if c == 1}
 
 
 def _palette(labels: list[str]) -> dict[str, tuple]:
+    """One colour per label: tab20's ten dark hues first, then their light shades, so that up to
+    ten labels never share a hue and neighbours in the legend never get two shades of one."""
     from matplotlib import colormaps
-    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"]
-    return {label: palette(i % palette.N) for i, label in enumerate(sorted(labels))}
+    tab20 = colormaps["tab20"]
+    order = list(range(0, 20, 2)) + list(range(1, 20, 2))
+    return {label: tab20(order[i % 20]) for i, label in enumerate(sorted(set(labels)))}
 
 
 def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str | None, ylabel: str,
@@ -54,7 +57,7 @@ def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str |
         yerr = None
         if low and high:
             yerr = [(line[column] - line[low]).clip(lower=0).fillna(0), (line[high] - line[column]).clip(lower=0).fillna(0)]
-        if method in fixed:
+        if (method, label, variant) in fixed:
             ax.errorbar(line.recomputed_frac.fillna(line.ratio), line[column], yerr=yerr, fmt=next(marker, "o"),
                         markersize=8, capsize=3, color=colours[name], label=name, linestyle="none")
         else:
@@ -132,4 +135,32 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     fig.suptitle("Time to first token vs recompute ratio")
     _legend_outside(fig, axes)
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
+    save_figure(fig, path)
+
+
+def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
+    """One family of rows (a dataset at one ratio, with the methods that have no ratio knob) as two
+    ranked bar panels: the primary gold metric and fidelity to full, with 95% bootstrap intervals.
+    Reads better than a ratio axis when a sweep ran at one ratio."""
+    from matplotlib.figure import Figure
+    metric = rows.metric.iloc[0]
+    rows = rows.assign(name=[_label(r, rows.variant.nunique() > 1) for _, r in rows.iterrows()])
+    # ranked by gold accuracy where it discriminates (generated suites), else by fidelity to full:
+    # a weak model's gold F1 on QA sits near its floor; best at the top
+    rows = rows.sort_values(metric if metric == "acc" else "fidelity_f1")
+    fig = Figure(figsize=(12, 0.38 * len(rows) + 1.8))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, column, low, high, xlabel in (
+            (axes[0], metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric)),
+            (axes[1], "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer")):
+        values = rows[column].fillna(0)
+        xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]
+        colours = ["black" if m == "full" else "dimgray" if m == "reuse" else "tab:blue" for m in rows.method]
+        ax.barh(rows.name, values, xerr=xerr, color=colours, capsize=2, height=0.6)
+        ax.set_xlim(0, 1.02)
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"{title} (n = {int(rows.n.max())} questions; bars: 95% bootstrap intervals; "
+                 "black: full prefill, grey: reuse)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     save_figure(fig, path)

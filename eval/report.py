@@ -426,7 +426,8 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
                   command: str | None = None) -> list[Path]:
     """summary.csv, summary.md and the PNG plots; returns the paths written. df (the scored
     records) adds the "runs" table to summary.md; command goes in its header with the commit."""
-    from kvf.eval.plots import plot_quality, plot_ttft
+    from kvf.eval.pairs import ALPHA, families, pairs_lines, pairwise_differences  # pairs builds on this module
+    from kvf.eval.plots import plot_quality, plot_ranking, plot_ttft
     from kvf.pipeline.files import write_atomic
     from kvf.pipeline.workflows.provenance import git_commit
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
@@ -439,7 +440,21 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
               "95% paired bootstrap interval over the questions both answered.\n"
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
             + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n" if best else ""))
+    if df is not None:
+        pairs = pairwise_differences(df, summary)
+        written.append(out_dir / "pairs.csv")
+        write_atomic(written[-1], pairs.to_csv(index=False))
+        body += ("\nMethod pairs that differ (`pairs.csv`), in the primary metric vs gold and in fidelity to full: "
+                 "paired difference with its 95% interval, listed when the Holm-adjusted permutation p-value within "
+                 f"the dataset, ratio and measure is below {ALPHA}; "
+                 f"pairs on fewer than {MIN_QUESTIONS} common questions are not tested.\n\n"
+                 + ("\n".join(pairs_lines(pairs)) if len(pairs) else "- no pair has enough common questions") + "\n")
     write_atomic(written[1], body)
+    for dataset, ratio, rows in families(summary):
+        if ratio is not None and rows.n.max() >= MIN_QUESTIONS:
+            path = out_dir / f"ranking_{_safe_name(dataset)}_ratio{ratio:g}.png"
+            plot_ranking(rows, f"{dataset} at recompute ratio {ratio:g}", path)
+            written.append(path)
     for dataset in summary.dataset.unique():
         path = out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png"
         plot_quality(summary, dataset, path)

@@ -126,7 +126,8 @@ def test_ruler_records_score_the_share_of_gold_values(tmp_path):
 def test_outputs_written(runs, tmp_path):
     out = tmp_path / "out"
     summary = evaluate(runs, out)
-    names = {"summary.csv", "summary.md", "quality_vs_ratio_toy.png", "ttft_vs_ratio.png"}
+    names = {"summary.csv", "summary.md", "pairs.csv", "quality_vs_ratio_toy.png", "ranking_toy_ratio0.2.png",
+             "ttft_vs_ratio.png"}
     assert {p.name for p in out.iterdir()} == names
     assert {Path(p).name for p in summary.attrs["written"]} == names
     assert (out / "quality_vs_ratio_toy.png").read_bytes()[:4] == b"\x89PNG"
@@ -341,3 +342,76 @@ def test_a_generated_suite_is_also_scored_over_all_its_tasks():
     pooled = with_pooled_tasks(df)
     assert sorted(pooled[pooled.dataset == "ruler (all tasks)"].qid) == ["1", "2", "3"]
     assert len(pooled) == len(df) + 3  # a suite of one task and a plain dataset are not repeated
+
+
+def test_every_pair_of_methods_is_compared_with_holm_adjustment(runs, tmp_path):
+    from kvf.eval.pairs import pairwise_differences
+    summary = evaluate(runs, tmp_path / "out")
+    pairs = pairwise_differences(summary.attrs["records"], summary)
+    fidelity = pairs[pairs.measure == "fidelity_f1"]
+    pairs = pairs[pairs.measure == "f1"].set_index(["a", "b"])
+    # full is not compared in fidelity (1 by definition): reuse vs cacheblend only
+    assert list(zip(fidelity.a, fidelity.b)) == [("cacheblend (prefix)", "reuse (prefix)")]
+    # per-question F1 over q1..q4: full 1, 1, 1, 0; reuse 0, 1, 0, 0; cacheblend 1, 2/3, 0, 0
+    assert pairs.loc[("full (prefix)", "reuse (prefix)"), "diff"] == pytest.approx(0.5)
+    assert pairs.loc[("full (prefix)", "cacheblend (prefix)"), "diff"] == pytest.approx(1 / 3)
+    assert pairs.loc[("cacheblend (prefix)", "reuse (prefix)"), "diff"] == pytest.approx(1 / 6)
+    assert len(pairs) == 3 and (pairs.n == 4 * REPS).all()
+    assert pairs.loc[("full (prefix)", "reuse (prefix)"), "significant"]
+    assert (pairs.p_holm >= pairs.p).all()
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "- toy at ratio 0.2, f1 vs gold (3 pairs tested, n = 24)" in text
+    assert "full (prefix) > reuse (prefix): +0.500" in text
+    assert (tmp_path / "out" / "pairs.csv").is_file()
+    assert (tmp_path / "out" / "ranking_toy_ratio0.2.png").is_file()
+
+
+def test_a_pair_that_differs_only_by_noise_is_not_called_different(tmp_path):
+    from kvf.eval.pairs import pairwise_differences
+    # a right where b is wrong on q1, the reverse on q2: the mean difference is 0
+    a = write_run(tmp_path / "a.jsonl", replicated("epic", {"q1": "Paris", "q2": "Milan", "q3": "Berlin", "q4": "x"},
+                                                   ratio=0.2))
+    b = write_run(tmp_path / "b.jsonl", replicated("cacheblend", {"q1": "Lyon", "q2": "Rome", "q3": "Berlin", "q4": "x"},
+                                                   ratio=0.2))
+    summary = evaluate([a, b], tmp_path / "out")
+    pairs = pairwise_differences(summary.attrs["records"], summary)
+    pairs = pairs[pairs.measure == "f1"]
+    assert len(pairs) == 1 and pairs.iloc[0]["diff"] == pytest.approx(0.0)
+    assert not pairs.iloc[0].significant and pairs.iloc[0].p > 0.5
+    assert "no pair differs after Holm adjustment" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_holm_and_permutation_p_values():
+    from kvf.eval.stats import holm, paired_p_value
+    # sorted 0.01, 0.03, 0.04 -> x3, x2, x1 = 0.03, 0.06, 0.04 -> running maximum 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    same = pd.Series([1.0, 0.0, 1.0] * 10)
+    assert paired_p_value(same, same) == 1.0
+    better = pd.Series([1.0] * 30)
+    worse = pd.Series([0.0] * 30)
+    assert paired_p_value(better, worse) < 1e-3        # every flip of 30 equal signs but two is smaller
+    one_off = pd.Series([1.0] + [0.0] * 29)
+    assert paired_p_value(one_off, worse) == pytest.approx(1.0)   # one question says nothing
+
+
+def test_a_labelled_single_ratio_row_does_not_turn_its_methods_line_into_points():
+    from matplotlib.figure import Figure
+
+    from kvf.eval.plots import plot_panel
+    rows = pd.DataFrame({"method": ["kvfuse"] * 4, "label": ["", "", "", "other"], "variant": ["fusion"] * 4,
+                         "ratio": [0.0, 0.15, 0.3, 0.15], "acc": [0.5, 0.7, 0.9, 0.8],
+                         "recomputed_frac": [0.0, 0.15, 0.3, 0.15]})
+    ax = Figure().subplots()
+    colours = {"kvfuse": "red", "kvfuse [other]": "blue"}
+    assert plot_panel(ax, rows, "acc", None, None, "accuracy", colours, show_variant=False)
+    lines = {bars.get_label(): bars.lines[0] for bars in ax.containers}    # errorbar: (data line, caps, bars)
+    assert list(lines["kvfuse"].get_xdata()) == [0.0, 0.15, 0.3]          # a line through its three ratios
+    assert lines["kvfuse"].get_linestyle() == "-"
+    assert lines["kvfuse [other]"].get_linestyle() == "None"               # the one-ratio row: a point
+
+
+def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
+    from kvf.eval.plots import _palette
+    labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
+    colours = _palette(labels)
+    assert len(colours) == 12 and len(set(colours.values())) == 12

@@ -228,6 +228,12 @@ def check_args(tasks: list[str], length: int, n: int, chunk_tokens: int, max_pos
     return k
 
 
+def sample_id(task: str, length: int, seed: int, i: int) -> str:
+    """niah_single-2048-000 for seed 0; other seeds name theirs (niah_single-2048-s1-000), so the
+    samples of several seeds pool into one dataset (`ruler-2048`) without clashing."""
+    return f"{task}-{length}-{i:03d}" if seed == 0 else f"{task}-{length}-s{seed}-{i:03d}"
+
+
 def make_ruler(out_dir: str | Path | None, tokenizer, tasks: list[str], length: int, n: int, seed: int = 0,
                chunk_tokens: int = 256, max_positions: int = 8192) -> list[Question]:
     """Generate n samples per task at `length` tokens; write a prepared directory unless out_dir is None."""
@@ -243,7 +249,7 @@ def make_ruler(out_dir: str | Path | None, tokenizer, tasks: list[str], length: 
         for i in range(n):
             sample = TASKS[task](writer, pool, k)
             passages = [Passage("", text) for text in sample.passages]
-            questions.append(Question(f"{task}-{length}-{i:03d}", sample.question, sample.answers, passages,
+            questions.append(Question(sample_id(task, length, seed, i), sample.question, sample.answers, passages,
                                       gold_mode=sample.gold_mode, task=task, fact_chunks=sample.fact_chunks))
     if out_dir is not None:
         manifest = {"dataset": f"ruler-{length}", "source": "kvf.pipeline.data.ruler", "format": "ruler", "seed": seed,

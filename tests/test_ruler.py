@@ -1,0 +1,65 @@
+"""The RULER-style generator: deterministic by seed, every passage one chunk, facts where it says."""
+import json
+
+import pytest
+
+from kvf.pipeline.data.ruler import TASKS, make_ruler
+
+LENGTH, CHUNK = 1024, 128
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvf.pipeline.workflows.weights import open_model
+    return open_model(None).tokenizer
+
+
+def tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def suite(tokenizer, seed=0, n=2, tasks=tuple(TASKS)):
+    return make_ruler(None, tokenizer, list(tasks), LENGTH, n, seed, CHUNK)
+
+
+def test_same_seed_same_suite_other_seed_other_samples_and_ids(tokenizer):
+    first, again, other = suite(tokenizer), suite(tokenizer), suite(tokenizer, seed=1)
+    assert [(q.qid, q.question, q.answers, q.context_ids) for q in first] == \
+           [(q.qid, q.question, q.answers, q.context_ids) for q in again]
+    assert {q.qid for q in first}.isdisjoint({q.qid for q in other})     # seeds pool without clashing
+    assert [q.context_ids for q in first] != [q.context_ids for q in other]
+    assert first[0].qid == "niah_single-1024-000" and other[0].qid == "niah_single-1024-s1-000"
+
+
+def test_every_passage_fits_one_chunk_and_the_sample_fits_its_length(tokenizer):
+    for q in suite(tokenizer):
+        sizes = [tokens(tokenizer, p.text) for p in q.contexts]
+        assert max(sizes) <= CHUNK, (q.qid, max(sizes))
+        assert sum(sizes) <= LENGTH - 150
+        assert len(q.contexts) == (LENGTH - 150) // CHUNK
+
+
+def test_facts_sit_in_the_chunks_named_by_fact_chunks(tokenizer):
+    for q in suite(tokenizer, tasks=("niah_single", "niah_multikey", "boundary", "alias", "niah_multivalue")):
+        texts = [p.text for p in q.contexts]
+        if q.task == "boundary":                          # the key ends one chunk, the value starts the next
+            a, b = q.fact_chunks
+            assert b == a + 1 and texts[a].endswith("is:") and texts[b].startswith(q.answers[0])
+            assert all(q.answers[0] not in t for i, t in enumerate(texts) if i != b)
+        elif q.task == "alias":                           # the value is stated only in the earlier chunk
+            a, b = q.fact_chunks
+            assert a < b and q.answers[0] in texts[a] and q.answers[0] not in texts[b]
+            assert "is the same as the one for" in texts[b]
+        else:                                             # each gold value in exactly the chunks named
+            for value in q.answers:
+                holders = [i for i, t in enumerate(texts) if value in t]
+                assert len(holders) == 1 and holders[0] in q.fact_chunks
+        assert q.gold_mode == ("all" if q.task == "niah_multivalue" else "any")
+
+
+def test_the_prepared_directory_records_the_seed(tokenizer, tmp_path):
+    make_ruler(tmp_path / "r", tokenizer, ["niah_single"], LENGTH, 1, 3, CHUNK)
+    manifest = json.loads((tmp_path / "r" / "prepared.json").read_text())
+    assert manifest["seed"] == 3 and manifest["dataset"] == "ruler-1024"
+    row = json.loads((tmp_path / "r" / "questions.jsonl").read_text().splitlines()[0])
+    assert row["id"] == "niah_single-1024-s3-000"
