@@ -106,7 +106,7 @@ ruler: ruler-2048 ruler-4096
 	@echo "results in $(RULER_OUT).md and $(RULER_OUT)/ (summary.csv, plots)"
 
 # HotpotQA (dev, fullwiki: the retriever's 10 passages per question): every method at 15%.
-HOTPOTQA_N ?= 30
+HOTPOTQA_N ?= 50
 HOTPOTQA_RATIOS ?= 0.15
 HOTPOTQA_RUNS ?= results/hotpotqa/runs
 HOTPOTQA_OUT ?= results/hotpotqa
