@@ -68,7 +68,8 @@ def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd
         if mean < 0:                                            # the higher-scoring row first
             (name_a, a), (name_b, b), (mean, low, high) = (name_b, b), (name_a, a), (-mean, -high, -low)
         common = a.index.intersection(b.index)
-        pairs.append({"dataset": dataset, "ratio": ratio, "measure": measure, "a": name_a, "b": name_b, "n": n, "a_mean": a.loc[common].mean(), "b_mean": b.loc[common].mean(), "diff": mean,
+        pairs.append({"dataset": dataset, "ratio": ratio, "measure": measure, "a": name_a, "b": name_b, "n": n,
+                      "a_mean": a.loc[common].mean(), "b_mean": b.loc[common].mean(), "diff": mean,
                       "low": low, "high": high, "p": paired_p_value(a, b)})
     for pair, adjusted in zip(pairs, holm([p["p"] for p in pairs])):
         pair["p_holm"] = adjusted
@@ -78,7 +79,7 @@ def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd
 
 def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     """One row per compared pair: dataset, ratio, measure, a, b, paired difference a - b (>= 0), its 95%
-    interval, the bootstrap p-value and its Holm adjustment, and whether the pair differs."""
+    interval, the paired permutation p-value and its Holm adjustment, and whether the pair differs."""
     pairs = [pair for dataset, ratio, rows in families(summary) for measure in (rows.metric.iloc[0], FIDELITY)
              for pair in compare_family(df, dataset, ratio, rows, measure)]
     return pd.DataFrame(pairs, columns=PAIR_COLUMNS)
