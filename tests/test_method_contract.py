@@ -243,3 +243,16 @@ def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(built, tmp_path
     record = json.loads(out.read_text().splitlines()[0])
     assert record["method"] == "toy" and record["settings"]["first_tokens"] == 3
     assert record["recomputed_tokens"] == 3 * len(record["chunk_ids"])
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_method(n, 0.0).is_reuse()])
+def test_a_method_that_says_it_is_reuse_gives_reuse_bits(answerer, embedded, name):
+    """is_reuse() lets a sweep share reuse's prefill and decoding; it must then be reuse, bit for bit."""
+    method = get_method(name, 0.0)
+    prompt, exact, _ = embedded["many"]
+    source = InMemoryKV([kv.half().float() for kv in exact.chunk_kvs], exact.chunk_extras)  # the store's float16
+    got = method.prefill(answerer.engine, prompt, source, max_new_tokens=4)
+    reuse = get_method("reuse").prefill(answerer.engine, prompt, source, max_new_tokens=4)
+    assert torch.equal(got.logits, reuse.logits)
+    assert torch.equal(got.cache.kv[:, :, :, : prompt.n_tokens], reuse.cache.kv[:, :, :, : prompt.n_tokens])
+    assert got.recomputed_tokens == 0

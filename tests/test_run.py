@@ -62,24 +62,29 @@ def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, m
 
 
 def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp_path, monkeypatch):
-    """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio) and
-    decodes in batches; --no-share runs every request alone. Same answers, and the shared pieces are
-    named in each record."""
+    """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio),
+    computes once the reuse prefill of every method that is reuse at ratio 0, and decodes in batches;
+    --no-share runs every request alone. Same answers, and the shared pieces are named in each record."""
     from kvf.pipeline.fusion.engine import FusionEngine
-    passes = []
-    original = FusionEngine.query_pass
-    monkeypatch.setattr(FusionEngine, "query_pass", lambda self, *a: passes.append(1) or original(self, *a))
-    kw = dict(methods=["reuse", "prophetkv", "fusionrag"], ratios=[0.15, 0.3], warmup=False, limit=1)
+    passes, fused = [], []
+    original_pass, original_fuse = FusionEngine.query_pass, FusionEngine.fuse
+    monkeypatch.setattr(FusionEngine, "query_pass", lambda self, *a: passes.append(1) or original_pass(self, *a))
+    monkeypatch.setattr(FusionEngine, "fuse", lambda self, m, *a: fused.append(m.name) or original_fuse(self, m, *a))
+    kw = dict(methods=["reuse", "prophetkv", "fusionrag", "cacheblend"], ratios=[0.0, 0.15], warmup=False, limit=1)
     run(run_opts(built, tmp_path / "shared.jsonl", **kw), QUIET)
     assert len(passes) == 2  # one pass on the prefix variant, one on the fusion variant
+    # reuse once per variant (prophetkv@0 and cacheblend@0 share the prefix one, fusionrag@0 the fusion one)
+    assert sorted(fused) == ["cacheblend", "fusionrag", "prophetkv", "reuse", "reuse"]
     run(run_opts(built, tmp_path / "alone.jsonl", share=False, **kw), QUIET)
-    assert len(passes) == 2
+    assert len(passes) == 2  # alone, each request runs its first pass inside its own layer loop
     shared, alone = read_records(tmp_path / "shared.jsonl"), read_records(tmp_path / "alone.jsonl")
     key = lambda r: (r["qid"], r["method"], r["settings"]["ratio"])  # noqa: E731
-    assert len(shared) == 5 and {key(r): r["answer"] for r in shared} == {key(r): r["answer"] for r in alone}
+    assert len(shared) == 7 and {key(r): r["answer"] for r in shared} == {key(r): r["answer"] for r in alone}
     for rec in shared:
-        variant = rec["settings"]["variant"]
-        assert f"query-pass:{variant}" in rec["shared"] and "decode-batch:5" in rec["shared"]
+        variant, ratio = rec["settings"]["variant"], rec["settings"]["ratio"]
+        assert "decode-batch:5" in rec["shared"]  # 7 answers, 5 distinct prefills
+        assert (f"reuse-prefill:{variant}" in rec["shared"]) == (ratio == 0.0 and rec["method"] != "reuse")
+        assert (f"query-pass:{variant}" in rec["shared"]) == (rec["method"] != "cacheblend" or ratio == 0.0)
     assert all(rec["shared"] == [] for rec in alone)
 
 

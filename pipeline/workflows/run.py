@@ -478,20 +478,17 @@ def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -
             write(rec)
 
 
-DECODE_BATCH = 8  # answers of one question decoded together (greedy_decode_batch); caches held at once
-
-
 class QuestionRunner:
     """Answers one question with every planned method: its chunks' entries once, the full prefill once
-    (shared by `full` and --compare-full), each method's timed prefill, then the answers decoded
-    together in batches. What a record shares with others is listed in its `shared` field."""
+    (shared by `full` and --compare-full), each method's timed prefill (one reuse prefill per variant for
+    every method that is plain reuse here), then the answers decoded together in one batch. What a record shares with others is listed in its `shared` field."""
 
     def __init__(self, opts: RunOptions, session: Session, picker: ChunkPicker, planned: list[Planned],
                  settings_of: dict, name: str):
         self.opts, self.session, self.picker, self.planned = opts, session, picker, planned
         self.settings_of, self.name = settings_of, name
         self.prov = provenance(opts.device)
-        self.full_method = get_method("full")
+        self.full_method, self.reuse_method = get_method("full"), get_method("reuse")
         self.warmed: set[str] = set() if opts.warmup else {p.method.name for p in planned} | {"full"}
         self.token_layer_seconds = (measure_token_layer_seconds(session.answerer.transformer)
                                     if opts.auto_ratio else None)
@@ -517,6 +514,7 @@ class QuestionRunner:
             full = session.prefill(prompt, self.full_method, None, opts.max_new_tokens)
         jobs = []  # (planned, method, (fused, timings))
         shared_of = {v: {} for v in keys} if opts.share else {}  # per variant: its query-only pass, once
+        reused = {}  # per variant: the one reuse prefill that every method which is reuse here shares
         for p in todo:
             method, variant_keys = p.method, keys.get(p.variant)
             if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
@@ -524,10 +522,13 @@ class QuestionRunner:
             if not method.uses_store:
                 jobs.append((p, method, full))  # the full prefill timed above: not run twice
                 continue
-            self.warm(prompt, method, variant_keys)
-            jobs.append((p, method, session.prefill(prompt, method, variant_keys, opts.max_new_tokens, opts.pipeline,
-                                                    shared_of.get(p.variant))))
-        to_decode = ([full] if full else []) + [pre for _, _, pre in jobs if pre is not full]
+            if opts.share and method.is_reuse():
+                if p.variant not in reused:
+                    reused[p.variant] = self.prefill(prompt, self.reuse_method, variant_keys, shared_of.get(p.variant))
+                jobs.append((p, method, reused[p.variant]))
+                continue
+            jobs.append((p, method, self.prefill(prompt, method, variant_keys, shared_of.get(p.variant))))
+        to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]}.values())
         answer_of = {id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}
         full_answer = answer_of[id(full)] if full else None
         for p, method, prefilled in jobs:
@@ -539,6 +540,8 @@ class QuestionRunner:
             shared = []
             if prefilled is full and opts.compare_full:
                 shared.append("prefill:full")
+            if prefilled is reused.get(p.variant) and method.name != "reuse":
+                shared.append(f"reuse-prefill:{p.variant}")
             if prefilled[0].info.get("shared"):
                 shared += [f"{piece}:{p.variant}" for piece in prefilled[0].info["shared"]]
             if ans.decoded_with > 1:
@@ -552,10 +555,15 @@ class QuestionRunner:
                            top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)))
             yield rec
 
+    def prefill(self, prompt, method: FusionMethod, variant_keys, shared: dict | None):
+        self.warm(prompt, method, variant_keys)
+        return self.session.prefill(prompt, method, variant_keys, self.opts.max_new_tokens, self.opts.pipeline, shared)
+
     def decode(self, prompt, prefilled: list) -> list:
-        """Decode prefilled answers in batches of DECODE_BATCH (one by one without sharing); returns
-        answers in the same order."""
-        answers, batch = [], DECODE_BATCH if self.opts.share else 1
+        """Decode a question's prefilled answers in one batch (their caches are all held by now anyway),
+        or one by one without sharing; returns answers in the same order."""
+        batch = max(1, len(prefilled)) if self.opts.share else 1
+        answers = []
         for start in range(0, len(prefilled), batch):
             answers += self.session.answerer.decode_many(prompt, prefilled[start: start + batch],
                                                          self.opts.max_new_tokens)

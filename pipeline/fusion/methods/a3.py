@@ -65,6 +65,7 @@ class A3Knobs:
 class A3(FusionMethod):
     name = "a3"
     Knobs = A3Knobs
+    reuse_at_ratio_zero = True
 
     def initial_chunk_rows(self, prompt: FusedPrompt) -> torch.Tensor:
         return all_chunk_rows(prompt)  # hidden states exist for every row; layer 0 keeps the selected ones

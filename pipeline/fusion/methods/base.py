@@ -6,7 +6,8 @@ itself, and nothing else in kvf names it:
 - `name`, and `Knobs`: a dataclass whose fields (declared with `knob()`) become `kvf run` and
   `kvf bench` flags with their help text, are validated, and are recorded with every run;
 - `ratio_is_knob` (False: the method recomputes a fixed amount, `fixed_ratio`, whatever --ratio
-  says), `offline_variant` (the stored variant it reads by default), `uses_store`;
+  says), `offline_variant` (the stored variant it reads by default), `uses_store`,
+  `reuse_at_ratio_zero` (at ratio 0 it is plain reuse, so a sweep shares reuse's prefill);
 - `extras_hook`: an optional build-time hook (Cache-Craft's attention summaries) that build-cache,
   run and bench call through this interface;
 - its answers to the engine's one layer loop (FusionEngine.fuse): `plan` (positions, the rows
@@ -99,6 +100,7 @@ class FusionMethod:
     passes = 1                    # layer loops per request (two-pass methods select in the first)
     query_pass = False            # True: its first pass is reuse's plain query-only pass (default plan, no
                                   # hooks in it), which a sweep runs once per question and variant
+    reuse_at_ratio_zero = False   # True: at ratio 0 it recomputes and changes nothing (see is_reuse)
     extras_hook = None            # (attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
     extras_names: tuple = ()      # the extras an entry must carry for this method
     # what the contract test (tests/test_method_contract.py) holds every method to:
@@ -124,6 +126,11 @@ class FusionMethod:
     def settings(self) -> dict:
         """What is recorded with every run: the ratio and every knob."""
         return {"ratio": self.recompute_ratio, **dataclasses.asdict(self.knobs)}
+
+    def is_reuse(self) -> bool:
+        """Whether this request's fused prefill is, bit for bit, `reuse`'s on the same stored variant
+        (the contract test holds every method to it), so a sweep computes and decodes it once."""
+        return self.reuse_at_ratio_zero and self.ratio_is_knob and self.recompute_ratio == 0.0
 
     def check_model(self, n_layers: int) -> None:
         """Knobs that depend on the loaded model (e.g. a layer index) are checked here."""

@@ -32,6 +32,10 @@ class CacheBlendKnobs:
 class CacheBlend(FusionMethod):
     name = "cacheblend"
     Knobs = CacheBlendKnobs
+    reuse_at_ratio_zero = True
+
+    def is_reuse(self) -> bool:
+        return super().is_reuse() and not (self.knobs.gradual and self.knobs.gradual_first)
 
     def check_model(self, n_layers: int) -> None:
         if self.knobs.check_layer >= n_layers:
@@ -39,6 +43,8 @@ class CacheBlend(FusionMethod):
                            f"use 1..{n_layers - 1}")
 
     def initial_chunk_rows(self, prompt: FusedPrompt) -> torch.Tensor:
+        if self.is_reuse():  # nothing will be kept at the check layer: recomputing layer 0 would be waste
+            return super().initial_chunk_rows(prompt)
         return all_chunk_rows(prompt)
 
     def before_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:

@@ -275,6 +275,10 @@ class CacheCraft(FusionMethod):
     default_ratio = 0.3
     extras_names = EXTRAS
     exact_budget = False  # ceil(CFO_i |C_i|) per chunk: within one token per chunk of r * n
+    reuse_at_ratio_zero = True
+
+    def is_reuse(self) -> bool:
+        return super().is_reuse() and self.knobs.alpha is None  # a given alpha sets the budget, not the ratio
 
     @staticmethod
     def extras_hook(attention: list[torch.Tensor], context_lengths: list[int], context_ids: list[int]) -> dict:

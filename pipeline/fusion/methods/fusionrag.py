@@ -39,6 +39,7 @@ class FusionRAG(FusionMethod):
     offline_variant = "fusion"
     passes = 2  # pass 1 (Q only) selects, pass 2 recomputes
     query_pass = True  # pass 1 is reuse's pass: a sweep runs it once per question and variant
+    reuse_at_ratio_zero = True
 
     # ---- what differs between FusionRAG and ProphetKV --------------------------------------
     def scored_layers(self, n_layers: int) -> list[int]:

@@ -56,6 +56,7 @@ class KvFuse(FusionMethod):
     offline_variant = "fusion"
     passes = 2
     query_pass = True
+    reuse_at_ratio_zero = True  # no recomputed row: nothing to propagate
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index == 0 and layer in self.scored_layers(state.cache.kv.shape[0])

@@ -11,3 +11,6 @@ class FullReuse(FusionMethod):
     ratio_is_knob = False
     fixed_ratio = 0.0
     query_pass = True  # the whole request is the query-only pass
+
+    def is_reuse(self) -> bool:
+        return True
