@@ -11,7 +11,8 @@
      "prompt_tokens": int, "chunk_tokens": int, "recomputed_tokens": int, "recomputed_token_layers": int,
      "timings": {"load": s, "select": s, "recompute": s, "first_token": s, "decode": s, "read": s},
      "provenance": {"kvf_version": str, "commit": str | null, "device": str},
-     "shared": [str, ...],               # work shared with other records of the same question (see run.py)
+     "shared": [str, ...],               # work shared with other records of the same question: prefill:full,
+                                         # query-pass:VARIANT, reuse-prefill:VARIANT, decode-batch:N (run.py)
      # with --compare-full:
      "full_answer": str, "kl_full": float, "top1_agree_full": bool}
 

@@ -204,12 +204,18 @@ def watched_sweep(cmd: list[str], env: dict, out: Path, n: int) -> dict:
         raise SystemExit(f"sweep failed ({' '.join(cmd)}): {proc.stderr.read().decode()[-2000:]}")
     total = count_lines(out)
     seen.append((seconds, total))
-    if total % n:
-        raise SystemExit(f"{out}: {total} records is not the same number for each of {n} questions")
-    done_at = [next(t for t, lines in seen if lines >= i * total // n) for i in range(1, n + 1)]
+    done_at = question_ends(seen, total, n, out)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return {"questions": n, "answers": total, "seconds": seconds, "per_question": (done_at[-1] - done_at[0]) / (n - 1),
             "records": records}
+
+
+def question_ends(seen: list[tuple[float, int]], total: int, n: int, out: Path) -> list[float]:
+    """When each of n questions had all its records written, from (seconds, lines so far) samples;
+    every question writes total / n records."""
+    if total == 0 or total % n:
+        raise SystemExit(f"{out}: {total} records cannot be the same number for each of {n} questions")
+    return [next(t for t, lines in seen if lines >= i * total // n) for i in range(1, n + 1)]
 
 
 # ---- 4. projection ----------------------------------------------------------------------------------
