@@ -9,8 +9,10 @@ process computing with one torch thread:
    stores must hold the same keys and the same bytes (checked, not assumed). Ray's times include its
    actors' start-up (one model load each, in parallel); the one-process time does not include its
    model load (stage_kv starts timing after it).
-2. sweep throughput (answers/s of `kvf run`, wall time including every model load): one process,
-   Ray x1, Ray x2, on the same questions and methods. The records must agree.
+2. sweep throughput (answers/s of `kvf run`): one process, Ray x1, Ray x2, on the same questions and
+   methods. Steady state: from the time every worker has finished its first question to the last
+   question (start-up and model loads excluded, as in a long sweep); the whole-run rate is shown
+   beside it. The records must agree.
 3. per-question cost of the methods sweep issue 18 names (v1's 9 methods x ratios 0/0.05/0.15/0.3,
    --compare-full), on the same questions, as three processes side by side: v1 itself (commit
    V1_COMMIT, main when the issue was filed, checked out into a git worktree), today's code with
@@ -33,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -110,15 +113,19 @@ def same_store(a: Path, b: Path) -> bool:
 # ---- 2. sweep throughput -------------------------------------------------------------------------
 def timed_run(data: Path, workspace: Path, out: Path, methods: str, n: int, ray_workers: int | None,
               **kw) -> dict:
+    """answers_per_s: steady state, from the time every worker has finished its first question to the
+    last question (start-up and model loads excluded); wall_answers_per_s: over the whole run."""
     opts = RunOptions(out=out, methods=parse_methods(methods), dataset=data, workspace=workspace, limit=n,
                       max_new_tokens=kw.pop("max_new_tokens", 8), ray=None if ray_workers is None else "local",
                       workers=ray_workers, threads=1, **kw)
-    started = time.perf_counter()
-    run(opts, QUIET)
-    seconds = time.perf_counter() - started
+    with LineCounter(out) as lines:
+        run(opts, QUIET)
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    return {"questions": n, "answers": len(records), "seconds": seconds, "answers_per_s": len(records) / seconds,
-            "records": records}
+    ends = question_ends(lines.seen, len(records), n, out)
+    workers = ray_workers or 1
+    steady = (n - workers) * len(records) / n / (ends[-1] - ends[workers - 1])
+    return {"questions": n, "answers": len(records), "seconds": lines.seconds, "answers_per_s": steady,
+            "wall_answers_per_s": len(records) / lines.seconds, "records": records}
 
 
 def answers_of(records: list[dict]) -> dict:
@@ -187,27 +194,49 @@ def v1_split_at_6k(path: Path) -> dict | None:
     return {"questions": n, "total": total, "selective": selective, "full": full}
 
 
+class LineCounter:
+    """Notes (seconds since start, complete lines) whenever a file's line count changes, sampling
+    every 50 ms in a background thread while the `with` block runs."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen, self.seconds = path, [], 0.0
+        self.started = time.perf_counter()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def sample(self) -> None:
+        lines = count_lines(self.path)
+        if not self.seen or lines != self.seen[-1][1]:
+            self.seen.append((time.perf_counter() - self.started, lines))
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            time.sleep(0.05)
+
+    def __enter__(self) -> "LineCounter":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.seconds = time.perf_counter() - self.started
+        self.sample()
+
+
 def watched_sweep(cmd: list[str], env: dict, out: Path, n: int) -> dict:
     """Run one sweep process over n questions; per_question = (time the last question's records were
     all written - time the first's were) / (n - 1)."""
     out.unlink(missing_ok=True)
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-    seen = []  # (seconds, lines written)
-    while proc.poll() is None:
-        lines = count_lines(out)
-        if not seen or lines != seen[-1][1]:
-            seen.append((time.perf_counter() - started, lines))
-        time.sleep(0.05)
-    seconds = time.perf_counter() - started
+    with LineCounter(out) as lines:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
     if proc.returncode != 0:
-        raise SystemExit(f"sweep failed ({' '.join(cmd)}): {proc.stderr.read().decode()[-2000:]}")
-    total = count_lines(out)
-    seen.append((seconds, total))
-    done_at = question_ends(seen, total, n, out)
+        raise SystemExit(f"sweep failed ({' '.join(cmd)}): {proc.stderr.decode()[-2000:]}")
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    return {"questions": n, "answers": total, "seconds": seconds, "per_question": (done_at[-1] - done_at[0]) / (n - 1),
-            "records": records}
+    done_at = question_ends(lines.seen, len(records), n, out)
+    return {"questions": n, "answers": len(records), "seconds": lines.seconds,
+            "per_question": (done_at[-1] - done_at[0]) / (n - 1), "records": records}
 
 
 def question_ends(seen: list[tuple[float, int]], total: int, n: int, out: Path) -> list[float]:
@@ -252,9 +281,10 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
-def throughput_rows(results: dict, unit: str) -> list[list]:
+def throughput_rows(results: dict, unit: str, wall: str | None = None) -> list[list]:
     one = results["ray x1"][unit]
-    return [[name, f"{r[unit]:.3f}", f"{r['seconds']:.1f}", f"{r[unit] / one:.2f}×"] for name, r in results.items()]
+    return [[name, f"{r[unit]:.3f}", *([f"{r[wall]:.3f}"] if wall else []), f"{r['seconds']:.1f}",
+             f"{r[unit] / one:.2f}×"] for name, r in results.items()]
 
 
 def plot(build: dict, sweep: dict, path: Path) -> None:
@@ -263,7 +293,7 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, results, unit, label in ((axes[0], build, "chunks_per_s", "build-cache KV stage (chunks/s)"),
-                                     (axes[1], sweep, "answers_per_s", "kvf run sweep (answers/s)")):
+                                     (axes[1], sweep, "answers_per_s", "kvf run sweep (answers/s, steady)")):
         names = list(results)
         ax.bar(names, [results[n][unit] for n in names], color=["#888888", "#4C72B0", "#DD8452"])
         ax.set_ylabel(label)
@@ -340,7 +370,8 @@ def main():
     proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured)
 
     build_rows = throughput_rows(build, "chunks_per_s")
-    sweep_rows = throughput_rows(sweep, "answers_per_s")
+    sweep_rows = throughput_rows(sweep, "answers_per_s", "wall_answers_per_s")
+    sweep_cols = ["execution", "answers/s (steady)", "answers/s (whole run)", "seconds", "vs ray x1"]
     per_q = {n: r["per_question"] for n, r in share.items()}
     before, lone, shared_s = per_q.values()
     floor = own_prefill_seconds(share["shared work (default)"]["records"])
@@ -349,7 +380,7 @@ def main():
                   for n, s in per_q.items()]
     share_cols = ["code", "questions", "answers", "s/question", "vs v1"]
     for title, cols, rows in (("build-cache KV stage", ["execution", "chunks/s", "seconds", "vs ray x1"], build_rows),
-                              ("kvf run sweep", ["execution", "answers/s", "seconds", "vs ray x1"], sweep_rows),
+                              ("kvf run sweep", sweep_cols, sweep_rows),
                               ("methods sweep per question", share_cols, share_rows)):
         console.print(table(title, cols, rows))
     console.print(f"Ray builds equal the one-process build (keys and bytes): {builds_equal}; "
@@ -372,9 +403,12 @@ def main():
           f"(checked entry by entry). Ray times include actor start-up (a model load per actor, in parallel); "
           f"the one-process time starts after its model load. Batches of {args.batch} chunks.\n",
           "## Sweep throughput (`kvf run`)\n",
-          markdown_table(["execution", "answers/s", "seconds", "vs ray x1"], sweep_rows),
-          f"\n{args.sweep_questions} questions x methods {args.sweep_methods} at ratio 0.15, 8 new tokens; wall "
-          f"time including every process's model load. Same answers on every path: **{sweeps_equal}**.\n",
+          markdown_table(sweep_cols, sweep_rows),
+          f"\n{args.sweep_questions} questions x methods {args.sweep_methods} at ratio 0.15, 8 new tokens. The "
+          "steady rate counts the answers written after every worker has finished its first question, over "
+          "the time to the last question (what a long sweep sustains); the whole-run rate and seconds include "
+          "start-up and every process's model load. `vs ray x1` compares steady rates. Same answers on every "
+          f"path: **{sweeps_equal}**.\n",
           "## Per-question cost of the methods sweep: v1, lone requests, shared work\n",
           markdown_table(share_cols, share_rows),
           f"\nThe sweep issue 18 names: v1's methods ({V1_METHODS.replace(',', ', ')}) x ratios "
@@ -388,8 +422,11 @@ def main():
           "prefill and decoding of every method that is plain reuse at ratio 0, and decoding (all of a question's "
           "answers in one batch). What it cannot share bounds the saving: each distinct prefill recomputes its "
           f"own tokens over its own cache. Their layer loops alone (timings.recompute, each distinct prefill once, "
-          f"the full prefill included) take **{floor:.1f} s** per question, **{floor / before:.2f}** of v1's cost, "
-          "so no exact sharing reaches a third of v1 on this sweep." +
+          f"the full prefill included) take **{floor:.1f} s** per question, **{floor / before:.2f}** of v1's cost" +
+          (", so no exact sharing reaches a third of v1 on this sweep." if floor >= before / 3 else
+           f": a third of v1 would leave {before / 3 - floor:.1f} s per question for all the rest (decoding "
+           f"{share['shared work (default)']['answers'] // args.share_questions} answers of 16 tokens included; "
+           f"here the rest takes {shared_s - floor:.1f} s).") +
           (f" At MuSiQue's 6K tokens the recomputed tokens weigh more still: in v1's committed records "
            f"(results/methods/runs/musique.jsonl, {at_6k['questions']} questions, two sweeps sharing the 2 cores) "
            f"the methods with a ratio knob take {at_6k['selective']:.0f} of {at_6k['total']:.0f} s per question "
