@@ -53,9 +53,11 @@ def test_cacheblend_recomputes_exactly_round_r_n(answerer, embedded_case, ratio)
     got = get_method("cacheblend", recompute_ratio=ratio).prefill(answerer.engine, prompt, source)
     expected = int(ratio * prompt.n_chunk_tokens + 0.5)
     assert got.recomputed_tokens == expected == recompute_budget(ratio, prompt.n_chunk_tokens)
-    # Layer 0 recomputes every chunk token; later layers only the selected ones.
+    # Layer 0 recomputes every chunk token; later layers only the selected ones. At ratio 0 none is
+    # kept, so nothing is recomputed at all: CacheBlend is reuse (FusionMethod.is_reuse).
     n_layers = answerer.transformer.n_layers
-    assert got.recomputed_token_layers == prompt.n_chunk_tokens + (n_layers - 1) * expected
+    layer0 = prompt.n_chunk_tokens if ratio > 0 else 0
+    assert got.recomputed_token_layers == layer0 + (n_layers - 1) * expected
 
 
 @pytest.mark.parametrize("ratio,first", [(0.2, None), (0.1, 0.5)])
