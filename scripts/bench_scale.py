@@ -46,6 +46,7 @@ from rich.table import Table
 from kvf.cachestore import open_store
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.files import write_atomic
+from kvf.pipeline.fusion.methods import METHODS, method_names
 from kvf.pipeline.workflows.build import BuildOptions, build_cache
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
@@ -65,7 +66,7 @@ ASSUMED_WRITE_GB_PER_S = 1.0     # sustained object-store writes of one 8-GPU no
 LLAMA3_8B = {"name": "Llama-3-8B", "params": 8.0e9, "layers": 32, "kv_heads": 8, "head_dim": 128}
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--questions", type=int, default=48, help="synthetic questions (the corpus is their passages)")
     p.add_argument("--passages", type=int, default=4, help="passages per question")
@@ -80,7 +81,14 @@ def parse_args():
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed afterwards")
     p.add_argument("--share-note", default="nothing else running", help="what else ran during part 3")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    # steady-state rates leave out each worker's first question (2 Ray workers) or the first question
+    for flag, value, least in (("--sweep-questions", args.sweep_questions, 3),
+                               ("--share-questions", args.share_questions, 2)):
+        if value < least:
+            raise SystemExit(f"bench_scale: {flag} {value}: needs at least {least} questions "
+                             "(the first ones carry start-up and are not counted)")
+    return args
 
 
 def cached(work: Path, part: str, compute):
@@ -111,13 +119,12 @@ def same_store(a: Path, b: Path) -> bool:
 
 
 # ---- 2. sweep throughput -------------------------------------------------------------------------
-def timed_run(data: Path, workspace: Path, out: Path, methods: str, n: int, ray_workers: int | None,
-              **kw) -> dict:
+def timed_run(data: Path, workspace: Path, out: Path, methods: str, n: int, ray_workers: int | None) -> dict:
     """answers_per_s: steady state, from the time every worker has finished its first question to the
     last question (start-up and model loads excluded); wall_answers_per_s: over the whole run."""
     opts = RunOptions(out=out, methods=parse_methods(methods), dataset=data, workspace=workspace, limit=n,
-                      max_new_tokens=kw.pop("max_new_tokens", 8), ray=None if ray_workers is None else "local",
-                      workers=ray_workers, threads=1, **kw)
+                      max_new_tokens=8, ray=None if ray_workers is None else "local", workers=ray_workers,
+                      threads=1)
     with LineCounter(out) as lines:
         run(opts, QUIET)
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -187,7 +194,7 @@ def v1_split_at_6k(path: Path) -> dict | None:
         return None
     records = [json.loads(line) for line in path.read_text().splitlines()]
     n = len({r["qid"] for r in records})
-    fixed = {"full", "reuse", "pcw", "cachefocus"}  # v1's methods without a ratio knob
+    fixed = {name for name in method_names() if not METHODS[name].ratio_is_knob}  # method_names() discovers them
     total = sum(r["timings"]["first_token"] + r["timings"]["decode"] for r in records) / n
     selective = sum(r["timings"]["first_token"] for r in records if r["method"] not in fixed) / n
     full = sum(r["timings"]["first_token"] for r in records if r["method"] == "full") / n
@@ -460,8 +467,8 @@ def main():
     numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
                "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
                "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
-               "own_prefills_per_question": floor, "own_prefills_over_v1": floor / before, "v1_at_6k": at_6k, "builds_equal": builds_equal, "sweeps_equal": sweeps_equal,
-               "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
+               "own_prefills_per_question": floor, "own_prefills_over_v1": floor / before, "v1_at_6k": at_6k,
+               "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
     write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1))
     console.print(f"wrote {args.out}, {args.out.with_suffix('.json').name}, {args.out.with_suffix('.png').name}")
     if args.workdir is None:

@@ -32,3 +32,10 @@ def test_a_prefill_shared_by_several_records_is_counted_once():
                     record(qid, "cacheblend", 0.3, "prefix", 2 * scale)]
     assert own_prefill_seconds(records, skip_first=False) == pytest.approx((65 + 6.5) / 2)
     assert own_prefill_seconds(records) == pytest.approx(6.5)  # the first question is start-up
+
+
+@pytest.mark.parametrize("flag,value", [("--share-questions", "1"), ("--sweep-questions", "2")])
+def test_too_few_questions_for_a_steady_rate_is_one_line_naming_the_flag(flag, value):
+    from kvf.scripts.bench_scale import parse_args
+    with pytest.raises(SystemExit, match=f"{flag} {value}: needs at least"):
+        parse_args([flag, value])

@@ -481,7 +481,8 @@ def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -
 class QuestionRunner:
     """Answers one question with every planned method: its chunks' entries once, the full prefill once
     (shared by `full` and --compare-full), each method's timed prefill (one reuse prefill per variant for
-    every method that is plain reuse here), then the answers decoded together in one batch. What a record shares with others is listed in its `shared` field."""
+    every method that is plain reuse here), then the answers decoded together in one batch. What a
+    record shares with others is listed in its `shared` field."""
 
     def __init__(self, opts: RunOptions, session: Session, picker: ChunkPicker, planned: list[Planned],
                  settings_of: dict, name: str):
