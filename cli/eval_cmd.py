@@ -26,11 +26,15 @@ def eval_command(
         "--compare", help="Also print per-question answers of two runs: A B as method@ratio[:label], "
                           "e.g. --compare cacheblend@0.15 fusionrag@0.15.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
+    exclude_questions: Annotated[Optional[Path], typer.Option(
+        "--exclude-questions", help="File of question ids (one per line) to leave out, e.g. the split a "
+                                    "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
     """Score runs: EM, F1, substring/RULER accuracy, differences to full and reuse with 95% intervals,
     fidelity to full, TTFT ratio; writes summary.csv, summary.md and plots."""
     from kvf.eval.report import evaluate, summary_table
-    summary = evaluate(run_files, out, complete_only, command=_command_line())
+    summary = evaluate(run_files, out, complete_only, command=_command_line(),
+                       exclude_questions=exclude_questions)
     console = Console(width=max(Console().width, 160))  # wide enough for the table in logs too
     if json_out:
         print(summary.to_json(orient="records"))

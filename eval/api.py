@@ -9,11 +9,11 @@ import pandas as pd
 from kvf.eval.report import evaluate
 
 
-def evaluate_runs(run_files, out=None, complete_only: bool = False) -> pd.DataFrame:
+def evaluate_runs(run_files, out=None, complete_only: bool = False, exclude_questions=None) -> pd.DataFrame:
     """The summary `kvf eval` prints, as a DataFrame (its scored records in .attrs["records"]).
     With `out`, the tables and plots are written there too."""
     files = [Path(run_files)] if isinstance(run_files, (str, Path)) else [Path(p) for p in run_files]
     if out is not None:
-        return evaluate(files, Path(out), complete_only, command="kvf.evaluate(...)")
+        return evaluate(files, Path(out), complete_only, command="kvf.evaluate(...)", exclude_questions=exclude_questions)
     with tempfile.TemporaryDirectory(prefix="kvf-evaluate-") as tmp:
-        return evaluate(files, Path(tmp), complete_only, command="kvf.evaluate(...)")
+        return evaluate(files, Path(tmp), complete_only, command="kvf.evaluate(...)", exclude_questions=exclude_questions)

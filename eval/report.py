@@ -123,6 +123,30 @@ def complete_questions(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def read_question_ids(path: Path) -> set[str]:
+    """Question ids, one per line (blank lines and `#` comments ignored), e.g. a method's dev split."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvfError(f"--exclude-questions: {path} does not exist; pass a file with one question id per line")
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+    qids = {line for line in lines if line}
+    if not qids:
+        raise KvfError(f"--exclude-questions: {path} names no question id; write one id per line")
+    return qids
+
+
+def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """The records of every question but those listed in `path` (a split used to tune a method)."""
+    qids = read_question_ids(path)
+    if not qids & set(df.qid):
+        raise KvfError(f"--exclude-questions: none of the {len(qids)} ids in {path} is in the run files; "
+                       f"check the ids (e.g. {sorted(qids)[0]!r}) against the records' qid")
+    out = df[~df.qid.isin(qids)]
+    if out.empty:
+        raise KvfError(f"--exclude-questions: {path} lists every question of the run files; nothing is left to score")
+    return out
+
+
 def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
     """A generated suite's records ("ruler-2048/alias", ...) once more under "ruler-2048 (all tasks)":
     per task n is small, pooled over tasks the paired intervals can separate methods."""
@@ -469,12 +493,16 @@ def _safe_name(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
-def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None) -> pd.DataFrame:
+def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
+             exclude_questions: Path | None = None) -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
     complete_only: score only questions every method answered (see complete_questions).
+    exclude_questions: a file of question ids left out (see without_questions).
     The written paths are in `summary.attrs["written"]`."""
     check_writable_dir(out_dir, "--out")
     df = load_runs([Path(p) for p in run_files])
+    if exclude_questions is not None:
+        df = without_questions(df, exclude_questions)
     if complete_only:
         df = complete_questions(df)
     df = with_pooled_tasks(df)

@@ -166,6 +166,21 @@ def test_complete_only_keeps_questions_every_method_answered(runs, tmp_path):
         evaluate([partial, lonely], tmp_path / "none", complete_only=True)
 
 
+def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path):
+    # q1 (every replicate) is a "dev" question: excluded, every row is over the other three
+    dev = tmp_path / "dev.txt"
+    dev.write_text("# tuned on these\n" + "".join(f"q1-{rep}\n" for rep in range(REPS)) + "\n")
+    held_out = evaluate(runs, tmp_path / "held", exclude_questions=dev)
+    assert set(held_out.n) == {3 * REPS}
+    scored = held_out.attrs["records"]
+    assert not scored.qid.str.startswith("q1-").any() and scored.qid.nunique() == 3 * REPS
+    # listing every question leaves nothing: a one-line error, not an empty table
+    everything = tmp_path / "all.txt"
+    everything.write_text("".join(f"q{q}-{rep}\n" for q in range(1, 5) for rep in range(REPS)))
+    with pytest.raises(KvfError, match="every question"):
+        evaluate(runs, tmp_path / "none", exclude_questions=everything)
+
+
 def test_partial_overlap_is_noted(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(GOLD, "q5", ["Oslo"])
     epic = [record(f"q{q}-{rep}", "epic", "Paris", ratio=0.1) for rep in range(REPS) for q in (1, 2, 3, 4)]
