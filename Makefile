@@ -154,6 +154,8 @@ kvfuse: kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench
 	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
 	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test
 	$(KVF) eval --complete-only results/kvfuse/runs/test-b-musique.jsonl --out results/kvfuse/test-b
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl \
+	  --out results/kvfuse/heldout-musique
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
 bench-scale: setup
