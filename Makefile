@@ -70,12 +70,19 @@ METHOD_RUNS ?= results/methods/runs
 METHODS_OUT ?= results/methods
 # One target per dataset, so `OMP_NUM_THREADS=1 make -j2 methods` runs two sweeps side by side
 # (one thread each); every sweep resumes where it stopped.
+# `kvf run` appends plain lines to a working copy in $(WORK) (re-seeded whenever the committed file is
+# newer); the committed records are its gzip, ~19x smaller, written back even when the sweep stops.
+# $(call method_sweep,DATASET,ARGS)
+method_sweep = f=$(WORK)/method-runs/$(1).jsonl; gz=$(METHOD_RUNS)/$(1).jsonl.gz; mkdir -p $(WORK)/method-runs $(METHOD_RUNS); \
+	if [ -f $$gz ] && { [ ! -f $$f ] || [ $$gz -nt $$f ]; }; then gunzip -c $$gz > $$f; fi; \
+	$(METHOD_SWEEP) $(2) -o $$f; rc=$$?; \
+	{ gzip -9nc $$f > $$gz.tmp && mv $$gz.tmp $$gz; } || rm -f $$gz.tmp; exit $$rc
 methods-nq: $(WORK)/nq/questions.jsonl
-	$(METHOD_SWEEP) -d $(WORK)/nq -n $(N_NQ) -o $(METHOD_RUNS)/nq.jsonl
+	$(call method_sweep,nq,-d $(WORK)/nq -n $(N_NQ))
 methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
-	$(METHOD_SWEEP) -d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -o $(METHOD_RUNS)/$*.jsonl
+	$(call method_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS))
 methods: methods-nq methods-2wikimqa methods-musique
-	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl --out $(METHODS_OUT)
+	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl.gz --out $(METHODS_OUT)
 	cat scripts/methods_header.md $(METHODS_OUT)/summary.md > $(METHODS_OUT).md
 	@echo "results in $(METHODS_OUT).md and $(METHODS_OUT)/ (summary.csv, plots)"
 
@@ -154,7 +161,7 @@ kvfuse: kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench
 	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
 	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test
 	$(KVF) eval --complete-only results/kvfuse/runs/test-b-musique.jsonl --out results/kvfuse/test-b
-	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl \
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  --out results/kvfuse/heldout-musique
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.

@@ -25,6 +25,7 @@ only a torn *last* line (a run killed mid-write), saying so.
 from __future__ import annotations
 
 import fcntl
+import gzip
 import json
 import math
 import os
@@ -126,13 +127,15 @@ def parse_record(data: Any, where: str) -> RunRecord:
 
 
 def read_records(path: Path) -> list[RunRecord]:
-    """Every record of a run file (for kvf eval): a line that is not a record is an error naming it."""
+    """Every record of a run file, plain or gzipped (for kvf eval): a line that is not a record is an error naming it."""
     path = Path(path)
     if not path.is_file():
         raise KvfError(f"run file {path} does not exist")
     records = []
+    # committed evidence is kept gzipped (results/*/runs/*.jsonl.gz); `kvf run` writes plain lines
+    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with open(path, encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -143,6 +146,8 @@ def read_records(path: Path) -> list[RunRecord]:
                 records.append(parse_record(data, f"run file {path} line {lineno}"))
     except UnicodeDecodeError:
         raise KvfError(f"run file {path} is not UTF-8 text: pass the JSON Lines files `kvf run` writes") from None
+    except (gzip.BadGzipFile, EOFError):
+        raise KvfError(f"run file {path} is not a complete gzip file: re-compress it with `gzip -k` from the .jsonl") from None
     if not records:
         raise KvfError(f"run file {path} is empty: re-run `kvf run` or leave it out")
     return records
@@ -157,6 +162,9 @@ class RunFile:
         self._file = None
 
     def __enter__(self) -> "RunFile":
+        if self.path.suffix == ".gz":  # appending record by record needs plain lines
+            raise KvfError(f"--out {self.path}: `kvf run` writes plain JSON Lines; pass {self.path.with_suffix('')} "
+                           "and gzip it when the run is done (kvf eval reads both)")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a+b")

@@ -47,6 +47,7 @@ from kvf.cachestore import open_store
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.files import write_atomic
 from kvf.pipeline.fusion.methods import METHODS, method_names
+from kvf.pipeline.records import read_records
 from kvf.pipeline.workflows.build import BuildOptions, build_cache
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
@@ -192,12 +193,13 @@ def v1_split_at_6k(path: Path) -> dict | None:
     all (time to first token + decoding), in the ratio-knob methods' time to first token, in full's."""
     if not path.exists():
         return None
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    n = len({r["qid"] for r in records})
+    # only v1's methods: the sweep file also holds methods added since (ape, a3, kvfuse)
+    records = [r for r in read_records(path) if r.method in V1_METHODS.split(",")]
+    n = len({r.qid for r in records})
     fixed = {name for name in method_names() if not METHODS[name].ratio_is_knob}  # method_names() discovers them
-    total = sum(r["timings"]["first_token"] + r["timings"]["decode"] for r in records) / n
-    selective = sum(r["timings"]["first_token"] for r in records if r["method"] not in fixed) / n
-    full = sum(r["timings"]["first_token"] for r in records if r["method"] == "full") / n
+    total = sum(r.timings.first_token + r.timings.decode for r in records) / n
+    selective = sum(r.timings.first_token for r in records if r.method not in fixed) / n
+    full = sum(r.timings.first_token for r in records if r.method == "full") / n
     return {"questions": n, "total": total, "selective": selective, "full": full}
 
 
@@ -382,7 +384,7 @@ def main():
     per_q = {n: r["per_question"] for n, r in share.items()}
     before, lone, shared_s = per_q.values()
     floor = own_prefill_seconds(share["shared work (default)"]["records"])
-    at_6k = v1_split_at_6k(ROOT / "results" / "methods" / "runs" / "musique.jsonl")
+    at_6k = v1_split_at_6k(ROOT / "results" / "methods" / "runs" / "musique.jsonl.gz")
     share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}", f"{s / before:.2f}"]
                   for n, s in per_q.items()]
     share_cols = ["code", "questions", "answers", "s/question", "vs v1"]
@@ -435,7 +437,7 @@ def main():
            f"{share['shared work (default)']['answers'] // args.share_questions} answers of 16 tokens included; "
            f"here the rest takes {shared_s - floor:.1f} s).") +
           (f" At MuSiQue's 6K tokens the recomputed tokens weigh more still: in v1's committed records "
-           f"(results/methods/runs/musique.jsonl, {at_6k['questions']} questions, two sweeps sharing the 2 cores) "
+           f"(results/methods/runs/musique.jsonl.gz, {at_6k['questions']} questions, two sweeps sharing the 2 cores) "
            f"the methods with a ratio knob take {at_6k['selective']:.0f} of {at_6k['total']:.0f} s per question "
            f"to their first token and the full prefill {at_6k['full']:.0f} s." if at_6k else "") + "\n",
           f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",

@@ -129,22 +129,24 @@ def expand_globs(command: str) -> str:
 
 def compare_records(name: str, got_path: Path, committed: list[Path], report: list) -> None:
     """Every re-run record must equal the committed record of the same question, method and ratio."""
+    from kvf.pipeline.records import read_records
+    from kvf.pipeline.workflows.run import record_key
+
     def key(r):
-        s = r["settings"]
-        return (r["qid"], r["method"], r.get("label"), s.get("variant"), round(float(s["ratio"]), 9))
-    reference = {key(r): r for path in committed for r in map(json.loads, path.read_text().splitlines())}
-    got = [json.loads(line) for line in got_path.read_text().splitlines()] if got_path.is_file() else []
+        return record_key(r.qid, r.method, r.label, r.settings)
+    reference = {key(r): r for path in committed for r in read_records(path)}
+    got = read_records(got_path) if got_path.is_file() and got_path.stat().st_size else []
     if not got:
         report.append((False, f"{name}: smoke run wrote no records"))
     for r in got:
         ref = reference.get(key(r))
-        label = f"{name}: {r['qid']} {r['method']}@{r['settings']['ratio']:g}"
+        label = f"{name}: {r.qid} {r.method}@{r.ratio:g}"
         if ref is None:
             report.append((False, f"{label}: no committed record to compare with"))
             continue
-        same = (r["answer"] == ref["answer"] and r["recomputed_tokens"] == ref["recomputed_tokens"]
-                and r["prompt_tokens"] == ref["prompt_tokens"])
-        report.append((same, f"{label}: answer {r['answer']!r} " + ("= committed" if same else f"!= committed {ref['answer']!r}")))
+        same = (r.answer == ref.answer and r.recomputed_tokens == ref.recomputed_tokens
+                and r.prompt_tokens == ref.prompt_tokens)
+        report.append((same, f"{label}: answer {r.answer!r} " + ("= committed" if same else f"!= committed {ref.answer!r}")))
 
 
 def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:

@@ -70,6 +70,7 @@ CASES = {
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
     "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),
     "run -o DIR": (lambda d, t: run_args(d, t), ["--out", "is a directory"]),
+    "run -o X.gz": (lambda d, t: run_args(d, t / "o.jsonl.gz"), ["--out", "plain JSON Lines", "o.jsonl"]),
     "run -o read-only": (lambda d, t: run_args(d, Path(NOWHERE) / "o.jsonl"), ["--out"]),
     "run -w FILE": (lambda d, t: ["run", "-d", d[0], "-w", d[0] / "questions.jsonl", "-m", "reuse", "-o", t / "o.jsonl"],
                     ["--workspace", "is a file"]),

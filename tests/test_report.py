@@ -1,6 +1,7 @@
 """evaluate(): summary numbers on hand-built run files, intervals on every row, outputs written,
 bad files refused. Questions are replicated REPS times (q1-0 .. q4-5) so that the paired
 intervals have the MIN_QUESTIONS they need; every mean equals the 4-question one."""
+import gzip
 import json
 import math
 from pathlib import Path
@@ -179,6 +180,23 @@ def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path):
     everything.write_text("".join(f"q{q}-{rep}\n" for q in range(1, 5) for rep in range(REPS)))
     with pytest.raises(KvfError, match="every question"):
         evaluate(runs, tmp_path / "none", exclude_questions=everything)
+
+
+def test_gzipped_run_files_score_the_same(runs, tmp_path):
+    # committed evidence is kept as .jsonl.gz: the same records give the same table
+    zipped = []
+    for path in runs:
+        target = tmp_path / (Path(path).name + ".gz")
+        target.write_bytes(gzip.compress(Path(path).read_bytes()))
+        zipped.append(target)
+    plain, packed = evaluate(runs, tmp_path / "plain"), evaluate(zipped, tmp_path / "packed")
+    cols = ["dataset", "method", "variant", "ratio", "n", "f1", "fidelity_f1"]
+    pd.testing.assert_frame_equal(plain[cols].reset_index(drop=True), packed[cols].reset_index(drop=True))
+    # a gzip cut short (an interrupted copy) is a one-line error, not a traceback or a partial table
+    torn = tmp_path / "torn.jsonl.gz"
+    torn.write_bytes(zipped[0].read_bytes()[:-20])
+    with pytest.raises(KvfError, match="not a complete gzip file"):
+        evaluate([torn], tmp_path / "torn")
 
 
 def test_partial_overlap_is_noted(runs, tmp_path, monkeypatch):
