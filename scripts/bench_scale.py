@@ -128,12 +128,17 @@ def timed_run(data: Path, workspace: Path, out: Path, methods: str, n: int, ray_
                       threads=1)
     with LineCounter(out) as lines:
         run(opts, QUIET)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = run_records(out)
     ends = question_ends(lines.seen, len(records), n, out)
     workers = ray_workers or 1
     steady = (n - workers) * len(records) / n / (ends[-1] - ends[workers - 1])
     return {"questions": n, "answers": len(records), "seconds": lines.seconds, "answers_per_s": steady,
             "wall_answers_per_s": len(records) / lines.seconds, "records": records}
+
+
+def run_records(out: Path) -> list[dict]:
+    """A run file's records as dicts, read (and checked) by kvf's own reader."""
+    return [r.model_dump() for r in read_records(out)]
 
 
 def answers_of(records: list[dict]) -> dict:
@@ -242,7 +247,7 @@ def watched_sweep(cmd: list[str], env: dict, out: Path, n: int) -> dict:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"sweep failed ({' '.join(cmd)}): {proc.stderr.decode()[-2000:]}")
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = run_records(out)
     done_at = question_ends(lines.seen, len(records), n, out)
     return {"questions": n, "answers": len(records), "seconds": lines.seconds,
             "per_question": (done_at[-1] - done_at[0]) / (n - 1), "records": records}
