@@ -97,7 +97,7 @@ RULER_SWEEP = $(KVF) run -m $(RULER_METHODS) -r $(RULER_RATIOS) --compare-full -
 # Each seed is a fresh set of RULER_N samples per task (seed 0: work/ruler-2048, others: work/ruler-2048-sS);
 # their records pool into one dataset per length. 4K samples cost ~4x as much on this CPU: one seed, and
 # kvfuse's rejected configuration (results/kvfuse.md) runs at 2K only.
-RULER_SEEDS ?= 0 1
+RULER_SEEDS ?= 0 1 2 3 4
 RULER_4K_SEEDS ?= 0
 RULER_4K_RATIOS ?= 0,0.15,0.3
 RULER_4K_METHODS ?= all

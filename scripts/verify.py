@@ -89,6 +89,19 @@ def check_numbers(name: str, table_path: Path, numbers: list[dict], strict: bool
         bound = "same to print precision" if strict else (f"±{number['relative']:.0%}" if "relative" in number
                                                            else f"±{number.get('tolerance', 0)}")
         report.append((ok, f"{label} = {got:.4g} (committed {float(number['value']):.4g}, {bound})"))
+        if "interval" in number:  # README prints it: the table's COLUMN_low / COLUMN_high must say the same
+            check_interval(label, table, number, strict, bound, report)
+
+
+def check_interval(label: str, table: pd.DataFrame, number: dict, strict: bool, bound: str, report: list) -> None:
+    for side, want in zip(("low", "high"), number["interval"]):
+        try:
+            got = lookup(table, number.get("where"), f"{number['column']}_{side}")
+        except (LookupError, KeyError) as e:
+            report.append((False, f"{label}: interval {side} not in the table ({e})"))
+            continue
+        ok = within(got, {**number, "value": want}, strict) and not math.isnan(got)
+        report.append((ok, f"{label}, interval {side} = {got:.4g} (committed {float(want):.4g}, {bound})"))
 
 
 def check_data(entry: dict, report: list) -> bool:

@@ -20,6 +20,19 @@ def test_committed_tables_hold_the_expected_numbers():
     assert report and all(ok for ok, _ in report), [line for ok, line in report if not ok]
 
 
+def test_a_stale_interval_fails_even_when_the_value_holds(tmp_path):
+    """README prints a number's interval from expected.yaml: the table's bounds must agree too."""
+    table = tmp_path / "summary.csv"
+    table.write_text("dataset,method,vs_full,vs_full_low,vs_full_high\nd,m,-0.075,-0.125,-0.025\n")
+    number = {"name": "m vs full", "where": {"dataset": "d", "method": "m"}, "column": "vs_full",
+              "value": -0.075, "tolerance": 0.05}
+    for interval, ok in (([-0.125, -0.025], True), ([-0.2, -0.0375], False)):
+        report = []
+        verify.check_numbers("x.md", table, [{**number, "interval": interval}], strict=True, report=report)
+        assert len(report) == 3 and report[0][0]
+        assert all(good for good, _ in report) is ok, report
+
+
 def test_readme_numbers_are_generated_from_expected_yaml():
     assert readme.current_block(), "README.md lost its results markers"
     assert readme.current_block() == readme.render(), "README numbers are stale: run `python -m kvf.scripts.readme --write`"
