@@ -165,13 +165,15 @@ kvfuse: kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench
 	  --out results/kvfuse/heldout-musique
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
+SCALE_OUT ?= results/scale.md
 bench-scale: setup
-	$(PY) -m kvf.scripts.bench_scale --workdir $(WORK)/bench-scale
+	$(PY) -m kvf.scripts.bench_scale --workdir $(WORK)/bench-scale --out $(SCALE_OUT)
 
 REPEATS ?= 3
+TTFT_OUT ?= results
 ttft: setup
-	$(KVF) bench --repeats $(REPEATS) --out results
-	@echo "results in results/ (ttft.csv, ttft.md, ttft_vs_context.png)"
+	$(KVF) bench --repeats $(REPEATS) --out $(TTFT_OUT)
+	@echo "results in $(TTFT_OUT)/ (ttft.csv, ttft.md, ttft_vs_context.png)"
 
 bench-build: setup
 	$(PY) -m kvf.scripts.bench_build

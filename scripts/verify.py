@@ -196,6 +196,9 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 rescored.mkdir(exist_ok=True)
                 if run(expand_globs(entry["rescore"]), rescored, log):
                     check_numbers(name, rescored / Path(entry["table"]).name, numbers, strict=True, report=report)
+            if "rerun" not in entry:
+                report.append((False, f"{name}: results/expected.yaml lists no `rerun` for it; add the command that remakes it into {{out}}"))
+                continue
             if not check_data(entry, report):
                 continue
             ok = all(run(step, out, log) for step in entry["rerun"])

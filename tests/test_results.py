@@ -50,6 +50,14 @@ def test_makefile_defaults_are_the_committed_conditions():
             assert defaults.get(variable) == str(value), f"{name}: Makefile {variable} ?= {defaults.get(variable)}, committed {value}"
 
 
+def test_make_verify_can_remake_every_results_file():
+    """`make verify` re-runs `rerun` (or, where the file only summarises committed records, `rescore`)."""
+    for name, entry in EXPECTED.items():
+        assert "rerun" in entry or "rescore" in entry, f"{name}: no rerun or rescore command in expected.yaml"
+        if "rerun" in entry:
+            assert "{out}" in " ".join(entry["rerun"]) and "rerun_table" in entry, f"{name}: rerun must write into {{out}}"
+
+
 def test_every_results_file_says_what_made_it():
     for name in EXPECTED:
         text = (REPO / name).read_text()
