@@ -27,7 +27,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -142,13 +142,20 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5
+# kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
+KVFUSE_RULER_DEV_SEED ?= 99
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
 KVFUSE_RUN = $(KVF) run -d $(WORK)/musique --neighbours 3 -r 0.15 --max-new-tokens 12 --no-show-answers
 kvfuse-dev: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o results/kvfuse/runs/dev-musique.jsonl
+kvfuse-ruler-dev: | setup
+	dir=$(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 2048 \
+	  --n $(RULER_N) --seed $(KVFUSE_RULER_DEV_SEED) --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	$(KVF) run -d $$dir -m $(KVFUSE_RULER_DEV) -r 0.15 --max-new-tokens 32 --no-show-answers -o results/kvfuse/runs/dev-ruler-2048.jsonl
 kvfuse-test: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o results/kvfuse/runs/test-musique.jsonl
 	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o results/kvfuse/runs/test-b-musique.jsonl
@@ -157,8 +164,9 @@ kvfuse-probe: $(WORK)/musique/questions.jsonl
 kvfuse-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 3 --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out results/kvfuse/bench
-kvfuse: kvfuse-dev kvfuse-test kvfuse-probe kvfuse-bench
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-probe kvfuse-bench
 	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
+	$(KVF) eval --complete-only results/kvfuse/runs/dev-ruler-2048.jsonl --out results/kvfuse/dev-ruler
 	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test
 	$(KVF) eval --complete-only results/kvfuse/runs/test-b-musique.jsonl --out results/kvfuse/test-b
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

@@ -431,3 +431,19 @@ def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(answerer, long_
     assert torch.equal(got["off"].cache.kv[:first], got[propagate].cache.kv[:first])  # propagate_from
     if propagate == "after":
         assert torch.equal(got["off"].logits, got["after"].logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
+    """With the whole budget given to the layer-1 deviation (and no shift), kvfuse recomputes CacheBlend's
+    rows: CacheBlend recomputes layer 0 everywhere and keeps the most deviating rows from layer 1; kvfuse
+    measures the same deviation between its passes, then recomputes those rows from layer 0, where a
+    row's fresh K/V equal its stored ones. So the fused caches and first-token logits agree."""
+    engine, prompt, source = tiny_case(family)
+    blend = get_method("cacheblend", 0.3).prefill(engine, prompt, source)
+    fused = get_method("kvfuse", 0.3, deviation_share=1.0, propagate="off").prefill(engine, prompt, source)
+    assert fused.recomputed_tokens == blend.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)
+    assert (fused.logits - blend.logits).abs().max().item() <= 1e-4
+    assert torch.allclose(fused.cache.kv[:, :, :, :prompt.n_tokens], blend.cache.kv[:, :, :, :prompt.n_tokens], atol=1e-4)
+    plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
+    assert not torch.allclose(plain.logits, fused.logits, atol=1e-4)   # the share does change the rows

@@ -59,11 +59,6 @@ class CacheBlend(FusionMethod):
         self.keep_most_deviating(engine, state, layer, recompute_budget(ratio, state.prompt.n_chunk_tokens))
 
     def keep_most_deviating(self, engine: FusionEngine, state: FusionState, layer: int, budget: int) -> None:
-        engine.load_layer(state, layer)
-        fresh_k, fresh_v = engine.project_kv(state, layer)           # [KV, a, d]
-        use_k = self.knobs.deviation == "k"
-        fresh = fresh_k if use_k else fresh_v
-        stored = state.cache.kv[layer, 0 if use_k else 1][:, state.rows]  # [KV, a, d]
-        deviation = ((fresh - stored) ** 2).sum(dim=(0, 2))            # [a]
+        deviation = engine.kv_deviation(state, layer, on=self.knobs.deviation)   # [a]
         is_chunk = state.chunk_row_mask()[state.rows]
         engine.keep_rows(state, top_rows(deviation[is_chunk], state.rows[is_chunk], budget))

@@ -21,8 +21,9 @@ later questions, results/kvfuse/runs/):
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens, propagate (off / after / before) and propagate_from. Budget: exactly
-round(ratio x chunk tokens), sinks included.
+score_layers, sink_tokens, propagate (off / after / before), propagate_from and deviation_share
+(part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
+gain on either dev split). Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class KvFuseKnobs:
                           choices=("off", "after", "before"))
     propagate_from: float = knob(0.0, "first layer shifted, as a fraction of the layers (early layers barely move)",
                                  min=0.0, max=1.0)
+    deviation_share: float = knob(0.0, "fraction of the budget given first to the rows whose layer-1 K moves most "
+                                       "when layer 0 sees the other chunks (CacheBlend's deviation); the rest by attention",
+                                  min=0.0, max=1.0)
 
 
 @register
@@ -73,6 +77,10 @@ class KvFuse(FusionMethod):
         chunk_rows = all_chunk_rows(prompt)
         scores = scores[chunk_rows].clone()
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
+        if self.knobs.deviation_share > 0:                                  # then the most moved rows
+            share = recompute_budget(self.knobs.deviation_share, budget)
+            moved = top_rows(cross_chunk_deviation(engine, state), chunk_rows, share)
+            scores[moved - prompt.n_prefix] = float("inf")
         selected = top_rows(scores, chunk_rows, budget)
         state.scratch["selected"] = selected
         return selected
@@ -121,6 +129,18 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
         mean_k = delta_k[:, mine].mean(dim=1, keepdim=True).expand(-1, len(kept), -1)   # [KV, m, d]
         state.cache.kv[layer, 0][:, kept] += reposition_keys(mean_k, rope, torch.zeros_like(kept), positions[kept])
         state.cache.kv[layer, 1][:, kept] += delta_v[:, mine].mean(dim=1, keepdim=True)
+
+
+def cross_chunk_deviation(engine: FusionEngine, state: FusionState) -> torch.Tensor:
+    """[c] per chunk row: how far its layer-1 K moves when layer 0 runs over the whole cache, i.e.
+    sees the other chunks (CacheBlend's deviation, without CacheBlend's layer loop). Layer 0's K/V
+    depend on the token and its position only, so the layer-0 rows this writes equal the stored ones."""
+    rows = all_chunk_rows(state.prompt)                                                  # [c]
+    hidden = engine.model.embed(state.prompt.all_ids()[rows])                            # [c, D]
+    mask = engine.model.causal_mask(rows, state.n, state.key_keep)                       # [c, n]
+    hidden = engine.model.layer_step(0, hidden, rows, state.positions[rows], state.cache, mask)
+    state.token_layers += len(rows)
+    return engine.kv_deviation(state, 1, rows=rows, hidden=hidden)
 
 
 def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int) -> torch.Tensor:
