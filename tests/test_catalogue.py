@@ -66,6 +66,8 @@ CASES = {
                                                "-o", t / "o.jsonl"], ["--method cacheblend:nope=1", "no knob"]),
     "run --offset past the end": (lambda d, t: run_args(d, t / "o.jsonl", "--offset", "100000"), ["--offset 100000", "only"]),
     "run knob no method takes": (lambda d, t: run_args(d, t / "o.jsonl", "--check-layer", "2"), ["--check-layer", "cacheblend"]),
+    "run --deviation-share 1.5": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "-n", "1",
+                                                "--deviation-share", "1.5", "-o", t / "o.jsonl"], ["--deviation-share"]),
     "run --device cuda": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "cuda"), ["--device cuda", "CUDA"]),
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
     "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),

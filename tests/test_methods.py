@@ -299,7 +299,7 @@ def test_cachecraft_focused_chunks_change_point():
     ("cachefocus", {"allocation": "middle"}, "--allocation"), ("cachecraft", {"alpha": -1.0}, "--alpha"),
     ("cachecraft", {"focus_window": 0}, "--focus-window"), ("epic", {"recompute_ratio": 2.0}, "--ratio"),
     ("fusionrag", {"recompute_ratio": -0.5}, "--ratio"), ("prophetkv", {"recompute_ratio": 1.5}, "--ratio"),
-    ("cachecraft", {"recompute_ratio": 1.1}, "--ratio")])
+    ("cachecraft", {"recompute_ratio": 1.1}, "--ratio"), ("kvfuse", {"deviation_share": 1.5}, "--deviation-share")])
 def test_bad_knobs_are_refused_naming_the_flag(name, knobs, flag):
     with pytest.raises(KvfError, match=flag):
         get_method(name, **knobs)

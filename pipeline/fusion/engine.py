@@ -361,24 +361,19 @@ class FusionEngine:
         state.mask = None
 
     @torch.inference_mode()
-    def project_kv(self, state: FusionState, layer: int, rows: torch.Tensor | None = None,
-                   hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh K (rotated) and V [KV, a, d] at this layer of `rows` with hidden states `hidden` [a, D]
-        (default: the active rows), without writing them."""
-        rows, hidden = (state.rows, state.hidden) if rows is None else (rows, hidden)
-        _, k, v = self.model.project_qkv(layer, hidden)
-        cos, sin = state.cos[rows], state.sin[rows]
+    def project_kv(self, state: FusionState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh K (rotated) and V [KV, a, d] of the active rows at this layer, without writing them."""
+        _, k, v = self.model.project_qkv(layer, state.hidden)
+        cos, sin = state.cos[state.rows], state.sin[state.rows]
         return apply_rope(k, cos, sin), v
 
     @torch.inference_mode()
-    def kv_deviation(self, state: FusionState, layer: int, on: str = "k", rows: torch.Tensor | None = None,
-                     hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """[a] how far each row's fresh K (on="k") or V at this layer lies from what the cache holds
-        there: squared L2 over heads and dims (CacheBlend's deviation). Rows default to the active ones."""
+    def kv_deviation(self, state: FusionState, layer: int, on: str = "k") -> torch.Tensor:
+        """[a] how far each active row's fresh K (on="k") or V at this layer lies from what the cache
+        holds there: squared L2 over heads and dims (CacheBlend's deviation)."""
         self.load_layer(state, layer)
-        fresh_k, fresh_v = self.project_kv(state, layer, rows, hidden)            # [KV, a, d]
-        rows = state.rows if rows is None else rows
-        held = state.cache.kv[layer, 0 if on == "k" else 1][:, rows]               # [KV, a, d]
+        fresh_k, fresh_v = self.project_kv(state, layer)                          # [KV, a, d]
+        held = state.cache.kv[layer, 0 if on == "k" else 1][:, state.rows]         # [KV, a, d]
         return (((fresh_k if on == "k" else fresh_v) - held) ** 2).sum(dim=(0, 2))
 
     @torch.inference_mode()

@@ -133,14 +133,12 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
 
 def cross_chunk_deviation(engine: FusionEngine, state: FusionState) -> torch.Tensor:
     """[c] per chunk row: how far its layer-1 K moves when layer 0 runs over the whole cache, i.e.
-    sees the other chunks (CacheBlend's deviation, without CacheBlend's layer loop). Layer 0's K/V
-    depend on the token and its position only, so the layer-0 rows this writes equal the stored ones."""
-    rows = all_chunk_rows(state.prompt)                                                  # [c]
-    hidden = engine.model.embed(state.prompt.all_ids()[rows])                            # [c, D]
-    mask = engine.model.causal_mask(rows, state.n, state.key_keep)                       # [c, n]
-    hidden = engine.model.layer_step(0, hidden, rows, state.positions[rows], state.cache, mask)
-    state.token_layers += len(rows)
-    return engine.kv_deviation(state, 1, rows=rows, hidden=hidden)
+    sees the other chunks (CacheBlend's deviation). One engine step of layer 0 with every chunk row
+    active: layer 0's K/V depend on the token and its position only, so the rows it writes equal the
+    stored ones. The pass that follows restarts from layer 0 with the rows chosen."""
+    engine.restart(state, all_chunk_rows(state.prompt), state.pass_index)
+    engine.step(state, 0)
+    return engine.kv_deviation(state, 1)[state.chunk_row_mask()[state.rows]]
 
 
 def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int) -> torch.Tensor:
