@@ -27,7 +27,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-probe kvfuse-bench verify verify-smoke clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -142,10 +142,10 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
-KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
@@ -159,12 +159,24 @@ kvfuse-ruler-dev: | setup
 kvfuse-test: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o results/kvfuse/runs/test-musique.jsonl
 	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o results/kvfuse/runs/test-b-musique.jsonl
+# step 5's candidate (results/kvfuse.md), chosen on both dev splits, on questions neither split holds:
+# MuSiQue 11-49 of the methods sweep and the scored RULER 2K suite (seeds 0-4), beside every method's rows there
+KVFUSE_CANDIDATE ?= kvfuse:shift_parts=k
+kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_CANDIDATE) -o results/kvfuse/runs/heldout-k-musique.jsonl
+	for seed in $(RULER_SEEDS); do suffix=$$([ $$seed = 0 ] || echo -s$$seed); \
+	  $(KVF) run -d $(WORK)/ruler-2048$$suffix -m $(KVFUSE_CANDIDATE) -r 0.15 --max-new-tokens 32 --no-show-answers \
+	    -o results/kvfuse/runs/heldout-k-ruler-2048$$suffix.jsonl || exit 1; done
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  results/kvfuse/runs/heldout-k-musique.jsonl --out results/kvfuse/heldout-k-musique
+	$(KVF) eval --complete-only $(RULER_RUNS)/ruler-2048*.jsonl results/kvfuse/runs/heldout-k-ruler-2048*.jsonl \
+	  --out results/kvfuse/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5
 kvfuse-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 3 --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out results/kvfuse/bench
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-probe kvfuse-bench
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench
 	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
 	$(KVF) eval --complete-only results/kvfuse/runs/dev-ruler-2048.jsonl --out results/kvfuse/dev-ruler
 	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test

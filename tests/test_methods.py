@@ -433,6 +433,52 @@ def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(answerer, long_
         assert torch.equal(got["off"].logits, got["after"].logits)
 
 
+@pytest.mark.parametrize("estimate", ["james-stein", "kernel"])
+def test_kvfuse_shift_estimates_move_kept_rows_towards_full_prefill(answerer, long_case, estimate):
+    """The other estimates of a kept row's move (the mean shrunk by the rows' spread, the moves weighted
+    by stored-key similarity) also bring the chunk rows nearer full prefill than no shift, and are not
+    the plain mean."""
+    prompt, source, full = long_case
+    rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+    want = full.cache.kv[:, :, :, rows]                                          # [L, 2, KV, n, d]
+    runs = {"off": dict(propagate="off"), "mean": dict(), estimate: dict(shift_estimate=estimate)}
+    got = {name: get_method("kvfuse", 0.15, **knobs).prefill(answerer.engine, prompt, source) for name, knobs in runs.items()}
+    error = {name: ((r.cache.kv[:, :, :, rows] - want).norm() / want.norm()).item() for name, r in got.items()}
+    assert error[estimate] < error["off"], error
+    assert not torch.equal(got[estimate].cache.kv, got["mean"].cache.kv)
+
+
+@pytest.mark.parametrize("parts", ["k", "v"])
+def test_kvfuse_shift_parts(parts):
+    """shift_parts moves only K or only V of the kept rows. With the shift after each layer's attention
+    no recomputed row ever reads a shifted row, so the other part of the cache equals no shift exactly."""
+    engine, prompt, source = tiny_case("llama")
+    got = {p: get_method("kvfuse", 0.3, propagate=p, shift_parts=parts).prefill(engine, prompt, source).cache.kv
+           for p in ("off", "after")}                                            # [L, 2, KV, n, d]
+    moved, still = (0, 1) if parts == "k" else (1, 0)
+    assert torch.equal(got["off"][:, still], got["after"][:, still])
+    assert not torch.allclose(got["off"][:, moved], got["after"][:, moved])
+
+
+def test_kvfuse_chunk_moves():
+    """The estimates on hand-made moves [KV, r, d]: rows that move together give their mean under every
+    estimate; rows that scatter around 0, or a single row, give no move under james-stein; kernel weights
+    are a distribution over the recomputed rows, so one recomputed row gives its own move."""
+    from kvf.pipeline.fusion.methods.kvfuse import chunk_mean_move, key_similarity
+    together = torch.ones(2, 5, 4) * torch.tensor([1.0, -2.0, 0.5, 3.0])        # [KV=2, r=5, d=4]
+    assert torch.allclose(chunk_mean_move(together, "james-stein"), together[:, :1])
+    assert torch.allclose(chunk_mean_move(together, "mean"), together[:, :1])
+    scattered = torch.cat([together, -together], dim=1)                          # mean 0, large spread
+    assert torch.equal(chunk_mean_move(scattered, "james-stein"), torch.zeros(2, 1, 4))
+    assert torch.equal(chunk_mean_move(together[:, :1], "james-stein"), torch.zeros(2, 1, 4))
+    noisy = together + 0.1 * torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    factor = chunk_mean_move(noisy, "james-stein") / chunk_mean_move(noisy, "mean")
+    assert ((factor > 0.9) & (factor < 1)).all()                                 # shrunk a little, not zeroed
+    weights = key_similarity(torch.randn(2, 7, 4), torch.randn(2, 3, 4))         # [KV, m=7, r=3]
+    assert weights.shape == (2, 7, 3) and torch.allclose(weights.sum(-1), torch.ones(2, 7))
+    assert torch.equal(key_similarity(torch.randn(2, 7, 4), torch.randn(2, 1, 4)), torch.ones(2, 7, 1))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     """With the whole budget given to the layer-1 deviation (and no shift), kvfuse recomputes CacheBlend's

@@ -18,12 +18,17 @@ later questions, results/kvfuse/runs/):
   see the shifted rows too, halved the first-token KL on dev prompts (results/kvfuse/probe.md) but
   lost answer fidelity on held-out questions (0.55): a closer cache is not a closer answer.
 
+- what the shift should carry (step 5): shrinking the mean by its rows' spread (james-stein) or
+  per-row moves by stored-key similarity (kernel) did not help; shifting K only (shift_parts=k) led
+  both dev splits (MuSiQue 0.976, RULER 0.675 vs the default's 0.944 / 0.600); its held-out numbers
+  are in results/kvfuse.md before it may become the default.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
 score_layers, sink_tokens, propagate (off / after / before), propagate_from and deviation_share
 (part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
-gain on either dev split). Budget: exactly round(ratio x chunk tokens), sinks included.
+gain on either dev split), shift_estimate and shift_parts. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -51,6 +56,11 @@ class KvFuseKnobs:
     deviation_share: float = knob(0.0, "fraction of the budget given first to the rows whose layer-1 K moves most "
                                        "when layer 0 sees the other chunks (CacheBlend's deviation); the rest by attention",
                                   min=0.0, max=1.0)
+    shift_estimate: str = knob("mean", "the move a kept row gets from its chunk's recomputed rows: their mean, "
+                                       "james-stein (the mean shrunk by their spread; one row: none) or kernel "
+                                       "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
+    shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
+                                  "(what they carry)", choices=("kv", "k", "v"))
 
 
 @register
@@ -101,23 +111,25 @@ class KvFuse(FusionMethod):
         is_chunk = state.chunk_row_mask()[state.rows]
         fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
         fresh = torch.stack([fresh_k[:, is_chunk], fresh_v[:, is_chunk]])       # [2, KV, a, d]
-        shift_kept_rows(engine, state, layer, rows, state.cache.kv[layer][:, :, rows], fresh)
+        shift_kept_rows(engine, state, layer, rows, state.cache.kv[layer][:, :, rows], fresh, self.knobs)
 
     def after_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
         if not self.propagates(state, layer) or self.knobs.propagate != "after":
             return
         rows = state.active_chunk_rows()
-        shift_kept_rows(engine, state, layer, rows, state.scratch.pop("stored"), state.cache.kv[layer][:, :, rows])
+        shift_kept_rows(engine, state, layer, rows, state.scratch.pop("stored"), state.cache.kv[layer][:, :, rows],
+                        self.knobs)
 
 
 def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
-                    stored: torch.Tensor, fresh: torch.Tensor) -> None:
-    """Add to every kept (not recomputed) row of a chunk the mean change fresh - stored [2, KV, a, d] of
-    that chunk's recomputed `rows` at this layer (keys compared before RoPE)."""
+                    stored: torch.Tensor, fresh: torch.Tensor, knobs: KvFuseKnobs) -> None:
+    """Add to every kept (not recomputed) row of a chunk the change fresh - stored [2, KV, a, d] of that
+    chunk's recomputed `rows` at this layer, as knobs.shift_estimate carries it over (keys compared
+    before RoPE), to the parts in knobs.shift_parts."""
     if len(rows) == 0:
         return
     rope, positions = engine.model.rope, state.positions
-    delta_k = reposition_keys(fresh[0] - stored[0], rope, positions[rows], torch.zeros_like(rows))  # [KV, a, d]
+    delta_k = unrotated(fresh[0] - stored[0], rope, positions[rows])                # [KV, a, d]
     delta_v = fresh[1] - stored[1]
     active = torch.zeros(state.n, dtype=torch.bool)
     active[rows] = True
@@ -126,9 +138,49 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
         kept = torch.arange(start, end)[~active[start:end]]
         if not mine.any() or len(kept) == 0:
             continue
-        mean_k = delta_k[:, mine].mean(dim=1, keepdim=True).expand(-1, len(kept), -1)   # [KV, m, d]
-        state.cache.kv[layer, 0][:, kept] += reposition_keys(mean_k, rope, torch.zeros_like(kept), positions[kept])
-        state.cache.kv[layer, 1][:, kept] += delta_v[:, mine].mean(dim=1, keepdim=True)
+        if knobs.shift_estimate == "kernel":                                         # [KV, m, r] by stored keys
+            weights = key_similarity(unrotated(state.cache.kv[layer, 0][:, kept], rope, positions[kept]),
+                                     unrotated(stored[0][:, mine], rope, positions[rows[mine]]))
+            move_k, move_v = weights @ delta_k[:, mine], weights @ delta_v[:, mine]  # [KV, m, d]
+        else:                                                                        # [KV, 1, d]
+            move_k = chunk_mean_move(delta_k[:, mine], knobs.shift_estimate)
+            move_v = chunk_mean_move(delta_v[:, mine], knobs.shift_estimate)
+        if "k" in knobs.shift_parts:
+            state.cache.kv[layer, 0][:, kept] += reposition_keys(move_k.expand(-1, len(kept), -1), rope,
+                                                                 torch.zeros_like(kept), positions[kept])
+        if "v" in knobs.shift_parts:
+            state.cache.kv[layer, 1][:, kept] += move_v
+
+
+def unrotated(keys: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
+    """[KV, n, d] keys rotated at `positions` -> the same keys before RoPE (at position 0)."""
+    return reposition_keys(keys, rope, positions, torch.zeros_like(positions))
+
+
+def chunk_mean_move(delta: torch.Tensor, estimate: str) -> torch.Tensor:
+    """[KV, r, d] moves of a chunk's r recomputed rows -> [KV, 1, d] the move every kept row gets.
+    james-stein: the mean scaled by max(0, 1 - noise / |mean|^2) per head, noise being the trace of the
+    mean's covariance (spread / r). Rows that move together give the whole mean; rows that scatter
+    (or a single row: no spread to judge by) leave the kept rows where they were."""
+    mean = delta.mean(dim=1, keepdim=True)                                           # [KV, 1, d]
+    if estimate == "mean":
+        return mean
+    r = delta.shape[1]
+    if r < 2:
+        return torch.zeros_like(mean)
+    noise = (delta - mean).pow(2).sum(dim=(1, 2)) / ((r - 1) * r)                     # [KV]
+    factor = (1 - noise / mean.pow(2).sum(dim=(1, 2)).clamp_min(1e-12)).clamp_min(0)  # [KV]
+    return mean * factor[:, None, None]
+
+
+def key_similarity(kept_keys: torch.Tensor, recomputed_keys: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
+    """[KV, m, d], [KV, r, d] stored keys before RoPE -> [KV, m, r]: each kept row's softmax weights over
+    its chunk's recomputed rows by cosine similarity, so a kept row takes the move of the rows whose stored
+    keys point its way. Cosine, not q.k: stored keys' norms make the scaled dot product near one-hot (one
+    row's move, noisier than the mean); 0.1 was the best of 0.02-0.3 on the chunk-rows error to full."""
+    kept_keys = torch.nn.functional.normalize(kept_keys, dim=-1)
+    recomputed_keys = torch.nn.functional.normalize(recomputed_keys, dim=-1)
+    return torch.softmax(kept_keys @ recomputed_keys.transpose(1, 2) / temperature, dim=-1)
 
 
 def cross_chunk_deviation(engine: FusionEngine, state: FusionState) -> torch.Tensor:
