@@ -50,9 +50,19 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling:
     return (x * cos - rotate_half(x) * sin) / (scaling * scaling)
 
 
+def keys_before_rope(keys: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+    """keys [heads, t, head_dim] rotated at positions -> the same keys before RoPE."""
+    cos, sin = rope.cos_sin(positions, keys.dtype)
+    return unapply_rope(keys, cos, sin, rope.scaling)
+
+
+def keys_at(keys: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+    """keys [heads, t, head_dim] before RoPE -> rotated at positions."""
+    cos, sin = rope.cos_sin(positions, keys.dtype)
+    return apply_rope(keys, cos, sin)
+
+
 def reposition_keys(keys: torch.Tensor, rope: Rope, from_positions: torch.Tensor,
                     to_positions: torch.Tensor) -> torch.Tensor:
     """keys [heads, t, head_dim] rotated at from_positions -> the same keys rotated at to_positions."""
-    cos_from, sin_from = rope.cos_sin(from_positions, keys.dtype)
-    cos_to, sin_to = rope.cos_sin(to_positions, keys.dtype)
-    return apply_rope(unapply_rope(keys, cos_from, sin_from, rope.scaling), cos_to, sin_to)
+    return keys_at(keys_before_rope(keys, rope, from_positions), rope, to_positions)

@@ -40,7 +40,7 @@ from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budg
 from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
-from kvf.pipeline.model.rope import reposition_keys
+from kvf.pipeline.model.rope import keys_at, keys_before_rope
 
 
 @dataclass
@@ -129,7 +129,7 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     if len(rows) == 0:
         return
     rope, positions = engine.model.rope, state.positions
-    delta_k = unrotated(fresh[0] - stored[0], rope, positions[rows])                # [KV, a, d]
+    delta_k = keys_before_rope(fresh[0] - stored[0], rope, positions[rows])         # [KV, a, d]
     delta_v = fresh[1] - stored[1]
     active = torch.zeros(state.n, dtype=torch.bool)
     active[rows] = True
@@ -139,22 +139,16 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
         if not mine.any() or len(kept) == 0:
             continue
         if knobs.shift_estimate == "kernel":                                         # [KV, m, r] by stored keys
-            weights = key_similarity(unrotated(state.cache.kv[layer, 0][:, kept], rope, positions[kept]),
-                                     unrotated(stored[0][:, mine], rope, positions[rows[mine]]))
+            weights = key_similarity(keys_before_rope(state.cache.kv[layer, 0][:, kept], rope, positions[kept]),
+                                     keys_before_rope(stored[0][:, mine], rope, positions[rows[mine]]))
             move_k, move_v = weights @ delta_k[:, mine], weights @ delta_v[:, mine]  # [KV, m, d]
         else:                                                                        # [KV, 1, d]
             move_k = chunk_mean_move(delta_k[:, mine], knobs.shift_estimate)
             move_v = chunk_mean_move(delta_v[:, mine], knobs.shift_estimate)
         if "k" in knobs.shift_parts:
-            state.cache.kv[layer, 0][:, kept] += reposition_keys(move_k.expand(-1, len(kept), -1), rope,
-                                                                 torch.zeros_like(kept), positions[kept])
+            state.cache.kv[layer, 0][:, kept] += keys_at(move_k.expand(-1, len(kept), -1), rope, positions[kept])
         if "v" in knobs.shift_parts:
             state.cache.kv[layer, 1][:, kept] += move_v
-
-
-def unrotated(keys: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
-    """[KV, n, d] keys rotated at `positions` -> the same keys before RoPE (at position 0)."""
-    return reposition_keys(keys, rope, positions, torch.zeros_like(positions))
 
 
 def chunk_mean_move(delta: torch.Tensor, estimate: str) -> torch.Tensor:
@@ -177,7 +171,8 @@ def key_similarity(kept_keys: torch.Tensor, recomputed_keys: torch.Tensor, tempe
     """[KV, m, d], [KV, r, d] stored keys before RoPE -> [KV, m, r]: each kept row's softmax weights over
     its chunk's recomputed rows by cosine similarity, so a kept row takes the move of the rows whose stored
     keys point its way. Cosine, not q.k: stored keys' norms make the scaled dot product near one-hot (one
-    row's move, noisier than the mean); 0.1 was the best of 0.02-0.3 on the chunk-rows error to full."""
+    row's move, noisier than the mean); 0.1 was the best of 0.02-0.3 on the chunk-rows error to full
+    on the synthetic prompt of tests/test_methods.py (long_case)."""
     kept_keys = torch.nn.functional.normalize(kept_keys, dim=-1)
     recomputed_keys = torch.nn.functional.normalize(recomputed_keys, dim=-1)
     return torch.softmax(kept_keys @ recomputed_keys.transpose(1, 2) / temperature, dim=-1)
