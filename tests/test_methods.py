@@ -415,16 +415,29 @@ def long_case(answerer):
     return prompt, prefix_kvs_with_summaries(answerer.engine, prompt), get_method("full").prefill(answerer.engine, prompt)
 
 
+@pytest.fixture(scope="module")
+def kvfuse_long(answerer, long_case):
+    """kvfuse at 15% on long_case: one prefill per knob set, however many tests ask for it."""
+    prompt, source, _ = long_case
+    runs = {}
+
+    def run(**knobs):
+        key = tuple(sorted(knobs.items()))
+        if key not in runs:
+            runs[key] = get_method("kvfuse", 0.15, **knobs).prefill(answerer.engine, prompt, source)
+        return runs[key]
+    return run
+
+
 @pytest.mark.parametrize("propagate", ["after", "before"])
-def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(answerer, long_case, propagate):
+def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(long_case, kvfuse_long, propagate):
     """kvfuse shifts each chunk's kept rows by the mean K/V move of its recomputed rows: the chunk rows
     of the fused cache end nearer full prefill's (all layers together); with `after` the recomputed
     rows are untouched (the shift is seen by decoding only), with `before` they see it too."""
     prompt, source, full = long_case
     rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
     want = full.cache.kv[:, :, :, rows]                                          # [L, 2, KV, n, d]
-    got = {p: get_method("kvfuse", 0.15, propagate=p, propagate_from=0.33).prefill(answerer.engine, prompt, source)
-           for p in ("off", propagate)}
+    got = {"off": kvfuse_long(propagate="off"), propagate: kvfuse_long(propagate=propagate, propagate_from=0.33)}
     error = {p: ((r.cache.kv[:, :, :, rows] - want).norm() / want.norm()).item() for p, r in got.items()}
     assert error[propagate] < error["off"], error
     first = round(0.33 * want.shape[0])
@@ -434,7 +447,7 @@ def test_kvfuse_propagation_moves_kept_rows_towards_full_prefill(answerer, long_
 
 
 @pytest.mark.parametrize("estimate", ["james-stein", "kernel"])
-def test_kvfuse_shift_estimates_move_kept_rows_towards_full_prefill(answerer, long_case, estimate):
+def test_kvfuse_shift_estimates_move_kept_rows_towards_full_prefill(long_case, kvfuse_long, estimate):
     """The other estimates of a kept row's move (the mean shrunk by the rows' spread, the moves weighted
     by stored-key similarity) also bring the chunk rows nearer full prefill than no shift, and are not
     the plain mean."""
@@ -442,7 +455,7 @@ def test_kvfuse_shift_estimates_move_kept_rows_towards_full_prefill(answerer, lo
     rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
     want = full.cache.kv[:, :, :, rows]                                          # [L, 2, KV, n, d]
     runs = {"off": dict(propagate="off"), "mean": dict(), estimate: dict(shift_estimate=estimate)}
-    got = {name: get_method("kvfuse", 0.15, **knobs).prefill(answerer.engine, prompt, source) for name, knobs in runs.items()}
+    got = {name: kvfuse_long(**knobs) for name, knobs in runs.items()}
     error = {name: ((r.cache.kv[:, :, :, rows] - want).norm() / want.norm()).item() for name, r in got.items()}
     assert error[estimate] < error["off"], error
     assert not torch.equal(got[estimate].cache.kv, got["mean"].cache.kv)
