@@ -43,8 +43,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(KVF) demo
 
+# one torch thread per process: the suite's small ops and its subprocesses (Ray workers, the JVM, kvf
+# run in a child) contend for 2 cores, and OpenMP's spinning threads make that slower, not faster
 test: setup
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
 
 # ---- reproduction -----------------------------------------------------------------------------
 $(WORK)/%/questions.jsonl: | setup

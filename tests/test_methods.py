@@ -407,12 +407,14 @@ def test_query_attention_forms_only_the_question_rows(name, knobs):
 
 @pytest.fixture(scope="module")
 def long_case(answerer):
-    """Chunks of ~250 tokens (15% of a chunk is then tens of rows, as on real passages)."""
+    """Three chunks of ~350 tokens (15% of a chunk is then tens of rows, as on real passages), with the
+    `prefix` KVs kvfuse reads (no Cache-Craft summaries: kvfuse never reads them)."""
     from kvf.pipeline.data.synthetic import make_synthetic
-    texts = [p.text for q in make_synthetic(None, n_questions=12, passages_per_question=2, seed=3) for p in q.contexts]
-    chunks = [" ".join(texts[i: i + 6]) for i in range(0, 18, 6)]
+    texts = [p.text for q in make_synthetic(None, n_questions=3, passages_per_question=2, seed=3) for p in q.contexts]
+    chunks = [" ".join(texts[i: i + 2]) for i in range(0, 6, 2)]
     prompt = answerer.prompt([encode(answerer.tokenizer, c) for c in chunks], make_synthetic(None, 1)[0].question)
-    return prompt, prefix_kvs_with_summaries(answerer.engine, prompt), get_method("full").prefill(answerer.engine, prompt)
+    source = InMemoryKV([answerer.engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+    return prompt, source, get_method("full").prefill(answerer.engine, prompt)
 
 
 @pytest.fixture(scope="module")
