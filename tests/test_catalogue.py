@@ -407,3 +407,23 @@ def test_ctrl_c_and_sigterm_after_the_jvm_is_up_exit_cleanly(tmp_path, sig, code
     assert proc.returncode == code, err
     assert_one_line(proc.returncode, err, word, "re-run")
     assert not list(tmp_path.glob("hs_err_pid*.log"))
+
+
+def test_records_made_before_a_knob_existed_resume_as_its_default(data, tmp_path, capsys, monkeypatch):
+    """A knob added to a method defaults to the method as it was: records without it resume (nothing is
+    re-run), and records whose recorded knob differs are still refused."""
+    from kvf.pipeline.fusion.methods import default_settings
+    out = tmp_path / "o.jsonl"
+    args = [a if a != "reuse" else "kvfuse" for a in run_args(data, out)] + ["-r", "0.15"]
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    record = json.loads(out.read_text())
+    newest = sorted(default_settings("kvfuse"))[-1]
+    assert newest in record["settings"]
+    del record["settings"][newest]                                  # as if written before the knob existed
+    out.write_text(json.dumps(record) + "\n")
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    assert out.read_text().count("\n") == 1                           # resumed: not re-run
+    record["settings"][newest] = "not-the-default"
+    out.write_text(json.dumps(record) + "\n")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line(code, err, f"--out {out}", "other settings", newest)

@@ -21,7 +21,7 @@ from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
-from kvf.pipeline.fusion.methods import FusionMethod, build_method, get_method
+from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used
 from kvf.pipeline.records import RunFile, RunRecord, parse_record
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
@@ -223,7 +223,7 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
         want = wanted.get(key)
         if want is None:
             continue
-        have = comparable(record.settings)
+        have = comparable({**default_settings(record.method), **record.settings})  # knobs added since: default
         if have != comparable(want):
             names = sorted(n for n in set(have) | set(want) if n not in ("ratio", "ratio_mode", "store", "pipeline")
                            and have.get(n) != want.get(n))

@@ -4,7 +4,9 @@ A method is one file under pipeline/fusion/methods/ (or in a directory named by 
 with one FusionMethod subclass decorated with @register. The class declares everything about
 itself, and nothing else in kvf names it:
 - `name`, and `Knobs`: a dataclass whose fields (declared with `knob()`) become `kvf run` and
-  `kvf bench` flags with their help text, are validated, and are recorded with every run;
+  `kvf bench` flags with their help text, are validated, and are recorded with every run. A knob
+  added to an existing method defaults to the method as it was, so records made before the knob
+  existed resume as its default (`default_settings`);
 - `ratio_is_knob` (False: the method recomputes a fixed amount, `fixed_ratio`, whatever --ratio
   says), `offline_variant` (the stored variant it reads by default), `uses_store`,
   `reuse_at_ratio_zero` (at ratio 0 it is plain reuse, so a sweep shares reuse's prefill);
@@ -242,6 +244,13 @@ def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -
     if name not in METHODS:
         raise KvfError(f"--method {name}: unknown method; known methods: {', '.join(method_names())}")
     return METHODS[name](recompute_ratio, **knob_values)
+
+
+def default_settings(name: str) -> dict:
+    """Every knob of a registered method at its default ({} for a name not registered): what a record
+    made before a knob existed ran with, by the rule above."""
+    discover()
+    return dataclasses.asdict(METHODS[name].Knobs()) if name in METHODS else {}
 
 
 def build_method(name: str, recompute_ratio: float, knobs: dict | None = None) -> FusionMethod:
