@@ -100,7 +100,7 @@ RULER_SWEEP = $(KVF) run -m $(RULER_METHODS) -r $(RULER_RATIOS) --compare-full -
 # their records pool into one dataset per length. 4K samples cost ~4x as much on this CPU: one seed, and
 # kvfuse's rejected configuration (results/kvfuse.md) runs at 2K only.
 RULER_SEEDS ?= 0 1 2 3 4
-RULER_4K_SEEDS ?= 0
+RULER_4K_SEEDS ?= 0 1
 RULER_4K_RATIOS ?= 0,0.15,0.3
 RULER_4K_METHODS ?= all
 ruler-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
