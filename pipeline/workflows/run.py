@@ -224,9 +224,9 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
         if want is None:
             continue
         have = comparable({**default_settings(record.method), **record.settings})  # knobs added since: default
-        if have != comparable(want):
-            names = sorted(n for n in set(have) | set(want) if n not in ("ratio", "ratio_mode", "store", "pipeline")
-                           and have.get(n) != want.get(n))
+        want = comparable(want)
+        if have != want:
+            names = sorted(n for n in set(have) | set(want) if have.get(n) != want.get(n))
             diff = ", ".join(f"{n} {have.get(n)!r} -> {want.get(n)!r}" for n in names[:4])
             raise KvfError(f"--out {out} holds {record.method} records run with other settings ({diff}); "
                            "pass a new --out, or --overwrite to replace them")

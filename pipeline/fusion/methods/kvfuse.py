@@ -20,8 +20,8 @@ later questions, results/kvfuse/runs/):
 
 - what the shift should carry (step 5): shrinking the mean by its rows' spread (james-stein) or
   per-row moves by stored-key similarity (kernel) did not help; shifting K only (shift_parts=k) led
-  both dev splits (MuSiQue 0.976, RULER 0.675 vs the default's 0.944 / 0.600); its held-out numbers
-  are in results/kvfuse.md before it may become the default.
+  both dev splits (MuSiQue 0.976, RULER 0.675 vs the default's 0.944 / 0.600) but not held out
+  (MuSiQue 11-49 0.841 vs 0.855, RULER 2K 0.725 vs 0.670; results/kvfuse.md): not the default.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -172,7 +172,8 @@ def key_similarity(kept_keys: torch.Tensor, recomputed_keys: torch.Tensor, tempe
     its chunk's recomputed rows by cosine similarity, so a kept row takes the move of the rows whose stored
     keys point its way. Cosine, not q.k: stored keys' norms make the scaled dot product near one-hot (one
     row's move, noisier than the mean); 0.1 was the best of 0.02-0.3 on the chunk-rows error to full
-    on the synthetic prompt of tests/test_methods.py (long_case)."""
+    on the synthetic prompt of tests/test_methods.py's long_case as it was at a85a809 (three ~1,070-token
+    chunks; it is shorter now)."""
     kept_keys = torch.nn.functional.normalize(kept_keys, dim=-1)
     recomputed_keys = torch.nn.functional.normalize(recomputed_keys, dim=-1)
     return torch.softmax(kept_keys @ recomputed_keys.transpose(1, 2) / temperature, dim=-1)
