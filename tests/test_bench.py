@@ -1,6 +1,8 @@
 """`kvf bench` on a tiny random model (the GPU path's --random-weights, run on CPU), and the
 loading controller's ratio choice."""
 import io
+import shutil
+
 import pandas as pd
 import pytest
 from rich.console import Console
@@ -25,7 +27,8 @@ def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft"],
                         ratios=[0.15, 0.3], repeats=1, random_weights="tiny", out=out, workdir=out / "work")
-    return bench(opts, QUIET), out
+    yield bench(opts, QUIET), out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def test_bench_measures_every_method_against_full(tiny_bench):

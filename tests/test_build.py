@@ -122,8 +122,9 @@ def built(tmp_path_factory, short_docs):
     opts = opts_for(root, corpus, dtype="float32", bm25=True, dense=True)
     summary = build_cache(opts, QUIET)
     ws = Workspace(opts.workspace)
-    return SimpleNamespace(root=root, corpus=corpus, opts=opts, summary=summary, ws=ws,
-                           chunks=read_chunks_table(ws.chunks_path), model_ref=open_model(None))
+    yield SimpleNamespace(root=root, corpus=corpus, opts=opts, summary=summary, ws=ws,
+                          chunks=read_chunks_table(ws.chunks_path), model_ref=open_model(None))
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_build_writes_chunks_indexes_store_and_summary(built):

@@ -5,6 +5,7 @@ resumed distributed run adds only what is missing. Skipped with the reason where
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def corpus(tmp_path_factory):
     make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
     torch.set_num_threads(1)  # the actors run one thread each: same kernels, same bits
     build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "one", **BUILD), QUIET)
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def assert_same_store(a_path, b_path):

@@ -2,6 +2,7 @@
 import hashlib
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def workspace(tmp_path_factory, chunks, embedder):
     write_chunks_table(chunks, ws / "chunks.parquet")
     build_bm25(chunks, ws / "bm25")
     build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws / "dense", embedder)
-    return ws
+    yield ws
+    shutil.rmtree(ws, ignore_errors=True)
 
 # ---------------------------------------------------------------- BM25
 
