@@ -392,7 +392,8 @@ def previous_manifest(ws: Workspace, console: Console) -> dict:
     try:
         return ws.manifest()
     except KvfError:
-        console.print(f"warning: {ws.manifest_path} is damaged; rebuilding every stage of the workspace", style="yellow")
+        console.print(f"warning: {ws.manifest_path} is damaged; rebuilding every stage of the workspace", style="yellow",
+                      markup=False, highlight=False, soft_wrap=True)  # one line, whatever the path's length
         return {}
 
 
