@@ -1,6 +1,5 @@
 """Shared fixtures: the embedded model (loaded once per session) and tiny random models."""
 import os
-import shutil
 
 import pytest
 import torch
@@ -75,5 +74,4 @@ def built(tmp_path_factory):
     make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
     build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
                              variants=("prefix",), n_neighbours=2), Console(file=io.StringIO()))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)  # CI disks are small: shared builds go when their tests are done
+    return root  # session-wide: pytest removes it at the end of a passing session (tmp_path_retention_policy)
