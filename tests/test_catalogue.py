@@ -410,6 +410,33 @@ def test_ctrl_c_and_sigterm_after_the_jvm_is_up_exit_cleanly(tmp_path, sig, code
     assert not list(tmp_path.glob("hs_err_pid*.log"))
 
 
+SWALLOWED_SIGNAL = """
+import sys, time
+import kvf.cli.main
+from kvf.cli import entry
+
+class Bomb:  # a signal that lands in a __del__ (or a weakref callback inside an import): Python prints and drops it
+    def __del__(self):
+        raise entry.{exc}()
+
+def app(**_):
+    Bomb()
+    time.sleep(30)   # without the re-delivery kvf would go on working here
+    return 0
+
+kvf.cli.main.app = app
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("exc,code,word", [("Interrupted", 130, "interrupted"), ("Terminated", 143, "terminated")])
+def test_a_signal_python_swallows_in_a_callback_still_stops_kvf(tmp_path, exc, code, word):
+    proc = subprocess.run([sys.executable, "-c", SWALLOWED_SIGNAL.format(exc=exc)], cwd=tmp_path, env=SUB_ENV,
+                          capture_output=True, text=True, timeout=25)
+    assert proc.returncode == code, proc.stderr
+    assert_one_line(proc.returncode, proc.stderr, word, "re-run")   # and no "Exception ignored" traceback
+
+
 def test_records_made_before_a_knob_existed_resume_as_its_default(data, tmp_path, capsys, monkeypatch):
     """A knob added to a method defaults to the method as it was: records without it resume (nothing is
     re-run), and records whose recorded knob differs are still refused."""
