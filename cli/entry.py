@@ -14,13 +14,25 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 
-class Interrupted(BaseException):
+class Stopped(BaseException):
+    """A signal turned into an exception; ends kvf in its one line."""
+    code: int
+    word: str
+    signum: signal.Signals
+
+    def exit(self) -> NoReturn:
+        print(f"kvf: {self.word}; re-run the same command to resume", file=sys.stderr)
+        sys.exit(self.code)
+
+
+class Interrupted(Stopped):
     code, word, signum = 130, "interrupted", signal.SIGINT
 
 
-class Terminated(BaseException):
+class Terminated(Stopped):
     code, word, signum = 143, "terminated", signal.SIGTERM
 
 
@@ -31,20 +43,18 @@ def _raise(exc_type):
 
 
 def _redeliver_swallowed_signals(unraisable):
-    if isinstance(unraisable.exc_value, (Interrupted, Terminated)):
-        signum = unraisable.exc_value.signum
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()  # not now: we are still inside the callback
+    if isinstance(unraisable.exc_value, Stopped):  # later, not now: we are still inside the callback
+        threading.Timer(0.05, os.kill, (os.getpid(), unraisable.exc_value.signum)).start()
         return
     sys.__unraisablehook__(unraisable)
 
 
 def main():
+    sys.unraisablehook = _redeliver_swallowed_signals  # before the handlers: no signal can miss it
     signal.signal(signal.SIGINT, _raise(Interrupted))
     signal.signal(signal.SIGTERM, _raise(Terminated))
-    sys.unraisablehook = _redeliver_swallowed_signals
     try:
         from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
-    except (Interrupted, Terminated) as e:
-        print(f"kvf: {e.word}; re-run the same command to resume", file=sys.stderr)
-        sys.exit(e.code)
+    except Stopped as e:
+        e.exit()
     cli_main()

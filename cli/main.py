@@ -13,7 +13,7 @@ import sys
 import typer
 
 from kvf import __version__
-from kvf.cli.entry import Interrupted, Terminated
+from kvf.cli.entry import Interrupted, Stopped
 from kvf.errors import KvfError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -75,12 +75,10 @@ def main():
         message = " ".join((format_message() if format_message else str(e)).split())
         print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
-    except (Interrupted, Terminated) as e:
-        print(f"kvf: {e.word}; re-run the same command to resume", file=sys.stderr)
-        sys.exit(e.code)
+    except Stopped as e:
+        e.exit()
     except (KeyboardInterrupt, typer.Abort):
-        print("kvf: interrupted; re-run the same command to resume", file=sys.stderr)
-        sys.exit(130)
+        Interrupted().exit()
     except KvfError as e:
         print(f"kvf: error: {e}", file=sys.stderr)
         sys.exit(1)
