@@ -152,40 +152,43 @@ KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
+# the raw records and the tables (make verify re-runs into a directory of its own)
+KVFUSE_RUNS ?= results/kvfuse/runs
+KVFUSE_OUT ?= results/kvfuse
 KVFUSE_RUN = $(KVF) run -d $(WORK)/musique --neighbours 3 -r 0.15 --max-new-tokens 12 --no-show-answers
 kvfuse-dev: $(WORK)/musique/questions.jsonl
-	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o results/kvfuse/runs/dev-musique.jsonl
+	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o $(KVFUSE_RUNS)/dev-musique.jsonl
 kvfuse-ruler-dev: | setup
 	dir=$(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 2048 \
 	  --n $(RULER_N) --seed $(KVFUSE_RULER_DEV_SEED) --tasks $(RULER_TASKS) --out $$dir || exit 1; \
-	$(KVF) run -d $$dir -m $(KVFUSE_RULER_DEV) -r 0.15 --max-new-tokens 32 --no-show-answers -o results/kvfuse/runs/dev-ruler-2048.jsonl
+	$(KVF) run -d $$dir -m $(KVFUSE_RULER_DEV) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/dev-ruler-2048.jsonl
 kvfuse-test: $(WORK)/musique/questions.jsonl
-	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o results/kvfuse/runs/test-musique.jsonl
-	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o results/kvfuse/runs/test-b-musique.jsonl
+	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o $(KVFUSE_RUNS)/test-musique.jsonl
+	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o $(KVFUSE_RUNS)/test-b-musique.jsonl
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/test-musique.jsonl --out $(KVFUSE_OUT)/test
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/test-b-musique.jsonl --out $(KVFUSE_OUT)/test-b
 # step 5's candidate (results/kvfuse.md), chosen on both dev splits, on questions neither split holds:
 # MuSiQue 11-49 of the methods sweep and the scored RULER 2K suite (seeds 0-4), beside every method's rows there
 KVFUSE_CANDIDATE ?= kvfuse:shift_parts=k
 kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
-	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_CANDIDATE) -o results/kvfuse/runs/heldout-k-musique.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_CANDIDATE) -o $(KVFUSE_RUNS)/heldout-k-musique.jsonl
 	for seed in $(RULER_SEEDS); do suffix=$$([ $$seed = 0 ] || echo -s$$seed); \
 	  $(KVF) run -d $(WORK)/ruler-2048$$suffix -m $(KVFUSE_CANDIDATE) -r 0.15 --max-new-tokens 32 --no-show-answers \
-	    -o results/kvfuse/runs/heldout-k-ruler-2048$$suffix.jsonl || exit 1; done
+	    -o $(KVFUSE_RUNS)/heldout-k-ruler-2048$$suffix.jsonl || exit 1; done
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  results/kvfuse/runs/heldout-k-musique.jsonl --out results/kvfuse/heldout-k-musique
-	$(KVF) eval --complete-only $(RULER_RUNS)/ruler-2048*.jsonl results/kvfuse/runs/heldout-k-ruler-2048*.jsonl \
-	  --out results/kvfuse/heldout-k-ruler
+	  $(KVFUSE_RUNS)/heldout-k-musique.jsonl --out $(KVFUSE_OUT)/heldout-k-musique
+	$(KVF) eval --complete-only $(RULER_RUNS)/ruler-2048*.jsonl $(KVFUSE_RUNS)/heldout-k-ruler-2048*.jsonl \
+	  --out $(KVFUSE_OUT)/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
-	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5
+	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
 kvfuse-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 3 --no-cold --no-compare-no-pipeline \
-	  --no-auto-ratio --out results/kvfuse/bench
+	  --no-auto-ratio --out $(KVFUSE_OUT)/bench
 kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench
-	$(KVF) eval --complete-only results/kvfuse/runs/dev-musique.jsonl --out results/kvfuse/dev
-	$(KVF) eval --complete-only results/kvfuse/runs/dev-ruler-2048.jsonl --out results/kvfuse/dev-ruler
-	$(KVF) eval --complete-only results/kvfuse/runs/test-musique.jsonl --out results/kvfuse/test
-	$(KVF) eval --complete-only results/kvfuse/runs/test-b-musique.jsonl --out results/kvfuse/test-b
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  --out results/kvfuse/heldout-musique
+	  --out $(KVFUSE_OUT)/heldout-musique
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
 SCALE_OUT ?= results/scale.md

@@ -10,6 +10,9 @@ conditions (N, ratios, model, data files with sha256), its key numbers with a to
   expected.yaml says);
 - `rescore` (optional): a command that recomputes the table from committed raw records into {out};
 - `rerun`: the command that re-runs the conditions from scratch into {out} (hours for a sweep);
+- `rerun_records` (optional): `got` (a glob under {out}) and `committed` (a repo glob): after the
+  rerun, every committed record must have a re-run twin with the same answer and the same tokens
+  recomputed, so a re-run checks every answer and not only the table's means;
 - `smoke` (optional): commands that re-answer a few questions into {out}/smoke.jsonl, whose records
   must equal the committed ones (same answer, same tokens recomputed).
 Prints OK / FAIL per number and exits 1 if anything failed. Data files are checked by sha256 first.
@@ -132,26 +135,36 @@ def expand_globs(command: str) -> str:
     return shlex.join(parts)
 
 
-def compare_records(name: str, got_path: Path, committed: list[Path], report: list) -> None:
-    """Every re-run record must equal the committed record of the same question, method and ratio."""
+def compare_records(name: str, got: list[Path], committed: list[Path], report: list, every: bool) -> None:
+    """Each re-run record must equal the committed record of the same question, method, ratio and knobs
+    (same answer, tokens recomputed and prompt length); with every=True each committed record must also
+    have been re-run."""
     from kvf.pipeline.records import read_records
     from kvf.pipeline.workflows.run import record_key
 
     def key(r):
         return record_key(r.qid, r.method, r.label, r.settings)
     reference = {key(r): r for path in committed for r in read_records(path)}
-    got = read_records(got_path) if got_path.is_file() and got_path.stat().st_size else []
-    if not got:
-        report.append((False, f"{name}: smoke run wrote no records"))
-    for r in got:
+    records = [r for path in got if path.is_file() and path.stat().st_size for r in read_records(path)]
+    if not records:
+        report.append((False, f"{name}: the re-run wrote no records"))
+        return
+    equal, missing = 0, set(reference)
+    for r in records:
         ref = reference.get(key(r))
         label = f"{name}: {r.qid} {r.method}@{r.ratio:g}"
         if ref is None:
             report.append((False, f"{label}: no committed record to compare with"))
             continue
-        same = (r.answer == ref.answer and r.recomputed_tokens == ref.recomputed_tokens
-                and r.prompt_tokens == ref.prompt_tokens)
-        report.append((same, f"{label}: answer {r.answer!r} " + ("= committed" if same else f"!= committed {ref.answer!r}")))
+        missing.discard(key(r))
+        if (r.answer, r.recomputed_tokens, r.prompt_tokens) == (ref.answer, ref.recomputed_tokens, ref.prompt_tokens):
+            equal += 1
+        else:
+            report.append((False, f"{label}: answer {r.answer!r} != committed {ref.answer!r}"
+                                  f" (recomputed {r.recomputed_tokens} vs {ref.recomputed_tokens})"))
+    report.append((bool(equal), f"{name}: {equal} of {len(records)} re-run answers equal the committed ones"))
+    if every and missing:
+        report.append((False, f"{name}: {len(missing)} committed records were not re-run"))
 
 
 def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
@@ -176,7 +189,7 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
             ok = all(run(step, out, log) for step in steps["commands"])
             report.append((ok, f"{name}: smoke commands " + ("ran" if ok else f"failed (see {log})")))
             if ok:
-                compare_records(name, out / "smoke.jsonl", sorted(REPO.glob(steps["records"])), report)
+                compare_records(name, [out / "smoke.jsonl"], sorted(REPO.glob(steps["records"])), report, every=False)
         elif mode == "rescore" or (mode == "full" and "rescore" in entry and "rerun" not in entry):
             if "rescore" in entry:
                 ok = run(expand_globs(entry["rescore"]), out, log)
@@ -198,6 +211,9 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 report.append((False, f"{name}: rerun failed (see {log})"))
                 continue
             check_numbers(name, out / entry["rerun_table"], numbers, strict=False, report=report)
+            if "rerun_records" in entry:
+                pair = entry["rerun_records"]
+                compare_records(name, sorted(out.glob(pair["got"])), sorted(REPO.glob(pair["committed"])), report, every=True)
     for ok, line in report:
         print(("OK   " if ok else "FAIL ") + line)
     failed = sum(not ok for ok, _ in report)

@@ -1,6 +1,8 @@
 """Committed numbers check themselves: results/expected.yaml agrees with the committed results
 tables, the README's numbers are generated from it, the Makefile's defaults are its conditions,
-every results file says what made it, and `make verify-smoke` reproduces committed records."""
+every results file says what made it, a re-run is checked answer by answer, and `make verify-smoke`
+reproduces committed records."""
+import json
 import os
 import re
 from pathlib import Path
@@ -56,6 +58,26 @@ def test_make_verify_can_remake_every_results_file():
         assert "rerun" in entry or "rescore" in entry, f"{name}: no rerun or rescore command in expected.yaml"
         if "rerun" in entry:
             assert "{out}" in " ".join(entry["rerun"]) and "rerun_table" in entry, f"{name}: rerun must write into {{out}}"
+
+
+def test_a_rerun_checks_every_answer_against_the_committed_records(tmp_path):
+    """`rerun_records`: a re-run whose numbers hold but whose answers moved, or which skipped records, fails."""
+    committed = REPO / "results" / "kvfuse" / "runs" / "test-b-musique.jsonl"
+    lines = committed.read_text().splitlines()
+    got = tmp_path / "runs.jsonl"
+
+    def compare(text):
+        got.write_text(text)
+        report = []
+        verify.compare_records("x.md", [got], [committed], report, every=True)
+        return [ok for ok, _ in report], report
+    oks, report = compare("\n".join(lines) + "\n")
+    assert oks == [True] and f"{len(lines)} of {len(lines)}" in report[0][1]
+    first = json.loads(lines[0])
+    moved = json.dumps({**first, "answer": first["answer"] + " not"})
+    assert compare("\n".join([moved] + lines[1:]) + "\n")[0] == [False, True]
+    oks, report = compare("\n".join(lines[1:]) + "\n")
+    assert oks == [True, False] and "1 committed records were not re-run" in report[1][1]
 
 
 def test_every_results_file_says_what_made_it():
