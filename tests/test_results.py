@@ -58,6 +58,11 @@ def test_make_verify_can_remake_every_results_file():
         assert "rerun" in entry or "rescore" in entry, f"{name}: no rerun or rescore command in expected.yaml"
         if "rerun" in entry:
             assert "{out}" in " ".join(entry["rerun"]) and "rerun_table" in entry, f"{name}: rerun must write into {{out}}"
+        pair = entry.get("rerun_records")
+        if pair is not None:
+            assert {"got", "committed"} <= set(pair) <= {"got", "committed", "min_equal"}, f"{name}: rerun_records keys"
+            assert sorted(REPO.glob(pair["committed"])), f"{name}: rerun_records.committed matches no file"
+            assert 0 < pair.get("min_equal", 1.0) <= 1, f"{name}: rerun_records.min_equal must be in (0, 1]"
 
 
 def test_a_rerun_checks_every_answer_against_the_committed_records(tmp_path):
