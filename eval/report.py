@@ -283,7 +283,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     vs_reuse = difference(group, reuse, metric) if first.method not in ("full", "reuse") else (math.nan,) * 3 + (0,)
     note = "; ".join(text for text in (note, mixed_settings(group)) if text)
     fidelity = fidelity_scores(group, full)
-    metric_low, metric_high = mean_interval(group[metric])
+    metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
     return {"dataset": first.dataset, "method": first.method, "label": first.label, "variant": first.variant,
             "ratio": first.ratio, "n": len(group), "metric": metric, "em": group.em.mean(), "f1": group.f1.mean(),

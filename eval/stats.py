@@ -23,6 +23,12 @@ def paired_bootstrap(a: pd.Series, b: pd.Series, samples: int = BOOTSTRAP_SAMPLE
     return float(diff.mean()), float(low), float(high), len(diff)
 
 
+def in_question_order(values: pd.Series) -> np.ndarray:
+    """The values sorted by question (index), ties by value: an order that the records' order cannot change."""
+    frame = pd.DataFrame({"question": values.index.astype(str), "value": values.to_numpy()})
+    return frame.sort_values(["question", "value"], kind="stable")["value"].to_numpy()
+
+
 def paired_differences(a: pd.Series, b: pd.Series) -> np.ndarray:
     """a - b on the questions (index) both have, in question order."""
     common = sorted(set(a.index) & set(b.index))
@@ -79,8 +85,10 @@ def describe_difference(mean: float, low: float, high: float, n: int) -> str:
 
 
 def mean_interval(values: pd.Series, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean over questions (NaN, NaN when empty)."""
-    x = values.dropna().astype(float).to_numpy()
+    """95% percentile-bootstrap interval of the mean over questions (index), (NaN, NaN) when empty.
+    Values are put in question order first: the fixed-seed resamples then pick the same questions
+    whatever order the run file holds its records in (two sweeps side by side interleave them)."""
+    x = in_question_order(values.dropna().astype(float))                          # [questions]
     if not len(x):
         return math.nan, math.nan
     low, high = np.percentile(bootstrap_means(x, samples, seed), [2.5, 97.5])

@@ -104,6 +104,24 @@ def test_every_row_carries_paired_intervals_to_full_and_reuse(runs, tmp_path):
     assert "Made by `kvf eval` at commit" in md                      # results files say what made them
 
 
+def test_record_order_in_the_run_files_changes_no_number(runs, tmp_path):
+    """Two sweeps side by side interleave their records: every interval must come from the questions,
+    not from the order their records were written in."""
+    in_order = evaluate(runs, tmp_path / "in-order")
+    shuffled = []
+    for path in runs:
+        lines = path.read_text().splitlines()
+        lines = lines[1::2][::-1] + lines[0::2]                  # a different order of the same records
+        shuffled.append(write_run(tmp_path / f"shuffled-{path.name}", [json.loads(line) for line in lines]))
+    reordered = evaluate(shuffled, tmp_path / "reordered")
+    columns = ["metric_low", "metric_high", "fidelity_low", "fidelity_high", "vs_full_low", "vs_full_high",
+               "vs_reuse_low", "vs_reuse_high", "f1", "fidelity_f1"]
+    blend = row(in_order, "cacheblend")
+    assert blend.fidelity_low < blend.fidelity_f1 < blend.fidelity_high   # the intervals are not degenerate
+    pd.testing.assert_frame_equal(in_order[columns].reset_index(drop=True),
+                                  reordered[columns].reset_index(drop=True))
+
+
 def test_few_questions_are_too_few_to_compare(tmp_path):
     few = [write_run(tmp_path / "f.jsonl", [record(f"q{i}-0", "full", "Paris", ratio=1.0) for i in (1, 2)]),
            write_run(tmp_path / "b.jsonl", [record(f"q{i}-0", "cacheblend", "Rome", ratio=0.15) for i in (1, 2)])]
