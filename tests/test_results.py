@@ -101,3 +101,33 @@ def test_every_results_file_says_what_made_it():
                     reason="benchmark data not available (set KVF_DATA)")
 def test_verify_smoke_reproduces_committed_records(tmp_path, capsys):
     assert verify.main(["--smoke", "--keep", str(tmp_path)]) == 0, capsys.readouterr().out
+
+
+def test_a_results_file_names_a_dirty_commit_only_when_code_changed(tmp_path, monkeypatch):
+    """Re-scoring rewrites results/ while it runs: that must not mark the commit '-dirty'; a changed
+    source file must."""
+    import subprocess
+
+    from kvf.pipeline.workflows import provenance
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "summary.md").write_text("old\n")
+    (tmp_path / "stats.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
+
+    def commit():
+        provenance.git_commit.cache_clear()
+        return provenance.git_commit()
+
+    assert re.fullmatch(r"[0-9a-f]{40}", commit())
+    (tmp_path / "results" / "summary.md").write_text("new\n")
+    assert not commit().endswith("-dirty")
+    (tmp_path / "stats.py").write_text("x = 2\n")
+    assert commit().endswith("-dirty")
+    provenance.git_commit.cache_clear()

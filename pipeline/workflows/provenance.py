@@ -13,14 +13,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # pipeline/workflows/provenance
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
-    """The checkout's commit (with '-dirty' when tracked files changed), or None outside a git checkout."""
+    """The checkout's commit, or None outside a git checkout. '-dirty' when tracked files other than
+    results/ changed: results/ holds outputs, which a re-scoring rewrites while it runs."""
     git = shutil.which("git")
     if git is None or not (REPO_ROOT / ".git").exists():
         return None
     try:
         commit = subprocess.run([git, "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
-        dirty = subprocess.run([git, "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+        dirty = subprocess.run([git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)results"], cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
