@@ -3,6 +3,7 @@
     python -m kvf.scripts.verify            # make verify: re-run every results file's command, check every number
     python -m kvf.scripts.verify --smoke    # make verify-smoke: re-answer a few questions per results file
     python -m kvf.scripts.verify --rescore  # only re-score the committed raw records (seconds)
+    python -m kvf.scripts.verify --compare-records GOT COMMITTED  # one re-run file against its committed one
 
 results/expected.yaml lists, for every committed results file, the command that makes it, its
 conditions (N, ratios, model, data files with sha256), its key numbers with a tolerance, and:
@@ -233,14 +234,32 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
     return 1 if failed else 0
 
 
+def compare_run_file(got: Path, committed: Path) -> int:
+    """One re-run file against its committed run file, record by record, every committed record required:
+    how a results file too long to re-run at once (ruler.md) is checked one run file at a time."""
+    for flag, path in (("GOT", got), ("COMMITTED", committed)):
+        if not path.is_file():
+            print(f"error: --compare-records {flag}: {path} is not a file; give a run file (.jsonl or .jsonl.gz)")
+            return 2
+    report: list = []
+    compare_records(committed.name, [got], [committed], report, every=True)
+    for ok, line in report:
+        print(("OK   " if ok else "FAIL ") + line)
+    return 0 if all(ok for ok, _ in report) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="re-answer a few questions")
     group.add_argument("--rescore", action="store_const", dest="mode", const="rescore", help="re-score committed records")
+    group.add_argument("--compare-records", nargs=2, type=Path, metavar=("GOT", "COMMITTED"),
+                       help="check one re-run file against its committed run file, every record (a partial re-run)")
     parser.add_argument("--only", nargs="*", help="results files to check (default: all in expected.yaml)")
     parser.add_argument("--keep", type=Path, help="work directory to keep (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.compare_records:
+        return compare_run_file(*args.compare_records)
     return verify(args.mode or "full", args.only, args.keep)
 
 

@@ -91,6 +91,22 @@ def test_a_rerun_checks_every_answer_against_the_committed_records(tmp_path):
     assert oks == [True, False] and "1 committed records were not re-run" in report[1][1]
 
 
+def test_one_rerun_file_is_checked_against_its_committed_file(tmp_path, capsys):
+    """--compare-records: a partial re-run of a long results file, one run file at a time."""
+    committed = REPO / "results" / "kvfuse" / "runs" / "test-b-musique.jsonl"
+    lines = committed.read_text().splitlines()
+    got = tmp_path / "got.jsonl"
+    got.write_text("\n".join(lines[::-1]) + "\n")                   # same records, another order
+    assert verify.main(["--compare-records", str(got), str(committed)]) == 0
+    assert f"OK   test-b-musique.jsonl: {len(lines)} of {len(lines)}" in capsys.readouterr().out
+    got.write_text("\n".join(lines[1:]) + "\n")                     # one committed record not re-run
+    assert verify.main(["--compare-records", str(got), str(committed)]) == 1
+    assert "1 committed records were not re-run" in capsys.readouterr().out
+    assert verify.main(["--compare-records", str(tmp_path / "missing.jsonl"), str(committed)]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "--compare-records GOT" in out and "missing.jsonl" in out
+
+
 def test_every_results_file_says_what_made_it():
     for name in EXPECTED:
         text = (REPO / name).read_text()
