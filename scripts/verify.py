@@ -227,11 +227,16 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 pair = entry["rerun_records"]
                 compare_records(name, sorted(out.glob(pair["got"])), sorted(REPO.glob(pair["committed"])), report,
                                 every=True, min_equal=pair.get("min_equal", 1.0))
-    for ok, line in report:
-        print(("OK   " if ok else "FAIL ") + line)
-    failed = sum(not ok for ok, _ in report)
+    failed = print_report(report)
     print(f"{len(report) - failed} OK, {failed} FAIL ({mode}; work in {work})")
     return 1 if failed else 0
+
+
+def print_report(report: list[tuple[bool, str]]) -> int:
+    """One OK / FAIL line per check; how many failed."""
+    for ok, line in report:
+        print(("OK   " if ok else "FAIL ") + line)
+    return sum(not ok for ok, _ in report)
 
 
 def compare_run_file(got: Path, committed: Path) -> int:
@@ -243,9 +248,7 @@ def compare_run_file(got: Path, committed: Path) -> int:
             return 2
     report: list = []
     compare_records(committed.name, [got], [committed], report, every=True)
-    for ok, line in report:
-        print(("OK   " if ok else "FAIL ") + line)
-    return 0 if all(ok for ok, _ in report) else 1
+    return 1 if print_report(report) else 0
 
 
 def main(argv=None) -> int:
