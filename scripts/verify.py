@@ -181,6 +181,11 @@ def compare_records(name: str, got: list[Path], committed: list[Path], report: l
 
 def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
     expected = load_expected()
+    unknown = [name for name in only or [] if name not in expected]
+    if unknown:   # a misspelt name would otherwise check nothing and print "0 OK, 0 FAIL"
+        print(f"kvf: error: --only {' '.join(unknown)}: not in results/expected.yaml; "
+              f"give one of: {', '.join(expected)}", file=sys.stderr)
+        return 2
     report: list[tuple[bool, str]] = []
     work = Path(keep or tempfile.mkdtemp(prefix="kvf-verify-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -244,7 +249,8 @@ def compare_run_file(got: Path, committed: Path) -> int:
     how a results file too long to re-run at once (ruler.md) is checked one run file at a time."""
     for flag, path in (("GOT", got), ("COMMITTED", committed)):
         if not path.is_file():
-            print(f"error: --compare-records {flag}: {path} is not a file; give a run file (.jsonl or .jsonl.gz)")
+            print(f"kvf: error: --compare-records {flag}: {path} is not a file; give a run file (.jsonl or .jsonl.gz)",
+                  file=sys.stderr)
             return 2
     report: list = []
     compare_records(committed.name, [got], [committed], report, every=True)

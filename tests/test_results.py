@@ -103,8 +103,16 @@ def test_one_rerun_file_is_checked_against_its_committed_file(tmp_path, capsys):
     assert verify.main(["--compare-records", str(got), str(committed)]) == 1
     assert "1 committed records were not re-run" in capsys.readouterr().out
     assert verify.main(["--compare-records", str(tmp_path / "missing.jsonl"), str(committed)]) == 2
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "--compare-records GOT" in out and "missing.jsonl" in out
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--compare-records GOT" in err and "missing.jsonl" in err
+
+
+def test_an_unknown_results_file_name_is_refused_in_one_line(capsys):
+    """--only with a name expected.yaml does not list must not check nothing and report success."""
+    assert verify.main(["--rescore", "--only", "results/methods.md", "results/nosuch.md"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert "--only results/nosuch.md" in out.err and "results/methods.md" in out.err
 
 
 def test_every_results_file_says_what_made_it():
