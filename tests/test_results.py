@@ -155,3 +155,19 @@ def test_a_results_file_names_a_dirty_commit_only_when_code_changed(tmp_path, mo
     (tmp_path / "stats.py").write_text("x = 2\n")
     assert commit().endswith("-dirty")
     provenance.git_commit.cache_clear()
+
+
+def test_logit_gap_records_the_top_two_gap_of_every_row_and_restores_the_model():
+    """scripts/logit_gap.py: the evidence that a differing re-run answer is a greedy near-tie."""
+    import torch
+    from conftest import tiny_model
+    from kvf.pipeline.model.forward import Transformer
+    from kvf.scripts.logit_gap import recorded_gaps
+    model = Transformer(tiny_model("llama"))
+    original = Transformer.logits
+    hidden = torch.randn(3, model.config.hidden_size)
+    with recorded_gaps() as gaps:
+        out = model.logits(hidden)
+    top = out.topk(2, dim=-1).values
+    assert gaps == [(top[:, 0] - top[:, 1]).tolist()] and all(g >= 0 for g in gaps[0])
+    assert Transformer.logits is original
