@@ -253,8 +253,19 @@ def compare_run_file(got: Path, committed: Path) -> int:
                   file=sys.stderr)
             return 2
     report: list = []
-    compare_records(committed.name, [got], [committed], report, every=True)
+    compare_records(committed.name, [got], [committed], report, every=True, min_equal=min_equal_for(committed))
     return 1 if print_report(report) else 0
+
+
+def min_equal_for(committed: Path) -> float:
+    """The share of equal answers results/expected.yaml asks of the results file this run file belongs to
+    (its rerun_records.committed glob), so a partial re-run is held to what `make verify` holds the whole to."""
+    where = committed.resolve()
+    for entry in load_expected().values():
+        pair = entry.get("rerun_records")
+        if pair and any(p.resolve() == where for p in REPO.glob(pair["committed"])):
+            return pair.get("min_equal", 1.0)
+    return 1.0
 
 
 def main(argv=None) -> int:
