@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-full", action="store_true", help="answer with full prefill too (decoded in the same batch)")
     parser.add_argument("-o", "--out", type=Path, required=True, help="run file to write")
     args = parser.parse_args(argv)
-    opts = RunOptions(out=args.out, methods=args.method.split(","), ratios=parse_ratios(args.ratio), dataset=args.dataset,
-                      qids=args.qid.split(","), compare_full=args.compare_full, max_new_tokens=args.max_new_tokens)
     with recorded_gaps() as gaps:
-        try:
-            run(opts, Console(stderr=True))
+        try:  # a bad --ratio is refused by parse_ratios, as kvf run refuses it: one line, no traceback
+            run(RunOptions(out=args.out, methods=args.method.split(","), ratios=parse_ratios(args.ratio),
+                           dataset=args.dataset, qids=args.qid.split(","), compare_full=args.compare_full,
+                           max_new_tokens=args.max_new_tokens), Console(stderr=True))
         except KvfError as e:
             print(f"kvf: error: {e}", file=sys.stderr)
             return 1

@@ -178,3 +178,13 @@ def test_logit_gap_records_the_top_two_gap_of_every_row_and_restores_the_model()
     top = out.topk(2, dim=-1).values
     assert gaps == [(top[:, 0] - top[:, 1]).tolist()] and all(g >= 0 for g in gaps[0])
     assert Transformer.logits is original
+
+
+def test_logit_gap_refuses_a_bad_ratio_and_a_missing_dataset_in_one_line(tmp_path, capsys):
+    from kvf.scripts import logit_gap
+    (tmp_path / "data").mkdir()
+    for data, argv, flag in (("data", ["-r", "1.5"], "--ratio 1.5"), ("data", ["-r", "x"], "--ratio x"),
+                             ("missing", [], "--dataset")):
+        code = logit_gap.main(["-d", str(tmp_path / data), "--qid", "q", "-m", "full", "-o", str(tmp_path / "o.jsonl")] + argv)
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and err.startswith("kvf: error: ") and flag in err, err
