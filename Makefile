@@ -201,8 +201,9 @@ ttft: setup
 	$(KVF) bench --repeats $(REPEATS) --out $(TTFT_OUT)
 	@echo "results in $(TTFT_OUT)/ (ttft.csv, ttft.md, ttft_vs_context.png)"
 
+BENCH_BUILD_OUT ?= results/build_bench.md
 bench-build: setup
-	$(PY) -m kvf.scripts.bench_build
+	$(PY) -m kvf.scripts.bench_build --out $(BENCH_BUILD_OUT)
 
 verify: setup
 	$(PY) -m kvf.scripts.verify

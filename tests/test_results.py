@@ -188,3 +188,11 @@ def test_logit_gap_refuses_a_bad_ratio_and_a_missing_dataset_in_one_line(tmp_pat
         code = logit_gap.main(["-d", str(tmp_path / data), "--qid", "q", "-m", "full", "-o", str(tmp_path / "o.jsonl")] + argv)
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1 and err.startswith("kvf: error: ") and flag in err, err
+
+
+def test_every_committed_results_file_is_listed_in_expected_yaml():
+    """A results file that expected.yaml does not list would be checked by nothing."""
+    listed = set(EXPECTED)
+    for path in sorted((REPO / "results").glob("*.md")):
+        name = f"results/{path.name}"
+        assert name == "results/verified.md" or name in listed, f"{name} is not in results/expected.yaml"
