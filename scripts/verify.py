@@ -16,7 +16,9 @@ conditions (N, ratios, model, data files with sha256), its key numbers with a to
   recomputed, so a re-run checks every answer and not only the table's means (`min_equal`, optional:
   the fraction of answers that must be equal, where a near-tie is known to flip);
 - `smoke` (optional): commands that re-answer a few questions into {out}/smoke.jsonl, whose records
-  must equal the committed ones (same answer, same tokens recomputed).
+  must equal the committed ones (same answer, same tokens recomputed);
+- `requires: cuda` (optional): the rerun needs a CUDA GPU; without one it is skipped and said so (its
+  committed table is still checked).
 Prints OK / FAIL per number and exits 1 if anything failed. Data files are checked by sha256 first.
 """
 from __future__ import annotations
@@ -187,6 +189,7 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
               f"give one of: {', '.join(expected)}", file=sys.stderr)
         return 2
     report: list[tuple[bool, str]] = []
+    skipped: list[str] = []
     work = Path(keep or tempfile.mkdtemp(prefix="kvf-verify-"))
     work.mkdir(parents=True, exist_ok=True)
     for name, entry in expected.items():
@@ -213,6 +216,9 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 check_numbers(name, out / Path(entry["table"]).name, numbers, strict=True, report=report) if ok else \
                     report.append((False, f"{name}: rescore failed (see {log})"))
         else:  # full: re-run the conditions from scratch
+            if entry.get("requires") == "cuda" and not cuda_available():
+                skipped.append(f"{name}: its rerun needs a CUDA GPU; run `python -m kvf.scripts.verify --only {name}` on one")
+                continue
             if "rerun" not in entry:
                 report.append((False, f"{name}: results/expected.yaml lists no `rerun` for it; add the command that remakes it into {{out}}"))
                 continue
@@ -233,8 +239,15 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 compare_records(name, sorted(out.glob(pair["got"])), sorted(REPO.glob(pair["committed"])), report,
                                 every=True, min_equal=pair.get("min_equal", 1.0))
     failed = print_report(report)
-    print(f"{len(report) - failed} OK, {failed} FAIL ({mode}; work in {work})")
+    for line in skipped:
+        print("SKIP " + line)
+    print(f"{len(report) - failed} OK, {failed} FAIL{f', {len(skipped)} SKIP' if skipped else ''} ({mode}; work in {work})")
     return 1 if failed else 0
+
+
+def cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def print_report(report: list[tuple[bool, str]]) -> int:

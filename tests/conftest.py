@@ -63,6 +63,34 @@ def tiny_model(family: str, seed: int = 0):
 FAMILIES = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
 
 
+def stored_prefix_kvs(engine, prompt):
+    """Each chunk's `prefix` KV, with the build-time extras of every method that has a hook."""
+    from kvf.pipeline.fusion.methods import METHODS
+    from kvf.pipeline.fusion.sources import InMemoryKV
+    hooks = [cls for cls in METHODS.values() if cls.extras_hook is not None]
+    kvs, extras = [], []
+    for seg in prompt.chunk_segments:
+        attention = []
+        kvs.append(engine.chunk_kv(seg, prompt.prefix_ids, None, attention_out=attention))
+        chunk_extras = {}
+        for cls in hooks:
+            chunk_extras.update(cls.extras_hook(attention, [prompt.n_prefix], list(prompt.prefix_ids)))
+        extras.append(chunk_extras)
+    return InMemoryKV(kvs, extras)
+
+
+def oracle_method(name):
+    """The method at its compute-everything setting: ratio 1 with its oracle_knobs."""
+    from kvf.pipeline.fusion.methods import METHODS, get_method
+    cls = METHODS[name]
+    return get_method(name, 1.0, **cls.oracle_knobs)
+
+
+def recomputes_chunks(method) -> bool:
+    """Methods that never recompute a chunk token equal full prefill on one chunk only."""
+    return method.ratio_is_knob or method.fixed_ratio == 1.0
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """A synthetic prepared dataset (3 questions, 3 passages each) and its workspace (64-token chunks)."""

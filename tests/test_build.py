@@ -183,16 +183,17 @@ def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
     fuse = get_method(method, recompute_ratio=0.15)
     expected = fuse.prefill(engine, prompt, memory)
     got = {}
-    for pipeline in (False, True):
-        source = StoreKVSource(store, keys, answerer.transformer.n_layers, pipeline=pipeline)
+    for pipeline, readers in ((False, None), (True, None), (True, 3)):   # 3: chunks read side by side
+        source = StoreKVSource(store, keys, answerer.transformer.n_layers, pipeline=pipeline, readers=readers)
         try:
-            got[pipeline] = fuse.prefill(engine, prompt, source)
+            got[pipeline, readers] = fuse.prefill(engine, prompt, source)
         finally:
             source.close()
         assert source.read_seconds > 0
-    assert (got[False].logits - expected.logits).abs().max().item() <= 1e-4
-    assert got[False].recomputed_tokens == expected.recomputed_tokens
-    assert torch.equal(got[False].logits, got[True].logits)
+    assert (got[False, None].logits - expected.logits).abs().max().item() <= 1e-4
+    assert got[False, None].recomputed_tokens == expected.recomputed_tokens
+    assert torch.equal(got[False, None].logits, got[True, None].logits)
+    assert torch.equal(got[False, None].logits, got[True, 3].logits)
 
 
 def test_rerun_on_unchanged_corpus_does_no_model_work(built, monkeypatch):
@@ -269,8 +270,8 @@ def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answ
     # a fusion never uses them silently: the source raises, pipelined or not
     chunk = {c.chunk_id: c for c in built.chunks}[fresh.attrs(flipped)["chunk_id"]]
     prompt = answerer.prompt([chunk.token_ids], QUESTION)
-    for pipeline in (False, True):
-        source = StoreKVSource(fresh, [flipped], answerer.transformer.n_layers, pipeline=pipeline)
+    for pipeline, readers in ((False, None), (True, None), (True, 3)):
+        source = StoreKVSource(fresh, [flipped], answerer.transformer.n_layers, pipeline=pipeline, readers=readers)
         with pytest.raises(CorruptEntry, match="checksum"):
             get_method("reuse").prefill(answerer.engine, prompt, source)
         source.close()

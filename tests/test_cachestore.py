@@ -238,6 +238,19 @@ def test_out_buffer(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_checksums_are_zlibs_crc32_so_stores_written_before_still_verify(tmp_path, fmt):
+    """The store's crc32 comes from zlib-ng (SIMD) since stores were first written with zlib's."""
+    import zlib
+    store = new_store(tmp_path, fmt, dtype="bfloat16")
+    store.put(key_of(0), rand_kv(tokens=700), extras={"summary": np.arange(12, dtype=np.float32)})
+    header = store.header(key_of(0))
+    for layer in range(4):
+        stored = store.get_layer(key_of(0), layer).view(torch.uint16).numpy()   # the bytes on disk
+        assert header.layer_crc32[layer] == zlib.crc32(stored.tobytes())
+    assert header.extras["summary"]["crc32"] == zlib.crc32(np.arange(12, dtype=np.float32).tobytes())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_reader_cache_survives_delete_and_rebuild(tmp_path, fmt):
     reader = new_store(tmp_path, fmt)
     writer = open_store(str(tmp_path / "store"))

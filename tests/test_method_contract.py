@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, oracle_method, recomputes_chunks, stored_prefix_kvs, tiny_model
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
@@ -27,30 +27,6 @@ from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.model.prompt import FusedPrompt, encode
 
 NAMES = method_names()
-
-
-def stored_prefix_kvs(engine, prompt) -> InMemoryKV:
-    """Each chunk's `prefix` KV, with the build-time extras of every method that has a hook."""
-    hooks = [cls for cls in METHODS.values() if cls.extras_hook is not None]
-    kvs, extras = [], []
-    for seg in prompt.chunk_segments:
-        attention = []
-        kvs.append(engine.chunk_kv(seg, prompt.prefix_ids, None, attention_out=attention))
-        chunk_extras = {}
-        for cls in hooks:
-            chunk_extras.update(cls.extras_hook(attention, [prompt.n_prefix], list(prompt.prefix_ids)))
-        extras.append(chunk_extras)
-    return InMemoryKV(kvs, extras)
-
-
-def oracle_method(name):
-    cls = METHODS[name]
-    return get_method(name, 1.0, **cls.oracle_knobs)
-
-
-def recomputes_chunks(method) -> bool:
-    """Methods that never recompute a chunk token equal full prefill on one chunk only."""
-    return method.ratio_is_knob or method.fixed_ratio == 1.0
 
 
 @pytest.fixture(scope="module")

@@ -323,7 +323,7 @@ class FusionEngine:
         state = FusionState(prompt, positions, cache, rows, hidden, loaded, source, prefix_kv, cos, sin,
                             max_new_tokens=max_new_tokens, calibration=plan.calibration, scratch=plan.scratch)
         if source is not None and hasattr(source, "start"):
-            source.start(loaded)  # a pipelined source starts reading layer 0 now
+            source.start(loaded, self.model.device)  # a pipelined source starts reading layer 0 now
         return state
 
     def load_layer(self, state: FusionState, layer: int) -> None:
