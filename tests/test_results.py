@@ -122,6 +122,15 @@ def test_an_unknown_results_file_name_is_refused_in_one_line(capsys):
     assert "--only results/nosuch.md" in out.err and "results/methods.md" in out.err
 
 
+def test_a_rerun_that_needs_a_gpu_is_skipped_and_said_so_without_one(tmp_path, capsys, monkeypatch):
+    """results/gpu.md cannot be re-made on a CPU: verify says so instead of failing, and still checks its table."""
+    monkeypatch.setattr(verify, "cuda_available", lambda: False)
+    assert verify.main(["--only", "results/gpu.md", "--keep", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "SKIP results/gpu.md: its rerun needs a CUDA GPU" in out and ", 1 SKIP (full;" in out
+    assert out.count("OK   results/gpu.md") == len(EXPECTED["results/gpu.md"]["numbers"])
+
+
 def test_every_results_file_says_what_made_it():
     for name in EXPECTED:
         text = (REPO / name).read_text()
