@@ -128,51 +128,27 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     before RoPE), to the parts in knobs.shift_parts."""
     if len(rows) == 0:
         return
-    rope, cache = engine.model.rope, state.cache.kv
-    plan = shift_plan(state, rows, cache.device)
-    delta_k = keys_before_rope(fresh[0] - stored[0], rope, plan.row_positions)       # [KV, a, d]
+    rope, positions = engine.model.rope, state.positions
+    delta_k = keys_before_rope(fresh[0] - stored[0], rope, positions[rows])         # [KV, a, d]
     delta_v = fresh[1] - stored[1]
-    for mine, kept, kept_positions in plan.chunks:
+    active = torch.zeros(state.n, dtype=torch.bool)
+    active[rows] = True
+    for start, end in state.prompt.chunk_spans():
+        mine = (rows >= start) & (rows < end)
+        kept = torch.arange(start, end)[~active[start:end]]
+        if not mine.any() or len(kept) == 0:
+            continue
         if knobs.shift_estimate == "kernel":                                         # [KV, m, r] by stored keys
-            weights = key_similarity(keys_before_rope(cache[layer, 0][:, kept], rope, kept_positions),
-                                     keys_before_rope(stored[0][:, mine], rope, plan.row_positions[mine]))
+            weights = key_similarity(keys_before_rope(state.cache.kv[layer, 0][:, kept], rope, positions[kept]),
+                                     keys_before_rope(stored[0][:, mine], rope, positions[rows[mine]]))
             move_k, move_v = weights @ delta_k[:, mine], weights @ delta_v[:, mine]  # [KV, m, d]
         else:                                                                        # [KV, 1, d]
             move_k = chunk_mean_move(delta_k[:, mine], knobs.shift_estimate)
             move_v = chunk_mean_move(delta_v[:, mine], knobs.shift_estimate)
         if "k" in knobs.shift_parts:
-            cache[layer, 0][:, kept] += keys_at(move_k.expand(-1, len(kept), -1), rope, kept_positions)
+            state.cache.kv[layer, 0][:, kept] += keys_at(move_k.expand(-1, len(kept), -1), rope, positions[kept])
         if "v" in knobs.shift_parts:
-            cache[layer, 1][:, kept] += move_v
-
-
-@dataclass
-class ShiftPlan:
-    """Which rows shift_kept_rows reads and writes, per chunk, as index tensors on the cache's device:
-    made once per recomputed row set (the same at every layer of a pass), because on a GPU each CPU
-    index or mask met by a device tensor costs a synchronisation, chunk by chunk and layer by layer
-    (measured on an H100: results/gpu.md). The same indices as CPU tensors give the CPU the same bits."""
-    rows: torch.Tensor                 # [a] the recomputed chunk rows (CPU), the key of this plan
-    row_positions: torch.Tensor        # [a] their positions
-    chunks: list                       # per chunk with both kinds of rows: (its rows' indices into rows [r],
-                                       # its kept rows [m], their positions [m])
-
-
-def shift_plan(state: FusionState, rows: torch.Tensor, device: torch.device) -> ShiftPlan:
-    plan = state.scratch.get("shift_plan")
-    if plan is not None and torch.equal(plan.rows, rows):
-        return plan
-    active = torch.zeros(state.n, dtype=torch.bool)
-    active[rows] = True
-    chunks = []
-    for start, end in state.prompt.chunk_spans():
-        mine = ((rows >= start) & (rows < end)).nonzero().flatten()
-        kept = torch.arange(start, end)[~active[start:end]]
-        if len(mine) and len(kept):
-            chunks.append((mine.to(device), kept.to(device), state.positions[kept].to(device)))
-    plan = ShiftPlan(rows.clone(), state.positions[rows].to(device), chunks)
-    state.scratch["shift_plan"] = plan
-    return plan
+            state.cache.kv[layer, 1][:, kept] += move_v
 
 
 def chunk_mean_move(delta: torch.Tensor, estimate: str) -> torch.Tensor:
