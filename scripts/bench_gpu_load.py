@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvf.cachestore import open_store
+from kvf.errors import KvfError
 from kvf.pipeline.files import write_atomic
 from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.fusion.methods import get_method
@@ -35,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 READERS = (1, 2, 4, 8)
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--random-weights", default="llama3-8b", help="a shape kvf bench knows (llama3-8b, tiny)")
     p.add_argument("--length", type=int, default=16384, help="prompt tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per setting (median), after one warm-up")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "gpu" / "load.md")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -65,11 +67,15 @@ def first_token(method, engine, prompt, source_factory) -> None:
         source.close()
 
 
-def main():
-    args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("kvf: error: bench_gpu_load needs a CUDA GPU; run it on a GPU machine")
-    transformer, _ = load_transformer(BenchOptions(random_weights=args.random_weights, device="cuda"))
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if not torch.cuda.is_available():
+            raise KvfError("bench_gpu_load needs a CUDA GPU; run it on a GPU machine")
+        transformer, _ = load_transformer(BenchOptions(random_weights=args.random_weights, device="cuda"))
+    except KvfError as e:
+        print(f"kvf: error: {e}", file=sys.stderr)
+        return 1
     engine = FusionEngine(transformer)
     prompt = bench_prompt(transformer, None, args.length, 512)
     store = open_store(str(Path(tempfile.mkdtemp(prefix="kvf-gpu-load-")) / "store.zarr"), "zarr", create=True,
@@ -111,6 +117,7 @@ def main():
                                                             args.repeats)
     numbers["full_ms"], numbers["ttft_ms"] = full_ms, ttft
     write_report(args, numbers)
+    return 0
 
 
 def write_report(args, numbers: dict) -> None:
@@ -137,4 +144,4 @@ def write_report(args, numbers: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

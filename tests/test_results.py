@@ -205,3 +205,17 @@ def test_every_committed_results_file_is_listed_in_expected_yaml():
     for path in sorted((REPO / "results").glob("*.md")):
         name = f"results/{path.name}"
         assert name == "results/verified.md" or name in listed, f"{name} is not in results/expected.yaml"
+
+
+def test_bench_gpu_load_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
+    """A CPU machine (CI's) gets one `kvf: error:` line, not a traceback; so does an unknown shape on a GPU."""
+    import torch
+    from kvf.scripts import bench_gpu_load
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu_load.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvf: error: ") and "CUDA GPU" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_gpu_load.main(["--random-weights", "nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--random-weights nosuch" in err

@@ -51,14 +51,13 @@ class StoreKVSource:
         self.pipeline = pipeline
         self.chunk_extras = chunk_extras
         self.readers = readers                # None: 1 on the CPU, GPU_READERS on a GPU (set in start)
-        self.device = torch.device("cpu")
+        self.device: torch.device | None = None  # the engine's, from start()
         self.load_seconds = 0.0
         self.read_seconds = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-reader") if pipeline else None
         self._chunk_pool: ThreadPoolExecutor | None = None
         self._copy_stream = None              # on a GPU: host -> device copies run here
         self._compute_stream = None
-        self._ready_for: torch.device | None = None
         self._pending: dict[int, Future] = {}
         self._chunks: list[int] | None = None
 
@@ -100,9 +99,9 @@ class StoreKVSource:
 
     def _use_device(self, device: torch.device) -> None:
         """Reader threads, and on a GPU a copy stream, for an engine on `device` (set up once)."""
-        if self._ready_for == device:
+        if self.device == device:
             return
-        self._ready_for = self.device = device
+        self.device = device
         on_gpu = device.type == "cuda"
         if on_gpu:
             self._copy_stream = torch.cuda.Stream(device)
