@@ -475,6 +475,52 @@ def test_kvfuse_shift_parts(parts):
     assert not torch.allclose(got["off"][:, moved], got["after"][:, moved])
 
 
+@pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
+@pytest.mark.parametrize("parts", ["kv", "k"])
+def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):
+    """shift_kept_rows moves every chunk's kept rows in a few tensor ops per layer (a GPU pays per op);
+    it must give, bit for bit, what the plain loop over chunks gives (the loop kvfuse's committed records
+    were made with): each chunk's kept rows get its recomputed rows' move, re-rotated at their positions.
+    Recomputed rows: some chunks get many, one gets a single row, one none at all."""
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuseKnobs, chunk_mean_move, key_similarity, shift_kept_rows
+    from kvf.pipeline.model.rope import keys_at, keys_before_rope
+    prompt, source, _ = long_case
+    engine, layer = answerer.engine, 2
+    spans = prompt.chunk_spans()
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randperm(spans[0][1] - spans[0][0], generator=g)[:40] + spans[0][0],
+                      torch.tensor([spans[1][0] + 7])]).sort().values            # 40 rows, 1 row, none
+    state = engine.start(prompt, source, FusionPlan(rows))
+    engine.load_layer(state, layer)
+    stored = state.cache.kv[layer][:, :, rows].clone()                             # [2, KV, a, d]
+    fresh = stored + 0.1 * torch.randn(stored.shape, generator=g)
+    before = state.cache.kv.clone()
+    shift_kept_rows(engine, state, layer, rows, stored, fresh, KvFuseKnobs(shift_estimate=estimate, shift_parts=parts))
+
+    want, rope, positions = before.clone(), engine.model.rope, state.positions    # the loop, chunk by chunk
+    delta_k = keys_before_rope(fresh[0] - stored[0], rope, positions[rows])
+    delta_v = fresh[1] - stored[1]
+    for start, end in spans:
+        mine = (rows >= start) & (rows < end)
+        kept = torch.tensor([r for r in range(start, end) if r not in set(rows.tolist())])
+        if not mine.any() or len(kept) == 0:
+            continue
+        if estimate == "kernel":
+            weights = key_similarity(keys_before_rope(want[layer, 0][:, kept], rope, positions[kept]),
+                                     keys_before_rope(stored[0][:, mine], rope, positions[rows[mine]]))
+            move_k, move_v = weights @ delta_k[:, mine], weights @ delta_v[:, mine]
+        else:
+            move_k = chunk_mean_move(delta_k[:, mine], estimate).expand(-1, len(kept), -1)
+            move_v = chunk_mean_move(delta_v[:, mine], estimate)
+        want[layer, 0][:, kept] += keys_at(move_k, rope, positions[kept])
+        if parts == "kv":
+            want[layer, 1][:, kept] += move_v
+    assert torch.equal(state.cache.kv[layer, :, :, spans[2][0]: spans[2][1]],      # no recomputed row: no move
+                       before[layer, :, :, spans[2][0]: spans[2][1]])
+    assert not torch.equal(state.cache.kv[layer, 0], before[layer, 0])            # something moved
+    assert torch.equal(state.cache.kv, want)
+
+
 def test_kvfuse_chunk_moves():
     """The estimates on hand-made moves [KV, r, d]: rows that move together give their mean under every
     estimate; rows that scatter around 0, or a single row, give no move under james-stein; kernel weights

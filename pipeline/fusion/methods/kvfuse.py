@@ -13,7 +13,7 @@ later questions, results/kvfuse/runs/):
   compared before RoPE and re-rotated at each kept row's position, so the move does not depend on
   where rows sit). The layer's own attention has already run, so the first token is ProphetKV's on
   the fusion variant; decoding reads the shifted rows (dev fidelity 0.94 vs 0.90 without).
-  Cost: two means and one add per chunk and layer, no extra forward work.
+  Cost: a few tensor ops per layer for all chunks at once (shift_kept_rows), no extra forward work.
 - shifting before the layer's attention (propagate=before), so the recomputed rows and the question
   see the shifted rows too, halved the first-token KL on dev prompts (results/kvfuse/probe.md) but
   lost answer fidelity on held-out questions (0.55): a closer cache is not a closer answer.
@@ -40,7 +40,7 @@ from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budg
 from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
-from kvf.pipeline.model.rope import keys_at, keys_before_rope
+from kvf.pipeline.model.rope import apply_rope, unapply_rope
 
 
 @dataclass
@@ -125,30 +125,72 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
                     stored: torch.Tensor, fresh: torch.Tensor, knobs: KvFuseKnobs) -> None:
     """Add to every kept (not recomputed) row of a chunk the change fresh - stored [2, KV, a, d] of that
     chunk's recomputed `rows` at this layer, as knobs.shift_estimate carries it over (keys compared
-    before RoPE), to the parts in knobs.shift_parts."""
+    before RoPE), to the parts in knobs.shift_parts. All chunks at once: a handful of tensor ops per
+    layer however many chunks there are (a GPU pays per op launched, not per row)."""
     if len(rows) == 0:
         return
-    rope, positions = engine.model.rope, state.positions
-    delta_k = keys_before_rope(fresh[0] - stored[0], rope, positions[rows])         # [KV, a, d]
+    cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
+    delta_k = unapply_rope(fresh[0] - stored[0], cos[rows], sin[rows], scaling)     # [KV, a, d] before RoPE
     delta_v = fresh[1] - stored[1]
+    chunk_of_row, kept, chunk_of_kept = kept_rows_by_chunk(state, rows)            # [a], [m], [m]
+    if len(kept) == 0:
+        return
+    if knobs.shift_estimate == "mean":                                               # [KV, m, d]
+        move_k = chunk_means(delta_k, chunk_of_row, len(state.prompt.chunk_segments))[:, chunk_of_kept]
+        move_v = chunk_means(delta_v, chunk_of_row, len(state.prompt.chunk_segments))[:, chunk_of_kept]
+    else:
+        move_k, move_v = per_chunk_moves(engine, state, layer, rows, chunk_of_row, kept, chunk_of_kept,
+                                         stored, delta_k, delta_v, knobs.shift_estimate)
+    if "k" in knobs.shift_parts:
+        state.cache.kv[layer, 0][:, kept] += apply_rope(move_k, cos[kept], sin[kept])
+    if "v" in knobs.shift_parts:
+        state.cache.kv[layer, 1][:, kept] += move_v
+
+
+def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [a] (recomputed chunk rows, sorted) -> the chunk of each, and the kept rows [m] that move (the
+    chunk rows not recomputed, in chunks that recompute at least one row) with their chunks. On the CPU."""
+    starts = torch.tensor([start for start, _ in state.prompt.chunk_spans()])      # [C]
+    chunk_of_row = torch.searchsorted(starts, rows, right=True) - 1                  # [a]
+    chunk_rows = all_chunk_rows(state.prompt)                                         # [c]
     active = torch.zeros(state.n, dtype=torch.bool)
     active[rows] = True
-    for start, end in state.prompt.chunk_spans():
-        mine = (rows >= start) & (rows < end)
-        kept = torch.arange(start, end)[~active[start:end]]
-        if not mine.any() or len(kept) == 0:
-            continue
-        if knobs.shift_estimate == "kernel":                                         # [KV, m, r] by stored keys
-            weights = key_similarity(keys_before_rope(state.cache.kv[layer, 0][:, kept], rope, positions[kept]),
-                                     keys_before_rope(stored[0][:, mine], rope, positions[rows[mine]]))
-            move_k, move_v = weights @ delta_k[:, mine], weights @ delta_v[:, mine]  # [KV, m, d]
-        else:                                                                        # [KV, 1, d]
-            move_k = chunk_mean_move(delta_k[:, mine], knobs.shift_estimate)
-            move_v = chunk_mean_move(delta_v[:, mine], knobs.shift_estimate)
-        if "k" in knobs.shift_parts:
-            state.cache.kv[layer, 0][:, kept] += keys_at(move_k.expand(-1, len(kept), -1), rope, positions[kept])
-        if "v" in knobs.shift_parts:
-            state.cache.kv[layer, 1][:, kept] += move_v
+    kept = chunk_rows[~active[chunk_rows]]                                           # [m'] sorted
+    chunk_of_kept = torch.searchsorted(starts, kept, right=True) - 1                 # [m']
+    moves = torch.bincount(chunk_of_row, minlength=len(starts)) > 0                  # [C] chunks with a move
+    keep = moves[chunk_of_kept]
+    return chunk_of_row, kept[keep], chunk_of_kept[keep]
+
+
+def chunk_means(delta: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """delta [KV, a, d] of rows in sorted chunk order -> [KV, C, d] each chunk's mean over its rows (0 where
+    it has none). Rows go into a zero-padded [KV, C, r_max, d] and are summed over r: bit for bit each
+    chunk's own delta[:, its rows].mean(dim=1) on the CPU, trailing zeros changing no sum."""
+    counts = torch.bincount(chunk_of_row, minlength=n_chunks)                         # [C]
+    within = torch.arange(len(chunk_of_row)) - (torch.cumsum(counts, 0) - counts)[chunk_of_row]  # [a] index in chunk
+    padded = delta.new_zeros(delta.shape[0], n_chunks, int(counts.max()), delta.shape[2])  # [KV, C, r_max, d]
+    padded[:, chunk_of_row.to(delta.device), within.to(delta.device)] = delta
+    return padded.sum(dim=2) / counts.clamp_min(1).to(delta.device)[None, :, None]
+
+
+def per_chunk_moves(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
+                    chunk_of_row: torch.Tensor, kept: torch.Tensor, chunk_of_kept: torch.Tensor,
+                    stored: torch.Tensor, delta_k: torch.Tensor, delta_v: torch.Tensor,
+                    estimate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ablation's estimates (james-stein, kernel), chunk by chunk -> moves [KV, m, d] of the kept rows."""
+    cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling
+    moves_k, moves_v = [], []
+    for chunk in torch.unique_consecutive(chunk_of_kept).tolist():
+        mine, its_kept = chunk_of_row == chunk, kept[chunk_of_kept == chunk]
+        if estimate == "kernel":                                                      # [KV, m_c, r] by stored keys
+            weights = key_similarity(unapply_rope(state.cache.kv[layer, 0][:, its_kept], cos[its_kept], sin[its_kept], scaling),
+                                     unapply_rope(stored[0][:, mine], cos[rows[mine]], sin[rows[mine]], scaling))
+            moves_k.append(weights @ delta_k[:, mine])
+            moves_v.append(weights @ delta_v[:, mine])
+        else:                                                                         # [KV, 1, d] for all m_c
+            moves_k.append(chunk_mean_move(delta_k[:, mine], estimate).expand(-1, len(its_kept), -1))
+            moves_v.append(chunk_mean_move(delta_v[:, mine], estimate).expand(-1, len(its_kept), -1))
+    return torch.cat(moves_k, dim=1), torch.cat(moves_v, dim=1)
 
 
 def chunk_mean_move(delta: torch.Tensor, estimate: str) -> torch.Tensor:
