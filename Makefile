@@ -186,16 +186,23 @@ kvfuse-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 3 --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out $(KVFUSE_OUT)/bench
 # how much recomputation the leading methods need to keep 0.95 of full prefill's answers (results/kvfuse.md,
-# "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7
+# "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7, and the
+# last MuSiQue questions, which no run before it used (0-49 methods sweep and dev, 100-134 held-out A and B)
 KVFUSE_CURVE_OFFSET ?= 50
 KVFUSE_CURVE_N ?= 20
 KVFUSE_CURVE_METHODS ?= full,kvfuse,prophetkv,fusionrag,cacheblend
 KVFUSE_CURVE_RATIOS ?= 0.15,0.3,0.5,0.7
-kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl
-	$(KVF) run -d $(WORK)/2wikimqa --neighbours $(NEIGHBOURS) -m $(KVFUSE_CURVE_METHODS) -r $(KVFUSE_CURVE_RATIOS) \
-	  --compare-full --max-new-tokens 12 --no-show-answers --offset $(KVFUSE_CURVE_OFFSET) -n $(KVFUSE_CURVE_N) \
-	  -o $(KVFUSE_RUNS)/curve-2wikimqa.jsonl
-	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-2wikimqa.jsonl --out $(KVFUSE_OUT)/curve
+KVFUSE_CURVE_MUSIQUE_OFFSET ?= 135
+KVFUSE_CURVE_MUSIQUE_N ?= 15
+KVFUSE_CURVE_MUSIQUE_METHODS ?= full,kvfuse,prophetkv,fusionrag
+KVFUSE_CURVE_MUSIQUE_RATIOS ?= 0.15,0.3,0.5
+KVFUSE_CURVE_RUN = $(KVF) run --neighbours $(NEIGHBOURS) --compare-full --max-new-tokens 12 --no-show-answers
+kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
+	$(KVFUSE_CURVE_RUN) -d $(WORK)/2wikimqa -m $(KVFUSE_CURVE_METHODS) -r $(KVFUSE_CURVE_RATIOS) \
+	  --offset $(KVFUSE_CURVE_OFFSET) -n $(KVFUSE_CURVE_N) -o $(KVFUSE_RUNS)/curve-2wikimqa.jsonl
+	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
+	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
 kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
