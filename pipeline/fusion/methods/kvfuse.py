@@ -129,15 +129,15 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     layer however many chunks there are (a GPU pays per op launched, not per row)."""
     if len(rows) == 0:
         return
-    cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
-    delta_k = unapply_rope(fresh[0] - stored[0], cos[rows], sin[rows], scaling)     # [KV, a, d] before RoPE
-    delta_v = fresh[1] - stored[1]
     chunk_of_row, kept, chunk_of_kept = kept_rows_by_chunk(state, rows)            # [a], [m], [m]
     if len(kept) == 0:
         return
-    if knobs.shift_estimate == "mean":                                               # [KV, m, d]
-        move_k = chunk_means(delta_k, chunk_of_row, len(state.prompt.chunk_segments))[:, chunk_of_kept]
-        move_v = chunk_means(delta_v, chunk_of_row, len(state.prompt.chunk_segments))[:, chunk_of_kept]
+    cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
+    delta_k = unapply_rope(fresh[0] - stored[0], cos[rows], sin[rows], scaling)     # [KV, a, d] before RoPE
+    delta_v = fresh[1] - stored[1]
+    if knobs.shift_estimate == "mean":                                               # [KV, m, d] each
+        means = chunk_means(torch.cat([delta_k, delta_v]), chunk_of_row, len(state.prompt.chunk_segments))
+        move_k, move_v = means[:, chunk_of_kept].split(delta_k.shape[0])
     else:
         move_k, move_v = per_chunk_moves(engine, state, layer, rows, chunk_of_row, kept, chunk_of_kept,
                                          stored, delta_k, delta_v, knobs.shift_estimate)
@@ -163,12 +163,12 @@ def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Te
 
 
 def chunk_means(delta: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
-    """delta [KV, a, d] of rows in sorted chunk order -> [KV, C, d] each chunk's mean over its rows (0 where
-    it has none). Rows go into a zero-padded [KV, C, r_max, d] and are summed over r: bit for bit each
+    """delta [B, a, d] of rows in sorted chunk order -> [B, C, d] each chunk's mean over its rows (0 where
+    it has none). Rows go into a zero-padded [B, C, r_max, d] and are summed over r: bit for bit each
     chunk's own delta[:, its rows].mean(dim=1) on the CPU, trailing zeros changing no sum."""
     counts = torch.bincount(chunk_of_row, minlength=n_chunks)                         # [C]
     within = torch.arange(len(chunk_of_row)) - (torch.cumsum(counts, 0) - counts)[chunk_of_row]  # [a] index in chunk
-    padded = delta.new_zeros(delta.shape[0], n_chunks, int(counts.max()), delta.shape[2])  # [KV, C, r_max, d]
+    padded = delta.new_zeros(delta.shape[0], n_chunks, int(counts.max()), delta.shape[2])  # [B, C, r_max, d]
     padded[:, chunk_of_row.to(delta.device), within.to(delta.device)] = delta
     return padded.sum(dim=2) / counts.clamp_min(1).to(delta.device)[None, :, None]
 
