@@ -9,7 +9,7 @@
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
-#   make bench-scale  Ray workers vs one process, shared vs lone sweep work, 1M-chunk cost projection
+#   make bench-scale  Ray workers vs one process, shared vs lone sweep work (synthetic and MuSiQue), 1M-chunk cost projection
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
@@ -211,8 +211,12 @@ kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kv
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
 SCALE_OUT ?= results/scale.md
-bench-scale: setup
-	$(PY) -m kvf.scripts.bench_scale --workdir $(WORK)/bench-scale --out $(SCALE_OUT)
+# part 5: the methods sweep again at a real prompt length (MuSiQue, ~6K tokens); SCALE_REAL= skips it
+SCALE_REAL ?= $(WORK)/musique
+SCALE_REAL_N ?= 3
+bench-scale: setup $(if $(SCALE_REAL),$(SCALE_REAL)/questions.jsonl)
+	$(PY) -m kvf.scripts.bench_scale --workdir $(WORK)/bench-scale --out $(SCALE_OUT) \
+	  $(if $(SCALE_REAL),--real $(SCALE_REAL) --real-questions $(SCALE_REAL_N))
 
 REPEATS ?= 3
 TTFT_OUT ?= results

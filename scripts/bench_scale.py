@@ -21,7 +21,12 @@ process computing with one torch thread:
    question's last record to the last question's, over n - 1 questions, so start-up (imports, model
    load, each method's untimed warm-up call) stays out, as it does in a long sweep.
 4. a written projection of the cost of a 1M-chunk store (bytes measured per token here; GPU hours
-   from FLOPs under stated assumptions).
+   from the full-prefill throughput measured on an H100 in results/gpu/ttft.csv, and from FLOPs under
+   stated assumptions).
+5. with --real DIR (a prepared dataset, e.g. work/musique: ~6K tokens a question), part 3's sweep again
+   on its first --real-questions questions, v1 against shared work: what sharing saves at a real
+   prompt length. Each code answers from its own copy of DIR (its own workspace and store), filled by
+   an untimed first run.
 Prints rich tables and writes results/scale.md, results/scale.json and results/scale.png.
 """
 from __future__ import annotations
@@ -81,14 +86,23 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the projection")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed afterwards")
     p.add_argument("--share-note", default="nothing else running", help="what else ran during part 3")
+    p.add_argument("--real", type=Path, default=None,
+                   help="a prepared dataset dir (kvf data prepare) for part 5, e.g. work/musique; default: skip part 5")
+    p.add_argument("--real-questions", type=int, default=3, help="questions of part 5 (the first is not counted)")
+    p.add_argument("--gpu-table", type=Path, default=ROOT / "results" / "gpu" / "ttft.csv",
+                   help="kvf bench's table from a GPU run (full prefill's TTFT per length) for the projection")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
     args = p.parse_args(argv)
     # steady-state rates leave out each worker's first question (2 Ray workers) or the first question
     for flag, value, least in (("--sweep-questions", args.sweep_questions, 3),
-                               ("--share-questions", args.share_questions, 2)):
+                               ("--share-questions", args.share_questions, 2),
+                               ("--real-questions", args.real_questions, 2)):
         if value < least:
             raise SystemExit(f"bench_scale: {flag} {value}: needs at least {least} questions "
                              "(the first ones carry start-up and are not counted)")
+    if args.real is not None and not (args.real / "questions.jsonl").is_file():
+        raise SystemExit(f"bench_scale: --real {args.real}: no questions.jsonl there; prepare it first, e.g. "
+                         f"`kvf data prepare musique --out {args.real}` (reads $KVF_DATA)")
     return args
 
 
@@ -208,6 +222,36 @@ def v1_split_at_6k(path: Path) -> dict | None:
     return {"questions": n, "total": total, "selective": selective, "full": full}
 
 
+# ---- 5. the same sweep on a real dataset --------------------------------------------------------------
+def real_sweep(work: Path, dataset: Path, n: int, v1: Path, console: Console) -> dict:
+    """Part 3's sweep on the first n questions of a prepared dataset, v1 against shared work, each code
+    answering from its own copy of the dataset (its own workspace and store). An untimed first run per
+    code computes every entry the sweep reads (both variants, Cache-Craft's summaries)."""
+    ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
+    out = {}
+    for key, python_path in (("v1", v1), ("shared", None)):
+        def measure(key=key, python_path=python_path):
+            data = work / f"real-{key}"
+            if not (data / "questions.jsonl").exists():
+                shutil.copytree(dataset, data, ignore=shutil.ignore_patterns("workspace"))
+            common = ["-d", str(data), "-n", str(n), "--neighbours", "3"]
+            console.print(f"{dataset.name}, {key}: computing the stored entries (untimed) ...")
+            subprocess.run(kvf("run", *common, "-m", "reuse,fusionrag,cachecraft", "-r", "0.05", "--max-new-tokens", "1",
+                               "-o", str(work / f"real-{key}-entries.jsonl")),
+                           env=kvf_env(python_path), check=True, capture_output=True, cwd=ROOT)
+            console.print(f"{dataset.name}, {key}: methods sweep per question ...")
+            return watched_sweep(kvf("run", *common, "-m", V1_METHODS, "-r", ratios, "--compare-full",
+                                     "--max-new-tokens", "16", "-o", str(work / f"real-{key}.jsonl")),
+                                 kvf_env(python_path), work / f"real-{key}.jsonl", n)
+        out[key] = cached(work, f"real-{key}", measure)
+    records = out["shared"]["records"]
+    return {"dataset": str(dataset), "questions": n, "v1": out["v1"]["per_question"],
+            "shared": out["shared"]["per_question"], "answers": out["shared"]["answers"],
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
+            "own_prefills": own_prefill_seconds(records),
+            "same_answers": answers_of(out["v1"]["records"]) == answers_of(records)}
+
+
 class LineCounter:
     """Notes (seconds since start, complete lines) whenever a file's line count changes, sampling
     every 50 ms in a background thread while the `with` block runs."""
@@ -266,11 +310,30 @@ def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
     return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * dtype_bytes
 
 
-def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict) -> dict:
+def gpu_full_prefill_rate(table: Path) -> dict | None:
+    """Full prefill's tokens/s per prompt length from a `kvf bench` table run on a GPU (its warm `full`
+    rows), with the device and model it names in its markdown twin; None when there is no such table."""
+    if not table.is_file():
+        return None
+    import pandas as pd
+    rows = pd.read_csv(table)
+    rows = rows[(rows["method"] == "full") & (rows["mode"] == "warm")]
+    if rows.empty:
+        return None
+    rates = {int(r.length): r.length / (r.ttft_ms / 1000) for r in rows.itertuples()}
+    title = table.with_suffix(".md").read_text().splitlines()[0] if table.with_suffix(".md").is_file() else ""
+    return {"tokens_per_s": rates, "title": title.lstrip("# "), "table": str(table.relative_to(ROOT))
+            if table.is_relative_to(ROOT) else str(table)}
+
+
+def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_rate: dict | None = None) -> dict:
     tokens = chunks * chunk_tokens
     llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
     gpu_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
-    return {"chunks": chunks, "tokens": tokens, "gpus": gpus,
+    if gpu_rate:  # measured: the shortest prompt's rate (the build's chunks are short; attention grows with length)
+        gpu_seconds = tokens / gpu_rate["tokens_per_s"][min(gpu_rate["tokens_per_s"])]
+    return {"flops_gpu_hours": 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU) / 3600,
+            "gpu_hours_measured": bool(gpu_rate), "chunks": chunks, "tokens": tokens, "gpus": gpus,
             "smollm_bytes": tokens * measured["bytes_per_token"],
             "smollm_cpu_core_hours": tokens / measured["tokens_per_core_s"] / 3600,
             "llama_bytes": llama_bytes, "llama_gpu_hours": gpu_seconds / 3600,
@@ -317,6 +380,47 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=200)
     plt.close(fig)
+
+
+def projection_rows(proj: dict, measured: dict, gpu_rate: dict | None, gpus: int) -> list[list]:
+    gpu_from = (f"measured: full prefill on an H100, {gpu_rate['tokens_per_s'][min(gpu_rate['tokens_per_s'])]:,.0f} "
+                f"tokens/s at {min(gpu_rate['tokens_per_s']):,} tokens (random weights, float16)" if gpu_rate else
+                f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at {ASSUMED_MFU:.0%} MFU")
+    return [
+        ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
+         f"measured {measured['bytes_per_token'] / 1024:.1f} KiB per stored token (float16, all files)"],
+        ["SmolLM2-135M", "CPU core-hours", f"{proj['smollm_cpu_core_hours']:,.0f}",
+         f"measured {measured['tokens_per_core_s']:.0f} tokens/s per core (one process, one thread)"],
+        ["Llama-3-8B", "store size", f"{proj['llama_bytes'] / 2**40:.1f} TiB",
+         f"{kv_bytes_per_token(LLAMA3_8B) // 1024} KiB per token (32 layers x 2 x 8 KV heads x 128 x float16)"],
+        ["Llama-3-8B", "GPU-hours (H100)", f"{proj['llama_gpu_hours']:,.1f}", gpu_from],
+        ["Llama-3-8B", f"wall hours on {gpus} GPUs", f"{proj['llama_wall_hours']:,.2f}",
+         "Ray actors, one per GPU, scale linearly (as measured above on CPU)"],
+        ["Llama-3-8B", "hours to write the store", f"{proj['llama_write_hours']:,.1f}",
+         f"assumed {ASSUMED_WRITE_GB_PER_S:g} GB/s of sustained object-store writes per 8-GPU node"],
+        ["Llama-3-8B", "compute dollars", f"${proj['llama_dollars']:,.0f}", f"assumed ${ASSUMED_GPU_DOLLARS_PER_HOUR:.2f} per H100-hour"],
+        ["Llama-3-8B", "storage dollars per month", f"${proj['llama_storage_dollars_month']:,.0f}",
+         f"assumed ${ASSUMED_S3_DOLLARS_PER_GB_MONTH} per GB-month (S3 standard)"],
+    ]
+
+
+def real_section(real: dict, note: str) -> list[str]:
+    """Part 5 in markdown: the sweep at a real dataset's prompt length, v1 against shared work."""
+    rows = [[name, real["questions"], real["answers"], f"{real[key]:.1f}", f"{real[key] / real['v1']:.2f}"]
+            for name, key in ((f"v1 ({V1_COMMIT}, as filed)", "v1"), ("shared work (default)", "shared"))]
+    return [f"## The same sweep at a real prompt length ({Path(real['dataset']).name})\n",
+            markdown_table(["code", "questions", "answers", "s/question", "vs v1"], rows),
+            f"\nPart 3's sweep (v1's 9 methods x ratios 0, 0.05, 0.15, 0.3, --compare-full, 16 new tokens) on the first "
+            f"{real['questions']} questions of `{real['dataset']}` (prepared by `kvf data prepare`; per-question passages, "
+            f"256-token chunks, FusionRAG neighbours n = 3), {real['prompt_tokens']:,.0f} prompt tokens on average, "
+            f"measured with {note}; steady state over {real['questions'] - 1} questions, as in part 3. Each code answered "
+            f"from its own copy of the dataset, whose store an untimed first run filled. Shared / v1 = "
+            f"**{real['shared'] / real['v1']:.2f}**; same answers: **{real['same_answers']}**. At this length the distinct "
+            f"prefills' own layer loops (each once, the full prefill included) take **{real['own_prefills']:.0f} s** per "
+            f"question, **{real['own_prefills'] / real['v1']:.2f}** of v1's cost: each recomputed row attends over up to "
+            "the whole prompt's cache rows, work that grows with the prompt and that no other request can do for "
+            "it. The target of a third of v1 is further away at a real length than on the short synthetic prompts "
+            "above.\n"]
 
 
 def main():
@@ -381,7 +485,9 @@ def main():
 
     one = build["one process"]
     measured = {"bytes_per_token": one["bytes"] / one["tokens"], "tokens_per_core_s": one["tokens"] / one["seconds"]}
-    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured)
+    gpu_rate = gpu_full_prefill_rate(args.gpu_table)
+    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured, gpu_rate)
+    real = real_sweep(work, args.real, args.real_questions, v1, console) if args.real is not None else None
 
     build_rows = throughput_rows(build, "chunks_per_s")
     sweep_rows = throughput_rows(sweep, "answers_per_s", "wall_answers_per_s")
@@ -444,37 +550,30 @@ def main():
           (f" At MuSiQue's 6K tokens the recomputed tokens weigh more still: in v1's committed records "
            f"(results/methods/runs/musique.jsonl.gz, {at_6k['questions']} questions, two sweeps sharing the 2 cores) "
            f"the methods with a ratio knob take {at_6k['selective']:.0f} of {at_6k['total']:.0f} s per question "
-           f"to their first token and the full prefill {at_6k['full']:.0f} s." if at_6k else "") + "\n",
+           f"to their first token and the full prefill {at_6k['full']:.0f} s; part 5 measures it." if at_6k and real is None
+           else "") + "\n",
+          *(real_section(real, args.share_note) if real else []),
           f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",
-          markdown_table(["model", "what", "value", "from"], [
-              ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
-               f"measured {measured['bytes_per_token'] / 1024:.1f} KiB per stored token (float16, all files)"],
-              ["SmolLM2-135M", "CPU core-hours", f"{proj['smollm_cpu_core_hours']:,.0f}",
-               f"measured {measured['tokens_per_core_s']:.0f} tokens/s per core (one process, one thread)"],
-              ["Llama-3-8B", "store size", f"{proj['llama_bytes'] / 2**40:.1f} TiB",
-               f"{kv_bytes_per_token(LLAMA3_8B) // 1024} KiB per token (32 layers x 2 x 8 KV heads x 128 x float16)"],
-              ["Llama-3-8B", "GPU-hours (H100)", f"{proj['llama_gpu_hours']:,.0f}",
-               f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at "
-               f"{ASSUMED_MFU:.0%} MFU"],
-              ["Llama-3-8B", f"wall hours on {args.gpus} GPUs", f"{proj['llama_wall_hours']:,.1f}",
-               "Ray actors, one per GPU, scale linearly (as measured above on CPU)"],
-              ["Llama-3-8B", "hours to write the store", f"{proj['llama_write_hours']:,.1f}",
-               f"assumed {ASSUMED_WRITE_GB_PER_S:g} GB/s of sustained object-store writes per 8-GPU node"],
-              ["Llama-3-8B", "compute dollars", f"${proj['llama_dollars']:,.0f}",
-               f"assumed ${ASSUMED_GPU_DOLLARS_PER_HOUR:.2f} per H100-hour"],
-              ["Llama-3-8B", "storage dollars per month", f"${proj['llama_storage_dollars_month']:,.0f}",
-               f"assumed ${ASSUMED_S3_DOLLARS_PER_GB_MONTH} per GB-month (S3 standard)"],
-          ]),
-          "\nMeasured rows come from this run; the Llama-3-8B rows are arithmetic on the stated assumptions "
-          "(no GPU was measured). The fusion variant doubles bytes and compute. At this size the store, "
-          f"not the prefill, is the cost: writing and keeping {proj['llama_bytes'] / 2**40:.1f} TiB outweighs "
-          f"{proj['llama_gpu_hours']:,.0f} GPU-hours of compute.\n",
+          markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_rate, args.gpus)),
+          "\nThe SmolLM2 rows are measured in this run. " + (
+              f"The Llama-3-8B GPU-hours come from full prefill's throughput measured on an H100 with random "
+              f"weights of Llama-3-8B's shape ({gpu_rate['table']}: "
+              + ", ".join(f"{r:,.0f} tokens/s at {length:,} tokens" for length, r in sorted(gpu_rate['tokens_per_s'].items()))
+              + f"; the shortest prompt's rate is used: a build's prompts are a chunk after S, shorter still, so "
+              f"that rate is the cautious one); the FLOPs estimate would say {proj['flops_gpu_hours']:,.1f}. "
+              if gpu_rate else "The Llama-3-8B GPU-hours are arithmetic on the stated FLOPs assumptions (no GPU table "
+              f"at {args.gpu_table}). ") +
+          "The other Llama-3-8B rows are arithmetic on the stated assumptions. The fusion variant doubles bytes "
+          f"and compute. At this size the store, not the prefill, is the cost: writing and keeping "
+          f"{proj['llama_bytes'] / 2**40:.1f} TiB outweighs {proj['llama_gpu_hours']:,.1f} GPU-hours of compute.\n",
           f"![throughput]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
     numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
                "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
                "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
                "own_prefills_per_question": floor, "own_prefills_over_v1": floor / before, "v1_at_6k": at_6k,
+               "real": real, "real_shared_over_v1": real["shared"] / real["v1"] if real else None,
+               "real_own_prefills_over_v1": real["own_prefills"] / real["v1"] if real else None,
                "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
     write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1))
     console.print(f"wrote {args.out}, {args.out.with_suffix('.json').name}, {args.out.with_suffix('.png').name}")

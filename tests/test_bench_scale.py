@@ -39,3 +39,29 @@ def test_too_few_questions_for_a_steady_rate_is_one_line_naming_the_flag(flag, v
     from kvf.scripts.bench_scale import parse_args
     with pytest.raises(SystemExit, match=f"{flag} {value}: needs at least"):
         parse_args([flag, value])
+
+
+def test_real_questions_need_a_prepared_dataset_named_in_one_line(tmp_path):
+    from kvf.scripts.bench_scale import parse_args
+    with pytest.raises(SystemExit, match=f"--real {tmp_path}: no questions.jsonl there; prepare it first"):
+        parse_args(["--real", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--real-questions 1: needs at least"):
+        parse_args(["--real-questions", "1"])
+
+
+def test_the_projection_takes_gpu_hours_from_the_measured_full_prefill_rate(tmp_path):
+    """results/gpu/ttft.csv's warm full rows give tokens/s per length; the shortest length's rate is used."""
+    from kvf.scripts.bench_scale import ROOT, gpu_full_prefill_rate, projection
+    table = tmp_path / "ttft.csv"
+    table.write_text("length,method,mode,ttft_ms\n4096,full,warm,100.0\n16384,full,warm,800.0\n"
+                     "4096,reuse,warm,10.0\n4096,full,cold,999.0\n")
+    rate = gpu_full_prefill_rate(table)
+    assert rate["tokens_per_s"] == {4096: pytest.approx(40960.0), 16384: pytest.approx(20480.0)}
+    measured = {"bytes_per_token": 1.0, "tokens_per_core_s": 1.0}
+    proj = projection(1e6, 256, 8, measured, rate)
+    assert proj["gpu_hours_measured"] and proj["llama_gpu_hours"] == pytest.approx(256e6 / 40960.0 / 3600)
+    assert proj["llama_wall_hours"] == pytest.approx(proj["llama_gpu_hours"] / 8)
+    assert not projection(1e6, 256, 8, measured)["gpu_hours_measured"]
+    assert gpu_full_prefill_rate(tmp_path / "absent.csv") is None
+    committed = gpu_full_prefill_rate(ROOT / "results" / "gpu" / "ttft.csv")  # the H100 run of results/gpu.md
+    assert 25_000 < committed["tokens_per_s"][4096] < 35_000
