@@ -384,7 +384,7 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
 
 def projection_rows(proj: dict, measured: dict, gpu_rate: dict | None, gpus: int) -> list[list]:
     gpu_from = (f"measured: full prefill on an H100, {gpu_rate['tokens_per_s'][min(gpu_rate['tokens_per_s'])]:,.0f} "
-                f"tokens/s at {min(gpu_rate['tokens_per_s']):,} tokens (random weights, float16)" if gpu_rate else
+                f"tokens/s at {min(gpu_rate['tokens_per_s']):,} tokens (random weights, bfloat16)" if gpu_rate else
                 f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at {ASSUMED_MFU:.0%} MFU")
     return [
         ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
