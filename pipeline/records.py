@@ -48,6 +48,7 @@ class Timings(BaseModel):
     first_token: float = Field(ge=0, allow_inf_nan=False)
     decode: float = Field(ge=0, allow_inf_nan=False)
     read: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    after_first_token: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # part of decode (kvfuse's shift)
 
 
 class Provenance(BaseModel):

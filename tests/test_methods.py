@@ -554,3 +554,41 @@ def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     assert torch.allclose(fused.cache.kv[:, :, :, :prompt.n_tokens], blend.cache.kv[:, :, :, :prompt.n_tokens], atol=1e-4)
     plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
     assert not torch.allclose(plain.logits, fused.logits, atol=1e-4)   # the share does change the rows
+
+
+def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case, answerer):
+    """propagate=after shifts a layer's kept rows once its attention has run, and no later layer reads
+    them: so kvfuse puts all shifts off until decoding first reads the cache. Oracle: a kvfuse that shifts
+    right after each layer (as kvfuse did before) gives the same first-token logits and, once decoding
+    has read it, the same cache, bit for bit; before that read the cache is the unshifted one (TTFT
+    leaves the shift out), and the read is timed in after_first_token_seconds."""
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuse, shift_kept_rows
+
+    class ShiftAfterEachLayer(KvFuse):
+        def after_layer(self, engine, state, layer):
+            if layer in state.scratch.get("stored", {}):
+                rows, before = state.scratch["stored"].pop(layer)
+                shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
+
+    prompt, source, _ = long_case
+    engine = answerer.engine
+    eager = ShiftAfterEachLayer(0.15).prefill(engine, prompt, source)
+    assert eager.after_first_token is None                       # nothing left to do
+    deferred = get_method("kvfuse", 0.15).prefill(engine, prompt, source)
+    unshifted = get_method("kvfuse", 0.15, propagate="off").prefill(engine, prompt, source)
+    assert deferred.after_first_token is not None
+    assert torch.equal(deferred.logits, eager.logits)
+    assert torch.equal(deferred._cache.kv, unshifted.cache.kv)   # what the first token was computed over
+    assert torch.equal(deferred.cache.kv, eager.cache.kv)        # what decoding reads
+    assert deferred.after_first_token is None and deferred.after_first_token_seconds > 0
+    assert not torch.equal(deferred.cache.kv, unshifted.cache.kv)
+
+
+def test_decoding_counts_the_work_put_off_past_the_first_token(long_case, answerer):
+    """A request's decode time includes kvfuse's shift, also shown as timings.after_first_token."""
+    prompt, source, _ = long_case
+    answer = answerer.answer(prompt, get_method("kvfuse", 0.15), source, max_new_tokens=2)
+    shift = answer.timings["after_first_token"]
+    assert shift > 0 and answer.timings["decode"] >= shift
+    plain = answerer.answer(prompt, get_method("prophetkv", 0.15), source, max_new_tokens=2)
+    assert "after_first_token" not in plain.timings

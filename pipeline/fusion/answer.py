@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.model.decode import Pending, greedy_decode, greedy_decode_batch
+from kvf.pipeline.model.decode import Generation, Pending, greedy_decode, greedy_decode_batch
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -32,6 +32,16 @@ class Answer:
                 "timings": {k: round(v, 6) for k, v in self.timings.items()}}
 
 
+def decode_timings(timings: dict, fused: FusionResult, generation: Generation) -> dict:
+    """A request's timings with decoding's: decode includes the work its method put off until after the
+    first token (fused.after_first_token_seconds, run when decoding first read the cache), also shown
+    on its own as after_first_token."""
+    decode = dict(timings, decode=generation.decode_seconds + fused.after_first_token_seconds)
+    if fused.after_first_token_seconds:
+        decode["after_first_token"] = fused.after_first_token_seconds
+    return decode
+
+
 class Answerer:
     """A loaded model with its engine and prompt template, ready to answer many questions."""
 
@@ -51,7 +61,7 @@ class Answerer:
         fused, timings = self.prefill(prompt, method, source, max_new_tokens)
         generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
                                    max_new_tokens, stop_strings, fused.calibration)
-        return Answer(generation.text, prompt, fused, dict(timings, decode=generation.decode_seconds))
+        return Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation))
 
     @torch.inference_mode()
     def prefill(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,
@@ -79,7 +89,7 @@ class Answerer:
             generation = generations.get(i) or greedy_decode(
                 self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position, max_new_tokens,
                 stop_strings, fused.calibration)
-            answer = Answer(generation.text, prompt, fused, dict(timings, decode=generation.decode_seconds))
+            answer = Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation))
             answer.decoded_with = len(batched) if i in generations else 1
             answers.append(answer)
         return answers

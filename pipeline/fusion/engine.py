@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -130,13 +130,34 @@ class NotRunHere:
 @dataclass
 class FusionResult:
     logits: torch.Tensor             # [vocab] first-token logits
-    cache: KVCache                   # fused cache, length n, room for decoding
+    _cache: KVCache                  # fused cache, length n, room for decoding (read it as .cache)
     next_position: int               # RoPE position of the first generated token
     recomputed_tokens: int           # chunk tokens recomputed (the method's budget)
     recomputed_token_layers: int     # chunk token x layer products actually computed
     timings: dict                    # seconds: load, select, recompute
     info: dict = field(default_factory=dict)
     calibration: SpanCalibration | None = None   # decoding keeps the method's attention calibration
+    after_first_token: Callable[[], None] | None = None  # work only decoding reads (kvfuse's shift), not yet run
+    after_first_token_seconds: float = 0.0              # what that work took, once run
+
+    @property
+    def cache(self) -> KVCache:
+        """The fused cache as decoding reads it. Work a method put off until after the first token (it
+        changes only rows no later layer of the prefill reads, e.g. kvfuse's shift) runs here, once, on
+        first access, timed in after_first_token_seconds: TTFT leaves it out, decoding pays it."""
+        if self.after_first_token is not None:
+            work, self.after_first_token = self.after_first_token, None
+            started = time.perf_counter()
+            with torch.inference_mode():  # the cache is an inference tensor, wherever it is read from
+                work()
+            if self._cache.kv.is_cuda:  # the work is done when the GPU says so
+                torch.cuda.synchronize()
+            self.after_first_token_seconds += time.perf_counter() - started
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: KVCache) -> None:
+        self._cache = cache
 
 
 class FusionEngine:

@@ -13,7 +13,9 @@ later questions, results/kvfuse/runs/):
   compared before RoPE and re-rotated at each kept row's position, so the move does not depend on
   where rows sit). The layer's own attention has already run, so the first token is ProphetKV's on
   the fusion variant; decoding reads the shifted rows (dev fidelity 0.94 vs 0.90 without).
-  Cost: a few tensor ops per layer for all chunks at once (shift_kept_rows), no extra forward work.
+  Cost: a few tensor ops per layer for all chunks at once (shift_kept_rows), no extra forward work;
+  since only decoding reads the shifted rows, they are shifted after the first token (finish): TTFT
+  is ProphetKV's on the fusion variant, and decoding pays the shift (timings.after_first_token).
 - shifting before the layer's attention (propagate=before), so the recomputed rows and the question
   see the shifted rows too, halved the first-token KL on dev prompts (results/kvfuse/probe.md) but
   lost answer fidelity on held-out questions (0.55): a closer cache is not a closer answer.
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budget
+from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, recompute_budget
 from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
@@ -105,20 +107,26 @@ class KvFuse(FusionMethod):
         if not self.propagates(state, layer):
             return
         rows = state.active_chunk_rows()
-        if self.knobs.propagate == "after":
-            state.scratch["stored"] = state.cache.kv[layer][:, :, rows].clone()   # [2, KV, a, d] before overwrite
+        if self.knobs.propagate == "after":  # what the layer will overwrite: [2, KV, a, d]
+            state.scratch.setdefault("stored", {})[layer] = (rows, state.cache.kv[layer][:, :, rows].clone())
             return
         is_chunk = state.chunk_row_mask()[state.rows]
         fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
         fresh = torch.stack([fresh_k[:, is_chunk], fresh_v[:, is_chunk]])       # [2, KV, a, d]
         shift_kept_rows(engine, state, layer, rows, state.cache.kv[layer][:, :, rows], fresh, self.knobs)
 
-    def after_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
-        if not self.propagates(state, layer) or self.knobs.propagate != "after":
-            return
-        rows = state.active_chunk_rows()
-        shift_kept_rows(engine, state, layer, rows, state.scratch.pop("stored"), state.cache.kv[layer][:, :, rows],
-                        self.knobs)
+    def finish(self, engine: FusionEngine, state: FusionState, result: FusionResult) -> None:
+        """propagate=after: the shift of a layer's kept rows comes after that layer's attention, and no later
+        layer reads them, so the first token does not depend on it. It runs after the first token, when
+        decoding first reads the cache (FusionResult.cache): the same cache bit for bit, TTFT without it."""
+        stored = state.scratch.pop("stored", None)
+        if stored:
+            result.after_first_token = lambda: self.shift_after_layers(engine, state, stored)
+
+    def shift_after_layers(self, engine: FusionEngine, state: FusionState, stored: dict) -> None:
+        """Every shifted layer's move, from its recomputed rows' stored (before) and fresh (in the cache) K/V."""
+        for layer, (rows, before) in sorted(stored.items()):
+            shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
 
 
 def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
