@@ -63,6 +63,12 @@ SWEEP_RATIOS = [0.0, 0.05, 0.15, 0.3]
 V1_COMMIT = "8e6847b"  # main when issue 18 was filed: the sweep whose cost it asks to cut to a third
 V1_METHODS = "full,reuse,pcw,epic,cacheblend,cachecraft,fusionrag,prophetkv,cachefocus"  # v1's 9 methods
 
+
+def methods_sweep_args(data: Path, n: int) -> list[str]:
+    """`kvf run` arguments of the sweep issue 18 names, on the first n questions of `data` (parts 3 and 5)."""
+    ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
+    return ["-d", str(data), "-n", str(n), "-m", V1_METHODS, "-r", ratios, "--compare-full", "--max-new-tokens", "16"]
+
 # stated assumptions of the projection (not measured here)
 H100_BF16_DENSE_FLOPS = 989e12   # NVIDIA H100 SXM datasheet, dense BF16
 ASSUMED_MFU = 0.40               # prefill is compute-bound; 40% is a typical well-tuned figure
@@ -227,21 +233,19 @@ def real_sweep(work: Path, dataset: Path, n: int, v1: Path, console: Console) ->
     """Part 3's sweep on the first n questions of a prepared dataset, v1 against shared work, each code
     answering from its own copy of the dataset (its own workspace and store). An untimed first run per
     code computes every entry the sweep reads (both variants, Cache-Craft's summaries)."""
-    ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
     out = {}
     for key, python_path in (("v1", v1), ("shared", None)):
         def measure(key=key, python_path=python_path):
             data = work / f"real-{key}"
             if not (data / "questions.jsonl").exists():
                 shutil.copytree(dataset, data, ignore=shutil.ignore_patterns("workspace"))
-            common = ["-d", str(data), "-n", str(n), "--neighbours", "3"]
             console.print(f"{dataset.name}, {key}: computing the stored entries (untimed) ...")
-            subprocess.run(kvf("run", *common, "-m", "reuse,fusionrag,cachecraft", "-r", "0.05", "--max-new-tokens", "1",
-                               "-o", str(work / f"real-{key}-entries.jsonl")),
+            subprocess.run(kvf("run", "-d", str(data), "-n", str(n), "--neighbours", "3", "-m", "reuse,fusionrag,cachecraft",
+                               "-r", "0.05", "--max-new-tokens", "1", "-o", str(work / f"real-{key}-entries.jsonl")),
                            env=kvf_env(python_path), check=True, capture_output=True, cwd=ROOT)
             console.print(f"{dataset.name}, {key}: methods sweep per question ...")
-            return watched_sweep(kvf("run", *common, "-m", V1_METHODS, "-r", ratios, "--compare-full",
-                                     "--max-new-tokens", "16", "-o", str(work / f"real-{key}.jsonl")),
+            return watched_sweep(kvf("run", *methods_sweep_args(data, n), "--neighbours", "3",
+                                     "-o", str(work / f"real-{key}.jsonl")),
                                  kvf_env(python_path), work / f"real-{key}.jsonl", n)
         out[key] = cached(work, f"real-{key}", measure)
     records = out["shared"]["records"]
@@ -316,7 +320,14 @@ def gpu_full_prefill_rate(table: Path) -> dict | None:
     if not table.is_file():
         return None
     import pandas as pd
-    rows = pd.read_csv(table)
+    try:
+        rows = pd.read_csv(table)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError):
+        rows = pd.DataFrame()
+    missing = {"method", "mode", "length", "ttft_ms"} - set(rows.columns)
+    if missing:
+        raise SystemExit(f"bench_scale: --gpu-table {table}: not a `kvf bench` table (no {', '.join(sorted(missing))} "
+                         "column); pass the ttft.csv that `kvf bench --device cuda --out DIR` wrote")
     rows = rows[(rows["method"] == "full") & (rows["mode"] == "warm")]
     if rows.empty:
         return None
@@ -329,10 +340,10 @@ def gpu_full_prefill_rate(table: Path) -> dict | None:
 def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_rate: dict | None = None) -> dict:
     tokens = chunks * chunk_tokens
     llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
-    gpu_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
-    if gpu_rate:  # measured: the shortest prompt's rate (the build's chunks are short; attention grows with length)
-        gpu_seconds = tokens / gpu_rate["tokens_per_s"][min(gpu_rate["tokens_per_s"])]
-    return {"flops_gpu_hours": 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU) / 3600,
+    flops_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
+    # measured: the shortest prompt's rate (the build's chunks are short; attention grows with length)
+    gpu_seconds = tokens / gpu_rate["tokens_per_s"][min(gpu_rate["tokens_per_s"])] if gpu_rate else flops_seconds
+    return {"flops_gpu_hours": flops_seconds / 3600,
             "gpu_hours_measured": bool(gpu_rate), "chunks": chunks, "tokens": tokens, "gpus": gpus,
             "smollm_bytes": tokens * measured["bytes_per_token"],
             "smollm_cpu_core_hours": tokens / measured["tokens_per_core_s"] / 3600,
@@ -466,8 +477,7 @@ def main():
                            "--neighbours", "3", "--cachecraft-meta", "--no-bm25"),
                        env=kvf_env(v1), check=True, capture_output=True, cwd=ROOT)
     ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
-    sweep_args = ["-d", str(data), "-m", V1_METHODS, "-r", ratios, "-n", str(args.share_questions), "--compare-full",
-                  "--max-new-tokens", "16"]
+    sweep_args = methods_sweep_args(data, args.share_questions)
     modes = {  # name: (part key, command, PYTHONPATH)
         f"v1 ({V1_COMMIT}, as filed)": ("v1", sweep_args + ["-w", str(work / "ws-v1")], v1),
         "lone requests (--no-share)": ("lone", sweep_args + ["-w", str(work / "ws-share"), "--no-share"], None),

@@ -65,3 +65,12 @@ def test_the_projection_takes_gpu_hours_from_the_measured_full_prefill_rate(tmp_
     assert gpu_full_prefill_rate(tmp_path / "absent.csv") is None
     committed = gpu_full_prefill_rate(ROOT / "results" / "gpu" / "ttft.csv")  # the H100 run of results/gpu.md
     assert 25_000 < committed["tokens_per_s"][4096] < 35_000
+
+
+@pytest.mark.parametrize("text", ["", "length,method\n4096,full\n", "\x00\xff binary"])
+def test_a_gpu_table_that_is_not_kvf_benchs_is_one_line_naming_the_flag(tmp_path, text):
+    from kvf.scripts.bench_scale import gpu_full_prefill_rate
+    table = tmp_path / "ttft.csv"
+    table.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SystemExit, match=f"--gpu-table {table}: not a `kvf bench` table"):
+        gpu_full_prefill_rate(table)
