@@ -52,7 +52,7 @@ def test_bench_writes_tables_and_plot(tiny_bench):
     assert len(pd.read_csv(paths[0])) == len(df)
     text = paths[1].read_text()
     assert "Pipelined loading" in text and "All times in ms" in text and "(auto r=" in text
-    assert "Made by `kvf bench` at commit" in text
+    assert "Made by `kvf bench` at commit" in text and "ttft_ratio_range" in text
     assert {"ttft_ms", "load_ms", "chunk_size", "context_tokens"} <= set(pd.read_csv(paths[0]).columns)
     assert df.load_hidden.dropna().between(0, 1).all()
     assert paths[2].stat().st_size > 1000
@@ -61,3 +61,17 @@ def test_bench_writes_tables_and_plot(tiny_bench):
 def test_unknown_random_shape_is_refused(tmp_path):
     with pytest.raises(KvfError, match="--random-weights"):
         bench(BenchOptions(lengths=[64], random_weights="gpt-9", out=tmp_path), QUIET)
+
+
+def test_rounds_time_every_method_once_each_in_a_rotating_order():
+    from kvf.pipeline.workflows.bench import paired_ratio_stats, timed_rounds
+    calls = []
+    reps = timed_rounds([("a",), ("b",), ("c",)], 3, lambda name: calls.append(name) or {"ttft": len(calls)})
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]       # each first once, each last once
+    assert [[r["ttft"] for r in rows] for rows in reps] == [[1, 6, 8], [2, 4, 9], [3, 5, 7]]
+    # ratios pair a method's round with full's same round: a drift that slows both cancels out
+    full = [{"ttft": 10.0}, {"ttft": 20.0}, {"ttft": 40.0}]
+    method = [{"ttft": 2.5}, {"ttft": 6.0}, {"ttft": 10.0}]
+    stats = paired_ratio_stats(method, full)
+    assert stats == {"ttft_ratio": 0.25, "ttft_ratio_min": 0.25, "ttft_ratio_max": 0.3}
+    assert paired_ratio_stats(method, None)["ttft_ratio"] != paired_ratio_stats(method, None)["ttft_ratio"]  # nan

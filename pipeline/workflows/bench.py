@@ -1,11 +1,12 @@
 """`kvf bench`: TTFT of every method vs full prefill, side by side in one process.
 
 For each context length: build a prompt of k chunks (+ S and a question), store the chunks' KVs
-in a fresh on-disk store, then for each method and ratio: one warm-up, then `repeats` timed
-requests with the page cache warm, and `repeats` after dropping the store's pages (cold). Reports
-median TTFT, its breakdown (load = time the engine waited for data, read = total read time,
-select, recompute), peak memory above the loaded model, and the ratio to `full` measured in the
-same process on the same prompt. Pipelined loading can be compared with --no-pipeline runs
+in a fresh on-disk store, then one warm-up request per method and ratio, then `repeats` rounds
+that time every method once each (timed_rounds), with the page cache warm, and as many after
+dropping the store's pages before each request (cold). Reports median TTFT, its breakdown (load =
+time the engine waited for data, read = total read time, select, recompute), peak memory above the
+loaded model, and the ratio to `full`: per round, method TTFT / full's TTFT in the same round, in
+the same process on the same prompt; the median over rounds, with their range. Pipelined loading can be compared with --no-pipeline runs
 (`pipeline_hidden` = share of read time hidden behind compute).
 """
 from __future__ import annotations
@@ -15,7 +16,9 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -194,8 +197,40 @@ def timed_request(engine: FusionEngine, method, prompt: FusedPrompt, store, keys
     return row
 
 
+def request_in_mode(mode: str, engine: FusionEngine, prompt: FusedPrompt, store, keys, memory: PeakMemory,
+                    extras: list[dict] | None, done: Callable[[], None], method, pipeline: bool) -> dict:
+    """One timed request; cold mode drops the store's pages first."""
+    if mode == "cold":
+        drop_page_cache(store.root)
+    row = timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)
+    done()
+    return row
+
+
 def median_row(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def timed_rounds(run_list: list, repeats: int, timed: Callable[..., dict]) -> list[list[dict]]:
+    """`repeats` rounds, each timing every entry of run_list once -> per entry its rows, round by round.
+
+    Rounds, not one method's repeats in a row: a slow spell of the machine (another process, the
+    CPU's clock) then falls on every method alike, and the ratios of one round are side by side.
+    Each round starts one entry further on, so no method always runs first or right after another."""
+    reps: list[list[dict]] = [[] for _ in run_list]
+    for round_index in range(repeats):
+        for k in range(len(run_list)):
+            entry = (round_index + k) % len(run_list)
+            reps[entry].append(timed(*run_list[entry]))
+    return reps
+
+
+def paired_ratio_stats(method_reps: list[dict], full_reps: list[dict] | None) -> dict:
+    """TTFT / full TTFT of the same round, per round -> their median and range (nan without full)."""
+    if full_reps is None:
+        return {"ttft_ratio": float("nan"), "ttft_ratio_min": float("nan"), "ttft_ratio_max": float("nan")}
+    ratios = [m["ttft"] / f["ttft"] for m, f in zip(method_reps, full_reps)]
+    return {"ttft_ratio": statistics.median(ratios), "ttft_ratio_min": min(ratios), "ttft_ratio_max": max(ratios)}
 
 
 def plan(opts: BenchOptions) -> list:
@@ -243,8 +278,7 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
     token_layer_seconds = measure_token_layer_seconds(transformer) if opts.auto_ratio else None
     with Progress(console=console, transient=True) as progress:
-        n_runs = len(opts.lengths) * len(methods) * len(opts.modes)
-        task = progress.add_task("benchmarking", total=n_runs)
+        task = progress.add_task("benchmarking timed requests", total=0)
         for length in opts.lengths:
             prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
             location = f"{opts.store_url.rstrip('/')}/store-{length}.zarr" if opts.store_url else str(workdir / f"store-{length}.zarr")
@@ -265,15 +299,17 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
                              m.recompute_ratio == 0.15]
             if auto is not None:
                 run_list.append((build_method(opts.auto_method, auto, opts.knobs), True))
-            for method, pipeline in run_list:
-                timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)  # warm-up
-                for mode in opts.modes:
-                    reps = []
-                    for _ in range(opts.repeats):
-                        if mode == "cold":
-                            drop_page_cache(store.root)
-                        reps.append(timed_request(engine, method, prompt, store, keys, pipeline, memory, extras))
-                    row = median_row(reps)
+            progress.update(task, total=progress.tasks[task].total + len(run_list) * len(opts.modes) * opts.repeats)
+            for method, pipeline in run_list:  # one untimed request each
+                timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)
+            for mode in opts.modes:
+                timed = partial(request_in_mode, mode, engine, prompt, store, keys, memory, extras,
+                                lambda: progress.advance(task))
+                reps = timed_rounds(run_list, opts.repeats, timed)
+                full_ttfts = next((r for (m, _), r in zip(run_list, reps) if m.name == "full"), None)
+                for (method, pipeline), method_reps in zip(run_list, reps):
+                    row = median_row(method_reps)
+                    row.update(paired_ratio_stats(method_reps, full_ttfts))
                     row.update(length=prompt.n_tokens, method=method.name,
                                ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
                                ratio_auto=method is run_list[-1][0] and auto is not None,
@@ -281,7 +317,6 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
                                fused_kv_bytes=fused_kv_bytes,
                                model_bytes=model_bytes)
                     rows.append(row)
-                    progress.advance(task)
     df = pd.DataFrame(rows)
     return add_ratios(df)
 
@@ -290,9 +325,7 @@ TIME_COLUMNS = ("ttft", "load", "read", "select", "recompute", "after_first_toke
 
 
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """TTFT / full TTFT (same length, same mode), hidden load share, memory check, times in ms."""
-    full = df[df.method == "full"].set_index(["length", "mode"]).ttft
-    df["ttft_ratio"] = [row.ttft / full.get((row.length, row["mode"]), float("nan")) for _, row in df.iterrows()]
+    """Hidden load share, memory check, times in ms (ttft_ratio comes from the rounds: paired_ratio_stats)."""
     # share of the store's read time that compute hid; clamped to [0, 1]: without pipelining the
     # wait is the read plus a little bookkeeping, which would read as a tiny negative share
     df["load_hidden"] = [min(1.0, max(0.0, 1 - row.load / row.read)) if row.read > 0 else float("nan")
@@ -323,7 +356,7 @@ def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
     return joined.reset_index()
 
 
-MD_COLUMNS = ["length", "mode", "label", "pipeline", "ttft_ms", "ttft_ratio", "load_ms", "read_ms", "select_ms",
+MD_COLUMNS = ["length", "mode", "label", "pipeline", "ttft_ms", "ttft_ratio", "ttft_ratio_range", "load_ms", "read_ms", "select_ms",
               "recompute_ms", "after_first_token_ms", "load_hidden", "peak_over_kv"]
 FORMATS = {"ttft_ms": "{:.1f}", "load_ms": "{:.2f}", "read_ms": "{:.2f}", "select_ms": "{:.2f}",
            "recompute_ms": "{:.1f}", "after_first_token_ms": "{:.1f}", "ttft_ratio": "{:.3f}", "load_hidden": "{:.2f}", "peak_over_kv": "{:.2f}"}
@@ -337,8 +370,11 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
     write_atomic(csv, df.to_csv(index=False))
     lines = [f"# TTFT vs full prefill ({device_label})", "",
              f"Made by `{command}` at commit {git_commit() or 'unknown'}"
-             + (f"; median of {repeats} timed requests per row after one warm-up" if repeats else "") + ". "
-             "All times in ms. `ttft_ratio` = method TTFT / full TTFT in the same process on the same prompt. "
+             + (f"; after one warm-up request per row, {repeats} rounds that time every row once each (in a rotating "
+                "order), times being medians over the rounds" if repeats else "") + ". "
+             "All times in ms. `ttft_ratio` = the median over rounds of method TTFT / full TTFT in the same round "
+             "(same process, same prompt); `ttft_ratio_range` = the lowest and highest of those per-round ratios, "
+             "how much the machine's timing moved. "
              "`load_ms` = time waiting for the store, `read_ms` = total read time, `load_hidden` = 1 - load/read "
              "(the share of reading hidden behind compute, clamped to [0, 1]). `after_first_token_ms` = work a "
              "method puts off until after the first token, which decoding pays and TTFT leaves out (kvfuse's shift). "
@@ -347,7 +383,8 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
              "(`kvf run --ratio auto`).", "",
              "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     for _, row in df.iterrows():
-        lines.append("| " + " | ".join(_fmt(row[c], FORMATS.get(c)) for c in MD_COLUMNS) + " |")
+        lines.append("| " + " | ".join(ratio_range(row) if c == "ttft_ratio_range" else _fmt(row[c], FORMATS.get(c))
+                                       for c in MD_COLUMNS) + " |")
     hidden = pipeline_hidden_share(df)
     if len(hidden):
         lines += ["", "## Pipelined loading (ratio 0.15)", "",
@@ -359,6 +396,12 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
     write_atomic(md, "\n".join(lines) + "\n")
     plot_ratio_vs_length(df, png, device_label)
     return [csv, md, png]
+
+
+def ratio_range(row) -> str:
+    """The per-round TTFT ratios' lowest-highest, or - where there is no full row to pair with."""
+    low, high = row.get("ttft_ratio_min", float("nan")), row.get("ttft_ratio_max", float("nan"))
+    return "-" if low != low else f"{low:.3f}-{high:.3f}"
 
 
 def _fmt(value, spec: str | None = None) -> str:
@@ -382,15 +425,17 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     for label, g in fixed.groupby("label"):
         g = g.sort_values("length")
         ax.plot(g.length, g.ttft_ratio, marker=next(markers, "o"), linestyle=":", label=label)
-    for label, g in selective.groupby("label"):
+    for label, g in selective.groupby("label"):  # bars: the per-round ratios' range
         g = g.sort_values("length")
-        ax.plot(g.length, g.ttft_ratio, marker="o", label=label)
+        spread = [g.ttft_ratio - g.ttft_ratio_min, g.ttft_ratio_max - g.ttft_ratio] if "ttft_ratio_min" in g else None
+        ax.errorbar(g.length, g.ttft_ratio, yerr=spread, marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT / full prefill TTFT")
     absolute = ", ".join(f"{int(r.length)}: {r.ttft_ms / 1000:.2f} s" for _, r in full.iterrows())
-    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\nfull prefill TTFT: {absolute}", fontsize=10)
+    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label}; bars: range over rounds)\n"
+                 f"full prefill TTFT: {absolute}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()

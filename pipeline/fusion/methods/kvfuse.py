@@ -108,7 +108,7 @@ class KvFuse(FusionMethod):
             return
         rows = state.active_chunk_rows()
         if self.knobs.propagate == "after":  # what the layer will overwrite: [2, KV, a, d]
-            state.scratch.setdefault("stored", {})[layer] = (rows, state.cache.kv[layer][:, :, rows].clone())
+            state.scratch.setdefault("stored", {})[layer] = (rows, state.cache.kv[layer][:, :, rows])  # a copy
             return
         is_chunk = state.chunk_row_mask()[state.rows]
         fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
