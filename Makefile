@@ -182,8 +182,10 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
+# kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
+# distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup
-	$(KVF) bench -m full,prophetkv,kvfuse -r 0.15 --lengths 2048,4096 --repeats 7 --no-cold --no-compare-no-pipeline \
+	$(KVF) bench -m full,prophetkv,kvfuse,kvfuse:propagate=off -r 0.15 --lengths 2048,4096 --repeats 8 --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out $(KVFUSE_OUT)/bench
 # how much recomputation the leading methods need to keep 0.95 of full prefill's answers (results/kvfuse.md,
 # "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7, and the

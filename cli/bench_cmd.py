@@ -27,9 +27,9 @@ def _ints(text: str, flag: str) -> list[int]:
 def bench_command(
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens, comma-separated."),
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Chunk size: tokens per chunk of the benchmark prompt."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated [default: all]."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated, each NAME or NAME:KNOB=VALUE as on kvf run [default: all]."),
     ratio: str = typer.Option("0.05,0.15,0.3", "--ratio", "-r", "--ratios", help="Recompute ratios for methods whose ratio is a knob."),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed repeats per setting (median reported), after one warm-up."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds, each timing every setting once in a balanced order (medians reported), after one warm-up each."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),
     compare_no_pipeline: bool = typer.Option(True, "--compare-no-pipeline/--no-compare-no-pipeline", help="Also time 0.15 runs with pipelined loading off, to report the hidden share."),
     auto_ratio: bool = typer.Option(True, "--auto-ratio/--no-auto-ratio", help="Also time --auto-method at the loading controller's ratio (--ratio auto)."),
@@ -48,11 +48,11 @@ def bench_command(
     from kvf.pipeline.fusion.methods.base import check_knobs_used
     from kvf.pipeline.workflows.bench import BenchOptions, bench, summary_table, write_results
     from kvf.pipeline.workflows.devices import check_device
-    from kvf.pipeline.workflows.run import parse_methods, parse_ratios
+    from kvf.pipeline.workflows.run import parse_method_spec, parse_methods, parse_ratios
     check_device(device)
     use_s3_endpoint(s3_endpoint)
     methods = parse_methods(method) if method else ["all"]
-    check_knobs_used(parse_methods(method) if method else parse_methods("all"), knobs)
+    check_knobs_used([parse_method_spec(m).name for m in parse_methods(method or "all")], knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,
                         ratios=parse_ratios(ratio), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
                         compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,

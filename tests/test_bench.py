@@ -2,13 +2,14 @@
 loading controller's ratio choice."""
 import io
 import shutil
+from collections import Counter
 
 import pandas as pd
 import pytest
 from rich.console import Console
 
 from kvf.errors import KvfError
-from kvf.pipeline.workflows.bench import BenchOptions, bench, write_results
+from kvf.pipeline.workflows.bench import BenchOptions, bench, summary_table, write_results
 from kvf.pipeline.fusion.controller import choose_ratio
 
 QUIET = Console(file=io.StringIO())
@@ -25,7 +26,8 @@ def test_controller_balances_load_and_recompute():
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft"],
+    opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft",
+                                                                 "cacheblend:deviation=v"],
                         ratios=[0.15, 0.3], repeats=1, random_weights="tiny", out=out, workdir=out / "work")
     yield bench(opts, QUIET), out
     shutil.rmtree(out, ignore_errors=True)
@@ -35,9 +37,12 @@ def test_bench_measures_every_method_against_full(tiny_bench):
     df, out = tiny_bench
     warm = df[(df["mode"] == "warm") & df.pipeline & ~df.ratio_auto]
     assert set(warm.method) == {"full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft"}
+    # an entry with its own knobs (as on kvf run) is timed apart and labelled by them
+    assert set(warm[warm.method == "cacheblend"].label) == {"cacheblend@0.15", "cacheblend@0.3",
+                                                          "cacheblend [deviation=v]@0.15", "cacheblend [deviation=v]@0.3"}
     assert (warm[warm.method == "full"].ttft_ratio == 1.0).all()
     # cacheblend, fusionrag, epic and cachecraft at two ratios, full and reuse once, at both lengths
-    assert len(warm) == 2 * (2 + 4 * 2)
+    assert len(warm) == 2 * (2 + 5 * 2)
     for _, row in warm[warm.method == "cacheblend"].iterrows():
         assert row.recomputed_tokens == int(row.ratio * row.context_tokens + 0.5)
     assert set(df["mode"]) == {"warm", "cold"}
@@ -56,6 +61,9 @@ def test_bench_writes_tables_and_plot(tiny_bench):
     assert {"ttft_ms", "load_ms", "chunk_size", "context_tokens"} <= set(pd.read_csv(paths[0]).columns)
     assert df.load_hidden.dropna().between(0, 1).all()
     assert paths[2].stat().st_size > 1000
+    shown = Console(file=io.StringIO(), width=200)
+    shown.print(summary_table(df, "t"))
+    assert "cacheblend [deviation=v]@0.15" in shown.file.getvalue()   # the label, not swallowed as markup
 
 
 def test_unknown_random_shape_is_refused(tmp_path):
@@ -63,12 +71,18 @@ def test_unknown_random_shape_is_refused(tmp_path):
         bench(BenchOptions(lengths=[64], random_weights="gpt-9", out=tmp_path), QUIET)
 
 
-def test_rounds_time_every_method_once_each_in_a_rotating_order():
-    from kvf.pipeline.workflows.bench import paired_ratio_stats, timed_rounds
+def test_rounds_time_every_method_once_each_in_a_balanced_order():
+    from kvf.pipeline.workflows.bench import paired_ratio_stats, round_orders, timed_rounds
     calls = []
     reps = timed_rounds([("a",), ("b",), ("c",)], 3, lambda name: calls.append(name) or {"ttft": len(calls)})
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]       # each first once, each last once
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]       # every round times every entry once
     assert [[r["ttft"] for r in rows] for rows in reps] == [[1, 6, 8], [2, 4, 9], [3, 5, 7]]
+    for n in range(2, 7):  # Williams: each entry first equally often, right after each other equally often
+        orders = round_orders(n)
+        follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+        assert all(sorted(order) == list(range(n)) for order in orders)
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+        assert len(set(Counter(order[0] for order in orders).values())) == 1
     # ratios pair a method's round with full's same round: a drift that slows both cancels out
     full = [{"ttft": 10.0}, {"ttft": 20.0}, {"ttft": 40.0}]
     method = [{"ttft": 2.5}, {"ttft": 6.0}, {"ttft": 10.0}]

@@ -23,6 +23,7 @@ from typing import Callable
 import pandas as pd
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -216,13 +217,29 @@ def timed_rounds(run_list: list, repeats: int, timed: Callable[..., dict]) -> li
 
     Rounds, not one method's repeats in a row: a slow spell of the machine (another process, the
     CPU's clock) then falls on every method alike, and the ratios of one round are side by side.
-    Each round starts one entry further on, so no method always runs first or right after another."""
+    The order changes round by round (round_orders), so that no method always runs first, or always
+    right after the same other one (e.g. after full prefill, which leaves the allocator and caches
+    in a different state than a selective prefill does)."""
     reps: list[list[dict]] = [[] for _ in run_list]
+    orders = round_orders(len(run_list))
     for round_index in range(repeats):
-        for k in range(len(run_list)):
-            entry = (round_index + k) % len(run_list)
+        for entry in orders[round_index % len(orders)]:
             reps[entry].append(timed(*run_list[entry]))
     return reps
+
+
+def round_orders(n: int) -> list[list[int]]:
+    """A Williams design: orders of 0..n-1 in which every entry comes first equally often and right after
+    every other entry equally often (n orders for even n, 2n for odd n: the orders and their mirrors)."""
+    base, low, high = [0], 1, n - 1                       # 0, 1, n-1, 2, n-2, ...
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    orders = [[(x + shift) % n for x in base] for shift in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
 def paired_ratio_stats(method_reps: list[dict], full_reps: list[dict] | None) -> dict:
@@ -233,18 +250,21 @@ def paired_ratio_stats(method_reps: list[dict], full_reps: list[dict] | None) ->
     return {"ttft_ratio": statistics.median(ratios), "ttft_ratio_min": min(ratios), "ttft_ratio_max": max(ratios)}
 
 
-def plan(opts: BenchOptions) -> list:
-    """(method, ratio) pairs; methods without a ratio knob run once."""
-    names = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
-    pairs, seen = [], set()
-    for name in names:
+def plan(opts: BenchOptions) -> list[tuple]:
+    """(method, spec) per --method entry and ratio; methods without a ratio knob run once. An entry may set
+    knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None)."""
+    from kvf.pipeline.workflows.run import parse_method_spec
+    entries = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
+    planned, seen = [], set()
+    for entry in entries:
+        spec = parse_method_spec(entry)
         for ratio in opts.ratios:
-            method = build_method(name, ratio, opts.knobs)
-            key = (name, str(method.settings()))
+            method = build_method(spec.name, ratio, {**opts.knobs, **spec.knobs})
+            key = (spec.name, str(method.settings()))
             if key not in seen:
                 seen.add(key)
-                pairs.append(method)
-    return pairs
+                planned.append((method, spec.label))
+    return planned
 
 
 def store_chunk_kvs(engine: FusionEngine, prompt: FusedPrompt, store, methods: list) -> list[str]:
@@ -272,7 +292,9 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     transformer, tokenizer = load_transformer(opts)
     engine = FusionEngine(transformer)
     memory = PeakMemory(opts.device)
-    methods = plan(opts)
+    planned = plan(opts)
+    methods = [method for method, _ in planned]
+    spec_of = {id(method): spec for method, spec in planned}   # an entry's own knobs, for its label
     model_bytes = sum(p.numel() * p.element_size() for p in transformer.hf_model.parameters())
     rows = []
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
@@ -310,7 +332,7 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
                 for (method, pipeline), method_reps in zip(run_list, reps):
                     row = median_row(method_reps)
                     row.update(paired_ratio_stats(method_reps, full_ttfts))
-                    row.update(length=prompt.n_tokens, method=method.name,
+                    row.update(length=prompt.n_tokens, method=method.name, spec=spec_of.get(id(method)),
                                ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
                                ratio_auto=method is run_list[-1][0] and auto is not None,
                                context_tokens=prompt.n_chunk_tokens, chunk_size=opts.chunk_tokens,
@@ -338,11 +360,14 @@ def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def method_label(row) -> str:
-    """What a row timed: the method, its ratio when it has one, and (auto) for the controller's pick."""
+    """What a row timed: the method [its entry's own knobs], its ratio when it has one, and (auto) for
+    the controller's pick."""
+    spec = row.get("spec")
+    name = f"{row.method} [{spec}]" if isinstance(spec, str) and spec else row.method
     if row.ratio_auto:
-        return f"{row.method} (auto r={row.ratio:.2f})"
+        return f"{name} (auto r={row.ratio:.2f})"
     fixed = row.method in ("full", "reuse", "pcw", "ape", "cachefocus") or row.ratio != row.ratio
-    return row.method if fixed else f"{row.method}@{row.ratio:g}"
+    return name if fixed else f"{name}@{row.ratio:g}"
 
 
 def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
@@ -448,6 +473,6 @@ def summary_table(df: pd.DataFrame, title: str) -> Table:
     for col in ("tokens", "mode", "method", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV"):
         table.add_column(col, justify="right")
     for _, r in df[df.pipeline].iterrows():
-        table.add_row(str(r.length), r["mode"], r.label, f"{r.ttft_ms:.1f}", f"{r.ttft_ratio:.3f}",
+        table.add_row(str(r.length), r["mode"], escape(r.label),  # "[knob=value]" is not rich markup f"{r.ttft_ms:.1f}", f"{r.ttft_ratio:.3f}",
                       f"{r.load_ms:.2f}", f"{r.read_ms:.2f}", _fmt(r.load_hidden, "{:.2f}"), f"{r.peak_over_kv:.2f}")
     return table
