@@ -4,9 +4,10 @@ For each context length: build a prompt of k chunks (+ S and a question), store 
 in a fresh on-disk store, then one warm-up request per method and ratio, then `repeats` rounds
 that time every method once each (timed_rounds), with the page cache warm, and as many after
 dropping the store's pages before each request (cold). Reports median TTFT, its breakdown (load =
-time the engine waited for data, read = total read time, select, recompute), peak memory above the
-loaded model, and the ratio to `full`: per round, method TTFT / full's TTFT in the same round, in
-the same process on the same prompt; the median over rounds, with their range. Pipelined loading can be compared with --no-pipeline runs
+time the engine waited for data, read = total read time, select, recompute), and the ratio to
+`full`: per round, method TTFT / full's TTFT in the same round, in the same process on the same
+prompt; the median over rounds, with their range. Peak memory above the loaded model comes from one
+more request per entry after every timing is done (measure_peaks says why). Pipelined loading can be compared with --no-pipeline runs
 (`pipeline_hidden` = share of read time hidden behind compute).
 """
 from __future__ import annotations
@@ -118,6 +119,7 @@ class PeakMemory:
     """Peak memory above the level at `start` (CPU: resident set via /proc; CUDA: allocator)."""
 
     def __init__(self, device: str):
+        """On the CPU this fixes glibc's mmap threshold for the rest of the process: make one after timing."""
         self.cuda = device == "cuda"
         if not self.cuda:
             fixed_mmap_threshold()
@@ -179,31 +181,34 @@ def drop_page_cache(root: str) -> None:
 
 # ---- one timed request --------------------------------------------------------------------------
 def timed_request(engine: FusionEngine, method, prompt: FusedPrompt, store, keys, pipeline: bool,
-                  memory: PeakMemory, extras: list[dict] | None = None) -> dict:
+                  memory: PeakMemory | None = None, extras: list[dict] | None = None) -> dict:
+    """One request's times; with `memory`, also its peak memory up to the first token (peak_bytes)."""
     source = StoreKVSource(store, keys, engine.model.n_layers, pipeline, extras) if method.uses_store else None
-    memory.start()
+    if memory is not None:
+        memory.start()
     started = time.perf_counter()
     fused = method.prefill(engine, prompt, source)
     int(torch.argmax(fused.logits))  # the first token exists (and on CUDA, this syncs)
     ttft = time.perf_counter() - started
-    peak = memory.peak_above_start()
+    peak = memory.peak_above_start() if memory is not None else None
     fused.cache  # noqa: B018 -- runs (and times) the work a method put off until after the first token
     row = {"ttft": ttft, "load": fused.timings["load"], "select": fused.timings["select"],
            "recompute": fused.timings["recompute"], "read": source.read_seconds if source else 0.0,
-           "after_first_token": fused.after_first_token_seconds,
-           "recomputed_tokens": fused.recomputed_tokens, "peak_bytes": peak}
+           "after_first_token": fused.after_first_token_seconds, "recomputed_tokens": fused.recomputed_tokens}
+    if peak is not None:
+        row["peak_bytes"] = peak
     if source is not None:
         source.close()
     del fused
     return row
 
 
-def request_in_mode(mode: str, engine: FusionEngine, prompt: FusedPrompt, store, keys, memory: PeakMemory,
-                    extras: list[dict] | None, done: Callable[[], None], method, pipeline: bool) -> dict:
+def request_in_mode(mode: str, engine: FusionEngine, setup: "LengthSetup", done: Callable[[], None],
+                    method, pipeline: bool) -> dict:
     """One timed request; cold mode drops the store's pages first."""
     if mode == "cold":
-        drop_page_cache(store.root)
-    row = timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)
+        drop_page_cache(setup.store.root)
+    row = timed_request(engine, method, setup.prompt, setup.store, setup.keys, pipeline, extras=setup.extras)
     done()
     return row
 
@@ -288,59 +293,105 @@ def store_chunk_kvs(engine: FusionEngine, prompt: FusedPrompt, store, methods: l
     return out
 
 
+@dataclass
+class LengthSetup:
+    """One prompt length's prompt, store and what is timed on it."""
+    prompt: FusedPrompt
+    store: object
+    keys: list[str]
+    extras: list[dict]
+    run_list: list[tuple]            # (method, pipelined loading?) per timed entry
+    auto: float | None               # the loading controller's ratio (the last entry), if timed
+    fused_kv_bytes: int
+
+
+def prepare_length(opts: BenchOptions, engine: FusionEngine, tokenizer, methods: list, length: int,
+                   workdir: Path, token_layer_seconds: float | None) -> LengthSetup:
+    """The prompt of `length` tokens, its chunks' KVs stored (untimed), and the entries to time on it."""
+    transformer = engine.model
+    prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
+    location = f"{opts.store_url.rstrip('/')}/store-{length}.zarr" if opts.store_url else str(workdir / f"store-{length}.zarr")
+    store = open_store(location, "zarr", create=True,
+                       meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
+                             "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
+    keys = store_chunk_kvs(engine, prompt, store, methods)
+    extras = [store.get_extras(k) for k in keys]  # Cache-Craft's, read before timing like any index
+    fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
+        * torch.empty(0, dtype=transformer.dtype).element_size()
+    auto = None
+    if opts.auto_ratio:
+        layer_bytes, bandwidth = measure_bandwidth(store, keys)
+        auto = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds)
+    run_list = [(m, True) for m in methods]
+    if opts.compare_no_pipeline:
+        run_list += [(m, False) for m in methods if m.uses_store and m.ratio_is_knob and m.recompute_ratio == 0.15]
+    if auto is not None:
+        run_list.append((build_method(opts.auto_method, auto, opts.knobs), True))
+    return LengthSetup(prompt, store, keys, extras, run_list, auto, fused_kv_bytes)
+
+
+def time_length(opts: BenchOptions, engine: FusionEngine, setup: LengthSetup, spec_of: dict,
+                advance: Callable[[], None]) -> list[list[dict]]:
+    """One warm-up request per entry, then the timed rounds of every mode -> per mode, per entry its row."""
+    for method, pipeline in setup.run_list:
+        timed_request(engine, method, setup.prompt, setup.store, setup.keys, pipeline, extras=setup.extras)
+    by_mode = []
+    for mode in opts.modes:
+        reps = timed_rounds(setup.run_list, opts.repeats, partial(request_in_mode, mode, engine, setup, advance))
+        full_reps = next((r for (m, _), r in zip(setup.run_list, reps) if m.name == "full"), None)
+        rows = []
+        for (method, pipeline), method_reps in zip(setup.run_list, reps):
+            row = median_row(method_reps)
+            row.update(paired_ratio_stats(method_reps, full_reps))
+            row.update(length=setup.prompt.n_tokens, method=method.name, spec=spec_of.get(id(method)),
+                       ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
+                       ratio_auto=method is setup.run_list[-1][0] and setup.auto is not None,
+                       context_tokens=setup.prompt.n_chunk_tokens, chunk_size=opts.chunk_tokens,
+                       fused_kv_bytes=setup.fused_kv_bytes)
+            rows.append(row)
+        by_mode.append(rows)
+    return by_mode
+
+
+def measure_peaks(engine: FusionEngine, device: str, setup: LengthSetup, advance: Callable[[], None]) -> list[int]:
+    """Per entry, the peak memory above the start of one more (untimed) request, store warm.
+
+    Apart from the timings because on the CPU the resident set tracks live memory only once glibc maps
+    every allocation >= 1 MiB on its own and unmaps it on free (PeakMemory); every such tensor then
+    costs fresh zeroed pages, which made full prefill ~14% slower at 4K tokens and every ratio to it
+    look better than a serving process sees. The timed requests run with the allocator's defaults."""
+    memory = PeakMemory(device)
+    peaks = []
+    for method, pipeline in setup.run_list:
+        peaks.append(timed_request(engine, method, setup.prompt, setup.store, setup.keys, pipeline, memory,
+                                   setup.extras)["peak_bytes"])
+        advance()
+    return peaks
+
+
 def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     transformer, tokenizer = load_transformer(opts)
     engine = FusionEngine(transformer)
-    memory = PeakMemory(opts.device)
     planned = plan(opts)
     methods = [method for method, _ in planned]
     spec_of = {id(method): spec for method, spec in planned}   # an entry's own knobs, for its label
     model_bytes = sum(p.numel() * p.element_size() for p in transformer.hf_model.parameters())
-    rows = []
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
     token_layer_seconds = measure_token_layer_seconds(transformer) if opts.auto_ratio else None
+    timed: list[tuple[LengthSetup, list[list[dict]]]] = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking timed requests", total=0)
+        task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory", total=0)
+        advance = partial(progress.advance, task)
         for length in opts.lengths:
-            prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
-            location = f"{opts.store_url.rstrip('/')}/store-{length}.zarr" if opts.store_url else str(workdir / f"store-{length}.zarr")
-            store = open_store(location, "zarr", create=True,
-                               meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
-                                     "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
-            keys = store_chunk_kvs(engine, prompt, store, methods)
-            extras = [store.get_extras(k) for k in keys]  # Cache-Craft's, read before timing like any index
-            fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
-                * torch.empty(0, dtype=transformer.dtype).element_size()
-            auto = None
-            if opts.auto_ratio:
-                layer_bytes, bandwidth = measure_bandwidth(store, keys)
-                auto = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds)
-            run_list = [(m, True) for m in methods]
-            if opts.compare_no_pipeline:
-                run_list += [(m, False) for m in methods if m.uses_store and m.ratio_is_knob and
-                             m.recompute_ratio == 0.15]
-            if auto is not None:
-                run_list.append((build_method(opts.auto_method, auto, opts.knobs), True))
-            progress.update(task, total=progress.tasks[task].total + len(run_list) * len(opts.modes) * opts.repeats)
-            for method, pipeline in run_list:  # one untimed request each
-                timed_request(engine, method, prompt, store, keys, pipeline, memory, extras)
-            for mode in opts.modes:
-                timed = partial(request_in_mode, mode, engine, prompt, store, keys, memory, extras,
-                                lambda: progress.advance(task))
-                reps = timed_rounds(run_list, opts.repeats, timed)
-                full_ttfts = next((r for (m, _), r in zip(run_list, reps) if m.name == "full"), None)
-                for (method, pipeline), method_reps in zip(run_list, reps):
-                    row = median_row(method_reps)
-                    row.update(paired_ratio_stats(method_reps, full_ttfts))
-                    row.update(length=prompt.n_tokens, method=method.name, spec=spec_of.get(id(method)),
-                               ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
-                               ratio_auto=method is run_list[-1][0] and auto is not None,
-                               context_tokens=prompt.n_chunk_tokens, chunk_size=opts.chunk_tokens,
-                               fused_kv_bytes=fused_kv_bytes,
-                               model_bytes=model_bytes)
-                    rows.append(row)
-    df = pd.DataFrame(rows)
-    return add_ratios(df)
+            setup = prepare_length(opts, engine, tokenizer, methods, length, workdir, token_layer_seconds)
+            progress.update(task, total=progress.tasks[task].total + len(setup.run_list) * (len(opts.modes) * opts.repeats + 1))
+            timed.append((setup, time_length(opts, engine, setup, spec_of, advance)))
+        rows = []
+        for setup, by_mode in timed:  # after every timing: the memory setting stays for the rest of the process
+            peaks = measure_peaks(engine, opts.device, setup, advance)
+            for mode_rows in by_mode:
+                rows += [dict(row, peak_bytes=peak, model_bytes=model_bytes) for row, peak in zip(mode_rows, peaks)]
+    return add_ratios(pd.DataFrame(rows))
 
 
 TIME_COLUMNS = ("ttft", "load", "read", "select", "recompute", "after_first_token")
@@ -404,7 +455,9 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
              "(the share of reading hidden behind compute, clamped to [0, 1]). `after_first_token_ms` = work a "
              "method puts off until after the first token, which decoding pays and TTFT leaves out (kvfuse's shift). "
              "`peak_over_kv` = peak memory above "
-             "the loaded model / fused KV size. `(auto r=...)` rows ran at the loading controller's ratio "
+             "the loaded model / fused KV size, from one more request per row after all timings (on the CPU the "
+             "setting that makes the resident set track live memory slows big allocations, so timed requests run "
+             "without it). `(auto r=...)` rows ran at the loading controller's ratio "
              "(`kvf run --ratio auto`).", "",
              "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     for _, row in df.iterrows():
