@@ -28,7 +28,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench kvfuse-curve verify verify-smoke clean
+.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -182,6 +182,9 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
+# why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
+bench-allocator: setup
+	$(PY) -m kvf.scripts.bench_allocator --out results/bench_allocator.md
 # kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
 # distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup

@@ -89,3 +89,26 @@ def test_rounds_time_every_method_once_each_in_a_balanced_order():
     stats = paired_ratio_stats(method, full)
     assert stats == {"ttft_ratio": 0.25, "ttft_ratio_min": 0.25, "ttft_ratio_max": 0.3}
     assert paired_ratio_stats(method, None)["ttft_ratio"] != paired_ratio_stats(method, None)["ttft_ratio"]  # nan
+
+
+def test_no_timed_request_runs_under_the_memory_setting(tmp_path, monkeypatch):
+    """Fixing glibc's mmap threshold (for peak memory) slows big allocations: every timed request comes
+    before it, and the peaks come from requests after it."""
+    import kvf.pipeline.workflows.bench as bench_module
+    events = []
+    monkeypatch.setattr(bench_module, "fixed_mmap_threshold", lambda *a: events.append("memory setting"))
+    real = bench_module.timed_request
+
+    def recorded(*args, **kwargs):
+        measuring = (len(args) > 6 and args[6] is not None) or kwargs.get("memory") is not None
+        events.append("peak request" if measuring else "timed request")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench_module, "timed_request", recorded)
+    opts = BenchOptions(lengths=[96], chunk_tokens=32, methods=["full", "cacheblend"], ratios=[0.15], repeats=2,
+                        modes=("warm",), compare_no_pipeline=False, auto_ratio=False, random_weights="tiny",
+                        out=tmp_path, workdir=tmp_path / "work")
+    df = bench(opts, QUIET)
+    first_setting = events.index("memory setting")
+    assert events[:first_setting] == ["timed request"] * (2 + 2 * 2)       # warm-ups, then 2 rounds of 2
+    assert events[first_setting:].count("peak request") == 2 and "timed request" not in events[first_setting:]
+    assert (df.peak_bytes >= 0).all() and len(df) == 2
