@@ -183,8 +183,9 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
 # why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
+BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
-	$(PY) -m kvf.scripts.bench_allocator --out results/bench_allocator.md
+	$(PY) -m kvf.scripts.bench_allocator --out $(BENCH_ALLOCATOR_OUT)
 # kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
 # distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup

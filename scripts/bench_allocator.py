@@ -5,8 +5,8 @@ memory from the resident set, and used during the timings until 4fe4fb3).
     python -m kvf.scripts.bench_allocator [--length 4096 --rounds 8 -m full,prophetkv,kvfuse]
 
 Each setting runs in its own process (the threshold cannot be unset once set), each one the bench's
-balanced rounds. Prints and writes results/bench_allocator.md: per method, TTFT and the ratio to full
-prefill under both settings.
+balanced rounds. Prints and writes results/bench_allocator.md (and .csv): per method, TTFT and the
+ratio to full prefill under both settings.
 """
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def main(argv=None) -> None:
             subprocess.run([sys.executable, "-m", "kvf.scripts.bench_allocator", "--child", setting, "--csv", str(csv),
                             "--length", str(args.length), "--rounds", str(args.rounds), "-m", args.methods], check=True)
             tables[setting] = pd.read_csv(csv).set_index("label")
+    both = pd.concat([t.reset_index().assign(setting=s) for s, t in tables.items()])
+    columns = ["setting", "length", "label", "ttft_ms", "ttft_ratio", "ttft_ratio_min", "ttft_ratio_max"]
+    write_atomic(args.out.with_suffix(".csv"), both[columns].to_csv(index=False))
     labels = list(tables["defaults"].index)
     lines = [f"# TTFT under two allocator settings ({args.length} tokens, SmolLM2-135M-Instruct on cpu)", "",
              f"Made by `python -m kvf.scripts.bench_allocator --length {args.length} --rounds {args.rounds} -m {args.methods}` "
