@@ -525,9 +525,10 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     ax.set_ylim(bottom=0)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT / full prefill TTFT")
+    has_spread = "ttft_ratio_min" in warm and bool((warm.ttft_ratio_max > warm.ttft_ratio_min).any())  # one round: none
     absolute = ", ".join(f"{int(r.length)}: {r.ttft_ms / 1000:.2f} s" for _, r in full.iterrows())
-    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label}; bars: range over rounds)\n"
-                 f"full prefill TTFT: {absolute}", fontsize=10)
+    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\n"
+                 f"full prefill TTFT: {absolute}" + ("; bars: range over rounds" if has_spread else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
