@@ -153,17 +153,23 @@ class PeakMemory:
         return max(0, self._status("VmHWM") - self.base)
 
 
+def glibc():
+    """The C library, for glibc's allocator controls below; None where it cannot be loaded."""
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
 def fixed_mmap_threshold(threshold: int = 1 << 20) -> None:
     """Make glibc map every allocation >= 1 MiB with mmap and unmap it on free. By default the
     threshold grows after the first big free, later tensors come from a heap that keeps its
     pages, and the resident set stops tracking live memory (peaks would read as 0)."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = glibc()
+    if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD; setting it also stops the dynamic adjustment
-    except (OSError, AttributeError):
-        pass
 
 
 def release_free_heap() -> None:
@@ -171,12 +177,9 @@ def release_free_heap() -> None:
     live memory and whatever a request allocates next shows up in it. Requests timed before with the
     allocator's defaults leave up to tens of MB of freed heap resident, which later tensors reuse
     without the resident set growing: peaks read low (every selective method read 1.00x the fused KV)."""
-    import ctypes
-    import ctypes.util
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def drop_page_cache(root: str) -> None:
@@ -367,14 +370,14 @@ def time_length(opts: BenchOptions, engine: FusionEngine, setup: LengthSetup, sp
     return by_mode
 
 
-def measure_peaks(engine: FusionEngine, device: str, setup: LengthSetup, advance: Callable[[], None]) -> list[int]:
+def measure_peaks(engine: FusionEngine, memory: PeakMemory, setup: LengthSetup, advance: Callable[[], None]) -> list[int]:
     """Per entry, the peak memory above the start of one more (untimed) request, store warm.
 
     Apart from the timings because on the CPU the resident set tracks live memory only once glibc maps
     every allocation >= 1 MiB on its own and unmaps it on free (PeakMemory); every such tensor then
-    costs fresh zeroed pages, which made full prefill ~14% slower at 4K tokens and every ratio to it
-    look better than a serving process sees. The timed requests run with the allocator's defaults."""
-    memory = PeakMemory(device)
+    costs fresh zeroed pages, which made full prefill 15-20% slower at 4K tokens and every ratio to it
+    look better than a serving process sees (results/bench_allocator.md). The timed requests run with
+    the allocator's defaults; `memory` is made after them."""
     peaks = []
     for method, pipeline in setup.run_list:
         peaks.append(timed_request(engine, method, setup.prompt, setup.store, setup.keys, pipeline, memory,
@@ -401,8 +404,9 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
             progress.update(task, total=progress.tasks[task].total + len(setup.run_list) * (len(opts.modes) * opts.repeats + 1))
             timed.append((setup, time_length(opts, engine, setup, spec_of, advance)))
         rows = []
-        for setup, by_mode in timed:  # after every timing: the memory setting stays for the rest of the process
-            peaks = measure_peaks(engine, opts.device, setup, advance)
+        memory = PeakMemory(opts.device)  # after every timing: its setting stays for the rest of the process
+        for setup, by_mode in timed:
+            peaks = measure_peaks(engine, memory, setup, advance)
             for mode_rows in by_mode:
                 rows += [dict(row, peak_bytes=peak, model_bytes=model_bytes) for row, peak in zip(mode_rows, peaks)]
     return add_ratios(pd.DataFrame(rows))
@@ -460,7 +464,7 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
     write_atomic(csv, df.to_csv(index=False))
     lines = [f"# TTFT vs full prefill ({device_label})", "",
              f"Made by `{command}` at commit {git_commit() or 'unknown'}"
-             + (f"; after one warm-up request per row, {repeats} rounds that time every row once each (in a rotating "
+             + (f"; after one warm-up request per row, {repeats} rounds that time every row once each (in a balanced "
                 "order), times being medians over the rounds" if repeats else "") + ". "
              "All times in ms. `ttft_ratio` = the median over rounds of method TTFT / full TTFT in the same round "
              "(same process, same prompt); `ttft_ratio_range` = the lowest and highest of those per-round ratios, "
