@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
+from kvf.errors import KvfError
 from kvf.pipeline.files import write_atomic
 from kvf.pipeline.workflows.provenance import git_commit
 
@@ -34,7 +35,16 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_allocator.md")
     p.add_argument("--child", choices=list(SETTINGS), help=argparse.SUPPRESS)
     p.add_argument("--csv", type=Path, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--length", args.length), ("--rounds", args.rounds)):
+        if value < 1:
+            raise SystemExit(f"bench_allocator: {flag} {value}: must be at least 1")
+    try:  # the same entries as kvf bench -m takes, refused here before either process starts
+        from kvf.pipeline.workflows.run import parse_methods
+        parse_methods(args.methods)
+    except KvfError as error:
+        raise SystemExit(f"bench_allocator: {error}") from None
+    return args
 
 
 def child(args) -> None:

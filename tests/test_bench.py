@@ -112,3 +112,13 @@ def test_no_timed_request_runs_under_the_memory_setting(tmp_path, monkeypatch):
     assert events[:first_setting] == ["timed request"] * (2 + 2 * 2)       # warm-ups, then 2 rounds of 2
     assert events[first_setting:].count("peak request") == 2 and "timed request" not in events[first_setting:]
     assert (df.peak_bytes >= 0).all() and len(df) == 2
+
+
+def test_bench_allocator_refuses_bad_arguments_in_one_line():
+    from kvf.scripts import bench_allocator
+    for argv, fragment in ((["--rounds", "0"], "--rounds 0"), (["--length", "0"], "--length 0"),
+                           (["-m", "full,nope"], "--method nope")):
+        with pytest.raises(SystemExit) as refused:
+            bench_allocator.parse_args(argv)
+        message = str(refused.value.code)
+        assert message.startswith("bench_allocator: ") and fragment in message and "\n" not in message
