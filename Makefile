@@ -25,10 +25,11 @@ KVF_DATA ?= $(abspath ../shared/data)
 N ?= 50
 RATIOS ?= 0,0.05,0.15,0.3,1
 WORK ?= work
+, := ,
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -75,11 +76,14 @@ METHODS_OUT ?= results/methods
 # (one thread each); every sweep resumes where it stopped.
 # `kvf run` appends plain lines to a working copy in $(WORK) (re-seeded whenever the committed file is
 # newer); the committed records are its gzip, ~19x smaller, written back even when the sweep stops.
-# $(call method_sweep,DATASET,ARGS)
-method_sweep = f=$(WORK)/method-runs/$(1).jsonl; gz=$(METHOD_RUNS)/$(1).jsonl.gz; mkdir -p $(WORK)/method-runs $(METHOD_RUNS); \
+# $(call resumable_sweep,DATASET,ARGS,COMMAND,RUNS): COMMAND ARGS appends to $(WORK)/RUNS/DATASET.jsonl,
+# seeded from and written back to the committed RUNS/DATASET.jsonl.gz
+resumable_sweep = f=$(WORK)/$(4)/$(1).jsonl; gz=$(4)/$(1).jsonl.gz; mkdir -p $(WORK)/$(4) $(4); \
 	if [ -f $$gz ] && { [ ! -f $$f ] || [ $$gz -nt $$f ]; }; then gunzip -c $$gz > $$f; fi; \
-	$(METHOD_SWEEP) $(2) -o $$f; rc=$$?; \
+	$(3) $(2) -o $$f; rc=$$?; \
 	{ gzip -9nc $$f > $$gz.tmp && mv $$gz.tmp $$gz; } || rm -f $$gz.tmp; exit $$rc
+# $(call method_sweep,DATASET,ARGS)
+method_sweep = $(call resumable_sweep,$(1),$(2),$(METHOD_SWEEP),$(METHOD_RUNS))
 methods-nq: $(WORK)/nq/questions.jsonl
 	$(call method_sweep,nq,-d $(WORK)/nq -n $(N_NQ))
 methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
@@ -88,6 +92,22 @@ methods: methods-nq methods-2wikimqa methods-musique
 	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl.gz --out $(METHODS_OUT)
 	cat scripts/methods_header.md $(METHODS_OUT)/summary.md > $(METHODS_OUT).md
 	@echo "results in $(METHODS_OUT).md and $(METHODS_OUT)/ (summary.csv, plots)"
+
+# How much fidelity the store itself leaves any method (results/ceiling.md): `ceiling` is full prefill of
+# the context with its chunk rows rounded as the store holds them (float16), Q computed over them; on
+# NQ-open (short prompts) also through bfloat16 and unrounded (summation order only). Same questions,
+# settings and --max-new-tokens as the methods sweep.
+CEILING_RUNS ?= results/ceiling/runs
+CEILING_OUT ?= results/ceiling
+CEILING_SWEEP = $(KVF) run --compare-full --max-new-tokens 12
+ceiling-nq: $(WORK)/nq/questions.jsonl
+	$(call resumable_sweep,nq,-d $(WORK)/nq -n $(N_NQ) -m ceiling$(,)ceiling:round_to=bfloat16$(,)ceiling:round_to=float32,$(CEILING_SWEEP),$(CEILING_RUNS))
+ceiling-2wikimqa ceiling-musique ceiling-hotpotqa: ceiling-%: $(WORK)/%/questions.jsonl
+	$(call resumable_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -m ceiling,$(CEILING_SWEEP),$(CEILING_RUNS))
+ceiling: ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa
+	$(KVF) eval --complete-only $(CEILING_RUNS)/*.jsonl.gz --out $(CEILING_OUT)
+	cat scripts/ceiling_header.md $(CEILING_OUT)/summary.md > $(CEILING_OUT).md
+	@echo "results in $(CEILING_OUT).md and $(CEILING_OUT)/"
 
 # RULER-style suite: the tasks the embedded model solves with full prefill (ruler-calibration), 2K and 4K tokens.
 RULER_TASKS ?= niah_single,niah_multikey,boundary,alias
@@ -189,7 +209,7 @@ bench-allocator: setup
 # kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
 # distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup
-	$(KVF) bench -m full,prophetkv,kvfuse,kvfuse:propagate=off -r 0.15 --lengths 2048,4096 --repeats 8 --no-cold --no-compare-no-pipeline \
+	$(KVF) bench -m full,prophetkv,kvfuse,kvfuse:propagate=off -r 0.15 --lengths 2048,4096 --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out $(KVFUSE_OUT)/bench
 # how much recomputation the leading methods need to keep 0.95 of full prefill's answers (results/kvfuse.md,
 # "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7, and the

@@ -42,6 +42,7 @@ def bench_command(
     out: Path = typer.Option(Path("results"), "--out", "-o", help="Directory for ttft.csv, ttft.md and ttft_vs_context.png."),
     store: Optional[str] = typer.Option(None, "--store", help="Where the benchmark's store goes: a path or URL (s3://bucket/prefix) [default: a temp dir]."),
     s3_endpoint: S3EndpointOption = None,
+    versus: Optional[str] = typer.Option(None, "--versus", help="An -m entry (e.g. prophetkv) that every other entry is also paired with, round by round: TTFT ratio with a 95% bootstrap interval over rounds."),
     **knobs,
 ):
     """Median TTFT, its breakdown, peak memory and the ratio to full prefill, warm and cold store."""
@@ -57,14 +58,14 @@ def bench_command(
                         ratios=parse_ratios(ratio), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
                         compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,
                         model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
-                        knobs=knobs, store_url=store)
+                        knobs=knobs, store_url=store, versus=versus)
     if repeats == 1:
         console.print("warning: --repeats 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
                       "so treat single-repeat ratios as noise", style="yellow")
     df = bench(opts, console)
     label = f"{random_weights or model or 'SmolLM2-135M-Instruct'} on {device}"
     import sys
-    written = write_results(df, out, label, "kvf " + " ".join(sys.argv[1:]), repeats)
+    written = write_results(df, out, label, "kvf " + " ".join(sys.argv[1:]), repeats, versus)
     if json_out:
         print(df.to_json(orient="records"))
     else:

@@ -53,17 +53,46 @@ def test_bench_measures_every_method_against_full(tiny_bench):
 def test_bench_writes_tables_and_plot(tiny_bench):
     df, out = tiny_bench
     paths = write_results(df, out, "tiny on cpu")
-    assert [p.name for p in paths] == ["ttft.csv", "ttft.md", "ttft_vs_context.png"]
+    assert [p.name for p in paths] == ["ttft.csv", "rounds.csv", "ttft.md", "ttft_vs_context.png"]
     assert len(pd.read_csv(paths[0])) == len(df)
-    text = paths[1].read_text()
+    rounds = pd.read_csv(paths[1])   # every timed request, one round here
+    assert len(rounds) == len(df) and (rounds.ttft_ms.to_numpy() == df.ttft_ms.to_numpy()).all()
+    text = paths[2].read_text()
     assert "Pipelined loading" in text and "All times in ms" in text and "(auto r=" in text
     assert "Made by `kvf bench` at commit" in text and "ttft_ratio_range" in text
     assert {"ttft_ms", "load_ms", "chunk_size", "context_tokens"} <= set(pd.read_csv(paths[0]).columns)
     assert df.load_hidden.dropna().between(0, 1).all()
-    assert paths[2].stat().st_size > 1000
+    assert paths[3].stat().st_size > 1000
     shown = Console(file=io.StringIO(), width=200)
     shown.print(summary_table(df, "t"))
-    assert "cacheblend [deviation=v]@0.15" in shown.file.getvalue()   # the label, not swallowed as markup
+    lines = shown.file.getvalue().splitlines()
+    assert any("cacheblend [deviation=v]@0.15" in line for line in lines)   # the label, not swallowed as markup
+    first = df[df.pipeline].iloc[0]   # every column in its place: the TTFT and its ratio beside the label
+    assert any(first.label in line and f"{first.ttft_ms:.1f}" in line and f"{first.ttft_ratio:.3f}" in line
+               for line in lines)
+
+
+def test_versus_pairs_round_by_round_with_an_interval():
+    from kvf.pipeline.workflows.bench import add_versus, paired_interval
+    assert paired_interval([2.0, 4.0, 2.0], [1.0, 2.0, 1.0]) == pytest.approx((2.0, 2.0, 2.0))
+    ratio, low, high = paired_interval([1.1, 0.9, 1.2, 0.95], [1.0, 1.0, 1.0, 1.0])
+    assert ratio == pytest.approx((1.1 * 0.9 * 1.2 * 0.95) ** 0.25) and low < 1 < high   # geometric mean
+    row = dict(length=64, mode="warm", pipeline=True, ratio_auto=False)
+    df = pd.DataFrame([dict(row, method="full", spec=None, ratio=1.0, round_ttfts=(4.0, 4.0)),
+                       dict(row, method="prophetkv", spec=None, ratio=0.15, round_ttfts=(1.0, 2.0)),
+                       dict(row, method="kvfuse", spec=None, ratio=0.15, round_ttfts=(1.1, 2.2)),
+                       dict(row, method="kvfuse", spec="propagate=off", ratio=0.15, round_ttfts=(1.0, 2.0)),
+                       dict(row, method="kvfuse", spec=None, ratio=0.3, round_ttfts=(2.0, 3.0))])
+    got = add_versus(df, "prophetkv")
+    assert got.vs_ratio.tolist()[2:4] == pytest.approx([1.1, 1.0])          # paired per round, same ratio only
+    assert got.vs_ratio.isna().tolist() == [True, True, False, False, True]  # not full, itself, or another ratio
+    assert add_versus(df, "kvfuse:propagate=off").vs_ratio.tolist()[1] == pytest.approx(1.0)
+
+
+def test_versus_must_name_a_timed_entry(tmp_path):
+    with pytest.raises(KvfError, match=r"--versus prophetkv: no -m entry is prophetkv.*reuse"):
+        bench(BenchOptions(lengths=[64], methods=["full", "reuse"], random_weights="tiny", out=tmp_path,
+                           versus="prophetkv"), QUIET)
 
 
 def test_unknown_random_shape_is_refused(tmp_path):

@@ -592,3 +592,32 @@ def test_decoding_counts_the_work_put_off_past_the_first_token(long_case, answer
     assert shift > 0 and answer.timings["decode"] >= shift
     plain = answerer.answer(prompt, get_method("prophetkv", 0.15), source, max_new_tokens=2)
     assert "after_first_token" not in plain.timings
+
+
+@pytest.mark.parametrize("round_to, dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_ceiling_is_full_prefill_of_the_context_as_the_store_holds_it_then_q(round_to, dtype):
+    """Oracle: prefill S | C1..Ck, round the chunk rows (keys before RoPE) through the store's dtype,
+    then prefill Q over that cache. `ceiling` must give the same first-token logits and cache."""
+    from kvf.pipeline.model.rope import keys_at, keys_before_rope
+    model = Transformer(tiny_model("llama", seed=3))
+    engine = FusionEngine(model)
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 128, (n,), generator=g).tolist()  # noqa: E731
+    prompt = FusedPrompt(ids(5), [ids(n) for n in (9, 14, 7)], ids(6))
+    n_context = prompt.n_prefix + prompt.n_chunk_tokens
+    cache = model.new_cache(prompt.n_tokens)
+    model.prefill(prompt.all_ids()[:n_context], cache)
+    chunks, positions = slice(prompt.n_prefix, n_context), torch.arange(prompt.n_prefix, n_context)
+    for layer in range(model.n_layers):
+        kv = cache.kv[layer]                                                           # [2, KV, cap, d]
+        keys = keys_before_rope(kv[0][:, chunks], model.rope, positions).to(dtype).float()
+        kv[0][:, chunks] = keys_at(keys, model.rope, positions)
+        kv[1][:, chunks] = kv[1][:, chunks].to(dtype).float()
+    expected, _ = model.prefill(prompt.all_ids()[n_context:], cache, start=n_context)
+
+    got = get_method("ceiling", round_to=round_to).prefill(engine, prompt, InMemoryKV([]))
+    full = get_method("full").prefill(engine, prompt)
+    assert torch.allclose(got.logits, expected, atol=1e-5)
+    assert torch.allclose(got.cache.kv[:, :, :, :prompt.n_tokens], cache.kv[:, :, :, :prompt.n_tokens], atol=1e-5)
+    assert (got.logits - full.logits).abs().max() > 1e-6   # the rounding reached Q
+    assert got.recomputed_tokens == prompt.n_chunk_tokens

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 import torch
 from rich.console import Console
@@ -73,6 +74,7 @@ class BenchOptions:
     out: Path = Path("results")
     workdir: Path | None = None
     store_url: str | None = None      # where the benchmark stores go (a path or URL; default: workdir)
+    versus: str | None = None         # an -m entry every other entry is also paired with, round by round
 
 
 # ---- model and prompts --------------------------------------------------------------------------
@@ -272,6 +274,52 @@ def paired_ratio_stats(method_reps: list[dict], full_reps: list[dict] | None) ->
     return {"ttft_ratio": statistics.median(ratios), "ttft_ratio_min": min(ratios), "ttft_ratio_max": max(ratios)}
 
 
+VERSUS_RESAMPLES = 10000
+
+
+def paired_interval(ttfts: list[float], versus_ttfts: list[float], resamples: int = VERSUS_RESAMPLES,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """Per round, an entry's TTFT over another's from the same round -> their geometric mean and its 95%
+    percentile-bootstrap interval over rounds (fixed seed). Ratios are averaged as logs: 0.5x and 2x cancel."""
+    logs = np.log(np.asarray(ttfts) / np.asarray(versus_ttfts))                      # [rounds]
+    picks = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))  # [resamples, rounds]
+    low, high = np.percentile(logs[picks].mean(axis=1), [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
+
+
+def check_versus(versus: str, planned: list[tuple]) -> None:
+    """--versus must name one of the -m entries (with the same knobs)."""
+    from kvf.pipeline.workflows.run import parse_method_spec
+    try:
+        wanted = parse_method_spec(versus)
+    except KvfError as e:
+        raise KvfError(str(e).replace(f"--method {versus}", f"--versus {versus}", 1)) from None
+    if not any(m.name == wanted.name and spec == wanted.label for m, spec in planned):
+        entries = ", ".join(sorted({m.name + (f":{spec}" if spec else "") for m, spec in planned}))
+        raise KvfError(f"--versus {versus}: no -m entry is {versus}; name one of the timed entries ({entries})")
+
+
+def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
+    """vs_ratio [vs_low, vs_high]: each pipelined row's TTFT over the --versus entry's at the same length, mode
+    and ratio (any ratio, when the --versus method has none of its own), paired round by round
+    (paired_interval); nan where there is none."""
+    from kvf.pipeline.workflows.run import parse_method_spec
+    wanted = parse_method_spec(versus)
+    any_ratio = not METHODS[wanted.name].ratio_is_knob
+    df = df.copy()
+    df["vs_ratio"] = df["vs_low"] = df["vs_high"] = float("nan")
+    plain = df.pipeline & ~df.ratio_auto
+    is_versus = plain & (df.method == wanted.name) & (df.spec.fillna("") == (wanted.label or ""))
+    for (length, mode), group in df[plain].groupby(["length", "mode"]):
+        references = group[is_versus[group.index]]
+        for i, row in group[~is_versus[group.index] & (group.method != "full")].iterrows():
+            reference = references if any_ratio else references[references.ratio == row.ratio]
+            if len(reference):
+                stats = paired_interval(row.round_ttfts, reference.iloc[0].round_ttfts)
+                df.loc[i, ["vs_ratio", "vs_low", "vs_high"]] = stats
+    return df
+
+
 def plan(opts: BenchOptions) -> list[tuple]:
     """(method, spec) per --method entry and ratio; methods without a ratio knob run once. An entry may set
     knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None)."""
@@ -360,6 +408,7 @@ def time_length(opts: BenchOptions, engine: FusionEngine, setup: LengthSetup, sp
         for (method, pipeline), method_reps in zip(setup.run_list, reps):
             row = median_row(method_reps)
             row.update(paired_ratio_stats(method_reps, full_reps))
+            row["round_ttfts"] = tuple(r["ttft"] for r in method_reps)  # in round order: pairs are per round
             row.update(length=setup.prompt.n_tokens, method=method.name, spec=spec_of.get(id(method)),
                        ratio=method.settings().get("ratio", float("nan")), mode=mode, pipeline=pipeline,
                        ratio_auto=method is setup.run_list[-1][0] and setup.auto is not None,
@@ -387,9 +436,11 @@ def measure_peaks(engine: FusionEngine, memory: PeakMemory, setup: LengthSetup, 
 
 
 def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
+    planned = plan(opts)
+    if opts.versus:
+        check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
     engine = FusionEngine(transformer)
-    planned = plan(opts)
     methods = [method for method, _ in planned]
     spec_of = {id(method): spec for method, spec in planned}   # an entry's own knobs, for its label
     model_bytes = sum(p.numel() * p.element_size() for p in transformer.hf_model.parameters())
@@ -409,7 +460,8 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
             peaks = measure_peaks(engine, memory, setup, advance)
             for mode_rows in by_mode:
                 rows += [dict(row, peak_bytes=peak, model_bytes=model_bytes) for row, peak in zip(mode_rows, peaks)]
-    return add_ratios(pd.DataFrame(rows))
+    df = add_ratios(pd.DataFrame(rows))
+    return add_versus(df, opts.versus) if opts.versus else df
 
 
 TIME_COLUMNS = ("ttft", "load", "read", "select", "recompute", "after_first_token")
@@ -457,11 +509,12 @@ FORMATS = {"ttft_ms": "{:.1f}", "load_ms": "{:.2f}", "read_ms": "{:.2f}", "selec
 
 
 def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str = "kvf bench",
-                  repeats: int | None = None) -> list[Path]:
+                  repeats: int | None = None, versus: str | None = None) -> list[Path]:
     from kvf.pipeline.workflows.provenance import git_commit
     out.mkdir(parents=True, exist_ok=True)
-    csv, md, png = out / "ttft.csv", out / "ttft.md", out / "ttft_vs_context.png"
-    write_atomic(csv, df.to_csv(index=False))
+    csv, rounds_csv, md, png = out / "ttft.csv", out / "rounds.csv", out / "ttft.md", out / "ttft_vs_context.png"
+    write_atomic(csv, df.drop(columns=["round_ttfts"], errors="ignore").to_csv(index=False))
+    write_atomic(rounds_csv, round_rows(df).to_csv(index=False))
     lines = [f"# TTFT vs full prefill ({device_label})", "",
              f"Made by `{command}` at commit {git_commit() or 'unknown'}"
              + (f"; after one warm-up request per row, {repeats} rounds that time every row once each (in a balanced "
@@ -489,9 +542,34 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
         for _, r in hidden.iterrows():
             lines.append(f"| {r.length} | {r['mode']} | {r.method} | {r.load_ms:.2f} | {r.load_no_pipeline_ms:.2f} | "
                          f"{_fmt(r.hidden_fraction, '{:.2f}')} |")
+    if "vs_ratio" in df:
+        lines += versus_lines(df, versus)
     write_atomic(md, "\n".join(lines) + "\n")
     plot_ratio_vs_length(df, png, device_label)
-    return [csv, md, png]
+    return [csv, rounds_csv, md, png]
+
+
+def round_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per timed request: length, mode, label, pipeline, round (0-based, in time order per entry), ttft_ms."""
+    keys = ["length", "mode", "label", "pipeline"]
+    rows = [dict(zip(keys, (row[k] for k in keys)), round=i, ttft_ms=1000 * t)
+            for _, row in df.iterrows() for i, t in enumerate(row.get("round_ttfts") or ())]
+    return pd.DataFrame(rows, columns=keys + ["round", "ttft_ms"])
+
+
+def versus_lines(df: pd.DataFrame, versus: str | None) -> list[str]:
+    """The md section pairing every entry with --versus round by round."""
+    paired = df[df.vs_ratio.notna()]
+    rounds = len(paired.iloc[0].round_ttfts) if len(paired) else 0
+    lines = ["", f"## Paired with {versus}, round by round", "",
+             f"TTFT / {versus}'s TTFT in the same round: the geometric mean over the {rounds} rounds and its 95% "
+             f"bootstrap interval over rounds ({VERSUS_RESAMPLES:,} resamples). An interval that contains 1 does not "
+             "tell the two apart on this machine.", "",
+             f"| length | mode | label | TTFT / {versus} | 95% interval | apart? |", "|---|---|---|---|---|---|"]
+    for _, r in paired.iterrows():
+        verdict = "slower" if r.vs_low > 1 else "faster" if r.vs_high < 1 else "no"
+        lines.append(f"| {r.length} | {r['mode']} | {r.label} | {r.vs_ratio:.3f} | [{r.vs_low:.3f}, {r.vs_high:.3f}] | {verdict} |")
+    return lines
 
 
 def ratio_range(row) -> str:
@@ -541,10 +619,16 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
 
 
 def summary_table(df: pd.DataFrame, title: str) -> Table:
+    versus = "vs_ratio" in df
     table = Table(title=title)
-    for col in ("tokens", "mode", "method", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV"):
+    for col in ("tokens", "mode", "method", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV") \
+            + (("x versus [95%]",) if versus else ()):
         table.add_column(col, justify="right")
     for _, r in df[df.pipeline].iterrows():
-        table.add_row(str(r.length), r["mode"], escape(r.label),  # "[knob=value]" is not rich markup f"{r.ttft_ms:.1f}", f"{r.ttft_ratio:.3f}",
-                      f"{r.load_ms:.2f}", f"{r.read_ms:.2f}", _fmt(r.load_hidden, "{:.2f}"), f"{r.peak_over_kv:.2f}")
+        cells = [str(r.length), r["mode"], escape(r.label),  # escaped: "[knob=value]" is not rich markup
+                 f"{r.ttft_ms:.1f}", _fmt(r.ttft_ratio, "{:.3f}"), f"{r.load_ms:.2f}", f"{r.read_ms:.2f}",
+                 _fmt(r.load_hidden, "{:.2f}"), f"{r.peak_over_kv:.2f}"]
+        if versus:
+            cells.append("-" if r.vs_ratio != r.vs_ratio else escape(f"{r.vs_ratio:.3f} [{r.vs_low:.3f}, {r.vs_high:.3f}]"))
+        table.add_row(*cells)
     return table
