@@ -564,10 +564,15 @@ def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case,
     leaves the shift out), and the read is timed in after_first_token_seconds."""
     from kvf.pipeline.fusion.methods.kvfuse import KvFuse, shift_kept_rows
 
-    class ShiftAfterEachLayer(KvFuse):
+    class ShiftAfterEachLayer(KvFuse):  # copies each layer's rows just before it runs, shifts right after
+        def before_layer(self, engine, state, layer):
+            if self.propagates(state, layer):
+                rows = state.active_chunk_rows()
+                state.scratch.setdefault("eager", {})[layer] = (rows, state.cache.kv[layer][:, :, rows])
+
         def after_layer(self, engine, state, layer):
-            if layer in state.scratch.get("stored", {}):
-                rows, before = state.scratch["stored"].pop(layer)
+            if layer in state.scratch.get("eager", {}):
+                rows, before = state.scratch["eager"].pop(layer)
                 shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
 
     prompt, source, _ = long_case

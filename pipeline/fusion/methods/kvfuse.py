@@ -107,8 +107,10 @@ class KvFuse(FusionMethod):
         if not self.propagates(state, layer):
             return
         rows = state.active_chunk_rows()
-        if self.knobs.propagate == "after":  # what the layer will overwrite: [2, KV, a, d]
-            state.scratch.setdefault("stored", {})[layer] = (rows, state.cache.kv[layer][:, :, rows])  # a copy
+        if self.knobs.propagate == "after":
+            if "stored" not in state.scratch:  # what this and every later layer will overwrite, in one copy:
+                # pass 1 loaded every layer, and pass 2 writes a layer's rows only when it runs that layer
+                state.scratch["stored"] = (layer, rows, state.cache.kv[layer:].index_select(3, rows))  # [L', 2, KV, a, d]
             return
         is_chunk = state.chunk_row_mask()[state.rows]
         fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
@@ -123,10 +125,11 @@ class KvFuse(FusionMethod):
         if stored:
             result.after_first_token = lambda: self.shift_after_layers(engine, state, stored)
 
-    def shift_after_layers(self, engine: FusionEngine, state: FusionState, stored: dict) -> None:
+    def shift_after_layers(self, engine: FusionEngine, state: FusionState, stored: tuple) -> None:
         """Every shifted layer's move, from its recomputed rows' stored (before) and fresh (in the cache) K/V."""
-        for layer, (rows, before) in sorted(stored.items()):
-            shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
+        first, rows, before = stored                                       # before: [L', 2, KV, a, d]
+        for layer in range(first, state.cache.kv.shape[0]):
+            shift_kept_rows(engine, state, layer, rows, before[layer - first], state.cache.kv[layer][:, :, rows], self.knobs)
 
 
 def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
