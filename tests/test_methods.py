@@ -626,3 +626,31 @@ def test_ceiling_is_full_prefill_of_the_context_as_the_store_holds_it_then_q(rou
     assert torch.allclose(got.cache.kv[:, :, :, :prompt.n_tokens], cache.kv[:, :, :, :prompt.n_tokens], atol=1e-5)
     assert (got.logits - full.logits).abs().max() > 1e-6   # the rounding reached Q
     assert got.recomputed_tokens == prompt.n_chunk_tokens
+
+
+def test_oracle_keeps_the_stored_rows_nearest_full_prefill():
+    """`oracle` recomputes the chunk rows whose stored KV lies farthest from full prefill's, so the rows it
+    keeps from the store are, in sum, nearer full prefill than those any other selector of the same
+    budget keeps (here CacheBlend's and ProphetKV's), and its recomputed count is exact."""
+    from conftest import stored_prefix_kvs
+    from kvf.pipeline.fusion.methods.oracle import distance_to_full
+    engine = FusionEngine(Transformer(tiny_model("llama", seed=3)))
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 128, (n,), generator=g).tolist()  # noqa: E731
+    prompt = FusedPrompt(ids(5), [ids(n) for n in (19, 24, 17)], ids(6))
+    source = stored_prefix_kvs(engine, prompt)
+    chunk_rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+    full = get_method("full").prefill(engine, prompt).cache.kv[:, :, :, chunk_rows]
+    stored = get_method("reuse").prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    distance = distance_to_full(stored, full)                                   # [c]
+
+    def kept_distance(name):
+        result = get_method(name, 0.3).prefill(engine, prompt, source)
+        assert result.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)
+        # rows still holding their stored KV at every layer (a recomputed row of the first chunk may hold the
+        # same values, being exact after S: its distance is 0 and changes no sum)
+        kept = (result.cache.kv[:, :, :, chunk_rows] == stored).flatten(0, 2).all(dim=(0, 2))  # [c]
+        return float(distance[kept].sum())
+
+    oracle = kept_distance("oracle")
+    assert oracle < kept_distance("cacheblend") and oracle < kept_distance("prophetkv")
