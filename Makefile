@@ -253,7 +253,7 @@ REPEATS ?= 3
 TTFT_OUT ?= results
 ttft: setup
 	$(KVF) bench --repeats $(REPEATS) --out $(TTFT_OUT)
-	@echo "results in $(TTFT_OUT)/ (ttft.csv, ttft.md, ttft_vs_context.png)"
+	@echo "results in $(TTFT_OUT)/ (ttft.csv, rounds.csv, ttft.md, ttft_vs_context.png)"
 
 BENCH_BUILD_OUT ?= results/build_bench.md
 bench-build: setup
