@@ -25,13 +25,13 @@ from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob,
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import keys_at, keys_before_rope
 
-ROUND_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ROUND_DTYPES = ("float32", "float16", "bfloat16")   # torch dtype names, as the store names its dtype
 
 
 @dataclass
 class CeilingKnobs:
     round_to: str = knob("float16", "dtype the chunk rows pass through (what the store holds)",
-                         choices=tuple(ROUND_DTYPES))
+                         choices=ROUND_DTYPES)
 
 
 def round_rows(engine: FusionEngine, state: FusionState, layer: int, rows: slice, dtype: torch.dtype) -> None:
@@ -60,7 +60,7 @@ class Ceiling(FusionMethod):
         return all_chunk_rows(prompt)
 
     def after_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
-        dtype = ROUND_DTYPES[self.knobs.round_to]
+        dtype = getattr(torch, self.knobs.round_to)
         if state.pass_index == 0 and dtype != torch.float32:  # float32 kept as computed (no round trip)
             chunks = slice(state.prompt.n_prefix, state.prompt.n_prefix + state.prompt.n_chunk_tokens)
             round_rows(engine, state, layer, chunks, dtype)
