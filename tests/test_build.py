@@ -196,6 +196,30 @@ def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
     assert torch.equal(got[False, None].logits, got[True, 3].logits)
 
 
+def test_kvfuse_reads_stored_rows_again_after_the_source_is_closed(built, answerer):
+    """kvfuse's shift needs the stored KV of rows its prefill recomputed: it reads them from the store again
+    when decoding first reads the cache, after `kvf run` has closed the source. The cache then equals the
+    one fused from the same KVs in memory, bit for bit, and the re-read counts neither as loading nor as
+    reading (TTFT and the hidden share leave it out)."""
+    store = open_store(built.summary.store, readonly=True)
+    chunks = [c for c in built.chunks if c.doc_id in ("doc0.txt", "doc1.txt", "mountains.md")][:3]
+    prompt = answerer.prompt([c.token_ids for c in chunks], QUESTION)
+    keys = [EntryKeys(built.model_ref.fingerprint, prompt.prefix_ids).chunk("prefix", seg)
+            for seg in prompt.chunk_segments]
+    fuse = get_method("kvfuse", recompute_ratio=0.3)
+    memory = InMemoryKV([store.get(key) for key in keys])
+    expected = fuse.prefill(answerer.engine, prompt, memory)
+    source = StoreKVSource(store, keys, answerer.transformer.n_layers, pipeline=True)
+    got = fuse.prefill(answerer.engine, prompt, source)
+    source.close()
+    read, loaded = source.read_seconds, source.load_seconds
+    assert got.after_first_token is not None
+    assert torch.equal(got.cache.kv, expected.cache.kv)
+    assert (source.read_seconds, source.load_seconds) == (read, loaded)
+    unshifted = get_method("kvfuse", recompute_ratio=0.3, propagate="off").prefill(answerer.engine, prompt, memory)
+    assert not torch.equal(got.cache.kv, unshifted.cache.kv)
+
+
 def test_rerun_on_unchanged_corpus_does_no_model_work(built, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("model work on an unchanged corpus")

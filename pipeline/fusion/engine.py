@@ -49,6 +49,11 @@ class LayerKVSource(Protocol):
         """-> for each chunk index asked for, its [2, KV, t_i, d] at this layer."""
         ...
 
+    def read_again(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
+        """The same as layer(), read once more after the prefill (also once the source is closed),
+        neither timed as loading nor disturbing any reading ahead."""
+        ...
+
 
 def recompute_budget(recompute_ratio: float, n_tokens: int) -> int:
     """round(r * n), rounding halves up (Python's round() would round halves to even)."""
@@ -365,6 +370,23 @@ class FusionEngine:
         kv = kv.to(self.model.device, self.model.dtype, non_blocking=True)
         cos, sin = state.cos[start: start + t], state.sin[start: start + t]
         state.cache.write(layer, slice(start, start + t), apply_rope(kv[0], cos, sin), kv[1])
+
+    def stored_rows(self, state: FusionState, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """[2, KV, a, d]: what load_layer wrote at these sorted chunk rows of loaded chunks, bit for bit
+        (keys rotated at their positions), read from the source again. For work after the first token
+        that needs the stored KV of rows the prefill has since recomputed, without holding a copy of them
+        through the prefill."""
+        spans = state.prompt.chunk_spans()
+        parts = []
+        chunks = sorted(state.loaded_chunks)                                 # rows are sorted: so are their chunks
+        for i, kv in zip(chunks, state.source.read_again(layer, chunks)):
+            start, end = spans[i]
+            mine = rows[(rows >= start) & (rows < end)] - start            # [a_i] rows of chunk i, from 0
+            parts.append(kv[:, :, mine.to(kv.device)])                      # [2, KV, a_i, d]
+        kv = torch.cat(parts, dim=2).to(self.model.device, self.model.dtype)  # [2, KV, a, d]
+        if kv.shape[2] != len(rows):
+            raise ValueError("stored_rows: some rows are not rows of a loaded chunk")
+        return torch.stack([apply_rope(kv[0], state.cos[rows], state.sin[rows]), kv[1]])
 
     def keep_rows(self, state: FusionState, keep_chunk_rows: torch.Tensor) -> None:
         """Shrink the recomputed set to keep_chunk_rows (plus Q). They must already be active."""

@@ -38,6 +38,8 @@ class InMemoryKV:
     def layer(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
         return [self.chunk_kvs[i][layer] for i in chunks]
 
+    read_again = layer
+
 
 class StoreKVSource:
     """The store is duck-typed (get_layer, header): this module never imports kvf.cachestore."""
@@ -123,6 +125,11 @@ class StoreKVSource:
             self._prefetch(layer + 1)
         self.load_seconds += time.perf_counter() - started
         return result
+
+    def read_again(self, layer: int, chunks: list[int]) -> list[torch.Tensor]:
+        """The chunks' [2, KV, t, d] at this layer once more, after the prefill: read now, in this thread
+        (the reader threads may be shut down), outside load_seconds and read_seconds."""
+        return [self._read_chunk(layer, i) for i in chunks]
 
     def close(self) -> None:
         for pool in (self._pool, self._chunk_pool):
