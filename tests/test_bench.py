@@ -89,6 +89,16 @@ def test_versus_pairs_round_by_round_with_an_interval():
     assert add_versus(df, "kvfuse:propagate=off").vs_ratio.tolist()[1] == pytest.approx(1.0)
 
 
+def test_versus_adds_a_paired_plot(tiny_bench, tmp_path):
+    """--versus: the md section and a plot of every entry's paired ratio with its interval, beside the others."""
+    from kvf.pipeline.workflows.bench import add_versus
+    df, _ = tiny_bench
+    paths = write_results(add_versus(df, "cacheblend"), tmp_path, "tiny on cpu", versus="cacheblend")
+    assert [p.name for p in paths] == ["ttft.csv", "rounds.csv", "ttft.md", "ttft_vs_context.png", "ttft_paired.png"]
+    assert "## Paired with cacheblend, round by round" in paths[2].read_text()
+    assert paths[4].stat().st_size > 1000
+
+
 def test_versus_must_name_a_timed_entry(tmp_path):
     with pytest.raises(KvfError, match=r"--versus prophetkv: no -m entry is prophetkv.*reuse"):
         bench(BenchOptions(lengths=[64], methods=["full", "reuse"], random_weights="tiny", out=tmp_path,

@@ -546,7 +546,11 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
         lines += versus_lines(df, versus)
     write_atomic(md, "\n".join(lines) + "\n")
     plot_ratio_vs_length(df, png, device_label)
-    return [csv, rounds_csv, md, png]
+    if "vs_ratio" not in df or df.vs_ratio.isna().all():
+        return [csv, rounds_csv, md, png]
+    paired_png = out / "ttft_paired.png"
+    plot_paired(df, paired_png, versus, device_label)
+    return [csv, rounds_csv, md, png, paired_png]
 
 
 def round_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -612,6 +616,35 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\n"
                  f"full prefill TTFT: {absolute}" + ("; bars: range over rounds" if has_spread else ""), fontsize=10)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
+
+
+def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) -> None:
+    """Each entry's TTFT over --versus's in the same round (geometric mean, 95% bootstrap bars), against length:
+    the differences of a few percent that the ratio-to-full plot cannot show apart."""
+    from matplotlib.figure import Figure
+    paired = df[df.vs_ratio.notna()]
+    labels = sorted(paired.label.unique())
+    fig = Figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    ax.axhline(1.0, linestyle="--", color="black", label=versus)
+    lengths = sorted(paired.length.unique())
+    for i, label in enumerate(labels):
+        g = paired[paired.label == label].sort_values("length")
+        x = [lengths.index(n) + 0.12 * (i - (len(labels) - 1) / 2) for n in g.length]  # side by side per length
+        ax.errorbar(x, g.vs_ratio, yerr=[g.vs_ratio - g.vs_low, g.vs_high - g.vs_ratio], marker="o",
+                    linestyle="none", capsize=4, label=label)
+    ax.set_xticks(range(len(lengths)), [f"{int(n)}" for n in lengths])
+    ax.set_xlim(-0.5, len(lengths) - 0.5)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel(f"TTFT / {versus} TTFT, same round")
+    rounds = len(paired.iloc[0].round_ttfts)
+    ax.set_title(f"TTFT paired with {versus}, round by round ({device_label})\n"
+                 f"geometric mean over {rounds} rounds; bars: 95% bootstrap interval", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
