@@ -654,3 +654,21 @@ def test_oracle_keeps_the_stored_rows_nearest_full_prefill():
 
     oracle = kept_distance("oracle")
     assert oracle < kept_distance("cacheblend") and oracle < kept_distance("prophetkv")
+
+
+def test_selection_probe_ranks_by_the_attention_it_is_given():
+    """scripts/selection_probe.py: ranked by the attention kvfuse's own pass 1 records, RankedBy is kvfuse
+    (same rows, logits and cache); ranked by the attention of Q with extra rows appended, it picks other rows.
+    Its attention_with() cuts nothing: per layer [n + extra]."""
+    from kvf.scripts.selection_probe import RankedBy, attention_with
+    engine, prompt, source = tiny_case("llama")
+    own, _ = attention_with(engine, prompt, source, [])
+    plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
+    same = RankedBy(0.3, own, propagate="off").prefill(engine, prompt, source)
+    assert torch.equal(same.logits, plain.logits) and torch.equal(same.cache.kv, plain.cache.kv)
+    extra, _ = attention_with(engine, prompt, source, [7, 8, 9, 10, 11, 12])
+    assert all(a.shape == (prompt.n_tokens + 6,) for a in extra)
+    uniform = [torch.ones(prompt.n_tokens) for _ in own]          # every row alike: the earliest rows win ties
+    other = RankedBy(0.3, uniform, propagate="off").prefill(engine, prompt, source)
+    assert other.recomputed_tokens == plain.recomputed_tokens
+    assert not torch.equal(other.cache.kv, plain.cache.kv)

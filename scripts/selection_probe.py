@@ -1,0 +1,152 @@
+"""How much answer fidelity is left to gain by choosing *which* rows to recompute? Issue 17's question:
+selection by the question's attention (ProphetKV's ranking, kvfuse's), against the same ranking told
+more than a real request knows.
+
+    python -m kvf.scripts.selection_probe --first 50 --last 65 --records DIR/50-64.jsonl   # answer
+    python -m kvf.scripts.selection_probe --report DIR/*.jsonl --out results/kvfuse/selection.md
+
+Per question: the first --passages passages of a prepared dataset as chunks (prefix variant, computed in
+memory as build-cache stores it), full prefill's greedy answer, then at --ratio:
+- `question`: kvfuse without its shift (propagate=off), i.e. the rows ProphetKV's ranking picks: Q's
+  attention averaged over layers;
+- `question + first token`: the same ranking with the first answer token (pass 1's own greedy token) as
+  one more query row, what a method could afford before its first token;
+- `question + full's answer` (an oracle): the ranking with full prefill's whole answer appended to Q,
+  teacher-forced, so the rows are those the answer itself reads;
+- `kvfuse`: kvfuse's default (the `question` rows, then each chunk's kept rows shifted).
+Fidelity is the answer's token F1 against full's. --report prints each mean with its 95% bootstrap
+interval and each paired difference to `question`. Questions 50-99 of MuSiQue are in no other run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from rich.progress import track
+
+from kvf.eval.metrics import token_f1
+from kvf.eval.stats import mean_interval, paired_bootstrap
+from kvf.pipeline.data.datasets import load_prepared
+from kvf.pipeline.files import write_atomic
+from kvf.pipeline.fusion.methods import get_method
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse
+from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.model.prompt import FusedPrompt, encode
+from kvf.pipeline.workflows.provenance import git_commit
+from kvf.pipeline.workflows.weights import load_answerer
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["question", "question + first token", "question + full's answer", "kvfuse"]
+
+
+class RankedBy(KvFuse):
+    """kvfuse whose pass 2 ranks rows by the given per-layer attention [n_ext] (cut to the prompt's n rows)
+    instead of what its own pass 1 recorded."""
+
+    def __init__(self, recompute_ratio: float, attention: list[torch.Tensor], **knobs):
+        super().__init__(recompute_ratio, **knobs)
+        self.attention = attention
+
+    def next_pass_rows(self, engine, state):
+        state.query_attention = [a[: state.n] for a in self.attention]
+        return super().next_pass_rows(engine, state)
+
+
+def attention_with(engine, prompt: FusedPrompt, source, extra_ids: list[int]) -> tuple[list[torch.Tensor], int]:
+    """Pass 1 (Q's rows over the stored cache) with extra_ids appended to Q -> per layer the mean attention
+    of Q's rows and the extra rows [n + extra], and the greedy token after them."""
+    extended = FusedPrompt(prefix_ids=prompt.prefix_ids, chunk_segments=prompt.chunk_segments,
+                           question_ids=list(prompt.question_ids) + list(extra_ids))
+    done = engine.query_pass(extended, source, 0)
+    return done.query_attention, int(torch.argmax(engine.model.logits(done.hidden[-1:])[0]))
+
+
+def answers(answerer, prompt: FusedPrompt, ratio: float, max_new_tokens: int) -> dict:
+    """{config: answer text} for one prompt, full prefill's under "full"."""
+    engine = answerer.engine
+    source = InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+    full = answerer.answer(prompt, get_method("full"), None, max_new_tokens)
+    _, first_token = attention_with(engine, prompt, source, [])
+    with_first, _ = attention_with(engine, prompt, source, [first_token])
+    full_ids = encode(answerer.tokenizer, full.text)           # full's answer, as the tokenizer splits its text
+    with_answer, _ = attention_with(engine, prompt, source, full_ids)
+    methods = {"question": get_method("kvfuse", ratio, propagate="off"),
+               "question + first token": RankedBy(ratio, with_first, propagate="off"),
+               "question + full's answer": RankedBy(ratio, with_answer, propagate="off"),
+               "kvfuse": get_method("kvfuse", ratio)}
+    got = {name: answerer.answer(prompt, method, source, max_new_tokens).text for name, method in methods.items()}
+    return {"full": full.text, **got}
+
+
+def answer_questions(args) -> None:
+    torch.set_num_threads(1)
+    answerer = load_answerer(None)
+    questions, passages = load_prepared(args.dataset)
+    done = set()
+    if args.records.exists():  # resumable: a question already written is not answered again
+        done = {json.loads(line)["qid"] for line in args.records.read_text().splitlines() if line.strip()}
+    args.records.parent.mkdir(parents=True, exist_ok=True)
+    with args.records.open("a") as out:
+        for q in track(questions[args.first: args.last], description="questions"):
+            if q.qid in done:
+                continue
+            chunks = [encode(answerer.tokenizer, passages[i].text) for i in q.context_ids[: args.passages]]
+            prompt = answerer.prompt(chunks, q.question)
+            record = {"qid": q.qid, "prompt_tokens": prompt.n_tokens,
+                      **answers(answerer, prompt, args.ratio, args.max_new_tokens)}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+
+def report(args) -> None:
+    records = [json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()]
+    df = pd.DataFrame(records).drop_duplicates("qid").set_index("qid")
+    fidelity = pd.DataFrame({c: [token_f1(a, [f]) for a, f in zip(df[c], df["full"])] for c in CONFIGS}, index=df.index)
+    lines = ["# Which rows to recompute: how much the ranking can still gain", "",
+             f"Made by `make kvfuse-selection` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.selection_probe`; "
+             f"records in `{args.report[0].parent}/`).  ",
+             f"Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); MuSiQue (`musique/musique_s.json`) questions "
+             f"{args.first_label}, n = {len(df)}, the first {args.passages} passages of each as chunks (prefix variant, "
+             f"{df.prompt_tokens.mean():,.0f} prompt tokens on average), {args.ratio:.0%} recomputation, "
+             f"{args.max_new_tokens} new tokens; every configuration, kvfuse included, reads the same prefix-variant KVs. Fidelity: answer token F1 against full prefill's answer; 95% "
+             "percentile-bootstrap intervals over questions (paired for differences).", "",
+             "| rows recomputed (15%) chosen by | fidelity [95%] | − `question`, paired [95%] |", "|---|---|---|"]
+    for c in CONFIGS:
+        low, high = mean_interval(fidelity[c])
+        diff = "—" if c == "question" else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*paired_bootstrap(fidelity[c], fidelity["question"])[:3])
+        lines.append(f"| {c} | {fidelity[c].mean():.3f} [{low:.3f}, {high:.3f}] | {diff} |")
+    same = int((df["question + first token"] == df["question"]).sum())
+    lines += ["", f"`question + first token` gives the same answer as `question` on {same} of {len(df)} questions."]
+    write_atomic(args.out, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", type=Path, default=ROOT / "work" / "musique")
+    p.add_argument("--first", type=int, default=50)
+    p.add_argument("--last", type=int, default=80)
+    p.add_argument("--passages", type=int, default=4)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--records", type=Path, help="run file to append this range's answers to")
+    p.add_argument("--report", type=Path, nargs="+", help="run files to score")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "selection.md")
+    args = p.parse_args(argv)
+    if bool(args.records) == bool(args.report):
+        print("selection_probe: error: pass --records FILE (answer questions) or --report FILE... (score them)", file=sys.stderr)
+        return 2
+    if args.records:
+        answer_questions(args)
+    else:
+        args.first_label = f"{args.first}–{args.last - 1}"
+        report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
