@@ -95,20 +95,18 @@ methods: methods-nq methods-2wikimqa methods-musique
 
 # How much fidelity the store itself leaves any method (results/ceiling.md): `ceiling` is full prefill of
 # the context with its chunk rows rounded as the store holds them (float16), Q computed over them; on
-# NQ-open (short prompts) also through bfloat16 and unrounded (summation order only). On the two short-prompt
-# sets, `oracle` at 15% and 30%: the rows whose stored KV lies farthest from full prefill's, recomputed (it
-# pays a full prefill per ratio, ~20 CPU-s per question at MuSiQue's length, so not run there). Same questions,
-# settings and --max-new-tokens as the methods sweep.
+# NQ-open (short prompts) also through bfloat16 and unrounded (summation order only). On every set, `oracle` at
+# 15% and 30%: the rows whose stored KV lies farthest from full prefill's, recomputed (it pays a full prefill per
+# ratio, ~20 CPU-s per question at MuSiQue's length: run -j2 with OMP_NUM_THREADS=1). Same questions, settings
+# and --max-new-tokens as the methods sweep.
 CEILING_RUNS ?= results/ceiling/runs
 CEILING_OUT ?= results/ceiling
 CEILING_SWEEP = $(KVF) run --compare-full --max-new-tokens 12
 ORACLE_RATIOS ?= 0.15,0.3
 ceiling-nq: $(WORK)/nq/questions.jsonl
 	$(call resumable_sweep,nq,-d $(WORK)/nq -n $(N_NQ) -m ceiling$(,)ceiling:round_to=bfloat16$(,)ceiling:round_to=float32$(,)oracle -r $(ORACLE_RATIOS),$(CEILING_SWEEP),$(CEILING_RUNS))
-ceiling-hotpotqa: $(WORK)/hotpotqa/questions.jsonl
-	$(call resumable_sweep,hotpotqa,-d $(WORK)/hotpotqa -n $(N) --neighbours $(NEIGHBOURS) -m ceiling$(,)oracle -r $(ORACLE_RATIOS),$(CEILING_SWEEP),$(CEILING_RUNS))
-ceiling-2wikimqa ceiling-musique: ceiling-%: $(WORK)/%/questions.jsonl
-	$(call resumable_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -m ceiling,$(CEILING_SWEEP),$(CEILING_RUNS))
+ceiling-hotpotqa ceiling-2wikimqa ceiling-musique: ceiling-%: $(WORK)/%/questions.jsonl
+	$(call resumable_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS) -m ceiling$(,)oracle -r $(ORACLE_RATIOS),$(CEILING_SWEEP),$(CEILING_RUNS))
 ceiling: ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa
 	$(KVF) eval --complete-only $(CEILING_RUNS)/*.jsonl.gz --out $(CEILING_OUT)
 	cat scripts/ceiling_header.md $(CEILING_OUT)/summary.md > $(CEILING_OUT).md
