@@ -3,7 +3,7 @@ selection by the question's attention (ProphetKV's ranking, kvfuse's), against t
 more than a real request knows.
 
     python -m kvf.scripts.selection_probe --first 50 --last 65 --records DIR/50-64.jsonl   # answer
-    python -m kvf.scripts.selection_probe --report DIR/*.jsonl --out results/kvfuse/selection.md
+    python -m kvf.scripts.selection_probe --report DIR/*.jsonl --out results/kvfuse/selection.md   # and .csv
 
 Per question: the first --passages passages of a prepared dataset as chunks (prefix variant, computed in
 memory as build-cache stores it), full prefill's greedy answer, then at --ratio:
@@ -115,10 +115,15 @@ def report(args) -> None:
              f"{args.max_new_tokens} new tokens; every configuration, kvfuse included, reads the same prefix-variant KVs. Fidelity: answer token F1 against full prefill's answer; 95% "
              "percentile-bootstrap intervals over questions (paired for differences).", "",
              "| rows recomputed (15%) chosen by | fidelity [95%] | − `question`, paired [95%] |", "|---|---|---|"]
+    table = []
     for c in CONFIGS:
         low, high = mean_interval(fidelity[c])
-        diff = "—" if c == "question" else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*paired_bootstrap(fidelity[c], fidelity["question"])[:3])
-        lines.append(f"| {c} | {fidelity[c].mean():.3f} [{low:.3f}, {high:.3f}] | {diff} |")
+        diff = paired_bootstrap(fidelity[c], fidelity["question"])[:3]                 # (mean, low, high)
+        table.append(dict(config=c, n=len(df), fidelity=fidelity[c].mean(), low=low, high=high,
+                          vs_question=diff[0], vs_question_low=diff[1], vs_question_high=diff[2]))
+        shown = "—" if c == "question" else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*diff)
+        lines.append(f"| {c} | {fidelity[c].mean():.3f} [{low:.3f}, {high:.3f}] | {shown} |")
+    write_atomic(args.out.with_suffix(".csv"), pd.DataFrame(table).to_csv(index=False))
     same = int((df["question + first token"] == df["question"]).sum())
     lines += ["", f"`question + first token` gives the same answer as `question` on {same} of {len(df)} questions."]
     write_atomic(args.out, "\n".join(lines) + "\n")
