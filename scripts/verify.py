@@ -121,7 +121,10 @@ def check_data(entry: dict, report: list) -> bool:
 def run(command: str, out: Path, log: Path) -> bool:
     """Run one shell-free command line ({out} filled in) from the repo root; its output goes to log."""
     argv = [a.replace("{out}", str(out)) for a in shlex.split(command)]
-    argv = [os.environ.get("KVF", str(Path(sys.executable).with_name("kvf")))] + argv[1:] if argv[0] == "kvf" else argv
+    if argv[0] == "kvf":
+        argv = [os.environ.get("KVF", str(Path(sys.executable).with_name("kvf")))] + argv[1:]
+    elif argv[0] == "python":  # this interpreter, whose environment has kvf installed
+        argv = [sys.executable] + argv[1:]
     with open(log, "a") as f:
         f.write(f"$ {' '.join(argv)}\n")
         f.flush()

@@ -5,6 +5,7 @@ reproduces committed records."""
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,11 @@ def test_bench_gpu_load_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
     assert bench_gpu_load.main(["--random-weights", "nosuch"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--random-weights nosuch" in err
+
+
+def test_verify_runs_python_commands_with_its_own_interpreter(tmp_path):
+    """expected.yaml commands that start with `python` (scripts) run in verify's environment, where kvf is
+    installed, not in whatever `python` the PATH finds first."""
+    log = tmp_path / "log.txt"
+    assert verify.run("python -c 'import kvf.scripts.selection_probe'", tmp_path, log), log.read_text()
+    assert log.read_text().startswith(f"$ {sys.executable} ")
