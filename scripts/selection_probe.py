@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from rich.progress import track
 
+from kvf.errors import KvfError
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import mean_interval, paired_bootstrap
 from kvf.pipeline.data.datasets import load_prepared
@@ -84,8 +85,8 @@ def answers(answerer, prompt: FusedPrompt, ratio: float, max_new_tokens: int) ->
 
 def answer_questions(args) -> None:
     torch.set_num_threads(1)
+    questions, passages = load_prepared(args.dataset)     # first: a wrong --dataset fails before the model loads
     answerer = load_answerer(None)
-    questions, passages = load_prepared(args.dataset)
     done = set()
     if args.records.exists():  # resumable: a question already written is not answered again
         done = {json.loads(line)["qid"] for line in args.records.read_text().splitlines() if line.strip()}
@@ -145,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.records) == bool(args.report):
         print("selection_probe: error: pass --records FILE (answer questions) or --report FILE... (score them)", file=sys.stderr)
         return 2
-    if args.records:
-        answer_questions(args)
-    else:
-        args.first_label = f"{args.first}–{args.last - 1}"
-        report(args)
+    missing = [path for path in args.report or () if not path.is_file()]
+    if missing:
+        print(f"selection_probe: error: --report {missing[0]}: no such file; make it with --records first", file=sys.stderr)
+        return 1
+    try:
+        if args.records:
+            answer_questions(args)
+        else:
+            args.first_label = f"{args.first}–{args.last - 1}"
+            report(args)
+    except KvfError as e:
+        print(f"selection_probe: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -228,3 +228,12 @@ def test_verify_runs_python_commands_with_its_own_interpreter(tmp_path):
     log = tmp_path / "log.txt"
     assert verify.run("python -c 'import kvf.scripts.selection_probe'", tmp_path, log), log.read_text()
     assert log.read_text().startswith(f"$ {sys.executable} ")
+
+
+def test_selection_probe_refuses_a_missing_dataset_or_report_in_one_line(tmp_path, capsys):
+    from kvf.scripts import selection_probe
+    for argv, named in ((["--dataset", str(tmp_path / "none"), "--records", str(tmp_path / "r.jsonl")], "none"),
+                        (["--report", str(tmp_path / "r.jsonl")], "--report"), ([], "--records FILE")):
+        code = selection_probe.main(argv)
+        err = capsys.readouterr().err
+        assert code in (1, 2) and err.count("\n") == 1 and "error: " in err and named in err, err
