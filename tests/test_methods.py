@@ -556,12 +556,16 @@ def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     assert not torch.allclose(plain.logits, fused.logits, atol=1e-4)   # the share does change the rows
 
 
-def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case, answerer):
+@pytest.mark.parametrize("copied", [False, True], ids=["read-again", "copied"])
+def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case, answerer, copied, monkeypatch):
     """propagate=after shifts a layer's kept rows once its attention has run, and no later layer reads
     them: so kvfuse puts all shifts off until decoding first reads the cache. Oracle: a kvfuse that shifts
     right after each layer (as kvfuse did before) gives the same first-token logits and, once decoding
     has read it, the same cache, bit for bit; before that read the cache is the unshifted one (TTFT
-    leaves the shift out), and the read is timed in after_first_token_seconds."""
+    leaves the shift out), and the read is timed in after_first_token_seconds. The same whether the engine
+    keeps the overwritten rows' stored KV as a copy (as on a GPU) or reads them again (as on the CPU)."""
+    from kvf.pipeline.fusion import engine as fusion_engine
+    monkeypatch.setattr(fusion_engine, "COPY_STORED_ROWS_ON_CPU", copied)
     from kvf.pipeline.fusion.methods.kvfuse import KvFuse, shift_kept_rows
 
     class ShiftAfterEachLayer(KvFuse):  # copies each layer's rows just before it runs, shifts right after
@@ -576,6 +580,9 @@ def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case,
                 shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
 
     prompt, source, _ = long_case
+    reads = []
+    read_again = source.read_again
+    monkeypatch.setattr(source, "read_again", lambda layer, chunks: reads.append(layer) or read_again(layer, chunks))
     engine = answerer.engine
     eager = ShiftAfterEachLayer(0.15).prefill(engine, prompt, source)
     assert eager.after_first_token is None                       # nothing left to do
@@ -587,6 +594,7 @@ def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case,
     assert torch.equal(deferred.cache.kv, eager.cache.kv)        # what decoding reads
     assert deferred.after_first_token is None and deferred.after_first_token_seconds > 0
     assert not torch.equal(deferred.cache.kv, unshifted.cache.kv)
+    assert bool(reads) != copied                                   # the rows were read again, or copied
 
 
 def test_decoding_counts_the_work_put_off_past_the_first_token(long_case, answerer):

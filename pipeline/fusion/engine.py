@@ -126,6 +126,17 @@ class QueryPass:
 
 
 @dataclass
+class StoredRows:
+    """The stored KV of chunk rows a pass recomputes, from layer `first` on (FusionEngine.keep_stored_rows)."""
+    first: int
+    rows: torch.Tensor                  # [a] sorted chunk rows
+    copy: torch.Tensor | None           # [L', 2, KV, a, d] kept in memory, or None: read from the source again
+
+
+COPY_STORED_ROWS_ON_CPU = False  # tests set it to hold the two ways of keeping stored rows to each other
+
+
+@dataclass
 class NotRunHere:
     """Nothing to charge: this request ran the shared work itself, inside its own wall time."""
     seconds: float = 0.0
@@ -371,13 +382,21 @@ class FusionEngine:
         cos, sin = state.cos[start: start + t], state.sin[start: start + t]
         state.cache.write(layer, slice(start, start + t), apply_rope(kv[0], cos, sin), kv[1])
 
-    def stored_rows(self, state: FusionState, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """[2, KV, a, d]: what load_layer wrote at these sorted chunk rows of loaded chunks, bit for bit
-        (keys rotated at their positions), read from the source again. For work after the first token
-        that needs the stored KV of rows the prefill has since recomputed, without holding a copy of them
-        through the prefill."""
-        spans = state.prompt.chunk_spans()
-        parts = []
+    def keep_stored_rows(self, state: FusionState, first: int, rows: torch.Tensor) -> "StoredRows":
+        """Before a pass overwrites these sorted chunk rows from layer `first` on, keep what loading wrote
+        there, for work after the first token (stored_rows). On an accelerator: a copy, at memory bandwidth
+        (microseconds). On the CPU the copy is what the first token would wait for, so nothing is copied and
+        the rows are read from the source again when they are needed."""
+        on_device = state.cache.kv.device.type != "cpu" or COPY_STORED_ROWS_ON_CPU
+        copy = state.cache.kv[first:].index_select(3, rows) if on_device else None   # [L', 2, KV, a, d]
+        return StoredRows(first, rows, copy)
+
+    def stored_rows(self, state: FusionState, kept: "StoredRows", layer: int) -> torch.Tensor:
+        """[2, KV, a, d]: what load_layer wrote at kept.rows of this layer, bit for bit (keys rotated at their
+        positions): from the copy, or read from the source again (which works once it is closed)."""
+        if kept.copy is not None:
+            return kept.copy[layer - kept.first]
+        rows, spans, parts = kept.rows, state.prompt.chunk_spans(), []
         chunks = sorted(state.loaded_chunks)                                 # rows are sorted: so are their chunks
         for i, kv in zip(chunks, state.source.read_again(layer, chunks)):
             start, end = spans[i]

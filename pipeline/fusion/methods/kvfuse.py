@@ -14,10 +14,11 @@ later questions, results/kvfuse/runs/):
   where rows sit). The layer's own attention has already run, so the first token is ProphetKV's on
   the fusion variant; decoding reads the shifted rows (dev fidelity 0.94 vs 0.90 without).
   Cost: a few tensor ops per layer for all chunks at once (shift_kept_rows), no extra forward work;
-  since only decoding reads the shifted rows, they are shifted after the first token (finish), with
-  the recomputed rows' stored KV read from the source again then (engine.stored_rows), not copied
-  before pass 2 overwrites it: TTFT is ProphetKV's on the fusion variant, and decoding pays the
-  re-read and the shift (timings.after_first_token).
+  since only decoding reads the shifted rows, they are shifted after the first token (finish). The
+  stored KV of the rows pass 2 overwrites is kept by the engine (engine.keep_stored_rows): on the CPU
+  it is read from the source again after the first token rather than copied before it (the copy was
+  1% of TTFT at 4K); on a GPU it is a device copy. TTFT is ProphetKV's on the fusion variant, and
+  decoding pays the shift (timings.after_first_token).
 - shifting before the layer's attention (propagate=before), so the recomputed rows and the question
   see the shifted rows too, halved the first-token KL on dev prompts (results/kvfuse/probe.md) but
   lost answer fidelity on held-out questions (0.55): a closer cache is not a closer answer.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, recompute_budget
+from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, StoredRows, recompute_budget
 from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
@@ -110,9 +111,9 @@ class KvFuse(FusionMethod):
             return
         rows = state.active_chunk_rows()
         if self.knobs.propagate == "after":
-            # the rows pass 2 recomputes, from the first shifted layer on: their stored KV is read from the
-            # source again after the first token (engine.stored_rows), so nothing is copied before it
-            state.scratch.setdefault("shifted", (layer, rows))
+            if "stored" not in state.scratch:  # what this and every later layer will overwrite (engine keeps it):
+                # pass 1 loaded every layer, and pass 2 writes a layer's rows only when it runs that layer
+                state.scratch["stored"] = engine.keep_stored_rows(state, layer, rows)
             return
         is_chunk = state.chunk_row_mask()[state.rows]
         fresh_k, fresh_v = engine.project_kv(state, layer)                      # [KV, a', d] all active rows
@@ -123,15 +124,16 @@ class KvFuse(FusionMethod):
         """propagate=after: the shift of a layer's kept rows comes after that layer's attention, and no later
         layer reads them, so the first token does not depend on it. It runs after the first token, when
         decoding first reads the cache (FusionResult.cache): the same cache bit for bit, TTFT without it."""
-        shifted = state.scratch.pop("shifted", None)
-        if shifted:
-            result.after_first_token = lambda: self.shift_after_layers(engine, state, *shifted)
+        stored = state.scratch.pop("stored", None)
+        if stored:
+            result.after_first_token = lambda: self.shift_after_layers(engine, state, stored)
 
-    def shift_after_layers(self, engine: FusionEngine, state: FusionState, first: int, rows: torch.Tensor) -> None:
-        """Every shifted layer's move, from its recomputed rows' stored (read again) and fresh (in the cache) K/V."""
-        for layer in range(first, state.cache.kv.shape[0]):
-            stored = engine.stored_rows(state, layer, rows)                # [2, KV, a, d]
-            shift_kept_rows(engine, state, layer, rows, stored, state.cache.kv[layer][:, :, rows], self.knobs)
+    def shift_after_layers(self, engine: FusionEngine, state: FusionState, stored: StoredRows) -> None:
+        """Every shifted layer's move, from its recomputed rows' stored (kept) and fresh (in the cache) K/V."""
+        rows = stored.rows
+        for layer in range(stored.first, state.cache.kv.shape[0]):
+            before = engine.stored_rows(state, stored, layer)              # [2, KV, a, d]
+            shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
 
 
 def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
