@@ -155,3 +155,18 @@ def test_a_store_read_straight_to_the_gpu_fuses_like_the_same_kvs_in_memory(case
     with pytest.raises(CorruptEntry, match="checksum"):
         get_method(name, RATIO).prefill(case.engine, prompt, source)
     source.close()
+
+
+def test_kvfuse_keeps_a_device_copy_on_the_gpu_and_shifts_as_the_cpu_does(cases, prompts, monkeypatch):
+    """On a GPU the engine copies the rows kvfuse's pass 2 overwrites (at device memory bandwidth) instead of
+    reading the store again after the first token, as it does on the CPU: the source is not read again, and
+    the shifted cache decoding reads is the CPU's (float32)."""
+    prompt, n = prompts["many"], prompts["many"].n_tokens
+    source = cases["cuda32"].sources["many"]
+    reads = []
+    monkeypatch.setattr(source, "read_again", lambda layer, chunks: reads.append(layer) or [])
+    on_cuda = get_method("kvfuse", RATIO).prefill(cases["cuda32"].engine, prompt, source)
+    on_cpu = get_method("kvfuse", RATIO).prefill(cases["cpu32"].engine, prompt, cases["cpu32"].sources["many"])
+    assert on_cuda.after_first_token is not None                  # the shift waits for decoding on the GPU too
+    got, want = on_cuda.cache.kv[:, :, :, :n].float().cpu(), on_cpu.cache.kv[:, :, :, :n]
+    assert max_diff(got, want) <= 1e-3 and reads == []
