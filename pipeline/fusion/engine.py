@@ -387,9 +387,10 @@ class FusionEngine:
         there, for work after the first token (stored_rows). On an accelerator: a copy, at memory bandwidth
         (microseconds). On the CPU the copy is what the first token would wait for, so nothing is copied and
         the rows are read from the source again when they are needed."""
-        on_device = state.cache.kv.device.type != "cpu" or COPY_STORED_ROWS_ON_CPU
         kv = state.cache.kv
-        copy = kv[first:].index_select(3, rows.to(kv.device)) if on_device else None   # [L', 2, KV, a, d]
+        copy = None
+        if kv.device.type != "cpu" or COPY_STORED_ROWS_ON_CPU:
+            copy = kv[first:].index_select(3, rows.to(kv.device))                     # [L', 2, KV, a, d]
         return StoredRows(first, rows, copy)
 
     def stored_rows(self, state: FusionState, kept: "StoredRows", layer: int) -> torch.Tensor:

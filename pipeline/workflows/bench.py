@@ -616,10 +616,7 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\n"
                  f"full prefill TTFT: {absolute}" + ("; bars: range over rounds" if has_spread else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130, format="png")
+    save_with_legend_outside(fig, ax, path)
 
 
 def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) -> None:
@@ -645,6 +642,11 @@ def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) ->
     ax.set_title(f"TTFT paired with {versus}, round by round ({device_label})\n"
                  f"geometric mean over {rounds} rounds; bars: 95% bootstrap interval", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
+    save_with_legend_outside(fig, ax, path)
+
+
+def save_with_legend_outside(fig, ax, path: Path) -> None:
+    """The bench plots' legend to the right of the data, then the PNG written atomically."""
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
