@@ -41,6 +41,17 @@ def parse_args():
     return p.parse_args()
 
 
+def first_passages_prompt(answerer, question, passages, n_passages: int):
+    """A prepared question's first n_passages passages as chunks, in order, with its question."""
+    chunks = [encode(answerer.tokenizer, passages[i].text) for i in question.context_ids[:n_passages]]
+    return answerer.prompt(chunks, question.question)
+
+
+def prefix_kvs(engine, prompt) -> InMemoryKV:
+    """The prompt's chunk KVs as build-cache stores the prefix variant (each chunk after S alone), in memory."""
+    return InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
@@ -54,7 +65,7 @@ def probe(answerer, prompt) -> dict:
     """{(propagate, from): (kv error all layers, first third, last two thirds, kl)} for one prompt."""
     engine = answerer.engine
     full = get_method("full").prefill(engine, prompt)
-    source = InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+    source = prefix_kvs(engine, prompt)
     rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
     want = full.cache.kv[:, :, :, rows]                                    # [L, 2, KV, n, d]
     third = round(want.shape[0] / 3)
@@ -75,8 +86,7 @@ def main():
     questions, passages = load_prepared(args.dataset)
     results = []
     for q in questions[args.first: args.last]:
-        chunks = [encode(answerer.tokenizer, passages[i].text) for i in q.context_ids[: args.passages]]
-        results.append(probe(answerer, answerer.prompt(chunks, q.question)))
+        results.append(probe(answerer, first_passages_prompt(answerer, q, passages, args.passages)))
         console.print(f"{q.qid}: done")
     columns = ["propagate", "from layer", "kv error (all)", "kv error (first third)", "kv error (rest)",
                "first-token KL", "KL below off"]

@@ -35,10 +35,10 @@ from kvf.pipeline.data.datasets import load_prepared
 from kvf.pipeline.files import write_atomic
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
-from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.model.prompt import FusedPrompt, encode
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.weights import load_answerer
+from kvf.scripts.kvfuse_probe import first_passages_prompt, prefix_kvs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["question", "question + first token", "question + full's answer", "kvfuse"]
@@ -69,7 +69,7 @@ def attention_with(engine, prompt: FusedPrompt, source, extra_ids: list[int]) ->
 def answers(answerer, prompt: FusedPrompt, ratio: float, max_new_tokens: int) -> dict:
     """{config: answer text} for one prompt, full prefill's under "full"."""
     engine = answerer.engine
-    source = InMemoryKV([engine.chunk_kv(seg, prompt.prefix_ids, None) for seg in prompt.chunk_segments])
+    source = prefix_kvs(engine, prompt)
     full = answerer.answer(prompt, get_method("full"), None, max_new_tokens)
     _, first_token = attention_with(engine, prompt, source, [])
     with_first, _ = attention_with(engine, prompt, source, [first_token])
@@ -95,8 +95,7 @@ def answer_questions(args) -> None:
         for q in track(questions[args.first: args.last], description="questions"):
             if q.qid in done:
                 continue
-            chunks = [encode(answerer.tokenizer, passages[i].text) for i in q.context_ids[: args.passages]]
-            prompt = answerer.prompt(chunks, q.question)
+            prompt = first_passages_prompt(answerer, q, passages, args.passages)
             record = {"qid": q.qid, "prompt_tokens": prompt.n_tokens,
                       **answers(answerer, prompt, args.ratio, args.max_new_tokens)}
             out.write(json.dumps(record) + "\n")
