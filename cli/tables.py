@@ -10,16 +10,26 @@ MAX_ROWS = 40
 
 
 def answers_rows_table(records: list[dict], title: str) -> Table:
-    """question, gold, method, answer, F1 vs gold, recomputed tokens, TTFT; one row per record."""
+    """method, answer, F1 vs gold, recomputed tokens, TTFT; one row per record. A question's records sit
+    under one heading row (the question, its gold answers) and end with a line, so a narrow terminal
+    spends its width on the answers rather than on repeating the question in a column of its own."""
     from kvf.eval.metrics import token_f1
-    table = Table(title=title)
-    for col in ("question", "gold", "method", "answer", "F1", "recomputed", "TTFT ms"):
-        table.add_column(col, overflow="fold", justify="right" if col in ("F1", "recomputed", "TTFT ms") else "left")
-    for r in records[:MAX_ROWS]:
+    table = Table(title=title, expand=True)
+    table.add_column("method", no_wrap=True)
+    table.add_column("answer", overflow="fold", ratio=1)
+    for col in ("F1", "recomputed", "TTFT ms"):
+        table.add_column(col, justify="right", no_wrap=True)
+    shown = records[:MAX_ROWS]
+    for i, r in enumerate(shown):
+        if i == 0 or shown[i - 1]["question"] != r["question"]:
+            heading = Text(r["question"], style="bold")
+            heading.append("\ngold: " + (" / ".join(r["gold"]) or "-"), style="italic")
+            table.add_row(Text("question", style="dim"), heading)
         method = r["method"] + (f"@{r['settings']['ratio']:g}" if r["method"] not in ("full", "reuse") else "")
         f1 = f"{token_f1(r['answer'], r['gold']):.2f}" if r["gold"] else "-"
-        table.add_row(Text(r["question"]), Text(" / ".join(r["gold"]) or "-"), method, Text(r["answer"]), f1,
-                      f"{r['recomputed_tokens']}/{r['chunk_tokens']}", f"{1000 * r['timings']['first_token']:.0f}")
+        last = i == len(shown) - 1 or shown[i + 1]["question"] != r["question"]
+        table.add_row(method, Text(r["answer"]), f1, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
+                      f"{1000 * r['timings']['first_token']:.0f}", end_section=last)
     if len(records) > MAX_ROWS:
         table.caption = f"first {MAX_ROWS} of {len(records)} records; all of them are in the run file (kvf eval scores them)"
     return table

@@ -237,3 +237,19 @@ def test_bad_method_entries_are_one_line_errors(entry, fragment):
     from kvf.pipeline.workflows.run import parse_methods
     with pytest.raises(KvfError, match=fragment):
         parse_methods(entry)
+
+
+def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_at_80_columns():
+    from kvf.cli.tables import answers_rows_table
+    answers = {"full": "Huszim Works, founded in the north by the spouse", "cacheblend": "Vartroucko province"}
+    records = [dict(question=q, gold=["Huszim Works"], method=m, settings=dict(ratio=0.15), answer=answers[m],
+                    recomputed_tokens=111, chunk_tokens=740, timings=dict(first_token=0.288))
+               for q in ("Which company was founded by the spouse of Quaemful Pouckfa?", "Where was Pruckgri born?")
+               for m in answers]
+    out = io.StringIO()
+    Console(file=out, width=80).print(answers_rows_table(records, "t"))
+    assert out.getvalue().count("Where was Pruckgri born?") == 1     # its heading row, not once per method
+    assert out.getvalue().count("gold: Huszim Works") == 2
+    assert out.getvalue().count("cacheblend@0.15") == 2 and out.getvalue().count("111/740") == 4
+    assert "Vartroucko province" in out.getvalue()                    # short answers are not folded mid-word
+    assert all(len(line) <= 80 for line in out.getvalue().splitlines())
