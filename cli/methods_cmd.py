@@ -6,6 +6,7 @@ import dataclasses
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def methods_command(names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated.")):
@@ -14,14 +15,15 @@ def methods_command(names: bool = typer.Option(False, "--names", help="Print onl
     if names:
         print(",".join(method_names()))
         return
-    table = Table(title="kvf fusion methods")
-    for col in ("method", "ratio", "default variant", "knobs", "build-time extras", "what it does"):
-        table.add_column(col, overflow="fold")
+    table = Table(title="kvf fusion methods", expand=True)
+    for col in ("method", "ratio", "variant", "knobs [default]", "extras"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("what it recomputes", overflow="fold", ratio=1, min_width=30)
     for name in method_names():
         cls = METHODS[name]
-        knobs = ", ".join(f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)) or "-"
+        knobs = "\n".join(f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)) or "-"
         ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
-        summary = (cls.__module__ and __import__(cls.__module__, fromlist=["x"]).__doc__ or "").strip().split("\n")[0]
-        table.add_row(name, ratio, cls.offline_variant if cls.uses_store else "-", knobs,
-                      ", ".join(cls.extras_names) or "-", summary)
+        cells = (name, ratio, cls.offline_variant if cls.uses_store else "-", knobs,
+                 "\n".join(cls.extras_names) or "-", cls.summary or "-")
+        table.add_row(*map(Text, cells))   # Text: a default such as [k] is not rich markup
     Console().print(table)

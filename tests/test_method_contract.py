@@ -6,6 +6,8 @@
 - a method that declares `query_pass` gives the same bits when its first pass comes from a sweep's
   shared pass as when it runs alone, and is charged that pass's time;
 - its knobs round-trip into run records, and `kvf run` has a flag for each of them;
+- it says in one line what it recomputes (`summary`, printed by `kvf methods`), and the README's methods
+  table has its row saying the same;
 and a method written in one file outside kvf is found, with its flags, by `kvf run`."""
 import dataclasses
 import json
@@ -155,6 +157,19 @@ def test_every_knob_has_a_run_and_bench_flag():
         for name in NAMES:
             for f in dataclasses.fields(METHODS[name].Knobs):
                 assert flag_name(f.name) in flags, (sub, name, f.name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_summary_is_the_readme_row_and_kvf_methods_prints_it(name):
+    from pathlib import Path
+    from typer.testing import CliRunner
+    from kvf.cli.main import app
+    summary = METHODS[name].summary
+    assert summary and "\n" not in summary, f"{name}: give the class a one-line summary"
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"| `{name}` | {summary.replace('|', chr(92) + '|')} |" in readme, f"README.md: no methods row for {name} saying its summary"
+    listed = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "400"}).output
+    assert " ".join(summary.split()) in listed, name
 
 
 def test_registry_rejects_a_second_method_of_the_same_name():

@@ -64,6 +64,7 @@ class A3Knobs:
 @register
 class A3(FusionMethod):
     name = "a3"
+    summary = "top-r tokens by Q's layer-0 attention (heads concatenated, smoothed over neighbours) (A³, 2025)"
     Knobs = A3Knobs
     reuse_at_ratio_zero = True
 

@@ -44,6 +44,8 @@ class ApeKnobs:
 @register
 class Ape(FusionMethod):
     name = "ape"
+    summary = ("only Q; parallel positions, Q's attention over the chunks calibrated by a temperature and a scaling "
+               "factor (APE, ICLR 2025)")
     Knobs = ApeKnobs
     ratio_is_knob = False   # nothing is recomputed: APE calibrates attention instead
     fixed_ratio = 0.0

@@ -3,7 +3,7 @@
 A method is one file under pipeline/fusion/methods/ (or in a directory named by $KVF_METHOD_PATH)
 with one FusionMethod subclass decorated with @register. The class declares everything about
 itself, and nothing else in kvf names it:
-- `name`, and `Knobs`: a dataclass whose fields (declared with `knob()`) become `kvf run` and
+- `name`, `summary` (one line: what it recomputes; the README's methods table carries it too), and `Knobs`: a dataclass whose fields (declared with `knob()`) become `kvf run` and
   `kvf bench` flags with their help text, are validated, and are recorded with every run. A knob
   added to an existing method defaults to the method as it was, so records made before the knob
   existed resume as its default (`default_settings`);
@@ -93,6 +93,7 @@ def check_knobs(knobs) -> None:
 # ---- the method interface ---------------------------------------------------------------------
 class FusionMethod:
     name = ""
+    summary = ""                  # one line, what it recomputes: `kvf methods` prints it, the README's row says it
     Knobs: type = NoKnobs
     ratio_is_knob = True          # False: the method ignores --ratio and recomputes `fixed_ratio`
     fixed_ratio = 0.0

@@ -31,6 +31,8 @@ class CacheBlendKnobs:
 @register
 class CacheBlend(FusionMethod):
     name = "cacheblend"
+    summary = ("layer 0 fully, then the top-r tokens by K (or V) deviation at the check layer (`--gradual`: 2r "
+               "there, r from the next layer)")
     Knobs = CacheBlendKnobs
     reuse_at_ratio_zero = True
 

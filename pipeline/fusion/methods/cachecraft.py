@@ -271,6 +271,7 @@ class CacheCraftKnobs:
 @register
 class CacheCraft(FusionMethod):
     name = "cachecraft"
+    summary = "per chunk ⌈CFO·|Ci|⌉ tokens by inter-attention (needs build-time summaries, computed automatically)"
     Knobs = CacheCraftKnobs
     default_ratio = 0.3
     extras_names = EXTRAS

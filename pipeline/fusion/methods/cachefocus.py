@@ -129,6 +129,7 @@ class CacheFocusKnobs:
 @register
 class CacheFocus(FusionMethod):
     name = "cachefocus"
+    summary = "no chunk tokens; Q-only prefill with chunk pruning and re-positioning"
     Knobs = CacheFocusKnobs
     ratio_is_knob = False  # query-only prefill: no chunk token is recomputed whatever the ratio says
     fixed_ratio = 0.0

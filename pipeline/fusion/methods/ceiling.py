@@ -46,6 +46,9 @@ def round_rows(engine: FusionEngine, state: FusionState, layer: int, rows: slice
 @register
 class Ceiling(FusionMethod):
     name = "ceiling"
+    summary = ("a reference, not a fusion method: every chunk token (full prefill of S and C1..Ck), then Q alone "
+               "over the chunk rows rounded as the store holds them: the most fidelity any method reading the store "
+               "can keep (results/ceiling.md)")
     Knobs = CeilingKnobs
     ratio_is_knob = False     # every chunk row is recomputed (pass 1)
     fixed_ratio = 1.0

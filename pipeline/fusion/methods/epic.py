@@ -41,6 +41,7 @@ def chunk_initial_rows(prompt: FusedPrompt, counts: list[int]) -> torch.Tensor:
 @register
 class Epic(FusionMethod):
     name = "epic"
+    summary = "the first tokens of every chunk, budget spread evenly"
     reuse_at_ratio_zero = True
 
     def initial_chunk_rows(self, prompt: FusedPrompt) -> torch.Tensor:

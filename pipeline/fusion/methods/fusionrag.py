@@ -36,6 +36,7 @@ def select_chunk_rows(scores: torch.Tensor, prompt: FusedPrompt, budget: int) ->
 @register
 class FusionRAG(FusionMethod):
     name = "fusionrag"
+    summary = "`fusion` variant + top-r tokens by the last layer's Q attention"
     offline_variant = "fusion"
     passes = 2  # pass 1 (Q only) selects, pass 2 recomputes
     query_pass = True  # pass 1 is reuse's pass: a sweep runs it once per question and variant

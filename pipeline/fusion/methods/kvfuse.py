@@ -71,6 +71,9 @@ class KvFuseKnobs:
 @register
 class KvFuse(FusionMethod):
     name = "kvfuse"
+    summary = ("kvf's own: `fusion` variant, top-r tokens by layer-averaged Q attention, and each chunk's kept rows "
+               "shifted by the mean K/V move of its recomputed rows, after the first token since only decoding reads "
+               "them (results/kvfuse.md)")
     Knobs = KvFuseKnobs
     offline_variant = "fusion"
     passes = 2

@@ -35,6 +35,9 @@ def distance_to_full(stored: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 @register
 class Oracle(FusionMethod):
     name = "oracle"
+    summary = ("a reference, not a fusion method: the top-r chunk tokens whose stored KV lies farthest from full "
+               "prefill's (which it computes first, over every layer): the most fidelity a deviation-ranked selector "
+               "can keep (results/ceiling.md)")
     passes = 2                # pass 1: reuse's query pass; pass 2: the chosen rows recomputed
     query_pass = True         # pass 1 is reuse's plain pass: a sweep runs it once per question
     reuse_at_ratio_zero = True

@@ -25,6 +25,7 @@ def parallel_positions(n_prefix: int, chunk_lengths: list[int], n_question: int)
 @register
 class ParallelContextWindows(FusionMethod):
     name = "pcw"
+    summary = "only Q; every chunk keeps the positions it had after S"
     ratio_is_knob = False  # nothing is recomputed whatever the ratio says
     fixed_ratio = 0.0
 

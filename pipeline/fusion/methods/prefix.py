@@ -11,6 +11,7 @@ from kvf.pipeline.model.prompt import FusedPrompt
 @register
 class PrefixCaching(FusionMethod):
     name = "prefix"
+    summary = "all but C1, whose stored KV is exact after S"
     ratio_is_knob = False
     fixed_ratio = 1.0
     in_all = False  # its answers equal full prefill's by construction: sweeps run it only when named

@@ -25,6 +25,7 @@ def layer_averaged_scores(query_attention: list[torch.Tensor]) -> torch.Tensor:
 @register
 class ProphetKV(FusionRAG):
     name = "prophetkv"
+    summary = "top-r tokens by layer-averaged Q attention, then recompute"
     offline_variant = "prefix"
     default_ratio = 0.2
 

@@ -8,6 +8,7 @@ from kvf.pipeline.fusion.methods.base import FusionMethod, register
 @register
 class FullReuse(FusionMethod):
     name = "reuse"
+    summary = "only Q; chunks re-positioned contiguously (TurboRAG / PromptCache)"
     ratio_is_knob = False
     fixed_ratio = 0.0
     query_pass = True  # the whole request is the query-only pass
