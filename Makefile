@@ -29,7 +29,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -214,6 +214,14 @@ kvfuse-selection: $(WORK)/musique/questions.jsonl
 	wait $$first && wait $$second
 	$(SELECTION) --first 50 --last 80 --report $(KVFUSE_OUT)/selection/50-64.jsonl $(KVFUSE_OUT)/selection/65-79.jsonl \
 	  --out $(KVFUSE_OUT)/selection.md
+# could correcting the 85% kept rows reach full? they are corrected from full prefill's own KV (results/kvfuse/correction.md)
+CORRECTION = $(PY) -m kvf.scripts.correction_probe --dataset $(WORK)/musique --passages 4
+kvfuse-correction: $(WORK)/musique/questions.jsonl
+	OMP_NUM_THREADS=1 $(CORRECTION) --first 50 --last 65 --records $(KVFUSE_OUT)/correction/50-64.jsonl & first=$$!; \
+	OMP_NUM_THREADS=1 $(CORRECTION) --first 65 --last 80 --records $(KVFUSE_OUT)/correction/65-79.jsonl & second=$$!; \
+	wait $$first && wait $$second
+	$(CORRECTION) --first 50 --last 80 --report $(KVFUSE_OUT)/correction/50-64.jsonl $(KVFUSE_OUT)/correction/65-79.jsonl \
+	  --out $(KVFUSE_OUT)/correction.md
 # why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
 BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
@@ -241,7 +249,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

@@ -83,7 +83,10 @@ def answers(answerer, prompt: FusedPrompt, ratio: float, max_new_tokens: int) ->
     return {"full": full.text, **got}
 
 
-def answer_questions(args) -> None:
+def answer_questions(args, answers_of=None) -> None:
+    """Append one record per question of [--first, --last) to --records: {qid, prompt_tokens, full, config...}
+    from answers_of(answerer, prompt, ratio, max_new_tokens) (this probe's `answers` by default)."""
+    answers_of = answers_of or answers
     torch.set_num_threads(1)
     questions, passages = load_prepared(args.dataset)     # first: a wrong --dataset fails before the model loads
     answerer = load_answerer(None)
@@ -97,41 +100,57 @@ def answer_questions(args) -> None:
                 continue
             prompt = first_passages_prompt(answerer, q, passages, args.passages)
             record = {"qid": q.qid, "prompt_tokens": prompt.n_tokens,
-                      **answers(answerer, prompt, args.ratio, args.max_new_tokens)}
+                      **answers_of(answerer, prompt, args.ratio, args.max_new_tokens)}
             out.write(json.dumps(record) + "\n")
             out.flush()
 
 
-def report(args) -> None:
-    records = [json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()]
-    df = pd.DataFrame(records).drop_duplicates("qid").set_index("qid")
-    fidelity = pd.DataFrame({c: [token_f1(a, [f]) for a, f in zip(df[c], df["full"])] for c in CONFIGS}, index=df.index)
-    lines = ["# Which rows to recompute: how much the ranking can still gain", "",
-             f"Made by `make kvfuse-selection` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.selection_probe`; "
-             f"records in `{args.report[0].parent}/`).  ",
-             f"Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); MuSiQue (`musique/musique_s.json`) questions "
-             f"{args.first_label}, n = {len(df)}, the first {args.passages} passages of each as chunks (prefix variant, "
-             f"{df.prompt_tokens.mean():,.0f} prompt tokens on average), {args.ratio:.0%} recomputation, "
-             f"{args.max_new_tokens} new tokens; every configuration, kvfuse included, reads the same prefix-variant KVs. Fidelity: answer token F1 against full prefill's answer; 95% "
-             "percentile-bootstrap intervals over questions (paired for differences).", "",
-             "| rows recomputed (15%) chosen by | fidelity [95%] | − `question`, paired [95%] |", "|---|---|---|"]
-    table = []
-    for c in CONFIGS:
+def read_records(paths: list[Path]) -> pd.DataFrame:
+    records = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    return pd.DataFrame(records).drop_duplicates("qid").set_index("qid")
+
+
+def fidelity_table(df: pd.DataFrame, configs: list[str], out: Path, header: str) -> list[str]:
+    """Each config's fidelity (answer F1 against full's) with its 95% interval and its paired difference to
+    configs[0] -> markdown rows under `header`; the same numbers to out's .csv."""
+    base = configs[0]
+    fidelity = pd.DataFrame({c: [token_f1(a, [f]) for a, f in zip(df[c], df["full"])] for c in configs}, index=df.index)
+    lines, table = [header, "|---|---|---|"], []
+    for c in configs:
         low, high = mean_interval(fidelity[c])
-        diff = paired_bootstrap(fidelity[c], fidelity["question"])[:3]                 # (mean, low, high)
+        diff = paired_bootstrap(fidelity[c], fidelity[base])[:3]                       # (mean, low, high)
         table.append(dict(config=c, n=len(df), fidelity=fidelity[c].mean(), low=low, high=high,
                           vs_question=diff[0], vs_question_low=diff[1], vs_question_high=diff[2]))
-        shown = "—" if c == "question" else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*diff)
+        shown = "—" if c == base else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*diff)
         lines.append(f"| {c} | {fidelity[c].mean():.3f} [{low:.3f}, {high:.3f}] | {shown} |")
-    write_atomic(args.out.with_suffix(".csv"), pd.DataFrame(table).to_csv(index=False))
+    write_atomic(out.with_suffix(".csv"), pd.DataFrame(table).to_csv(index=False))
+    return lines
+
+
+def conditions(args, df: pd.DataFrame, script: str, target: str) -> list[str]:
+    return [f"Made by `make {target}` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.{script}`; "
+            f"records in `{args.report[0].parent}/`).  ",
+            f"Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); MuSiQue (`musique/musique_s.json`) questions "
+            f"{args.first_label}, n = {len(df)}, the first {args.passages} passages of each as chunks (prefix variant, "
+            f"{df.prompt_tokens.mean():,.0f} prompt tokens on average), {args.ratio:.0%} recomputation, "
+            f"{args.max_new_tokens} new tokens; every configuration, kvfuse included, reads the same prefix-variant KVs. Fidelity: answer token F1 against full prefill's answer; 95% "
+            "percentile-bootstrap intervals over questions (paired for differences)."]
+
+
+def report(args) -> None:
+    df = read_records(args.report)
+    lines = ["# Which rows to recompute: how much the ranking can still gain", "",
+             *conditions(args, df, "selection_probe", "kvfuse-selection"), "",
+             *fidelity_table(df, CONFIGS, args.out, "| rows recomputed (15%) chosen by | fidelity [95%] | − `question`, paired [95%] |")]
     same = int((df["question + first token"] == df["question"]).sum())
     lines += ["", f"`question + first token` gives the same answer as `question` on {same} of {len(df)} questions."]
     write_atomic(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, *, doc: str = __doc__, answers_of=answers, report_of=report,
+         default_out: Path = ROOT / "results" / "kvfuse" / "selection.md", prog: str = "selection_probe") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     p.add_argument("--dataset", type=Path, default=ROOT / "work" / "musique")
     p.add_argument("--first", type=int, default=50)
     p.add_argument("--last", type=int, default=80)
@@ -140,23 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--records", type=Path, help="run file to append this range's answers to")
     p.add_argument("--report", type=Path, nargs="+", help="run files to score")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "selection.md")
+    p.add_argument("--out", type=Path, default=default_out)
     args = p.parse_args(argv)
     if bool(args.records) == bool(args.report):
-        print("selection_probe: error: pass --records FILE (answer questions) or --report FILE... (score them)", file=sys.stderr)
+        print(f"{prog}: error: pass --records FILE (answer questions) or --report FILE... (score them)", file=sys.stderr)
         return 2
     missing = [path for path in args.report or () if not path.is_file()]
     if missing:
-        print(f"selection_probe: error: --report {missing[0]}: no such file; make it with --records first", file=sys.stderr)
+        print(f"{prog}: error: --report {missing[0]}: no such file; make it with --records first", file=sys.stderr)
         return 1
     try:
         if args.records:
-            answer_questions(args)
+            answer_questions(args, answers_of)
         else:
             args.first_label = f"{args.first}–{args.last - 1}"
-            report(args)
+            report_of(args)
     except KvfError as e:
-        print(f"selection_probe: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     return 0
 
