@@ -102,6 +102,10 @@ def report(args) -> None:
     print("\n".join(lines))
 
 
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(argv, doc=__doc__, answers_of=answers, report_of=report, prog="correction_probe",
+                      default_out=ROOT / "results" / "kvfuse" / "correction.md")
+
+
 if __name__ == "__main__":
-    sys.exit(probe_main(doc=__doc__, answers_of=answers, report_of=report, prog="correction_probe",
-                        default_out=ROOT / "results" / "kvfuse" / "correction.md"))
+    sys.exit(main())

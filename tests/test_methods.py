@@ -680,3 +680,38 @@ def test_selection_probe_ranks_by_the_attention_it_is_given():
     other = RankedBy(0.3, uniform, propagate="off").prefill(engine, prompt, source)
     assert other.recomputed_tokens == plain.recomputed_tokens
     assert not torch.equal(other.cache.kv, plain.cache.kv)
+
+
+def test_correction_probe_corrects_the_kept_rows_from_full_prefill_after_the_first_token():
+    """scripts/correction_probe.py: every correction leaves the first token (logits) as kvfuse without its
+    shift gives it and the recomputed rows as they were; `exact K and V` makes every kept row full prefill's
+    (RoPE undone and redone), `exact K` its keys only; the true chunk-mean move brings the kept rows nearer
+    full than none; the affine fit recovers an affine map exactly."""
+    from kvf.scripts.correction_probe import CorrectedWith, affine_fit
+    engine, prompt, source = tiny_case("llama")
+    full_kv = get_method("full").prefill(engine, prompt).cache.kv             # [L, 2, KV, n, d]
+    plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
+    chunk_rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+
+    def corrected(correction):
+        result = CorrectedWith(0.3, full_kv, correction).prefill(engine, prompt, source)
+        assert torch.equal(result.logits, plain.logits)
+        kv = result.cache.kv                                                  # runs the correction (decoding's first read)
+        changed = (kv != plain.cache.kv).flatten(0, 2).any(dim=(0, 2))      # [n] rows any layer changed
+        assert not changed[: prompt.n_prefix].any() and not changed[prompt.n_prefix + prompt.n_chunk_tokens:].any()
+        assert not changed[chunk_rows][~kept].any()                           # the recomputed rows stay
+        return kv[:, :, :, chunk_rows]
+
+    reused = get_method("reuse").prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    kept = (plain.cache.kv[:, :, :, chunk_rows] == reused).flatten(0, 2).all(dim=(0, 2))     # [c] not recomputed
+    assert 0 < int((~kept).sum()) < len(kept)
+    want = full_kv[:, :, :, chunk_rows[kept]]
+    torch.testing.assert_close(corrected("exact K and V")[:, :, :, kept], want, atol=1e-5, rtol=1e-5)
+    exact_k = corrected("exact K")[:, :, :, kept]
+    torch.testing.assert_close(exact_k[:, 0], want[:, 0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(exact_k[:, 1], want[:, 1], atol=1e-3)
+    error = lambda kv: ((kv[:, :, :, kept] - want).norm() / want.norm()).item()
+    assert error(corrected("true chunk-mean move")) < error(plain.cache.kv[:, :, :, chunk_rows])
+    x = torch.randn(2, 50, 8)
+    w, b = torch.randn(2, 8, 8), torch.randn(2, 1, 8)
+    torch.testing.assert_close(affine_fit(x, x @ w + b), x @ w + b, atol=1e-4, rtol=1e-4)

@@ -230,10 +230,12 @@ def test_verify_runs_python_commands_with_its_own_interpreter(tmp_path):
     assert log.read_text().startswith(f"$ {sys.executable} ")
 
 
-def test_selection_probe_refuses_a_missing_dataset_or_report_in_one_line(tmp_path, capsys):
-    from kvf.scripts import selection_probe
+@pytest.mark.parametrize("probe", ["selection_probe", "correction_probe"])
+def test_probes_refuse_a_missing_dataset_or_report_in_one_line(tmp_path, capsys, probe):
+    import importlib
+    script = importlib.import_module(f"kvf.scripts.{probe}")
     for argv, named in ((["--dataset", str(tmp_path / "none"), "--records", str(tmp_path / "r.jsonl")], "none"),
                         (["--report", str(tmp_path / "r.jsonl")], "--report"), ([], "--records FILE")):
-        code = selection_probe.main(argv)
+        code = script.main(argv)
         err = capsys.readouterr().err
         assert code in (1, 2) and err.count("\n") == 1 and "error: " in err and named in err, err
