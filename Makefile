@@ -205,23 +205,16 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
-# how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md): MuSiQue 50-79, which no
-# other run uses, in two halves side by side (one torch thread each), then scored together
-SELECTION = $(PY) -m kvf.scripts.selection_probe --dataset $(WORK)/musique --passages 4
-kvfuse-selection: $(WORK)/musique/questions.jsonl
-	OMP_NUM_THREADS=1 $(SELECTION) --first 50 --last 65 --records $(KVFUSE_OUT)/selection/50-64.jsonl & first=$$!; \
-	OMP_NUM_THREADS=1 $(SELECTION) --first 65 --last 80 --records $(KVFUSE_OUT)/selection/65-79.jsonl & second=$$!; \
+# MuSiQue 50-79, which no other run uses, in two halves side by side (one torch thread each), then scored together:
+# kvfuse-selection, how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md);
+# kvfuse-correction, how much correcting the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction.md)
+KVFUSE_PROBES = kvfuse-selection kvfuse-correction
+PROBE = $(PY) -m kvf.scripts.$*_probe --dataset $(WORK)/musique --passages 4
+$(KVFUSE_PROBES): kvfuse-%: $(WORK)/musique/questions.jsonl
+	OMP_NUM_THREADS=1 $(PROBE) --first 50 --last 65 --records $(KVFUSE_OUT)/$*/50-64.jsonl & first=$$!; \
+	OMP_NUM_THREADS=1 $(PROBE) --first 65 --last 80 --records $(KVFUSE_OUT)/$*/65-79.jsonl & second=$$!; \
 	wait $$first && wait $$second
-	$(SELECTION) --first 50 --last 80 --report $(KVFUSE_OUT)/selection/50-64.jsonl $(KVFUSE_OUT)/selection/65-79.jsonl \
-	  --out $(KVFUSE_OUT)/selection.md
-# could correcting the 85% kept rows reach full? they are corrected from full prefill's own KV (results/kvfuse/correction.md)
-CORRECTION = $(PY) -m kvf.scripts.correction_probe --dataset $(WORK)/musique --passages 4
-kvfuse-correction: $(WORK)/musique/questions.jsonl
-	OMP_NUM_THREADS=1 $(CORRECTION) --first 50 --last 65 --records $(KVFUSE_OUT)/correction/50-64.jsonl & first=$$!; \
-	OMP_NUM_THREADS=1 $(CORRECTION) --first 65 --last 80 --records $(KVFUSE_OUT)/correction/65-79.jsonl & second=$$!; \
-	wait $$first && wait $$second
-	$(CORRECTION) --first 50 --last 80 --report $(KVFUSE_OUT)/correction/50-64.jsonl $(KVFUSE_OUT)/correction/65-79.jsonl \
-	  --out $(KVFUSE_OUT)/correction.md
+	$(PROBE) --first 50 --last 80 --report $(KVFUSE_OUT)/$*/50-64.jsonl $(KVFUSE_OUT)/$*/65-79.jsonl --out $(KVFUSE_OUT)/$*.md
 # why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
 BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
