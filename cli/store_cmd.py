@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
 
@@ -79,14 +80,14 @@ def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: Forma
     n = len(s.keys())
     bad = s.verify()
     for key, problem in bad:
-        console.print(f"[red]BAD[/red] {key}: {problem}", soft_wrap=True)
+        console.print(f"[red]BAD[/red] {escape(key)}: {escape(problem)}", soft_wrap=True)  # problems are free text
         if delete_bad:
             s.delete(key)
     if not bad:
-        console.print(f"[green]{n} entries OK[/green] in {location}")
+        console.print(f"[green]{n} entries OK[/green] in {escape(str(location))}")
         return
     action = "deleted; rebuild to recompute them" if delete_bad else "re-run with --delete-bad, then rebuild"
-    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {location} ({action})")
+    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {escape(str(location))} ({action})")
     raise typer.Exit(1)
 
 

@@ -417,7 +417,7 @@ def run(opts: RunOptions, console: Console) -> Path:
     planned = plan_methods(opts)
     setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
-    with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True)) as run_file:
+    with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True, markup=False)) as run_file:
         if opts.overwrite:
             run_file.truncate_all()
         existing = run_file.records()
