@@ -495,6 +495,7 @@ def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_doc
     # the store inside the workspace is named relative to it: a moved workspace keeps using it
     assert json.loads((ws / "manifest.json").read_text())["store"] == "kv.zarr"
     assert "Traceback" not in result.stderr
+    assert result.stderr.lstrip(" ").startswith("build-cache:"), result.stderr[:200]  # piped: no bars, no empty lines
     for text in ("kv prefix", "kv fusion", "dense index", "tokens/s", "items/s", "entries written"):
         assert text in result.stderr, text
     chunks = read_chunks_table(ws / "chunks.parquet")

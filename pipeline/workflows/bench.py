@@ -26,7 +26,6 @@ import pandas as pd
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 from rich.table import Table
 
 from kvf.errors import KvfError
@@ -39,6 +38,7 @@ from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, write_atomic
 from kvf.pipeline.workflows.devices import compute_dtype
+from kvf.pipeline.workflows.progress import progress_bar
 from kvf.pipeline.workflows.workspace import EntryKeys
 
 RANDOM_CONFIGS = {
@@ -447,7 +447,7 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
     token_layer_seconds = measure_token_layer_seconds(transformer) if opts.auto_ratio else None
     timed: list[tuple[LengthSetup, list[list[dict]]]] = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory", total=0)
         advance = partial(progress.advance, task)
         for length in opts.lengths:

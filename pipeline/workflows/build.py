@@ -26,6 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
+from kvf.pipeline.workflows.progress import progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
 
@@ -91,10 +92,9 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
     return int(chunk_id[:8], 16) % shard[1] == shard[0]
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console, transient=True)  # gone once done: the summary table keeps the numbers
+def build_progress(console: Console) -> Progress:
+    return progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
 
 
 @contextmanager
@@ -103,7 +103,7 @@ def stage(console: Console | None, name: str, total: int | None):
     if console is None:
         yield lambda n=1: None
         return
-    with progress_bar(console) as progress:
+    with build_progress(console) as progress:
         task = progress.add_task(name, total=total, rate="")
         yield lambda n=1: progress.advance(task, n)
         progress.update(task, completed=total if total is not None else 1, total=total or 1)
@@ -294,7 +294,7 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], nei
         if todo:
             builder.system_kv()
             started = time.perf_counter()
-            with progress_bar(console) as progress:
+            with build_progress(console) as progress:
                 task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
                 done_tokens = 0
                 for chunk in todo:

@@ -27,6 +27,7 @@ from kvf.pipeline.records import RunFile, RunRecord, parse_record
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
                                           write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
+from kvf.pipeline.workflows.progress import progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
@@ -445,9 +446,8 @@ def run(opts: RunOptions, console: Console) -> Path:
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
                    for q in questions}
         stats = MethodStats()
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
-                      transient=True) as progress:
+        with progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TimeRemainingColumn(), TextColumn("{task.fields[stats]}")) as progress:
             task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
             progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))
 
