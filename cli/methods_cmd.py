@@ -17,7 +17,7 @@ def methods_command(names: bool = typer.Option(False, "--names", help="Print onl
         return
     table = Table(title="kvf fusion methods", expand=True)
     for col in ("method", "ratio", "variant", "knobs [default]", "extras"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(Text(col), no_wrap=True)   # Text: "[default]" is not rich markup
     table.add_column("what it recomputes", overflow="fold", ratio=1, min_width=30)
     for name in method_names():
         cls = METHODS[name]

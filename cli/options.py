@@ -12,7 +12,7 @@ ModelOption = Annotated[Optional[str], typer.Option(
     "--model", help="Local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, or cuda (cuda:N) with a CUDA build of torch.")]
 S3EndpointOption = Annotated[Optional[str], typer.Option(
-    "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
+    "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) \\[default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
 def use_s3_endpoint(endpoint: str | None) -> None:
@@ -24,9 +24,9 @@ def use_s3_endpoint(endpoint: str | None) -> None:
 
 RayOption = Annotated[Optional[str], typer.Option(
     "--ray", help="Spread the work over Ray actors: local (start Ray on this machine) or a cluster address "
-                  "(auto, ray://HEAD:10001). Needs pip install 'kvf[ray]'.", rich_help_panel="Scale-out")]
+                  "(auto, ray://HEAD:10001). Needs pip install 'kvf\\[ray]'.", rich_help_panel="Scale-out")]
 WorkersOption = Annotated[Optional[int], typer.Option(
-    "--workers", min=1, help="Ray actors, each with its own model [default: one per CPU, or per GPU with --device cuda].",
+    "--workers", min=1, help="Ray actors, each with its own model \\[default: one per CPU, or per GPU with --device cuda].",
     rich_help_panel="Scale-out")]
 ThreadsOption = Annotated[int, typer.Option(
     "--threads", min=1, help="torch threads per Ray actor.", rich_help_panel="Scale-out")]
@@ -39,7 +39,7 @@ def check_ray_flags(ray: str | None, workers: int | None) -> None:
 
 
 DtypeOption = Annotated[Optional[str], typer.Option(
-    "--dtype", help="Compute dtype: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].")]
+    "--dtype", help="Compute dtype: float32, bfloat16 or float16 \\[default: float32 on cpu, bfloat16 on cuda].")]
 
 
 def with_method_knobs(command):
@@ -52,7 +52,7 @@ def with_method_knobs(command):
     from rich.markup import escape
     specs = knob_specs()
     for spec in specs:
-        spec.help = escape(spec.help)  # "[default: 1]" is text, not a rich style tag
+        spec.help = escape(spec.help)  # "\\[default: 1]" is text, not a rich style tag
         if spec.type is bool:
             option = typer.Option(None, f"{flag_name(spec.name)}/{flag_name('no_' + spec.name)}", help=spec.help,
                                   rich_help_panel="Method knobs")

@@ -18,8 +18,8 @@ console = Console()
 
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
 WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", "-w", help="Use this workspace's store.")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 [default: detect].")]
-EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores [default: AWS, or $AWS_ENDPOINT_URL].")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 \\[default: detect].")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores \\[default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
 def _size(n: float | None) -> str:

@@ -181,6 +181,30 @@ def test_help_on_every_command():
         assert proc.returncode == 0 and "Usage" in proc.stdout, cmd
 
 
+def test_help_shows_every_bracketed_default():
+    """Help text goes through rich markup: a bare "[default: ...]" in an option's help is taken for a
+    style tag and vanishes from `--help`. Every one must be shown, on every command."""
+    import re
+    import click
+    import typer
+    from typer.testing import CliRunner
+    from kvf.cli.main import app
+    root = typer.main.get_command(app)
+
+    def commands(group, path):
+        for name, cmd in getattr(group, "commands", {}).items():
+            yield path + [name], cmd
+            yield from commands(cmd, path + [name])
+    checked = 0
+    for path, cmd in commands(root, []):
+        shown = " ".join(CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "2000"}).output.split())
+        for param in cmd.params:
+            for bracketed in re.findall(r"\[[a-zA-Z$][^\]]*\]", (getattr(param, "help", None) or "").replace("\\[", "[")):
+                assert " ".join(bracketed.split()) in shown, (path, param.name, bracketed)
+                checked += 1
+    assert checked > 10
+
+
 def test_cli_method_knobs_reach_the_records(built, tmp_path):
     """Every method flag of `kvf run` lands in the method's recorded settings (and so changes what runs)."""
     out = tmp_path / "knobs.jsonl"
