@@ -50,22 +50,28 @@ def eval_command(
 
 def compare_command(
     run_a: Annotated[Path, typer.Argument(help="First run file (A).")],
-    run_b: Annotated[Path, typer.Argument(help="Second run file (B).")],
-    method: Annotated[Optional[str], typer.Option("--method", "-m", help="Which method's records, when a file holds several.")] = None,
-    ratio: Annotated[Optional[float], typer.Option("--ratio", "-r", help="Which ratio's records, when a file holds several.")] = None,
+    run_b: Annotated[Path, typer.Argument(help="Second run file (B); may be A's file again, with --a and --b.")],
+    a: Annotated[Optional[str], typer.Option("--a", help="Which of A's runs, when its file holds several: "
+                                             "method[@ratio][:label], e.g. cacheblend@0.15.")] = None,
+    b: Annotated[Optional[str], typer.Option("--b", help="Which of B's runs, as --a, e.g. full.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", "-m", help="Which method's records in both files, when they hold several.")] = None,
+    ratio: Annotated[Optional[float], typer.Option("--ratio", "-r", help="Which ratio's records in both files, when they hold several.")] = None,
 ):
     """Per question: gold, A's and B's answers, full prefill's answer, and each one's scores."""
-    from kvf.eval.compare import comparison_table, one_group, per_question
+    from kvf.eval.compare import comparison_table, one_group, per_question, select
     from kvf.eval.report import load_runs
-    frames = []
-    for path in (run_a, run_b):
+    frames, loaded = [], []
+    for path, selector, flag in ((run_a, a, "--a"), (run_b, b, "--b")):
         df = load_runs([path])
+        loaded.append(df)
         if method:
             df = df[df.method == method]
         if ratio is not None:
             df = df[(df.ratio - ratio).abs() < 1e-9]
-        frames.append(one_group(df, f"run file {path}"))
+        frames.append(select(df, selector, flag) if selector else
+                      one_group(df, f"run file {path}", f"pick one with {flag} METHOD@RATIO, e.g. {flag} "
+                                                        f"{df.method.iloc[0] if len(df) else 'cacheblend'}@{df.ratio.iloc[0] if len(df) else 0.15:g}"))
     import pandas as pd
-    both = pd.concat(frames)
-    table = per_question(both, frames[0], frames[1])
-    Console(width=max(Console().width, 160)).print(comparison_table(table, str(run_a), str(run_b)))
+    table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
+    names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
+    Console(width=max(Console().width, 160)).print(comparison_table(table, *names))

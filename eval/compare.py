@@ -10,8 +10,9 @@ from kvf.eval.metrics import token_f1
 from kvf.eval.report import primary_metric, reference_rows
 
 
-def select(df: pd.DataFrame, selector: str) -> pd.DataFrame:
-    """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model)."""
+def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
+    """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model); `flag` is
+    the option the selector came from, for the errors."""
     text, _, label = selector.partition(":")
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
@@ -19,19 +20,21 @@ def select(df: pd.DataFrame, selector: str) -> pd.DataFrame:
         try:
             rows = rows[(rows.ratio - float(ratio)).abs() < 1e-9]
         except ValueError:
-            raise KvfError(f"--compare {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
+            raise KvfError(f"{flag} {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
     if label:
         rows = rows[rows.label == label]
-    return one_group(rows, f"--compare {selector}")
+    return one_group(rows, f"{flag} {selector}", "narrow it with @ratio or :label")
 
 
-def one_group(rows: pd.DataFrame, what: str) -> pd.DataFrame:
+def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
+    """rows -> themselves if they are one run (dataset, method, label, variant, ratio); else a one-line error
+    naming the runs found and how to `narrow` the choice."""
     if rows.empty:
         raise KvfError(f"{what}: no records match; selectors look like method@ratio[:label], e.g. cacheblend@0.15")
     groups = rows.groupby(["dataset", "method", "label", "variant", "ratio"]).ngroups
     if groups > 1:
         found = sorted({f"{m}@{r:g}" + (f":{lab}" if lab else "") for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
-        raise KvfError(f"{what} matches {groups} runs ({', '.join(found[:6])}); narrow it with @ratio or :label")
+        raise KvfError(f"{what} matches {groups} runs ({', '.join(found[:6])}); {narrow}")
     return rows
 
 
