@@ -29,7 +29,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -205,16 +205,26 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
-# MuSiQue 50-79, which no other run uses, in two halves side by side (one torch thread each), then scored together:
-# kvfuse-selection, how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md);
-# kvfuse-correction, how much correcting the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction.md)
-KVFUSE_PROBES = kvfuse-selection kvfuse-correction
-PROBE = $(PY) -m kvf.scripts.$*_probe --dataset $(WORK)/musique --passages 4
-$(KVFUSE_PROBES): kvfuse-%: $(WORK)/musique/questions.jsonl
-	OMP_NUM_THREADS=1 $(PROBE) --first 50 --last 65 --records $(KVFUSE_OUT)/$*/50-64.jsonl & first=$$!; \
-	OMP_NUM_THREADS=1 $(PROBE) --first 65 --last 80 --records $(KVFUSE_OUT)/$*/65-79.jsonl & second=$$!; \
+# $(call probe_halves,PROBE,DATASET,FIRST,MID,LAST,NAME): scripts/PROBE_probe.py on questions FIRST..LAST-1 of
+# $(WORK)/DATASET in two halves side by side (one torch thread each), then scored together into $(KVFUSE_OUT)/NAME.md
+define probe_halves
+	OMP_NUM_THREADS=1 $(PY) -m kvf.scripts.$(1)_probe --dataset $(WORK)/$(2) --passages 4 --first $(3) --last $(4) \
+	  --records $(KVFUSE_OUT)/$(6)/$(3)-$(shell echo $$(($(4) - 1))).jsonl & first=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m kvf.scripts.$(1)_probe --dataset $(WORK)/$(2) --passages 4 --first $(4) --last $(5) \
+	  --records $(KVFUSE_OUT)/$(6)/$(4)-$(shell echo $$(($(5) - 1))).jsonl & second=$$!; \
 	wait $$first && wait $$second
-	$(PROBE) --first 50 --last 80 --report $(KVFUSE_OUT)/$*/50-64.jsonl $(KVFUSE_OUT)/$*/65-79.jsonl --out $(KVFUSE_OUT)/$*.md
+	$(PY) -m kvf.scripts.$(1)_probe --dataset $(WORK)/$(2) --passages 4 --first $(3) --last $(5) --target kvfuse-$(6) \
+	  --report $(KVFUSE_OUT)/$(6)/$(3)-$(shell echo $$(($(4) - 1))).jsonl $(KVFUSE_OUT)/$(6)/$(4)-$(shell echo $$(($(5) - 1))).jsonl \
+	  --out $(KVFUSE_OUT)/$(6).md
+endef
+# how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md), and how much correcting
+# the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction*.md); questions no other run uses
+kvfuse-selection: $(WORK)/musique/questions.jsonl
+	$(call probe_halves,selection,musique,50,65,80,selection)
+kvfuse-correction: $(WORK)/musique/questions.jsonl
+	$(call probe_halves,correction,musique,50,65,80,correction)
+kvfuse-correction-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
+	$(call probe_halves,correction,2wikimqa,70,85,100,correction-2wikimqa)
 # why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
 BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
@@ -242,7 +252,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

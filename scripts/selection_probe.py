@@ -127,10 +127,22 @@ def fidelity_table(df: pd.DataFrame, configs: list[str], out: Path, header: str)
     return lines
 
 
+DATASET_NAMES = {"musique": "MuSiQue", "2wikimqa": "2WikiMQA", "nq": "NQ-open", "hotpotqa": "HotpotQA"}
+
+
+def source_of(dataset: Path) -> str:
+    """A prepared dataset -> its name and source file as the conditions line shows them, e.g.
+    MuSiQue (`musique/musique_s.json`)."""
+    prepared = json.loads((dataset / "prepared.json").read_text()) if (dataset / "prepared.json").is_file() else {}
+    name = prepared.get("dataset", dataset.name)
+    source = Path(prepared["source"]) if "source" in prepared else None
+    return DATASET_NAMES.get(name, name) + (f" (`{source.parent.name}/{source.name}`)" if source else "")
+
+
 def conditions(args, df: pd.DataFrame, script: str, target: str) -> list[str]:
-    return [f"Made by `make {target}` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.{script}`; "
+    return [f"Made by `make {args.target or target}` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.{script}`; "
             f"records in `{args.report[0].parent}/`).  ",
-            f"Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); MuSiQue (`musique/musique_s.json`) questions "
+            f"Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); {source_of(args.dataset)} questions "
             f"{args.first_label}, n = {len(df)}, the first {args.passages} passages of each as chunks (prefix variant, "
             f"{df.prompt_tokens.mean():,.0f} prompt tokens on average), {args.ratio:.0%} recomputation, "
             f"{args.max_new_tokens} new tokens; every configuration, kvfuse included, reads the same prefix-variant KVs. Fidelity: answer token F1 against full prefill's answer; 95% "
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None, *, doc: str = __doc__, answers_of=answer
     p.add_argument("--records", type=Path, help="run file to append this range's answers to")
     p.add_argument("--report", type=Path, nargs="+", help="run files to score")
     p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--target", help="the make target the report says made it [default: this probe's own]")
     args = p.parse_args(argv)
     if bool(args.records) == bool(args.report):
         print(f"{prog}: error: pass --records FILE (answer questions) or --report FILE... (score them)", file=sys.stderr)
