@@ -47,7 +47,7 @@ def with_method_knobs(command):
 
     The command declares **knobs; the generated options arrive there, None when not given."""
     from kvf.pipeline.fusion.methods.base import flag_name, knob_specs
-    signature = inspect.signature(command)
+    signature = inspect.signature(command, eval_str=True)   # Annotated[..., typer.Option(help=...)], not the string
     params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     from rich.markup import escape
     specs = knob_specs()

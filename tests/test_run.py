@@ -181,11 +181,10 @@ def test_help_on_every_command():
         assert proc.returncode == 0 and "Usage" in proc.stdout, cmd
 
 
-def test_help_shows_every_bracketed_default():
-    """Help text goes through rich markup: a bare "[default: ...]" in an option's help is taken for a
-    style tag and vanishes from `--help`. Every one must be shown, on every command."""
+def test_help_shows_every_option_s_help_and_bracketed_default():
+    """Every option of every command has help. Help text goes through rich markup: a bare "[default: ...]"
+    in an option's help is taken for a style tag and vanishes from `--help`. Every one must be shown."""
     import re
-    import click
     import typer
     from typer.testing import CliRunner
     from kvf.cli.main import app
@@ -198,7 +197,8 @@ def test_help_shows_every_bracketed_default():
     checked = 0
     for path, cmd in commands(root, []):
         shown = " ".join(CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "2000"}).output.split())
-        for param in cmd.params:
+        for param in cmd.params:   # every option says what it is (run and bench once lost their shared options' help)
+            assert param.param_type_name != "option" or param.help, (path, param.name)
             for bracketed in re.findall(r"\[[a-zA-Z$][^\]]*\]", (getattr(param, "help", None) or "").replace("\\[", "[")):
                 assert " ".join(bracketed.split()) in shown, (path, param.name, bracketed)
                 checked += 1
@@ -277,3 +277,8 @@ def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_
     assert out.getvalue().count("cacheblend@0.15") == 2 and out.getvalue().count("111/740") == 4
     assert "Vartroucko province" in out.getvalue()                    # short answers are not folded mid-word
     assert all(len(line) <= 80 for line in out.getvalue().splitlines())
+
+
+def test_run_refuses_zero_ray_workers(tmp_path):
+    proc = kvf_cli("run", "-q", tmp_path / "q.jsonl", "-m", "full", "-o", tmp_path / "o.jsonl", "--ray", "local", "--workers", "0")
+    assert proc.returncode == 2 and "--workers" in proc.stderr and "Traceback" not in proc.stderr
