@@ -10,16 +10,17 @@ MAX_ROWS = 40
 
 
 def answers_rows_table(records: list[dict], title: str) -> Table:
-    """method, answer, F1 vs gold, recomputed tokens, TTFT; one row per record. A question's records sit
-    under one heading row (the question, its gold answers) and end with a line, so a narrow terminal
-    spends its width on the answers rather than on repeating the question in a column of its own."""
+    """method, answer, F1 vs gold, F1 vs full prefill's answer, recomputed tokens, TTFT; one row per record.
+    A question's records sit under one heading row (the question, its gold answers) and end with a line, so a
+    narrow terminal spends its width on the answers rather than on repeating the question in a column."""
     from kvf.eval.metrics import token_f1
     table = Table(title=title, expand=True)
     table.add_column("method", no_wrap=True)
     table.add_column("answer", overflow="fold", ratio=1)
-    for col in ("F1", "recomputed", "TTFT ms"):
+    for col in ("F1", "vs full", "recomp.", "TTFT ms"):
         table.add_column(col, justify="right", no_wrap=True)
     shown = records[:MAX_ROWS]
+    full_answers = full_answer_of(records)
     for i, r in enumerate(shown):
         if i == 0 or shown[i - 1]["question"] != r["question"]:
             heading = Text(r["question"], style="bold")
@@ -27,12 +28,22 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
             table.add_row(Text("question", style="dim"), heading)
         method = r["method"] + (f"@{r['settings']['ratio']:g}" if r["method"] not in ("full", "reuse") else "")
         f1 = f"{token_f1(r['answer'], r['gold']):.2f}" if r["gold"] else "-"
+        full = r.get("full_answer") or full_answers.get((r["qid"], r.get("label", "")))
+        vs_full = f"{token_f1(r['answer'], [full]):.2f}" if full is not None else "-"
         last = i == len(shown) - 1 or shown[i + 1]["question"] != r["question"]
-        table.add_row(method, Text(r["answer"]), f1, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
+        table.add_row(method, Text(r["answer"]), f1, vs_full, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
                       f"{1000 * r['timings']['first_token']:.0f}", end_section=last)
+    caption = ["F1: against gold; vs full: against full prefill's answer (what a fusion method keeps); "
+               "recomp.: chunk tokens recomputed / chunk tokens"]
     if len(records) > MAX_ROWS:
-        table.caption = f"first {MAX_ROWS} of {len(records)} records; all of them are in the run file (kvf eval scores them)"
+        caption.append(f"first {MAX_ROWS} of {len(records)} records; all of them are in the run file (kvf eval scores them)")
+    table.caption = "; ".join(caption)
     return table
+
+
+def full_answer_of(records: list[dict]) -> dict[tuple[str, str], str]:
+    """(qid, label) -> full prefill's answer, from the `full` records among them."""
+    return {(r["qid"], r.get("label", "")): r["answer"] for r in records if r["method"] == "full"}
 
 
 def answers_table(path: Path, opts) -> Table:

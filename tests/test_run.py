@@ -266,17 +266,22 @@ def test_bad_method_entries_are_one_line_errors(entry, fragment):
 def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_at_80_columns():
     from kvf.cli.tables import answers_rows_table
     answers = {"full": "Huszim Works, founded in the north by the spouse", "cacheblend": "Vartroucko province"}
-    records = [dict(question=q, gold=["Huszim Works"], method=m, settings=dict(ratio=0.15), answer=answers[m],
+    records = [dict(qid=q[:5], question=q, gold=["Huszim Works"], method=m, settings=dict(ratio=0.15), answer=answers[m],
                     recomputed_tokens=111, chunk_tokens=740, timings=dict(first_token=0.288))
                for q in ("Which company was founded by the spouse of Quaemful Pouckfa?", "Where was Pruckgri born?")
                for m in answers]
     out = io.StringIO()
     Console(file=out, width=80).print(answers_rows_table(records, "t"))
-    assert out.getvalue().count("Where was Pruckgri born?") == 1     # its heading row, not once per method
-    assert out.getvalue().count("gold: Huszim Works") == 2
+    assert all(len(line) <= 80 for line in out.getvalue().splitlines())
     assert out.getvalue().count("cacheblend@0.15") == 2 and out.getvalue().count("111/740") == 4
     assert "Vartroucko province" in out.getvalue()                    # short answers are not folded mid-word
-    assert all(len(line) <= 80 for line in out.getvalue().splitlines())
+    table = answers_rows_table(records, "t")
+    cells = {c.header: [str(v) for v in c._cells] for c in table.columns}   # 2 heading rows + 4 records
+    assert cells["method"] == ["question", "full", "cacheblend@0.15"] * 2
+    headings = [a for m, a in zip(cells["method"], cells["answer"]) if m == "question"]
+    assert headings == [f"{q}\ngold: Huszim Works" for q in ("Which company was founded by the spouse of Quaemful Pouckfa?",
+                                                             "Where was Pruckgri born?")]
+    assert [v for v in cells["vs full"] if v] == ["1.00", "0.00", "1.00", "0.00"]   # F1 of each answer against full's
 
 
 def test_run_refuses_zero_ray_workers(tmp_path):
