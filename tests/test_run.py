@@ -287,3 +287,19 @@ def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_
 def test_run_refuses_zero_ray_workers(tmp_path):
     proc = kvf_cli("run", "-q", tmp_path / "q.jsonl", "-m", "full", "-o", tmp_path / "o.jsonl", "--ray", "local", "--workers", "0")
     assert proc.returncode == 2 and "--workers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    """`make demo`'s command (README's first line), small: the synthetic corpus is built, stored and answered by
+    full, reuse and cacheblend, and the summary gives each its TTFT against full's and its answers' F1 against
+    full's (full's own: 1.00)."""
+    proc = subprocess.run([sys.executable, "-m", "kvf", "demo", "-n", "1", "--max-new-tokens", "4", "-w", str(tmp_path)],
+                          capture_output=True, text=True,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "COLUMNS": "160"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "build-cache:" in out and "kvf demo: 1 synthetic two-hop questions" in out
+    summary = {line.split(":")[0].strip(): line for line in out.splitlines() if "median TTFT" in line}
+    assert sorted(summary) == ["cacheblend", "full", "reuse"]
+    assert "(1.00 x full), answers vs full's F1 1.00" in summary["full"]
+    assert (tmp_path / "ws" / "kv.zarr").is_dir() and (tmp_path / "runs" / "demo.jsonl").is_file()
