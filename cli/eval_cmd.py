@@ -68,9 +68,11 @@ def compare_command(
             df = df[df.method == method]
         if ratio is not None:
             df = df[(df.ratio - ratio).abs() < 1e-9]
-        frames.append(select(df, selector, flag) if selector else
-                      one_group(df, f"run file {path}", f"pick one with {flag} METHOD@RATIO, e.g. {flag} "
-                                                        f"{df.method.iloc[0] if len(df) else 'cacheblend'}@{df.ratio.iloc[0] if len(df) else 0.15:g}"))
+        if selector:
+            frames.append(select(df, selector, flag))
+        else:
+            example = f"{df.method.iloc[0]}@{df.ratio.iloc[0]:g}" if len(df) else "cacheblend@0.15"
+            frames.append(one_group(df, f"run file {path}", f"pick one with {flag} METHOD@RATIO, e.g. {flag} {example}"))
     import pandas as pd
     table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]

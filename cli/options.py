@@ -52,7 +52,7 @@ def with_method_knobs(command):
     from rich.markup import escape
     specs = knob_specs()
     for spec in specs:
-        spec.help = escape(spec.help)  # "\\[default: 1]" is text, not a rich style tag
+        spec.help = escape(spec.help)  # "[default: 1]" is text, not a rich style tag
         if spec.type is bool:
             option = typer.Option(None, f"{flag_name(spec.name)}/{flag_name('no_' + spec.name)}", help=spec.help,
                                   rich_help_panel="Method knobs")
