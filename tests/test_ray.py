@@ -115,3 +115,19 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus):
     run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
     resumed, n_resumed = answers(corpus / "ray.jsonl")
     assert n_resumed == 9 and resumed == one  # the missing five added, none twice
+
+
+def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, tmp_path):
+    """Issue 18's bad input: an actor whose model does not load fails the call with the worker's own one-line
+    reason (the flag and the fix), not Ray's traceback."""
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows.distributed import KVWorkerImpl, actor_class, task_errors
+    from types import SimpleNamespace
+    opts = SimpleNamespace(device="cpu", threads=1)                    # what actor_class reads
+    worker = actor_class(ray_local, KVWorkerImpl, opts).remote(str(tmp_path / "no-model.gguf"), str(tmp_path / "kv.zarr"),
+                                                              "float16", "cpu", (), 1)
+    with pytest.raises(KvfError) as raised, task_errors(ray_local):
+        ray_local.get(worker.build.remote("prefix", [], None, {}))
+    message = str(raised.value)
+    assert message.startswith("a Ray worker could not start: ") and "no-model.gguf" in message, message
+    assert "\n" not in message and "Traceback" not in message and "\x1b" not in message

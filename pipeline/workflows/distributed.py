@@ -275,5 +275,15 @@ def task_errors(ray):
             raise KvfError(str(cause)) from None
         raise KvfError(f"a Ray worker failed: {str(cause or e).strip().splitlines()[-1][:200]}") from None
     except ray.exceptions.RayActorError as e:
+        if getattr(e, "actor_init_failed", False):   # its __init__ raised (e.g. it cannot load the model): say why
+            raise KvfError(f"a Ray worker could not start: {creation_error(str(e))}") from None
         raise KvfError(f"a Ray worker died and could not be restarted ({str(e).strip().splitlines()[0][:160]}); "
                        "see `ray logs` or run without --ray") from None
+
+
+def creation_error(text: str) -> str:
+    """Ray's text for an actor whose __init__ raised -> that exception's own last line, a KvfError's message
+    as it is (it names the flag and the fix), any other as 'Type: message'."""
+    last = text.strip().splitlines()[-1].strip()
+    prefix = f"{KvfError.__module__}.{KvfError.__qualname__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last[:200]
