@@ -27,11 +27,12 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
             heading.append("\ngold: " + (" / ".join(r["gold"]) or "-"), style="italic")
             table.add_row(Text("question", style="dim"), heading)
         method = r["method"] + (f"@{r['settings']['ratio']:g}" if r["method"] not in ("full", "reuse") else "")
+        method += f" [{r['label']}]" if r.get("label") else ""                # an ablation row: its own knobs
         f1 = f"{token_f1(r['answer'], r['gold']):.2f}" if r["gold"] else "-"
-        full = r.get("full_answer") or full_answers.get((r["qid"], r.get("label", "")))
+        full = r.get("full_answer") or full_answer(full_answers, r)
         vs_full = f"{token_f1(r['answer'], [full]):.2f}" if full is not None else "-"
         last = i == len(shown) - 1 or shown[i + 1]["question"] != r["question"]
-        table.add_row(method, Text(r["answer"]), f1, vs_full, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
+        table.add_row(Text(method), Text(r["answer"]), f1, vs_full, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
                       f"{1000 * r['timings']['first_token']:.0f}", end_section=last)
     caption = ["F1: against gold; vs full: against full prefill's answer (what a fusion method keeps); "
                "recomp.: chunk tokens recomputed / chunk tokens"]
@@ -43,7 +44,14 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
 
 def full_answer_of(records: list[dict]) -> dict[tuple[str, str], str]:
     """(qid, label) -> full prefill's answer, from the `full` records among them."""
-    return {(r["qid"], r.get("label", "")): r["answer"] for r in records if r["method"] == "full"}
+    return {(r["qid"], r.get("label") or ""): r["answer"] for r in records if r["method"] == "full"}
+
+
+def full_answer(full_answers: dict[tuple[str, str], str], record: dict) -> str | None:
+    """Full prefill's answer to a record's question: the full run with its label, else the unlabelled one
+    (an ablation row `-m kvfuse:propagate=off` is labelled, full is not), as kvf eval pairs them."""
+    label = record.get("label") or ""
+    return full_answers.get((record["qid"], label), full_answers.get((record["qid"], "")))
 
 
 def answers_table(path: Path, opts) -> Table:

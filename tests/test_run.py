@@ -282,6 +282,10 @@ def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_
     assert headings == [f"{q}\ngold: Huszim Works" for q in ("Which company was founded by the spouse of Quaemful Pouckfa?",
                                                              "Where was Pruckgri born?")]
     assert [v for v in cells["vs full"] if v] == ["1.00", "0.00", "1.00", "0.00"]   # F1 of each answer against full's
+    ablation = dict(records[1], label="propagate=off", answer=answers["full"])      # `-m cacheblend:KNOB=V`: labelled
+    cells = {c.header: [str(v) for v in c._cells] for c in answers_rows_table(records[:2] + [ablation], "t").columns}
+    assert cells["method"] == ["question", "full", "cacheblend@0.15", "cacheblend@0.15 [propagate=off]"]
+    assert cells["vs full"][1:] == ["1.00", "0.00", "1.00"]          # compared with the unlabelled full run
 
 
 def test_run_refuses_zero_ray_workers(tmp_path):
