@@ -14,6 +14,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     A question's records sit under one heading row (the question, its gold answers) and end with a line, so a
     narrow terminal spends its width on the answers rather than on repeating the question in a column."""
     from kvf.eval.metrics import token_f1
+    from kvf.pipeline.records import run_name
     table = Table(title=title, expand=True)
     table.add_column("method", no_wrap=True)
     table.add_column("answer", overflow="fold", ratio=1)
@@ -26,8 +27,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
             heading = Text(r["question"], style="bold")
             heading.append("\ngold: " + (" / ".join(r["gold"]) or "-"), style="italic")
             table.add_row(Text("question", style="dim"), heading)
-        method = r["method"] + (f"@{r['settings']['ratio']:g}" if r["method"] not in ("full", "reuse") else "")
-        method += f" [{r['label']}]" if r.get("label") else ""                # an ablation row: its own knobs
+        method = run_name(r)                                                    # an ablation row shows its label
         f1 = f"{token_f1(r['answer'], r['gold']):.2f}" if r["gold"] else "-"
         full = r.get("full_answer") or full_answer(full_answers, r)
         vs_full = f"{token_f1(r['answer'], [full]):.2f}" if full is not None else "-"

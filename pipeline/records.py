@@ -115,6 +115,13 @@ class RunRecord(BaseModel):
         return json.dumps(self.model_dump(mode="json", exclude_none=True)) + "\n"
 
 
+def run_name(record: dict) -> str:
+    """How tables and progress lines name a record's run: method@ratio, the label of an ablation entry
+    (`-m kvfuse:propagate=off`) after it; full and reuse without a ratio (theirs is fixed)."""
+    name = record["method"] + ("" if record["method"] in ("full", "reuse") else f"@{record['settings']['ratio']:g}")
+    return name + (f" [{record['label']}]" if record.get("label") else "")
+
+
 def parse_record(data: Any, where: str) -> RunRecord:
     """A JSON value -> RunRecord, or a one-line KvfError naming `where` and the first bad field."""
     if not isinstance(data, dict):

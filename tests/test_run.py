@@ -239,7 +239,9 @@ def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_
     out = tmp_path / "specs.jsonl"
     opts = run_opts(built, out, methods=["cacheblend", "cacheblend:check_layer=2:variant=fusion"], ratios=[0.3],
                     offset=1, limit=1)
-    run(opts, QUIET)
+    printed = io.StringIO()
+    run(opts, Console(file=printed, width=200))
+    assert "cacheblend@0.3 [check_layer=2:variant=fusion]" in printed.getvalue()   # the mean-TTFT line names both
     records = read_records(out)
     from kvf.pipeline.data.datasets import load_prepared
     all_qids = [q.qid for q in load_prepared(built / "data")[0]]

@@ -23,7 +23,7 @@ from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used
-from kvf.pipeline.records import RunFile, RunRecord, parse_record
+from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
                                           write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
@@ -447,13 +447,13 @@ def run(opts: RunOptions, console: Console) -> Path:
                    for q in questions}
         stats = MethodStats()
         with progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TimeRemainingColumn(), TextColumn("{task.fields[stats]}")) as progress:
+                          TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
             task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
             progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))
 
             def write(rec: dict) -> None:
                 run_file.append(parse_record(rec, "kvf run (internal)"))
-                stats.add(method_label_of(rec), rec["timings"]["first_token"])
+                stats.add(run_name(rec), rec["timings"]["first_token"])
                 progress.update(task, advance=1, stats=stats.line())
 
             jobs = [(q, todo_of[q.qid]) for q in questions if todo_of[q.qid]]
@@ -463,7 +463,7 @@ def run(opts: RunOptions, console: Console) -> Path:
             else:
                 answer_here(QuestionRunner(opts, session, picker, planned, settings_of, name), jobs, progress, write)
     if stats.ttft:
-        console.print(stats.line(width=400))
+        console.print(stats.line(width=400), markup=False)   # run names carry [labels]
     return opts.out
 
 
@@ -569,10 +569,6 @@ class QuestionRunner:
             answers += self.session.answerer.decode_many(prompt, prefilled[start: start + batch],
                                                          self.opts.max_new_tokens)
         return answers
-
-
-def method_label_of(rec: dict) -> str:
-    return f"{rec['method']}@{rec['settings']['ratio']:g}"
 
 
 def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
