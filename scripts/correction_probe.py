@@ -1,6 +1,6 @@
 """Could a correction of the kept rows reach full prefill's answers? Issue 17's last open direction: at 15%,
 85% of chunk rows keep their stored, context-free KV, and kvfuse's shift moves them by their chunk's mean.
-Here those rows are corrected with what only full prefill knows, to bound what any correction could give.
+Here those rows are corrected with what only full prefill knows: what any correction aims at.
 
     python -m kvf.scripts.correction_probe --first 50 --last 65 --records DIR/50-64.jsonl   # answer
     python -m kvf.scripts.correction_probe --report DIR/*.jsonl --out results/kvfuse/correction.md   # and .csv
@@ -10,10 +10,10 @@ memory, full prefill's greedy answer), every configuration recomputes the rows P
 (kvfuse with propagate=off) and then, after the first token as kvfuse's shift does, changes the kept rows:
 - `question`: nothing (ProphetKV's ranking, kvfuse without its shift);
 - `kvfuse`: kvfuse's default, each chunk's mean move estimated from its recomputed rows;
-- `true chunk-mean move`: each chunk's mean move of K and V taken from full prefill instead (the best any
-  per-chunk shift can do, learned or not);
+- `true chunk-mean move`: each chunk's mean move of K and V taken from full prefill instead (the nearest to
+  full any per-chunk shift brings the rows, learned or not);
 - `true linear map of K`: per layer and KV head, the least-squares affine map from the kept rows' stored keys
-  to full's, fitted on those very rows (an upper bound for a learned per-row linear correction of K);
+  to full's, fitted on those very rows (the nearest to full's keys any linear correction of them gets);
 - `exact V` / `exact K` / `exact K and V`: full prefill's values, keys, or both, for every kept row.
 Keys are compared before RoPE and re-rotated at each row's position, as kvfuse's shift does.
 """
