@@ -25,12 +25,11 @@ from pathlib import Path
 import torch
 
 from kvf.pipeline.fusion.methods import get_method
-from kvf.pipeline.fusion.methods.base import all_chunk_rows
-from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_means
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_means, kept_chunk_rows
 from kvf.pipeline.model.rope import apply_rope, unapply_rope
+from kvf.pipeline.files import write_atomic
 from kvf.scripts.kvfuse_probe import prefix_kvs
 from kvf.scripts.selection_probe import ROOT, conditions, fidelity_table, main as probe_main, read_records
-from kvf.pipeline.files import write_atomic
 
 CORRECTIONS = ["true chunk-mean move", "true linear map of K", "exact V", "exact K", "exact K and V"]
 CONFIGS = ["question", "kvfuse", *CORRECTIONS]
@@ -47,23 +46,27 @@ class CorrectedWith(KvFuse):
         result.after_first_token = lambda: self.correct(engine, state)
 
     def correct(self, engine, state) -> None:
-        chunk_rows = all_chunk_rows(state.prompt)
-        recomputed = torch.zeros(state.n, dtype=torch.bool)
-        recomputed[state.scratch["selected"]] = True
-        kept = chunk_rows[~recomputed[chunk_rows]]                               # [m]
-        starts = torch.tensor([start for start, _ in state.prompt.chunk_spans()])
-        chunk_of_kept = torch.searchsorted(starts, kept, right=True) - 1         # [m]
+        kept, chunk_of_kept = kept_chunk_rows(state, state.scratch["selected"])     # [m], [m]
         cos, sin, scaling = state.cos[kept], state.sin[kept], engine.model.rope.scaling
         for layer in range(state.cache.kv.shape[0]):
             stored, full = state.cache.kv[layer][:, :, kept], self.full_kv[layer][:, :, kept]   # [2, KV, m, d]
             stored_k, full_k = unapply_rope(stored[0], cos, sin, scaling), unapply_rope(full[0], cos, sin, scaling)
-            k, v = {"true chunk-mean move": lambda: chunk_mean_moved(stored_k, full_k, stored[1], full[1], chunk_of_kept),
-                    "true linear map of K": lambda: (affine_fit(stored_k, full_k), stored[1]),
-                    "exact V": lambda: (stored_k, full[1]),
-                    "exact K": lambda: (full_k, stored[1]),
-                    "exact K and V": lambda: (full_k, full[1])}[self.correction]()
+            k, v = corrected(self.correction, stored_k, full_k, stored[1], full[1], chunk_of_kept)
             state.cache.kv[layer, 0][:, kept] = apply_rope(k, cos, sin)
             state.cache.kv[layer, 1][:, kept] = v
+
+
+def corrected(correction: str, stored_k, full_k, stored_v, full_v, chunk_of_kept) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's kept rows, [KV, m, d] each (keys before RoPE) -> their K and V after `correction`."""
+    if correction == "true chunk-mean move":
+        return chunk_mean_moved(stored_k, full_k, stored_v, full_v, chunk_of_kept)
+    if correction == "true linear map of K":
+        return affine_fit(stored_k, full_k), stored_v
+    if correction == "exact V":
+        return stored_k, full_v
+    if correction == "exact K":
+        return full_k, stored_v
+    return full_k, full_v                                                            # exact K and V
 
 
 def chunk_mean_moved(stored_k, full_k, stored_v, full_v, chunk_of_kept) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,10 +83,9 @@ def answers(answerer, prompt: FusedPrompt, ratio: float, max_new_tokens: int) ->
     return {"full": full.text, **got}
 
 
-def answer_questions(args, answers_of=None) -> None:
+def answer_questions(args, answers_of=answers) -> None:
     """Append one record per question of [--first, --last) to --records: {qid, prompt_tokens, full, config...}
     from answers_of(answerer, prompt, ratio, max_new_tokens) (this probe's `answers` by default)."""
-    answers_of = answers_of or answers
     torch.set_num_threads(1)
     questions, passages = load_prepared(args.dataset)     # first: a wrong --dataset fails before the model loads
     answerer = load_answerer(None)

@@ -168,16 +168,26 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
 def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows [a] (recomputed chunk rows, sorted) -> the chunk of each, and the kept rows [m] that move (the
     chunk rows not recomputed, in chunks that recompute at least one row) with their chunks. On the CPU."""
-    starts = torch.tensor([start for start, _ in state.prompt.chunk_spans()])      # [C]
-    chunk_of_row = torch.searchsorted(starts, rows, right=True) - 1                  # [a]
-    chunk_rows = all_chunk_rows(state.prompt)                                         # [c]
-    active = torch.zeros(state.n, dtype=torch.bool)
-    active[rows] = True
-    kept = chunk_rows[~active[chunk_rows]]                                           # [m'] sorted
-    chunk_of_kept = torch.searchsorted(starts, kept, right=True) - 1                 # [m']
-    moves = torch.bincount(chunk_of_row, minlength=len(starts)) > 0                  # [C] chunks with a move
+    chunk_of_row = chunk_of(state.prompt, rows)                                      # [a]
+    kept, chunk_of_kept = kept_chunk_rows(state, rows)                               # [m'], [m']
+    moves = torch.bincount(chunk_of_row, minlength=len(state.prompt.chunk_segments)) > 0   # [C] chunks with a move
     keep = moves[chunk_of_kept]
     return chunk_of_row, kept[keep], chunk_of_kept[keep]
+
+
+def kept_chunk_rows(state: FusionState, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk rows [m] not among `recomputed` (sorted), and the chunk of each [m]. On the CPU."""
+    chunk_rows = all_chunk_rows(state.prompt)                                         # [c]
+    active = torch.zeros(state.n, dtype=torch.bool)
+    active[recomputed] = True
+    kept = chunk_rows[~active[chunk_rows]]
+    return kept, chunk_of(state.prompt, kept)
+
+
+def chunk_of(prompt: FusedPrompt, rows: torch.Tensor) -> torch.Tensor:
+    """rows [r] of chunk tokens (cache rows) -> the index of the chunk each lies in [r]."""
+    starts = torch.tensor([start for start, _ in prompt.chunk_spans()])               # [C]
+    return torch.searchsorted(starts, rows, right=True) - 1
 
 
 def chunk_means(delta: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
