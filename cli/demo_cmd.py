@@ -30,14 +30,12 @@ def demo_command(
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
     console.print(answers_rows_table(rows, f"kvf demo: {questions} synthetic two-hop questions"))
     console.print("TTFT = load + select + recompute + first token, stored KVs read from the store on disk.")
-    from kvf.cli.tables import full_answer, full_answer_of
-    from kvf.eval.metrics import token_f1
-    full_answers = full_answer_of(rows)
+    from kvf.cli.tables import f1_to_full
     ttfts: dict[str, list] = {}
     vs_full: dict[str, list] = {}
-    for r in rows:
+    for r, f1 in zip(rows, f1_to_full(rows)):
         ttfts.setdefault(r["method"], []).append(r["timings"]["first_token"])
-        vs_full.setdefault(r["method"], []).append(token_f1(r["answer"], [full_answer(full_answers, r)]))
+        vs_full.setdefault(r["method"], []).append(f1)
     full_ttft = statistics.median(ttfts["full"])
     for method, times in ttfts.items():
         console.print(f"{method:>16}: median TTFT {1000 * statistics.median(times):.0f} ms "

@@ -21,7 +21,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     for col in ("F1", "vs full", "recomp.", "TTFT ms"):
         table.add_column(col, justify="right", no_wrap=True)
     shown = records[:MAX_ROWS]
-    full_answers = full_answer_of(records)
+    f1_full = f1_to_full(records)
     for i, r in enumerate(shown):
         if i == 0 or shown[i - 1]["question"] != r["question"]:
             heading = Text(r["question"], style="bold")
@@ -29,8 +29,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
             table.add_row(Text("question", style="dim"), heading)
         method = run_name(r)                                                    # an ablation row shows its label
         f1 = f"{token_f1(r['answer'], r['gold']):.2f}" if r["gold"] else "-"
-        full = r.get("full_answer") or full_answer(full_answers, r)
-        vs_full = f"{token_f1(r['answer'], [full]):.2f}" if full is not None else "-"
+        vs_full = f"{f1_full[i]:.2f}" if f1_full[i] is not None else "-"
         last = i == len(shown) - 1 or shown[i + 1]["question"] != r["question"]
         table.add_row(Text(method), Text(r["answer"]), f1, vs_full, f"{r['recomputed_tokens']}/{r['chunk_tokens']}",
                       f"{1000 * r['timings']['first_token']:.0f}", end_section=last)
@@ -42,16 +41,18 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     return table
 
 
-def full_answer_of(records: list[dict]) -> dict[tuple[str, str], str]:
-    """(qid, label) -> full prefill's answer, from the `full` records among them."""
-    return {(r["qid"], r.get("label") or ""): r["answer"] for r in records if r["method"] == "full"}
-
-
-def full_answer(full_answers: dict[tuple[str, str], str], record: dict) -> str | None:
-    """Full prefill's answer to a record's question: the full run with its label, else the unlabelled one
-    (an ablation row `-m kvfuse:propagate=off` is labelled, full is not), as kvf eval pairs them."""
-    label = record.get("label") or ""
-    return full_answers.get((record["qid"], label), full_answers.get((record["qid"], "")))
+def f1_to_full(records: list[dict]) -> list[float | None]:
+    """Each record's answer F1 against full prefill's answer to its question (None where there is none): the
+    one the record carries (--compare-full), else that of the full run among the records with the record's
+    label, else the unlabelled one (an ablation row `-m kvfuse:propagate=off` is labelled, full is not), as
+    kvf eval pairs them."""
+    from kvf.eval.metrics import token_f1
+    full = {(r["qid"], r.get("label") or ""): r["answer"] for r in records if r["method"] == "full"}
+    scores = []
+    for r in records:
+        answer = r.get("full_answer") or full.get((r["qid"], r.get("label") or ""), full.get((r["qid"], "")))
+        scores.append(token_f1(r["answer"], [answer]) if answer is not None else None)
+    return scores
 
 
 def answers_table(path: Path, opts) -> Table:
