@@ -37,6 +37,7 @@ from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.prompt import FusedPrompt, encode
 from kvf.pipeline.workflows.provenance import git_commit
+from kvf.pipeline.workflows.run import dataset_name
 from kvf.pipeline.workflows.weights import load_answerer
 from kvf.scripts.kvfuse_probe import first_passages_prompt, prefix_kvs
 
@@ -132,10 +133,10 @@ DATASET_NAMES = {"musique": "MuSiQue", "2wikimqa": "2WikiMQA", "nq": "NQ-open", 
 def source_of(dataset: Path) -> str:
     """A prepared dataset -> its name and source file as the conditions line shows them, e.g.
     MuSiQue (`musique/musique_s.json`)."""
-    prepared = json.loads((dataset / "prepared.json").read_text()) if (dataset / "prepared.json").is_file() else {}
-    name = prepared.get("dataset", dataset.name)
-    source = Path(prepared["source"]) if "source" in prepared else None
-    return DATASET_NAMES.get(name, name) + (f" (`{source.parent.name}/{source.name}`)" if source else "")
+    name = dataset_name(dataset)                       # as kvf run names it (prepared.json, else the folder)
+    manifest = dataset / "prepared.json"
+    source = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
+    return DATASET_NAMES.get(name, name) + (f" (`{Path(source).parent.name}/{Path(source).name}`)" if source else "")
 
 
 def conditions(args, df: pd.DataFrame, script: str, target: str) -> list[str]:
