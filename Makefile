@@ -29,7 +29,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -282,6 +282,10 @@ verify: setup
 
 verify-smoke: setup
 	$(PY) -m kvf.scripts.verify --smoke
+
+# on a CUDA machine only (CI has none): the method contract on the GPU and kvfuse vs ProphetKV's TTFT at 15%
+gpu-checks:
+	bash scripts/gpu_checks.sh
 
 clean:
 	rm -rf $(WORK) runs

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The checks only a CUDA GPU can make (CI has none), in one go, for results/gpu.md:
+#   1. the method contract on CUDA (tests/test_gpu.py)  -> $OUT/tests.log
+#   2. kvfuse's TTFT against ProphetKV's at 15%, paired round by round, on Llama-3-8B's shape with random
+#      weights (issue 17: "no worse than prophetkv at the same ratio")  -> $OUT/kvfuse/
+#
+# On a GPU machine with kvf installed: `bash scripts/gpu_checks.sh`. On a bare machine that has torch and
+# transformers but not kvf's other dependencies, put their wheels in .whl/ first: they are installed to
+# /tmp/site, and this checkout is imported as `kvf` through a link (the repository root is the package).
+# DEVICE, SHAPE, LENGTHS and REPEATS exist so that the script itself can be tried on a CPU (tiny shape).
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-llama3-8b}
+LENGTHS=${LENGTHS:-4096,16384}
+REPEATS=${REPEATS:-6}
+mkdir -p "$OUT/kvfuse"
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "import kvf.cli.entry" 2>/dev/null; then
+  mkdir -p /tmp/kvf-link && ln -sfn "$PWD" /tmp/kvf-link/kvf
+  export PYTHONPATH=/tmp/kvf-link${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+{ git rev-parse HEAD 2>/dev/null; nvidia-smi -L 2>/dev/null
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} | tee "$OUT/env.txt"
+
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+
+python3 -m kvf bench --random-weights "$SHAPE" --device "$DEVICE" -m full,prophetkv,kvfuse,kvfuse:propagate=off \
+  --lengths "$LENGTHS" -r 0.15 --repeats "$REPEATS" --versus prophetkv --no-cold --no-compare-no-pipeline \
+  --no-auto-ratio --out "$OUT/kvfuse"
