@@ -13,7 +13,7 @@ OUT=${OUT:-results/gpu}
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama3-8b}
 LENGTHS=${LENGTHS:-4096,16384}
-REPEATS=${REPEATS:-6}
+REPEATS=${REPEATS:-12}
 mkdir -p "$OUT/kvfuse"
 
 if [ -d .whl ]; then
