@@ -3,6 +3,9 @@
 #   1. the method contract on CUDA (tests/test_gpu.py)  -> $OUT/tests.log
 #   2. kvfuse's TTFT against ProphetKV's at 15%, paired round by round, on Llama-3-8B's shape with random
 #      weights (issue 17: "no worse than prophetkv at the same ratio")  -> $OUT/kvfuse/
+#   3. `verify` of the GPU results files (expected.yaml's `requires: cuda` entries): re-runs results/gpu.md's
+#      bench at this commit and checks its committed numbers  -> $OUT/verify.log, $OUT/verify-ttft.md
+# STEPS picks some of them (default: tests bench verify); VERIFY_ONLY the results files step 3 re-runs.
 #
 # On a GPU machine with kvf installed: `bash scripts/gpu_checks.sh`. On a bare machine that has torch and
 # transformers but not kvf's other dependencies, put their wheels in .whl/ first: they are installed to
@@ -14,6 +17,8 @@ DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama3-8b}
 LENGTHS=${LENGTHS:-4096,16384}
 REPEATS=${REPEATS:-12}
+STEPS=${STEPS:-tests bench verify}
+VERIFY_ONLY=${VERIFY_ONLY:-results/gpu.md}
 mkdir -p "$OUT/kvfuse"
 
 if [ -d .whl ]; then
@@ -30,8 +35,20 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } | tee "$OUT/env.txt"
 
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 
-python3 -m kvf bench --random-weights "$SHAPE" --device "$DEVICE" -m full,prophetkv,kvfuse,kvfuse:propagate=off \
+if step tests; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+fi
+
+step bench && python3 -m kvf bench --random-weights "$SHAPE" --device "$DEVICE" -m full,prophetkv,kvfuse,kvfuse:propagate=off \
   --lengths "$LENGTHS" -r 0.15 --repeats "$REPEATS" --versus prophetkv --no-cold --no-compare-no-pipeline \
   --no-auto-ratio --out "$OUT/kvfuse"
+
+if step verify; then
+  # verify runs `kvf ...` commands through $KVF: here, this python3 with this checkout on its path
+  printf '#!/bin/sh\nexec python3 -m kvf "$@"\n' > /tmp/kvf-cmd && chmod +x /tmp/kvf-cmd
+  rm -rf /tmp/kvf-gpu-verify
+  KVF=/tmp/kvf-cmd python3 -m kvf.scripts.verify --only $VERIFY_ONLY --keep /tmp/kvf-gpu-verify 2>&1 | tee "$OUT/verify.log"
+  find /tmp/kvf-gpu-verify -name ttft.md -exec cp {} "$OUT/verify-ttft.md" \;
+fi
