@@ -5,11 +5,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from kvf.pipeline.workflows.display import output_console
 
 from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
 
-console = Console(width=max(Console().width, 120))
+console = output_console(140)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -69,5 +69,5 @@ def bench_command(
     if json_out:
         print(df.to_json(orient="records"))
     else:
-        console.print(summary_table(df, f"TTFT vs full prefill — {label}"))
+        console.print(summary_table(df, f"TTFT vs full prefill — {label}", width=console.width))
     console.print("wrote " + ", ".join(str(p) for p in written))

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+
+from kvf.pipeline.workflows.display import output_console
 
 
 def _command_line() -> str:
@@ -35,11 +36,11 @@ def eval_command(
     from kvf.eval.report import evaluate, summary_table
     summary = evaluate(run_files, out, complete_only, command=_command_line(),
                        exclude_questions=exclude_questions)
-    console = Console(width=max(Console().width, 160))  # wide enough for the table in logs too
+    console = output_console(160)
     if json_out:
         print(summary.to_json(orient="records"))
     else:
-        console.print(summary_table(summary))
+        console.print(summary_table(summary, width=console.width))
     if compare:
         from kvf.eval.compare import comparison_table, per_question, select
         df = summary.attrs["records"]
@@ -76,4 +77,4 @@ def compare_command(
     import pandas as pd
     table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
-    Console(width=max(Console().width, 160)).print(comparison_table(table, *names))
+    output_console(160).print(comparison_table(table, *names))

@@ -52,7 +52,7 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
         ra, rb = a.loc[qid], b.loc[qid]
         full_answer = ra.full_answer if isinstance(ra.full_answer, str) else (
             full.answer.get(qid) if len(full) else None)
-        rows.append({"qid": qid, "question": ra.question if "question" in ra else "", "gold": " / ".join(ra.gold),
+        rows.append({"qid": qid, "question": ra.question, "gold": " / ".join(ra.gold),
                      "answer_a": ra.answer, "answer_b": rb.answer, "full_answer": full_answer or "",
                      f"{metric}_a": ra[metric], f"{metric}_b": rb[metric],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
@@ -62,15 +62,27 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
 
 
 def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
+    """Per question a heading row (qid, question, gold), then A's, B's and full prefill's answers with
+    their scores: the answers get the width, so a narrow terminal keeps them readable."""
     from rich.table import Table
     from rich.text import Text
-    out = Table(title=f"{name_a} (A) vs {name_b} (B): {len(table)} questions")
     metric = next(c[:-2] for c in table.columns if c.endswith("_a") and c not in ("answer_a", "fidelity_a", "kl_a"))
-    for col in ("qid", "gold", "answer A", "answer B", "full prefill", f"{metric} A", f"{metric} B", "fid A", "fid B"):
-        out.add_column(col, overflow="fold")
+    out = Table(title=f"{name_a} (A) vs {name_b} (B): {len(table)} questions", expand=True,
+                caption=f"A = {name_a}, B = {name_b}; {metric}: against gold; "
+                        "vs full: answer F1 against full prefill's answer")
+    out.add_column("", no_wrap=True)
+    out.add_column("answer", overflow="fold", ratio=1)
+    out.add_column(metric, justify="right", no_wrap=True)
+    out.add_column("vs full", justify="right", no_wrap=True)
     for _, r in table.iterrows():
-        out.add_row(Text(str(r.qid)), Text(r.gold), Text(r.answer_a), Text(r.answer_b), Text(r.full_answer),
-                    _fmt(r[f"{metric}_a"]), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_a), _fmt(r.fidelity_b))
+        heading = Text(str(r.qid), style="dim")
+        if r.question:
+            heading.append("  " + r.question, style="bold")
+        heading.append("\ngold: " + (r.gold or "-"), style="italic")
+        out.add_row(Text("question", style="dim"), heading)
+        out.add_row("A", Text(r.answer_a), _fmt(r[f"{metric}_a"]), _fmt(r.fidelity_a))
+        out.add_row("B", Text(r.answer_b), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_b))
+        out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
     return out
 
 

@@ -35,6 +35,7 @@ from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, s
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.records import RunRecord, read_records
+from kvf.pipeline.workflows.display import fit_table
 
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
 GROUP_KEYS = ["dataset", "method", "label", "variant", "ratio"]
@@ -52,7 +53,8 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
     """One run record -> one flat row (what the summary needs, nothing model-specific)."""
     s = rec.settings
     row = {"file": str(path), "line": lineno, "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
-           "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "answer": rec.answer,
+           "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "question": rec.question,
+           "answer": rec.answer,
            "gold": list(rec.gold), "gold_mode": rec.gold_mode, "full_answer": rec.full_answer,
            "kl_full": _number(rec.kl_full), "top1_agree": _number(rec.top1_agree_full),
            "prompt_tokens": rec.prompt_tokens, "chunk_tokens": rec.chunk_tokens,
@@ -352,16 +354,30 @@ def summary_markdown(summary: pd.DataFrame, columns=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_table(summary: pd.DataFrame, title: str = "kvf eval"):
-    """The summary as a rich Table (for the terminal)."""
+# left out first when a terminal is narrow (summary.md keeps them); the variant and the dataset only
+# where the rows stay distinct without them
+DISPLAY_DROPPABLE = ["vs_reuse", "top1_agree", "recomputed_frac", "acc", "n"]
+
+
+def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 10_000):
+    """The summary as a rich Table (for the terminal), no wider than `width` if leaving out columns
+    (DISPLAY_DROPPABLE, in that order) can make it so."""
     from rich.table import Table
-    table = Table(title=title)
-    columns = _columns(summary, DISPLAY_COLUMNS)
-    for c in columns:
-        table.add_column(c, justify="left" if c in ("dataset", "method", "label", "variant", "note") else "right")
-    for _, row in summary.iterrows():
-        table.add_row(*(format_cell(row, c) for c in columns))
-    return table
+    droppable = list(DISPLAY_DROPPABLE)
+    if not summary.duplicated(["dataset", "method", "label", "ratio"]).any():
+        droppable.append("variant")
+    if summary.dataset.nunique() == 1:
+        title = f"{title}: {summary.dataset.iloc[0]}"
+        droppable.append("dataset")
+
+    def build(columns: list[str]) -> Table:
+        table = Table(title=title)
+        for c in columns:
+            table.add_column(c, justify="left" if c in ("dataset", "method", "label", "variant", "note") else "right")
+        for _, row in summary.iterrows():
+            table.add_row(*(format_cell(row, c) for c in columns))
+        return table
+    return fit_table(build, _columns(summary, DISPLAY_COLUMNS), droppable, width, "summary.md")
 
 
 def summary_group(df: pd.DataFrame, row: pd.Series) -> pd.DataFrame:

@@ -19,13 +19,11 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from kvf.pipeline.files import write_atomic
@@ -39,6 +37,7 @@ from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import Workspace
+from kvf.pipeline.workflows.display import output_console
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +82,7 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console(width=None if sys.stdout.isatty() else 140)  # files/pipes: keep rows on one line
+    console = output_console(140)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvf-bench-build-"))
     make_synthetic(work / "data", n_questions=args.questions, passages_per_question=args.passages, seed=0)
     model_ref = open_model(None)

@@ -56,6 +56,7 @@ from kvf.pipeline.records import read_records
 from kvf.pipeline.workflows.build import BuildOptions, build_cache
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
+from kvf.pipeline.workflows.display import output_console
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = Console(file=io.StringIO())
@@ -438,7 +439,7 @@ def main():
     args = parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = output_console(140)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvf-bench-scale-"))
     data = work / "data"
     if not (data / "questions.jsonl").exists():

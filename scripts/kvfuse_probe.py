@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from kvf.pipeline.data.datasets import load_prepared
@@ -26,6 +24,7 @@ from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.model.prompt import encode
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.weights import load_answerer
+from kvf.pipeline.workflows.display import output_console
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = [("off", 0.0), ("after", 0.0), ("before", 0.0), ("before", 0.33), ("before", 0.5)]
@@ -81,7 +80,7 @@ def probe(answerer, prompt) -> dict:
 def main():
     args = parse_args()
     torch.set_num_threads(1)
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = output_console(140)
     answerer = load_answerer(None)
     questions, passages = load_prepared(args.dataset)
     results = []

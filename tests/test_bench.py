@@ -70,6 +70,12 @@ def test_bench_writes_tables_and_plot(tiny_bench):
     first = df[df.pipeline].iloc[0]   # every column in its place: the TTFT and its ratio beside the label
     assert any(first.label in line and f"{first.ttft_ms:.1f}" in line and f"{first.ttft_ratio:.3f}" in line
                for line in lines)
+    narrow = Console(file=io.StringIO(), width=60)
+    narrow.print(summary_table(df, "t", width=60))
+    text = narrow.file.getvalue()
+    assert "not shown at this width: " in text and "peak/KV" in text.split("not shown")[1]
+    assert any(first.label in line and f"{first.ttft_ms:.1f}" in line and f"{first.ttft_ratio:.3f}" in line
+               for line in text.splitlines())                               # rows still on one line each
 
 
 def test_versus_pairs_round_by_round_with_an_interval():

@@ -325,6 +325,32 @@ def test_rich_table_and_cli(runs, tmp_path):
     assert result.exit_code == 0, result.output
     assert "summary.csv" in result.output and (tmp_path / "cli" / "summary.md").is_file()
     assert "cacheblend@0.2 (A) vs reuse (B)" in result.output and "in Rome" in result.output
+    assert "question q2-0" in result.output                                   # each question heads its answers
+
+
+def test_a_narrow_terminal_gets_fewer_columns_not_numbers_broken_over_lines(runs, tmp_path):
+    """At 80 columns the table leaves out columns (and says which) instead of squeezing every column until
+    each number wraps; the variant stays while two rows differ only by it."""
+    from rich.console import Console
+    summary = evaluate(runs, tmp_path / "out")
+
+    def shown(table, width):
+        console = Console(record=True, width=width)
+        console.print(table)
+        return console.export_text()
+    wide = shown(summary_table(summary), 250)
+    assert "not shown" not in wide and "vs_reuse" in wide
+    narrow = shown(summary_table(summary, width=80), 80)
+    assert "not shown at this width: " in narrow and "summary.md has them" in narrow
+    assert "vs_reuse" in narrow.split("not shown")[1]                          # named as left out, not shown
+    blend = row(summary, "cacheblend")
+    assert any("cacheblend" in line and f"{blend.fidelity_f1:.3f}" in line and f"{blend.vs_full:+.3f}" in line
+               for line in narrow.splitlines())                              # one row, one line
+    assert "variant" in narrow.split("not shown")[1]                          # one variant per method here
+    twin = write_run(tmp_path / "fusion.jsonl", replicated("cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "x",
+                                                                          "q4": "y"}, ratio=0.2, variant="fusion"))
+    both = shown(summary_table(evaluate([*runs, twin], tmp_path / "out2"), width=80), 80)
+    assert "fusion" in both.split("not shown")[0]                            # the rows need it to differ
 
 
 # ---- is the most faithful method's lead real? ------------------------------------------------

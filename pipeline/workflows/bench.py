@@ -38,7 +38,7 @@ from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, write_atomic
 from kvf.pipeline.workflows.devices import compute_dtype
-from kvf.pipeline.workflows.progress import progress_bar
+from kvf.pipeline.workflows.display import fit_table, progress_bar
 from kvf.pipeline.workflows.workspace import EntryKeys
 
 RANDOM_CONFIGS = {
@@ -653,17 +653,31 @@ def save_with_legend_outside(fig, ax, path: Path) -> None:
         fig.savefig(tmp, dpi=130, format="png")
 
 
-def summary_table(df: pd.DataFrame, title: str) -> Table:
-    versus = "vs_ratio" in df
-    table = Table(title=title)
-    for col in ("tokens", "mode", "method", "TTFT ms", "x full", "load ms", "read ms", "hidden", "peak/KV") \
-            + (("x versus [95%]",) if versus else ()):
-        table.add_column(col, justify="right")
-    for _, r in df[df.pipeline].iterrows():
-        cells = [str(r.length), r["mode"], escape(r.label),  # escaped: "[knob=value]" is not rich markup
-                 f"{r.ttft_ms:.1f}", _fmt(r.ttft_ratio, "{:.3f}"), f"{r.load_ms:.2f}", f"{r.read_ms:.2f}",
-                 _fmt(r.load_hidden, "{:.2f}"), f"{r.peak_over_kv:.2f}"]
-        if versus:
-            cells.append("-" if r.vs_ratio != r.vs_ratio else escape(f"{r.vs_ratio:.3f} [{r.vs_low:.3f}, {r.vs_high:.3f}]"))
-        table.add_row(*cells)
-    return table
+# the terminal table's columns: header -> the cell of one row (ttft.md has every column)
+BENCH_CELLS = {
+    "tokens": lambda r: str(r.length),
+    "mode": lambda r: r["mode"],
+    "method": lambda r: escape(r.label),                                 # escaped: "[knob=value]" is not markup
+    "TTFT ms": lambda r: f"{r.ttft_ms:.1f}",
+    "x full": lambda r: _fmt(r.ttft_ratio, "{:.3f}"),
+    "load ms": lambda r: f"{r.load_ms:.2f}",
+    "read ms": lambda r: f"{r.read_ms:.2f}",
+    "hidden": lambda r: _fmt(r.load_hidden, "{:.2f}"),
+    "peak/KV": lambda r: f"{r.peak_over_kv:.2f}",
+    "x versus [95%]": lambda r: "-" if r.vs_ratio != r.vs_ratio else escape(f"{r.vs_ratio:.3f} [{r.vs_low:.3f}, {r.vs_high:.3f}]"),
+}
+BENCH_DROPPABLE = ("peak/KV", "read ms", "hidden", "load ms")    # left out first when a terminal is narrow
+
+
+def summary_table(df: pd.DataFrame, title: str, width: int = 10_000) -> Table:
+    """The pipelined rows as a rich Table no wider than `width` (columns left out as BENCH_DROPPABLE says)."""
+    columns = [c for c in BENCH_CELLS if c != "x versus [95%]" or "vs_ratio" in df]
+
+    def build(shown: list[str]) -> Table:
+        table = Table(title=title)
+        for col in shown:
+            table.add_column(col, justify="right")
+        for _, r in df[df.pipeline].iterrows():
+            table.add_row(*(BENCH_CELLS[col](r) for col in shown))
+        return table
+    return fit_table(build, columns, BENCH_DROPPABLE, width, "ttft.md")

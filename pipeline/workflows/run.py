@@ -27,7 +27,7 @@ from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
                                           write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
-from kvf.pipeline.workflows.progress import progress_bar
+from kvf.pipeline.workflows.display import progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model

@@ -1,0 +1,47 @@
+"""What long work and its results look like on screen: progress bars, consoles, tables that fit."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.progress import Progress, ProgressColumn
+from rich.table import Table
+
+
+def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
+    """A rich progress bar with `columns` (rich's defaults if none), gone once done: the summary tables
+    keep the numbers. Off where nothing can draw it (output piped to a file or a CI log), where rich would
+    only leave one empty line per bar."""
+    return Progress(*columns, console=console, transient=True,
+                    disable=not (console.is_terminal or console.is_jupyter))
+
+
+def output_console(log_width: int) -> Console:
+    """A terminal keeps its own width (tables are fitted to it); a file or pipe gets `log_width`, wide
+    enough that every table row stays on one line in a log."""
+    return Console(width=None if Console().is_terminal else log_width)
+
+
+def fit_table(build: Callable[[list[str]], Table], columns: Sequence[str], droppable: Sequence[str],
+              width: int, full_copy: str) -> Table:
+    """build(columns), leaving out `droppable` columns in that order until the table's natural width fits
+    `width`; a caption then names what was left out and where `full_copy` has every column. Rich would
+    otherwise squeeze every column to a few letters and wrap each number over three lines."""
+    shown = list(columns)
+    table = build(shown)
+    for name in droppable:
+        if natural_width(table) <= width:
+            break
+        if name in shown:
+            shown.remove(name)
+            table = build(shown)
+    left_out = [c for c in columns if c not in shown]
+    if left_out:
+        note = f"not shown at this width: {', '.join(left_out)} ({full_copy} has them)"
+        table.caption = f"{table.caption}; {note}" if table.caption else note
+    return table
+
+
+def natural_width(table: Table) -> int:
+    """The width a table takes when nothing limits it."""
+    return Console(width=10_000).measure(table).maximum
