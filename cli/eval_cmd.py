@@ -31,8 +31,7 @@ def eval_command(
         "--exclude-questions", help="File of question ids (one per line) to leave out, e.g. the split a "
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
-    """Score runs: EM, F1, substring/RULER accuracy, differences to full and reuse with 95% intervals,
-    fidelity to full, TTFT ratio; writes summary.csv, summary.md and plots."""
+    """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT); write summary.md and plots."""
     from kvf.eval.report import evaluate, summary_table
     summary = evaluate(run_files, out, complete_only, command=_command_line(),
                        exclude_questions=exclude_questions)

@@ -196,6 +196,8 @@ def test_help_shows_every_option_s_help_and_bracketed_default():
             yield from commands(cmd, path + [name])
     checked = 0
     for path, cmd in commands(root, []):
+        summary = (cmd.help or "").split("\n\n")[0]      # the command list shows it as written, line breaks too
+        assert summary and "\n" not in summary.strip(), (path, summary)
         shown = " ".join(CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "2000"}).output.split())
         for param in cmd.params:   # every option says what it is (run and bench once lost their shared options' help)
             assert param.param_type_name != "option" or param.help, (path, param.name)
