@@ -131,3 +131,45 @@ def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, t
     message = str(raised.value)
     assert message.startswith("a Ray worker could not start: ") and "no-model.gguf" in message, message
     assert "\n" not in message and "Traceback" not in message and "\x1b" not in message
+
+
+def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(ray_local, corpus, tmp_path):
+    """Ray starts an actor only when its CPUs (or GPU) are free, and kvf's actors live until the work is done:
+    asking for more than fit used to hang the build forever (measured: --workers 3 on 2 cores). Now it is one
+    line naming the flag, the room and the fix, before the workspace is touched."""
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    from kvf.pipeline.workflows.distributed import worker_count
+    cpus = int(ray_local.cluster_resources()["CPU"])
+    assert worker_count(ray_local, None, "cpu", 1) == cpus                 # the default: as many as fit
+    assert worker_count(ray_local, None, "cpu", cpus) == 1
+    with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: the Ray cluster has {cpus} CPUs .*room for {cpus}; "
+                                       rf"pass --workers {cpus} or fewer"):
+        worker_count(ray_local, cpus + 1, "cpu", 1)
+    with pytest.raises(KvfError, match="no room for one worker; lower --threads"):
+        worker_count(ray_local, None, "cpu", cpus + 1)
+    if not ray_local.cluster_resources().get("GPU"):
+        with pytest.raises(KvfError, match=r"has 0 GPUs .*add GPU nodes or pass --device cpu"):
+            worker_count(ray_local, None, "cuda", 1)
+    workspace = tmp_path / "ws"
+    with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: "):
+        build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=workspace, ray="local",
+                                 workers=cpus + 1, **BUILD), QUIET)
+    assert not workspace.exists()
+    from kvf.pipeline.workflows.run import RunOptions, run
+    out = tmp_path / "run.jsonl"
+    with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: "):
+        run(RunOptions(out=out, methods=["reuse"], dataset=corpus / "data", workspace=corpus / "one", ray="local",
+                       workers=cpus + 1), QUIET)
+    assert not out.exists()
+
+
+def test_the_cli_says_so_in_one_line_with_nothing_of_ray_s_beside_it(corpus, tmp_path):
+    """Through the real entry point, in a fresh process that starts its own Ray: the refusal is the only
+    line on stderr (Ray's notice that a new local cluster has token auth on used to come first)."""
+    args = [sys.executable, "-m", "kvf", "build-cache", str(corpus / "data" / "corpus"), "-w", str(tmp_path / "ws"),
+            "--no-bm25", "--ray", "local", "--workers", "999"]
+    proc = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvf: error: --workers 999: the Ray cluster has ") and "room for" in lines[0]

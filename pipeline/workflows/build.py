@@ -321,14 +321,14 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     validate_chunking(opts.chunk_tokens, opts.overlap)
-    if opts.ray is not None:
-        from kvf.pipeline.workflows.distributed import check_ray_address
-        check_ray_address(opts.ray)
     if opts.batch < 1 or opts.threads < 1:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
     for stage_name in opts.rebuild:
         if stage_name not in REBUILDABLE:
             raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")
+    if opts.ray is not None:
+        from kvf.pipeline.workflows.distributed import check_ray
+        check_ray(opts)
     docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
     ws = Workspace(opts.workspace)

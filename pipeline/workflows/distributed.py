@@ -16,6 +16,7 @@ With no address, a local Ray instance sized to the machine is started.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import replace
@@ -44,6 +45,9 @@ def start_ray(address: str | None, threads: int = 1):
             # Ray runs workers at nice 15 so its own daemons win the CPU; here the workers ARE the work, and
             # at nice 15 any other process on the machine starves them (measured: 15x slower prefill)
             os.environ.setdefault("RAY_worker_niceness", "0")
+            # Ray's notice that a new local cluster has token auth on (its default, kept) would be a second
+            # stderr line on every run beside kvf's own
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": env}, configure_logging=False)
         else:
@@ -52,6 +56,14 @@ def start_ray(address: str | None, threads: int = 1):
         raise KvfError(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:120]}); "
                        "check the address (`ray status` on the head node) or pass --ray local") from None
     return ray
+
+
+def check_ray(opts) -> None:
+    """Before any work: the address answers, and the cluster has room for the workers asked for (Ray
+    would otherwise wait forever for the rest). Starts Ray; later start_ray calls find it started."""
+    check_ray_address(opts.ray)
+    check_worker_flags(opts.workers, opts.threads)   # before Ray starts: a bad flag costs no seconds
+    worker_count(start_ray(opts.ray, opts.threads), opts.workers, opts.device, opts.threads)
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -71,13 +83,29 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
                        "`ray start --head`, check the address, or pass --ray local") from None
 
 
-def worker_count(ray, workers: int | None, device: str) -> int:
-    if workers is not None:
-        if workers < 1:
-            raise KvfError(f"--workers {workers}: must be >= 1")
-        return workers
-    resource = "GPU" if device.startswith("cuda") else "CPU"
-    return max(1, int(ray.cluster_resources().get(resource, 1)))
+def worker_count(ray, workers: int | None, device: str, threads: int) -> int:
+    """--workers, or as many as the cluster has room for: one GPU per worker with --device cuda, else
+    --threads CPUs. More than fit is refused: Ray would start the rest only when others end, and kvf's
+    workers live until the work is done, so their tasks would wait forever."""
+    check_worker_flags(workers, threads)
+    gpu = device.startswith("cuda")
+    have = int(ray.cluster_resources().get("GPU" if gpu else "CPU", 0))
+    room = have if gpu else have // threads                       # what actor_class asks of each worker
+    what = f"{have} GPUs (one per worker with --device {device})" if gpu else f"{have} CPUs ({threads} per worker, --threads)"
+    if room < 1:
+        fix = "add GPU nodes or pass --device cpu" if gpu else "lower --threads or add nodes"
+        raise KvfError(f"--ray: the Ray cluster has {what}: no room for one worker; {fix}")
+    if workers is not None and workers > room:
+        raise KvfError(f"--workers {workers}: the Ray cluster has {what}, room for {room}; "
+                       f"pass --workers {room} or fewer, or add nodes")
+    return workers or room
+
+
+def check_worker_flags(workers: int | None, threads: int) -> None:
+    if workers is not None and workers < 1:
+        raise KvfError(f"--workers {workers}: must be >= 1")
+    if threads < 1:
+        raise KvfError(f"--threads {threads}: must be >= 1")
 
 
 def write_pid_marker() -> None:
@@ -134,7 +162,7 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     from ray.util import ActorPool
     ray = start_ray(opts.ray, opts.threads)
     builder.system_kv()  # S once, by the driver: actors only read it
-    n_workers = worker_count(ray, opts.workers, opts.device)
+    n_workers = worker_count(ray, opts.workers, opts.device, opts.threads)
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
                                                            opts.device, tuple(m.name for m in builder.extras_methods), opts.threads)
@@ -232,7 +260,7 @@ def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, wri
     the only writer of the run file."""
     from ray.util import ActorPool
     ray = start_ray(opts.ray, opts.threads)
-    n_workers = min(worker_count(ray, opts.workers, opts.device), max(1, len(jobs)))
+    n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), max(1, len(jobs)))
     worker_opts = replace(opts, ray=None, **{f: absolute(getattr(opts, f)) for f in ("dataset", "questions", "workspace", "out")})
     workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()))
                for _ in range(n_workers)]

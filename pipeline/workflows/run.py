@@ -174,8 +174,8 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError("--method: name at least one method")
     check_knobs_used([parse_method_spec(m).name for m in opts.methods], opts.knobs or {})
     if opts.ray is not None:
-        from kvf.pipeline.workflows.distributed import check_ray_address
-        check_ray_address(opts.ray)
+        from kvf.pipeline.workflows.distributed import check_ray
+        check_ray(opts)
 
 
 # ---- what to run ---------------------------------------------------------------------------------
