@@ -682,6 +682,34 @@ def test_selection_probe_ranks_by_the_attention_it_is_given():
     assert not torch.equal(other.cache.kv, plain.cache.kv)
 
 
+def test_requery_probe_changes_the_kept_rows_then_computes_q_again_over_them():
+    """scripts/requery_probe.py: the third pass recomputes Q alone. Over an unchanged cache (kept rows
+    "corrected" to what they already hold) it gives kvfuse-without-shift's first token again; with full
+    prefill's rows, every kept row is full's and the recomputed rows stay as pass 2 left them while Q's
+    rows and the first token change; kvfuse's shift before it leaves the chunk rows as kvfuse's own shift
+    after the first token leaves them."""
+    from kvf.scripts.requery_probe import CorrectedQAgain, KvFuseQAgain
+    engine, prompt, source = tiny_case("llama")
+    plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
+    same = CorrectedQAgain(0.3, plain.cache.kv.clone(), "exact K and V").prefill(engine, prompt, source)
+    torch.testing.assert_close(same.logits, plain.logits, atol=1e-4, rtol=1e-4)
+    chunk_rows = torch.arange(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens)
+    question_rows = prompt.question_rows()
+    reused = get_method("reuse").prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    kept = (plain.cache.kv[:, :, :, chunk_rows] == reused).flatten(0, 2).all(dim=(0, 2))     # [c] not recomputed
+    full_kv = get_method("full").prefill(engine, prompt).cache.kv             # [L, 2, KV, n, d]
+    exact = CorrectedQAgain(0.3, full_kv, "exact K and V").prefill(engine, prompt, source)
+    kv = exact.cache.kv[:, :, :, chunk_rows]
+    torch.testing.assert_close(kv[:, :, :, kept], full_kv[:, :, :, chunk_rows[kept]], atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv[:, :, :, ~kept], plain.cache.kv[:, :, :, chunk_rows[~kept]])
+    assert not torch.allclose(exact.cache.kv[:, :, :, question_rows], plain.cache.kv[:, :, :, question_rows], atol=1e-4)
+    assert not torch.allclose(exact.logits, plain.logits, atol=1e-4)
+    shifted = get_method("kvfuse", 0.3).prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    before = KvFuseQAgain(0.3).prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    torch.testing.assert_close(before, shifted, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(before, plain.cache.kv[:, :, :, chunk_rows], atol=1e-4)   # the shift moved them
+
+
 def test_correction_probe_corrects_the_kept_rows_from_full_prefill_after_the_first_token():
     """scripts/correction_probe.py: every correction leaves the first token (logits) as kvfuse without its
     shift gives it and the recomputed rows as they were; `exact K and V` makes every kept row full prefill's

@@ -230,7 +230,7 @@ def test_verify_runs_python_commands_with_its_own_interpreter(tmp_path):
     assert log.read_text().startswith(f"$ {sys.executable} ")
 
 
-@pytest.mark.parametrize("probe", ["selection_probe", "correction_probe"])
+@pytest.mark.parametrize("probe", ["selection_probe", "correction_probe", "requery_probe"])
 def test_probes_refuse_a_missing_dataset_or_report_in_one_line(tmp_path, capsys, probe):
     import importlib
     script = importlib.import_module(f"kvf.scripts.{probe}")
