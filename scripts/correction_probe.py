@@ -20,7 +20,6 @@ Keys are compared before RoPE and re-rotated at each row's position, as kvfuse's
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
@@ -84,29 +83,42 @@ def affine_fit(stored_k: torch.Tensor, full_k: torch.Tensor) -> torch.Tensor:
     return (x @ w).to(stored_k.dtype)
 
 
-def answers(answerer, prompt, ratio: float, max_new_tokens: int) -> dict:
-    """{config: answer text} for one prompt, full prefill's under "full"."""
-    engine = answerer.engine
-    source = prefix_kvs(engine, prompt)
-    full = answerer.answer(prompt, get_method("full"), None, max_new_tokens)
-    full_kv = get_method("full").prefill(engine, prompt).cache.kv.clone()      # [L, 2, KV, n, d]
-    methods = {"question": get_method("kvfuse", ratio, propagate="off"), "kvfuse": get_method("kvfuse", ratio),
-               **{c: CorrectedWith(ratio, full_kv, c) for c in CORRECTIONS}}
-    got = {name: answerer.answer(prompt, method, source, max_new_tokens).text for name, method in methods.items()}
-    return {"full": full.text, **got}
+def answers_with(methods_of):
+    """answers(answerer, prompt, ratio, max_new_tokens) -> {config: answer text}, full prefill's under "full",
+    for the configurations methods_of(ratio, full_kv) names (full_kv: full prefill's cache, [L, 2, KV, n, d])."""
+    def answers(answerer, prompt, ratio: float, max_new_tokens: int) -> dict:
+        engine = answerer.engine
+        source = prefix_kvs(engine, prompt)
+        full = answerer.answer(prompt, get_method("full"), None, max_new_tokens)
+        full_kv = get_method("full").prefill(engine, prompt).cache.kv.clone()      # [L, 2, KV, n, d]
+        got = {name: answerer.answer(prompt, method, source, max_new_tokens).text
+               for name, method in methods_of(ratio, full_kv).items()}
+        return {"full": full.text, **got}
+    return answers
 
 
-def report(args) -> None:
+def corrections(ratio: float, full_kv: torch.Tensor) -> dict:
+    return {"question": get_method("kvfuse", ratio, propagate="off"), "kvfuse": get_method("kvfuse", ratio),
+            **{c: CorrectedWith(ratio, full_kv, c) for c in CORRECTIONS}}
+
+
+def write_report(args, title: str, configs: list[str], prog: str, header: str) -> None:
+    """The fidelity table of the records in args.report -> args.out (.md, and .csv beside it)."""
     df = read_records(args.report)
-    lines = ["# Could a correction of the kept rows reach full prefill? The kept rows corrected from full prefill", "",
-             *conditions(args, df, "correction_probe", "kvfuse-correction"), "",
-             *fidelity_table(df, CONFIGS, args.out, "| the 85% kept rows, after the first token | fidelity [95%] | − `question`, paired [95%] |")]
+    lines = [f"# {title}", "", *conditions(args, df, prog, "kvfuse-" + prog.removesuffix("_probe")), "",
+             *fidelity_table(df, configs, args.out, header)]
     write_atomic(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
+def report(args) -> None:
+    write_report(args, "Could a correction of the kept rows reach full prefill? The kept rows corrected from full prefill",
+                 CONFIGS, "correction_probe",
+                 "| the 85% kept rows, after the first token | fidelity [95%] | − `question`, paired [95%] |")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return probe_main(argv, doc=__doc__, answers_of=answers, report_of=report, prog="correction_probe",
+    return probe_main(argv, doc=__doc__, answers_of=answers_with(corrections), report_of=report, prog="correction_probe",
                       default_out=ROOT / "results" / "kvfuse" / "correction.md")
 
 

@@ -23,10 +23,8 @@ import torch
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
-from kvf.pipeline.files import write_atomic
-from kvf.scripts.correction_probe import CorrectedWith
-from kvf.scripts.kvfuse_probe import prefix_kvs
-from kvf.scripts.selection_probe import ROOT, conditions, fidelity_table, main as probe_main, read_records
+from kvf.scripts.correction_probe import CorrectedWith, answers_with, write_report
+from kvf.scripts.selection_probe import ROOT, main as probe_main
 
 CONFIGS = ["question", "kvfuse", "kvfuse, Q again", "exact K and V", "exact K and V, Q again"]
 NO_ROWS = torch.empty(0, dtype=torch.long)          # a pass that recomputes no chunk row: Q's rows alone
@@ -57,31 +55,20 @@ class CorrectedQAgain(CorrectedWith):
         pass                                                    # corrected already, before the first token
 
 
-def answers(answerer, prompt, ratio: float, max_new_tokens: int) -> dict:
-    """{config: answer text} for one prompt, full prefill's under "full"."""
-    engine = answerer.engine
-    source = prefix_kvs(engine, prompt)
-    full = answerer.answer(prompt, get_method("full"), None, max_new_tokens)
-    full_kv = get_method("full").prefill(engine, prompt).cache.kv.clone()      # [L, 2, KV, n, d]
-    methods = {"question": get_method("kvfuse", ratio, propagate="off"), "kvfuse": get_method("kvfuse", ratio),
-               "kvfuse, Q again": KvFuseQAgain(ratio),
-               "exact K and V": CorrectedWith(ratio, full_kv, "exact K and V"),
-               "exact K and V, Q again": CorrectedQAgain(ratio, full_kv, "exact K and V")}
-    got = {name: answerer.answer(prompt, method, source, max_new_tokens).text for name, method in methods.items()}
-    return {"full": full.text, **got}
+def requeried(ratio: float, full_kv: torch.Tensor) -> dict:
+    return {"question": get_method("kvfuse", ratio, propagate="off"), "kvfuse": get_method("kvfuse", ratio),
+            "kvfuse, Q again": KvFuseQAgain(ratio),
+            "exact K and V": CorrectedWith(ratio, full_kv, "exact K and V"),
+            "exact K and V, Q again": CorrectedQAgain(ratio, full_kv, "exact K and V")}
 
 
 def report(args) -> None:
-    df = read_records(args.report)
-    lines = ["# Is the first token the gap? The question's rows computed again over the corrected kept rows", "",
-             *conditions(args, df, "requery_probe", "kvfuse-requery"), "",
-             *fidelity_table(df, CONFIGS, args.out, "| configuration | fidelity [95%] | − `question`, paired [95%] |")]
-    write_atomic(args.out, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args, "Is the first token the gap? The question's rows computed again over the corrected kept rows",
+                 CONFIGS, "requery_probe", "| configuration | fidelity [95%] | − `question`, paired [95%] |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return probe_main(argv, doc=__doc__, answers_of=answers, report_of=report, prog="requery_probe",
+    return probe_main(argv, doc=__doc__, answers_of=answers_with(requeried), report_of=report, prog="requery_probe",
                       default_out=ROOT / "results" / "kvfuse" / "requery.md")
 
 
