@@ -9,8 +9,8 @@ Per question, as scripts/correction_probe.py (the first --passages passages as c
 memory, full prefill's greedy answer, ProphetKV's ranking of the rows to recompute):
 - `question`, `kvfuse`, `exact K and V`: correction_probe's configurations (its answers again: the check that
   this probe computes what that one did);
-- `kvfuse, Q again`: kvfuse's shift at the end of its recompute pass, then a third pass of the question's
-  tokens alone over the shifted cache (|Q| more token-layers: kvfuse with the shift inside TTFT);
+- `kvfuse, Q again`: kvfuse:requery=true, its shift at the end of its recompute pass, then a third pass of the
+  question's tokens alone over the shifted cache (|Q| more token-layers: kvfuse with the shift inside TTFT);
 - `exact K and V, Q again`: every kept row made full prefill's, then the question's tokens alone again (the
   most that correcting the kept rows before the first token can give).
 """
@@ -22,23 +22,11 @@ import torch
 
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState
 from kvf.pipeline.fusion.methods import get_method
-from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.scripts.correction_probe import CorrectedWith, answers_with, write_report
 from kvf.scripts.selection_probe import ROOT, main as probe_main
 
 CONFIGS = ["question", "kvfuse", "kvfuse, Q again", "exact K and V", "exact K and V, Q again"]
 NO_ROWS = torch.empty(0, dtype=torch.long)          # a pass that recomputes no chunk row: Q's rows alone
-
-
-class KvFuseQAgain(KvFuse):
-    """kvfuse, with its shift at the end of pass 2 and a third pass of Q alone over the shifted rows."""
-    passes = 3
-
-    def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
-        if state.pass_index == 0:
-            return super().next_pass_rows(engine, state)
-        self.shift_after_layers(engine, state, state.scratch.pop("stored"))
-        return NO_ROWS
 
 
 class CorrectedQAgain(CorrectedWith):
@@ -57,7 +45,7 @@ class CorrectedQAgain(CorrectedWith):
 
 def requeried(ratio: float, full_kv: torch.Tensor) -> dict:
     return {"question": get_method("kvfuse", ratio, propagate="off"), "kvfuse": get_method("kvfuse", ratio),
-            "kvfuse, Q again": KvFuseQAgain(ratio),
+            "kvfuse, Q again": get_method("kvfuse", ratio, requery=True),
             "exact K and V": CorrectedWith(ratio, full_kv, "exact K and V"),
             "exact K and V, Q again": CorrectedQAgain(ratio, full_kv, "exact K and V")}
 

@@ -688,7 +688,7 @@ def test_requery_probe_changes_the_kept_rows_then_computes_q_again_over_them():
     prefill's rows, every kept row is full's and the recomputed rows stay as pass 2 left them while Q's
     rows and the first token change; kvfuse's shift before it leaves the chunk rows as kvfuse's own shift
     after the first token leaves them."""
-    from kvf.scripts.requery_probe import CorrectedQAgain, KvFuseQAgain
+    from kvf.scripts.requery_probe import CorrectedQAgain
     engine, prompt, source = tiny_case("llama")
     plain = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
     same = CorrectedQAgain(0.3, plain.cache.kv.clone(), "exact K and V").prefill(engine, prompt, source)
@@ -705,7 +705,12 @@ def test_requery_probe_changes_the_kept_rows_then_computes_q_again_over_them():
     assert not torch.allclose(exact.cache.kv[:, :, :, question_rows], plain.cache.kv[:, :, :, question_rows], atol=1e-4)
     assert not torch.allclose(exact.logits, plain.logits, atol=1e-4)
     shifted = get_method("kvfuse", 0.3).prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
-    before = KvFuseQAgain(0.3).prefill(engine, prompt, source).cache.kv[:, :, :, chunk_rows]
+    requeried = get_method("kvfuse", 0.3, requery=True).prefill(engine, prompt, source)
+    assert requeried.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)   # Q's pass adds no chunk row
+    assert requeried.recomputed_token_layers == plain.recomputed_token_layers   # chunk token-layers: Q adds none
+    before = requeried.cache.kv[:, :, :, chunk_rows]
+    everything = get_method("kvfuse", 1.0, requery=True).prefill(engine, prompt, source)       # the contract
+    torch.testing.assert_close(everything.logits, get_method("full").prefill(engine, prompt).logits, atol=1e-3, rtol=0)
     torch.testing.assert_close(before, shifted, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(before, plain.cache.kv[:, :, :, chunk_rows], atol=1e-4)   # the shift moved them
 

@@ -270,7 +270,7 @@ class FusionEngine:
                 t0 = time.perf_counter()
                 method.after_layer(self, state, layer)
                 state.select_seconds += time.perf_counter() - t0
-            if pass_index < method.passes - 1:  # a selection pass: all of it is `select`, but its loading
+            if pass_index == 0 and method.passes > 1:  # the selection pass: all of it is `select`, but its loading
                 waited = self._loaded(source) - load_at_pass
                 state.select_seconds = select_at_pass + max(0.0, time.perf_counter() - pass_started - waited)
         result = self.finish(state, self._loaded(source) - load_before, started)
@@ -457,7 +457,8 @@ class FusionEngine:
                                              attention_rows=question, calibration=state.calibration)
         n_chunk_active = int(state.chunk_row_mask()[state.rows].sum())
         state.token_layers += n_chunk_active
-        state.chunk_rows_recomputed = n_chunk_active
+        if n_chunk_active or state.pass_index == 0:   # a later pass of Q alone keeps the count of the pass before
+            state.chunk_rows_recomputed = n_chunk_active
         if attention is not None:
             state.query_attention.append(attention[0].mean(dim=0).cpu())          # [|Q|, n] -> [n]
 

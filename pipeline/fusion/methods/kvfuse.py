@@ -66,6 +66,8 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
+    requery: bool = knob(False, "with propagate=after: shift before the first token, then compute the question's "
+                                "tokens again over the shifted rows (a third pass of Q alone; the shift then counts in TTFT)")
 
 
 @register
@@ -76,9 +78,12 @@ class KvFuse(FusionMethod):
                "them (results/kvfuse.md)")
     Knobs = KvFuseKnobs
     offline_variant = "fusion"
-    passes = 2
     query_pass = True
     reuse_at_ratio_zero = True  # no recomputed row: nothing to propagate
+
+    @property
+    def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
+        return 3 if self.knobs.requery and self.knobs.propagate == "after" else 2
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index == 0 and layer in self.scored_layers(state.cache.kv.shape[0])
@@ -88,6 +93,11 @@ class KvFuse(FusionMethod):
                 "late": list(range(n_layers // 2, n_layers))}[self.knobs.score_layers]
 
     def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
+        if state.pass_index == 1:                 # requery: the shift now, then the question's rows alone again
+            stored = state.scratch.pop("stored", None)
+            if stored:
+                self.shift_after_layers(engine, state, stored)
+            return torch.empty(0, dtype=torch.long)
         prompt = state.prompt
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
         scores = torch.stack(state.query_attention).mean(dim=0)          # [L', n] -> [n]
