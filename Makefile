@@ -29,7 +29,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -230,6 +230,18 @@ kvfuse-requery: $(WORK)/musique/questions.jsonl
 	$(call probe_halves,requery,musique,50,65,80,requery)
 kvfuse-requery-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
 	$(call probe_halves,requery,2wikimqa,70,85,100,requery-2wikimqa)
+# kvfuse:requery=true at the real prompt length, on the methods sweep's questions that no choice used (2WikiMQA
+# 0-49; MuSiQue 11-49, the dev split 0-10 left out), scored with the sweep's own runs (results/kvfuse.md)
+KVFUSE_REQUERY_RUN = $(KVF) run --neighbours $(NEIGHBOURS) -m kvfuse:requery=true -r 0.15 --max-new-tokens 12 --no-show-answers
+kvfuse-requery-heldout: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
+	$(KVFUSE_REQUERY_RUN) -d $(WORK)/2wikimqa -n 25 -o $(KVFUSE_RUNS)/requery-2wikimqa-0.jsonl & a=$$!; \
+	$(KVFUSE_REQUERY_RUN) -d $(WORK)/2wikimqa --offset 25 -n 25 -o $(KVFUSE_RUNS)/requery-2wikimqa-25.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(KVFUSE_REQUERY_RUN) -d $(WORK)/musique --offset 11 -n 19 -o $(KVFUSE_RUNS)/requery-musique-11.jsonl & a=$$!; \
+	$(KVFUSE_REQUERY_RUN) -d $(WORK)/musique --offset 30 -n 20 -o $(KVFUSE_RUNS)/requery-musique-30.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(KVF) eval --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/2wikimqa.jsonl.gz \
+	  $(METHOD_RUNS)/musique.jsonl.gz $(KVFUSE_RUNS)/requery-*.jsonl --out $(KVFUSE_OUT)/requery-heldout
 # why kvf bench times with the allocator's defaults: the same rounds with glibc's mmap threshold fixed (results/bench_allocator.md)
 BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
@@ -257,7 +269,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
