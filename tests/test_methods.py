@@ -709,6 +709,9 @@ def test_requery_probe_changes_the_kept_rows_then_computes_q_again_over_them():
     assert requeried.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)   # Q's pass adds no chunk row
     assert requeried.recomputed_token_layers == plain.recomputed_token_layers   # chunk token-layers: Q adds none
     before = requeried.cache.kv[:, :, :, chunk_rows]
+    unshifted = get_method("kvfuse", 0.3, propagate="off", requery=True).prefill(engine, prompt, source)
+    torch.testing.assert_close(unshifted.logits, plain.logits, atol=1e-4, rtol=1e-4)   # Q again over the same rows
+    assert torch.equal(unshifted.cache.kv[:, :, :, chunk_rows], plain.cache.kv[:, :, :, chunk_rows])
     everything = get_method("kvfuse", 1.0, requery=True).prefill(engine, prompt, source)       # the contract
     torch.testing.assert_close(everything.logits, get_method("full").prefill(engine, prompt).logits, atol=1e-3, rtol=0)
     torch.testing.assert_close(before, shifted, atol=1e-6, rtol=1e-6)

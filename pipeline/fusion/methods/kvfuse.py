@@ -66,8 +66,8 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
-    requery: bool = knob(False, "with propagate=after: shift before the first token, then compute the question's "
-                                "tokens again over the shifted rows (a third pass of Q alone; the shift then counts in TTFT)")
+    requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
+                                "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
 
 @register
@@ -83,7 +83,7 @@ class KvFuse(FusionMethod):
 
     @property
     def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
-        return 3 if self.knobs.requery and self.knobs.propagate == "after" else 2
+        return 3 if self.knobs.requery else 2
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index == 0 and layer in self.scored_layers(state.cache.kv.shape[0])
@@ -93,7 +93,7 @@ class KvFuse(FusionMethod):
                 "late": list(range(n_layers // 2, n_layers))}[self.knobs.score_layers]
 
     def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
-        if state.pass_index == 1:                 # requery: the shift now, then the question's rows alone again
+        if state.pass_index == 1:                 # requery: the shift now (if `after`), then Q's rows alone again
             stored = state.scratch.pop("stored", None)
             if stored:
                 self.shift_after_layers(engine, state, stored)
