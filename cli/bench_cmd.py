@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from kvf.pipeline.workflows.display import output_console
 
 from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
+from kvf.pipeline.workflows.display import output_console
 
 console = output_console(140)
 

@@ -86,8 +86,7 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
 def worker_count(ray, workers: int | None, device: str, threads: int) -> int:
     """--workers, or as many as the cluster has room for: one GPU per worker with --device cuda, else
     --threads CPUs. More than fit is refused: Ray would start the rest only when others end, and kvf's
-    workers live until the work is done, so their tasks would wait forever."""
-    check_worker_flags(workers, threads)
+    workers live until the work is done, so their tasks would wait forever. Flags checked by check_ray."""
     gpu = device.startswith("cuda")
     have = int(ray.cluster_resources().get("GPU" if gpu else "CPU", 0))
     room = have if gpu else have // threads                       # what actor_class asks of each worker
