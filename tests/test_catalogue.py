@@ -234,6 +234,20 @@ def test_two_runs_on_one_out_file(data, tmp_path):
     assert_one_line(proc.returncode, proc.stderr, "being written by another `kvf run`")
 
 
+def test_more_ray_workers_than_fit_is_one_line_with_nothing_of_ray_s_beside_it(data, tmp_path):
+    """Through the real entry point, in a fresh process that starts its own Ray: asking for more workers than
+    the cluster has room for (which used to hang forever) is the only line on stderr; Ray's notice that a new
+    local cluster has token auth on used to come first. tests/test_ray.py checks the room itself."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
+    args = [sys.executable, "-m", "kvf", "build-cache", str(data[0] / "corpus"), "-w", str(tmp_path / "ws"),
+            "--no-bm25", "--ray", "local", "--workers", "999"]
+    proc = subprocess.run(args, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvf: error: --workers 999: the Ray cluster has ") and "room for" in lines[0]
+    assert not (tmp_path / "ws").exists()
+
+
 def test_run_with_another_datasets_workspace(data, tmp_path, capsys, monkeypatch):
     from kvf.pipeline.data.synthetic import make_synthetic
     make_synthetic(tmp_path / "other", n_questions=2, passages_per_question=3, seed=99)
