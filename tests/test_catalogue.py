@@ -161,6 +161,22 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
 
 
 # ---- data that is not what kvf needs --------------------------------------------------------------
+def test_prompt_too_long_is_refused_before_any_answer(data, tmp_path, capsys, monkeypatch):
+    """A question whose prompt cannot fit the model stops the run before the first answer, naming it:
+    found mid-sweep it would stop the run there, and again at it on every resume."""
+    dataset, ws = data
+    questions = write(tmp_path / "mine.jsonl", (json.dumps({"question": "Who founded Acme?"}) + "\n"
+                                                + json.dumps({"question": "Who? " + "really " * 8200})).encode())
+    out = tmp_path / "o.jsonl"
+    code, _, err = run_cli(["run", "-w", ws, "-q", questions, "-m", "reuse", "-o", out], capsys, monkeypatch)
+    assert_one_line(code, err, "question mine-2 in", "mine.jsonl", "the question alone is", "shorten the question")
+    assert not out.exists() or out.read_text() == ""
+    # the chunks and the answer's room, not the question, overflow: fewer chunks or fewer new tokens
+    code, _, err = run_cli(run_args(data, out, "--max-new-tokens", "8100", "--compare-full"), capsys, monkeypatch)
+    assert_one_line(code, err, "under reuse", "--max-new-tokens 8100", "give it fewer passages", "lower --max-new-tokens")
+    assert not out.exists() or out.read_text() == ""
+
+
 def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatch):
     dataset, _ = data
     rows = [json.loads(line) for line in (dataset / "questions.jsonl").read_text().splitlines()]

@@ -327,7 +327,7 @@ class FusionEngine:
     def check_fits(self, prompt: FusedPrompt, max_new_tokens: int, positions: torch.Tensor | None = None) -> None:
         """The prompt's RoPE positions (contiguous unless `positions` is given) plus the new tokens must fit."""
         limit = self.model.max_positions
-        used = prompt.n_tokens if positions is None else int(positions.max()) + 1
+        used = prompt.positions_used(positions)
         if used + max_new_tokens > limit:
             raise KvfError(f"prompt of {prompt.n_tokens} tokens ({used} positions) + {max_new_tokens} new tokens exceeds the model's "
                            f"{limit} positions; use fewer chunks (--top-k), smaller --chunk-tokens or a lower --max-new-tokens")

@@ -92,6 +92,11 @@ class FusedPrompt:
     def question_rows(self) -> torch.Tensor:
         return torch.arange(self.n_tokens - len(self.question_ids), self.n_tokens)
 
+    def positions_used(self, positions: torch.Tensor | None = None) -> int:
+        """RoPE positions the prompt takes: n_tokens when contiguous, else the highest of `positions` + 1
+        (methods that let chunks share positions, like pcw, take fewer)."""
+        return self.n_tokens if positions is None else int(positions.max()) + 1
+
     def all_ids(self) -> torch.Tensor:
         ids = list(self.prefix_ids)
         for seg in self.chunk_segments:

@@ -23,7 +23,9 @@ from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used
+from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
+from kvf.pipeline.retrieval.chunking import read_chunks_table
 from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
                                           write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
@@ -254,12 +256,13 @@ class ChunkPicker:
         self.setting, self.top_k, self.ws = setting, top_k, ws
         self.retriever, self._searcher = retriever, None
         self.doc_chunks = ws.doc_chunks()
+        self._chunk_ids_of: dict[str, list[str]] = {}  # per qid: searched once (check_prompts_fit, then answering)
         if setting == "shared":
             check_index_fresh(ws, retriever)
 
     @property
     def searcher(self):
-        """Opened on first use (a --ray driver only checks questions: its workers search)."""
+        """Opened on first use (the per-question setting never searches)."""
         if self._searcher is None:
             if self.retriever == "bm25":
                 from kvf.pipeline.retrieval.bm25 import BM25Searcher
@@ -282,12 +285,38 @@ class ChunkPicker:
                                "(`kvf build-cache DATASET/corpus -w WS`) or pass its --workspace")
 
     def chunk_ids(self, q: Question) -> list[str]:
+        if q.qid not in self._chunk_ids_of:
+            self._chunk_ids_of[q.qid] = self._pick(q)
+        return self._chunk_ids_of[q.qid]
+
+    def _pick(self, q: Question) -> list[str]:
         if self.setting == "shared":
             return [cid for cid, _ in self.searcher.search(q.question, self.top_k)]
         ids = []
         for pid in q.context_ids:
             ids += self.doc_chunks[pid]
         return ids
+
+
+def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planned], opts: RunOptions,
+                      setting: str, limit: int) -> None:
+    """Every question's prompt must fit the model's positions with --max-new-tokens to spare, under
+    every planned method, checked before any work: else a sweep stops at its first long question, and
+    at that question again on every resume. prompt_of(q) -> FusedPrompt."""
+    methods = [p.method for p in planned] + ([get_method("full")] if opts.compare_full else [])
+    source = opts.questions or opts.dataset / "questions.jsonl"
+    fewer = "retrieve fewer chunks (--top-k)" if setting == "shared" else "give it fewer passages"
+    for q in questions:
+        prompt = prompt_of(q)
+        for method in methods:
+            used = prompt.positions_used(method.positions(prompt))
+            if used + opts.max_new_tokens > limit:
+                long_question = len(prompt.question_ids) > limit // 2
+                why = f" (the question alone is {len(prompt.question_ids)} tokens)" if long_question else ""
+                fix = "shorten the question" if long_question else f"{fewer}, lower --max-new-tokens"
+                raise KvfError(f"question {q.qid} in {source}: its prompt under {method.name} takes {used} positions"
+                               f"{why}, + --max-new-tokens {opts.max_new_tokens} > the model's {limit}; {fix}, "
+                               f"or leave the question out of {source.name}")
 
 
 def check_index_fresh(ws: Workspace, retriever: str) -> None:
@@ -432,10 +461,17 @@ def run(opts: RunOptions, console: Console) -> Path:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
             model_name, dtype, n_layers = session.model_ref.name, session.dtype, session.n_layers
+            check_prompts_fit(questions, lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever),
+                                                                  q.question),
+                              planned, opts, setting, session.answerer.transformer.max_positions)
         else:  # the driver only plans and writes: its workers load the model
             model_ref = open_model(opts.model)
             check_workspace_model(ws, model_ref)
             model_name, dtype, n_layers = model_ref.name, compute_dtype(opts.device, opts.dtype), model_ref.config.num_hidden_layers
+            template, chunks_by_id = make_template(model_ref.tokenizer), {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
+            check_prompts_fit(questions, lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],
+                                                                q.question),
+                              planned, opts, setting, model_ref.config.max_position_embeddings)
         for p in planned:
             p.method.check_model(n_layers)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
