@@ -27,7 +27,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def bench_command(
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens, comma-separated."),
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Chunk size: tokens per chunk of the benchmark prompt."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated, each NAME or NAME:KNOB=VALUE as on kvf run \\[default: all]."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated, each NAME or NAME:KNOB=VALUE as on kvf run [default: all]."),
     ratio: str = typer.Option("0.05,0.15,0.3", "--ratio", "-r", "--ratios", help="Recompute ratios for methods whose ratio is a knob."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds, each timing every setting once in a balanced order (medians reported), after one warm-up each."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),
@@ -40,7 +40,7 @@ def bench_command(
     dtype: DtypeOption = None,
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON (one object per row) instead of a table."),
     out: Path = typer.Option(Path("results"), "--out", "-o", help="Directory for ttft.csv, rounds.csv (every timed request), ttft.md and ttft_vs_context.png (and ttft_paired.png with --versus)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Where the benchmark's store goes: a path or URL (s3://bucket/prefix) \\[default: a temp dir]."),
+    store: Optional[str] = typer.Option(None, "--store", help="Where the benchmark's store goes: a path or URL (s3://bucket/prefix) [default: a temp dir]."),
     s3_endpoint: S3EndpointOption = None,
     versus: Optional[str] = typer.Option(None, "--versus", help="An -m entry (e.g. prophetkv) that every other entry is also paired with, round by round: TTFT ratio with a 95% bootstrap interval over rounds."),
     **knobs,

@@ -5,11 +5,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvf.cli.options import command_group
 from kvf.pipeline.data.datasets import ACCEPTED_FORMATS, find_dataset_file, prepare
 from kvf.pipeline.data.synthetic import make_synthetic
 
-data_app = typer.Typer(help="Prepare benchmark data: a corpus of passages plus questions with their context ids.",
-                       no_args_is_help=True)
+data_app = command_group("Prepare benchmark data: a corpus of passages plus questions with their context ids.")
 
 
 @data_app.command("prepare")
@@ -18,9 +18,9 @@ def prepare_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write corpus/passages.jsonl and questions.jsonl to.")],
     input_file: Annotated[Optional[Path], typer.Option(
         "--input", help="Benchmark file (JSON, JSON Lines, gzip or not; format autodetected). "
-                        "\\[default: the dataset's file in the data directory]")] = None,
+                        "[default: the dataset's file in the data directory]")] = None,
     data_dir: Annotated[Optional[str], typer.Option(
-        "--data-dir", help="Data directory for the default input \\[default: $KVF_DATA, else ../shared/data].")] = None,
+        "--data-dir", help="Data directory for the default input [default: $KVF_DATA, else ../shared/data].")] = None,
     corpus: Annotated[Optional[Path], typer.Option(
         "--corpus", help="custom: documents whose ids your questions' passages name (a folder or file, as for build-cache).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="Keep only the first N questions.")] = None,

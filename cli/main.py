@@ -14,13 +14,13 @@ import typer
 
 from kvf import __version__
 from kvf.cli.entry import Interrupted, Stopped
+from kvf.cli.options import command_group
 from kvf.errors import KvfError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # kvf shows its own progress
 
-app = typer.Typer(help="kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app = command_group("kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.")
 DEBUG = {"on": False}
 
 
@@ -69,6 +69,9 @@ def main():
             raise KeyboardInterrupt
         sys.exit(code if isinstance(code, int) else 0)
     except typer.TyperException as e:  # bad flags and arguments (typer's own click)
+        if type(e).__name__ == "NoArgsIsHelpError":   # `kvf`, `kvf store`, `kvf data` alone: their help
+            print(e.ctx.get_help())
+            sys.exit(0)
         ctx = getattr(e, "ctx", None)
         where = ctx.command_path if ctx is not None else "kvf"
         format_message = getattr(e, "format_message", None)

@@ -7,12 +7,33 @@ import inspect
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
+
+
+class CommandGroup(TyperGroup):
+    """Plain (click) help, with each command's summary wrapped in full: click cuts it at ~60 characters
+    with '...'. kvf's apps use plain help because typer's rich tables squeeze an option's help into
+    ~17 columns on an 80-column terminal."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = [(name, cmd.get_short_help_str(limit=10_000)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def command_group(help: str) -> typer.Typer:
+    """A kvf command group (the root app, `kvf data`, `kvf store`): plain help, no arguments = help."""
+    return typer.Typer(help=help, cls=CommandGroup, rich_markup_mode=None, no_args_is_help=True,
+                       pretty_exceptions_enable=False, add_completion=False)
+
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", help="Local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, or cuda (cuda:N) with a CUDA build of torch.")]
 S3EndpointOption = Annotated[Optional[str], typer.Option(
-    "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) \\[default: AWS, or $AWS_ENDPOINT_URL].")]
+    "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
 def use_s3_endpoint(endpoint: str | None) -> None:
@@ -24,9 +45,9 @@ def use_s3_endpoint(endpoint: str | None) -> None:
 
 RayOption = Annotated[Optional[str], typer.Option(
     "--ray", help="Spread the work over Ray actors: local (start Ray on this machine) or a cluster address "
-                  "(auto, ray://HEAD:10001). Needs pip install 'kvf\\[ray]'.", rich_help_panel="Scale-out")]
+                  "(auto, ray://HEAD:10001). Needs pip install 'kvf[ray]'.", rich_help_panel="Scale-out")]
 WorkersOption = Annotated[Optional[int], typer.Option(
-    "--workers", min=1, help="Ray actors, each with its own model \\[default: one per CPU, or per GPU with --device cuda].",
+    "--workers", min=1, help="Ray actors, each with its own model [default: one per CPU, or per GPU with --device cuda].",
     rich_help_panel="Scale-out")]
 ThreadsOption = Annotated[int, typer.Option(
     "--threads", min=1, help="torch threads per Ray actor.", rich_help_panel="Scale-out")]
@@ -39,7 +60,7 @@ def check_ray_flags(ray: str | None, workers: int | None) -> None:
 
 
 DtypeOption = Annotated[Optional[str], typer.Option(
-    "--dtype", help="Compute dtype: float32, bfloat16 or float16 \\[default: float32 on cpu, bfloat16 on cuda].")]
+    "--dtype", help="Compute dtype: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].")]
 
 
 def with_method_knobs(command):
@@ -49,10 +70,8 @@ def with_method_knobs(command):
     from kvf.pipeline.fusion.methods.base import flag_name, knob_specs
     signature = inspect.signature(command, eval_str=True)   # Annotated[..., typer.Option(help=...)], not the string
     params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    from rich.markup import escape
     specs = knob_specs()
     for spec in specs:
-        spec.help = escape(spec.help)  # "[default: 1]" is text, not a rich style tag
         if spec.type is bool:
             option = typer.Option(None, f"{flag_name(spec.name)}/{flag_name('no_' + spec.name)}", help=spec.help,
                                   rich_help_panel="Method knobs")

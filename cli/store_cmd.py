@@ -12,14 +12,15 @@ from rich.table import Table
 
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
+from kvf.cli.options import command_group
 
-store_app = typer.Typer(help="Inspect and maintain a chunk KV store (info, verify, gc).", no_args_is_help=True)
+store_app = command_group("Inspect and maintain a chunk KV store (info, verify, gc).")
 console = Console()
 
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
 WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", "-w", help="Use this workspace's store.")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 \\[default: detect].")]
-EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores \\[default: AWS, or $AWS_ENDPOINT_URL].")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 [default: detect].")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
 def _size(n: float | None) -> str:

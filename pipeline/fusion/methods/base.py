@@ -280,15 +280,19 @@ def knob_specs() -> list[KnobSpec]:
         for f in dataclasses.fields(cls.Knobs):
             spec = specs.get(f.name)
             if spec is None:
-                specs[f.name] = KnobSpec(f.name, types[f.name], f"{method_name}: {f.metadata.get('help', '')} "
-                                         f"[default: {f.default}]", [method_name])
+                specs[f.name] = KnobSpec(f.name, types[f.name], f"{method_name}: {knob_help(f)}", [method_name])
             elif spec.type is not types[f.name]:
                 raise KvfError(f"knob {f.name} is {spec.type.__name__} in {spec.methods[0]} but "
                                f"{types[f.name].__name__} in {method_name}; give one of them another name")
             else:
                 spec.methods.append(method_name)
-                spec.help += f"; {method_name}: {f.metadata.get('help', '')} [default: {f.default}]"
+                spec.help += f"; {method_name}: {knob_help(f)}"
     return list(specs.values())
+
+
+def knob_help(f: dataclasses.Field) -> str:
+    """A knob's help with its default; a None default is explained by the help itself ("default: calibrated")."""
+    return f.metadata.get("help", "") + ("" if f.default is None else f" [default: {f.default}]")
 
 
 def check_knobs_used(method_names_run: list[str], knobs: dict) -> None:
