@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -15,15 +16,42 @@ def methods_command(names: bool = typer.Option(False, "--names", help="Print onl
     if names:
         print(",".join(method_names()))
         return
+    rows = [method_row(METHODS[name], name, flag_name) for name in method_names()]
+    console = Console()
+    if console.width >= WIDE:
+        console.print(methods_table(rows))
+    else:   # one block per method: a table's six columns squeeze names and summaries to nothing here
+        for row in rows:
+            console.print(method_block(row))
+
+
+WIDE = 140  # columns the table needs before its summaries read as sentences
+
+
+def method_row(cls, name: str, flag_name) -> dict:
+    knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
+    ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
+    return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
+            "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-"}
+
+
+def methods_table(rows: list[dict]) -> Table:
     table = Table(title="kvf fusion methods", expand=True)
     for col in ("method", "ratio", "variant", "knobs [default]", "extras"):
         table.add_column(Text(col), no_wrap=True)   # Text: "[default]" is not rich markup
     table.add_column("what it recomputes", overflow="fold", ratio=1, min_width=30)
-    for name in method_names():
-        cls = METHODS[name]
-        knobs = "\n".join(f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)) or "-"
-        ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
-        cells = (name, ratio, cls.offline_variant if cls.uses_store else "-", knobs,
-                 "\n".join(cls.extras_names) or "-", cls.summary or "-")
+    for r in rows:
+        cells = (r["method"], r["ratio"], r["variant"], "\n".join(r["knobs"]) or "-", "\n".join(r["extras"]) or "-",
+                 r["summary"])
         table.add_row(*map(Text, cells))   # Text: a default such as [k] is not rich markup
-    Console().print(table)
+    return table
+
+
+def method_block(r: dict) -> Group:
+    """name, ratio and stored variant; then what it recomputes, its knobs and build-time extras, indented."""
+    head = Text(r["method"], style="bold")
+    ratio = r["ratio"] if r["ratio"].startswith("--") else f"ratio {r['ratio']}"
+    head.append(f" · {ratio} · stored variant {r['variant']}")
+    lines = [r["summary"]] + ([f"knobs [default]: {', '.join(r['knobs'])}"] if r["knobs"] else []) \
+        + ([f"build-time extras: {', '.join(r['extras'])}"] if r["extras"] else [])
+    return Group(head, *(Padding(Text(line), (0, 0, 0, 4), expand=False) for line in lines), Text(""))

@@ -170,6 +170,8 @@ def test_summary_is_the_readme_row_and_kvf_methods_prints_it(name):
     assert f"| `{name}` | {summary.replace('|', chr(92) + '|')} |" in readme, f"README.md: no methods row for {name} saying its summary"
     listed = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "400"}).output
     assert " ".join(summary.split()) in listed, name
+    narrow = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "80"}).output   # one block per method there
+    assert max(map(len, narrow.splitlines())) <= 80 and " ".join(summary.split()) in " ".join(narrow.split()), name
 
 
 def test_registry_rejects_a_second_method_of_the_same_name():
