@@ -112,6 +112,8 @@ def _resolve(path: str):
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
+        if isinstance(e, ImportError) and path.startswith("s3"):
+            raise KvfError(f"cannot open store URL {path}: S3 stores need s3fs; pip install 'kvf[s3]'") from e
         raise KvfError(f"cannot open store URL {path}: {e}") from e
     if isinstance(fs, LocalFileSystem):
         return LocalFS(os.path.abspath(root)), os.path.abspath(root)

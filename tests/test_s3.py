@@ -151,3 +151,13 @@ def test_build_cache_and_run_on_s3_equal_a_local_build(s3, tmp_path, short_docs)
                            "--s3-endpoint", s3], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0 and "entries OK" in proc.stdout, proc.stderr
+
+
+def test_s3_without_s3fs_names_the_extra(monkeypatch):
+    """kvf installed without its s3 extra: an s3:// store says which install fixes it."""
+    from kvf.cachestore import open_store
+    registry = sys.modules["fsspec.registry"]
+    monkeypatch.setitem(sys.modules, "s3fs", None)            # import s3fs -> ImportError
+    monkeypatch.setattr(registry, "_registry", {k: v for k, v in registry._registry.items() if k not in ("s3", "s3a")})
+    with pytest.raises(KvfError, match=r"s3://bucket/prefix: S3 stores need s3fs; pip install 'kvf\[s3\]'"):
+        open_store("s3://bucket/prefix", create=True, meta=META)
