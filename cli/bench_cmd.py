@@ -70,4 +70,4 @@ def bench_command(
         print(df.to_json(orient="records"))
     else:
         console.print(summary_table(df, f"TTFT vs full prefill — {label}", width=console.width))
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False, markup=False)

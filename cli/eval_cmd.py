@@ -45,7 +45,7 @@ def eval_command(
         df = summary.attrs["records"]
         table = per_question(df, select(df, compare[0]), select(df, compare[1]))
         console.print(comparison_table(table, *compare))
-    console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/")
+    console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/", highlight=False, markup=False)
 
 
 def compare_command(

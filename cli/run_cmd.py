@@ -71,4 +71,4 @@ def run_command(
     if show_answers:
         from kvf.cli.tables import answers_table
         Console().print(answers_table(path, opts))
-    console.print(f"runs written to {path}")
+    console.print(f"runs written to {path}", highlight=False, markup=False)

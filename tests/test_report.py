@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvf.errors import KvfError
-from kvf.eval.report import evaluate, summary_markdown, summary_table
+from kvf.eval.report import evaluate, format_cell, summary_markdown, summary_table
 from kvf.eval.stats import MIN_QUESTIONS
 
 GOLD = {"q1": ["Paris"], "q2": ["Rome"], "q3": ["Berlin"], "q4": ["Madrid"]}
@@ -344,8 +344,8 @@ def test_a_narrow_terminal_gets_fewer_columns_not_numbers_broken_over_lines(runs
     assert "not shown at this width: " in narrow and "summary.md has them" in narrow
     assert "vs_reuse" in narrow.split("not shown")[1]                          # named as left out, not shown
     blend = row(summary, "cacheblend")
-    assert any("cacheblend" in line and f"{blend.fidelity_f1:.3f}" in line and f"{blend.vs_full:+.3f}" in line
-               for line in narrow.splitlines())                              # one row, one line
+    assert any("cacheblend" in line and f"{blend.fidelity_f1:.3f}" in line and format_cell(blend, "vs_full") in line
+               for line in narrow.splitlines())                              # one row, one line, interval whole
     assert "variant" in narrow.split("not shown")[1]                          # one variant per method here
     twin = write_run(tmp_path / "fusion.jsonl", replicated("cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "x",
                                                                           "q4": "y"}, ratio=0.2, variant="fusion"))

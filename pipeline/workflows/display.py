@@ -35,6 +35,8 @@ def fit_table(build: Callable[[list[str]], Table], columns: Sequence[str], dropp
         if name in shown:
             shown.remove(name)
             table = build(shown)
+    if natural_width(table) > width:   # a few columns short still: one space between cells, not two,
+        table.collapse_padding = True   # rather than every row wrapped over two lines
     left_out = [c for c in columns if c not in shown]
     if left_out:
         note = f"not shown at this width: {', '.join(left_out)} ({full_copy} has them)"
