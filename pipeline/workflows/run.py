@@ -299,24 +299,30 @@ class ChunkPicker:
 
 
 def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planned], opts: RunOptions,
-                      setting: str, limit: int) -> None:
+                      setting: str, limit: int, console: Console) -> None:
     """Every question's prompt must fit the model's positions with --max-new-tokens to spare, under
     every planned method, checked before any work: else a sweep stops at its first long question, and
     at that question again on every resume. prompt_of(q) -> FusedPrompt."""
     methods = [p.method for p in planned] + ([get_method("full")] if opts.compare_full else [])
     source = opts.questions or opts.dataset / "questions.jsonl"
     fewer = "retrieve fewer chunks (--top-k)" if setting == "shared" else "give it fewer passages"
-    for q in questions:
-        prompt = prompt_of(q)
-        for method in methods:
-            used = prompt.positions_used(method.positions(prompt))
-            if used + opts.max_new_tokens > limit:
-                long_question = len(prompt.question_ids) > limit // 2
-                why = f" (the question alone is {len(prompt.question_ids)} tokens)" if long_question else ""
-                fix = "shorten the question" if long_question else f"{fewer}, lower --max-new-tokens"
-                raise KvfError(f"question {q.qid} in {source}: its prompt under {method.name} takes {used} positions"
-                               f"{why}, + --max-new-tokens {opts.max_new_tokens} > the model's {limit}; {fix}, "
-                               f"or leave the question out of {source.name}")
+    with progress_bar(console) as progress:
+        for q in progress.track(questions, description="checking every prompt fits"):
+            check_prompt_fits(q, prompt_of(q), methods, opts.max_new_tokens, limit, source, fewer)
+
+
+def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_tokens: int, limit: int,
+                      source: Path, fewer: str) -> None:
+    """One question's prompt (a FusedPrompt) under each method: its positions + the new tokens <= limit."""
+    for method in methods:
+        used = prompt.positions_used(method.positions(prompt))
+        if used + max_new_tokens > limit:
+            long_question = len(prompt.question_ids) > limit // 2
+            why = f" (the question alone is {len(prompt.question_ids)} tokens)" if long_question else ""
+            fix = "shorten the question" if long_question else f"{fewer}, lower --max-new-tokens"
+            raise KvfError(f"question {q.qid} in {source}: its prompt under {method.name} takes {used} positions"
+                           f"{why}, + --max-new-tokens {max_new_tokens} > the model's {limit}; {fix}, "
+                           f"or leave the question out of {source.name}")
 
 
 def check_index_fresh(ws: Workspace, retriever: str) -> None:
@@ -461,17 +467,17 @@ def run(opts: RunOptions, console: Console) -> Path:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
             model_name, dtype, n_layers = session.model_ref.name, session.dtype, session.n_layers
-            check_prompts_fit(questions, lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever),
-                                                                  q.question),
-                              planned, opts, setting, session.answerer.transformer.max_positions)
+            prompt_of = lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever), q.question)  # noqa: E731
+            max_positions = session.answerer.transformer.max_positions
         else:  # the driver only plans and writes: its workers load the model
             model_ref = open_model(opts.model)
             check_workspace_model(ws, model_ref)
             model_name, dtype, n_layers = model_ref.name, compute_dtype(opts.device, opts.dtype), model_ref.config.num_hidden_layers
             template, chunks_by_id = make_template(model_ref.tokenizer), {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
-            check_prompts_fit(questions, lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],
-                                                                q.question),
-                              planned, opts, setting, model_ref.config.max_position_embeddings)
+            prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
+                                               q.question)
+            max_positions = model_ref.config.max_position_embeddings
+        check_prompts_fit(questions, prompt_of, planned, opts, setting, max_positions, console)
         for p in planned:
             p.method.check_model(n_layers)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
