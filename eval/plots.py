@@ -99,7 +99,9 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
             (fidelity_ax, "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
              "fidelity to full prefill")):
         if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
-            ax.set_ylim(0, 1.02)
+            # fidelity spans [0, 1] with full at 1; gold scores of a small model may all sit below 0.1,
+            # where a [0, 1] axis would flatten every line into the floor
+            ax.set_ylim(0, 1.02 if column == "fidelity_f1" else data_top(rows, [column, high]))
             ax.set_title(title)
         else:
             _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
@@ -109,6 +111,12 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
     save_figure(fig, path)
+
+
+def data_top(rows: pd.DataFrame, columns: list[str]) -> float:
+    """An axis top a little above the highest value or interval end of `columns` (a multiple of 0.05), at most 1.02."""
+    values = [v for c in columns if c in rows for v in rows[c].to_numpy(dtype=float) if not math.isnan(v)]
+    return min(1.02, max(0.05, math.ceil(1.15 * max(values) * 20) / 20)) if values else 1.02   # to 0.05
 
 
 def plot_ttft(summary: pd.DataFrame, path: Path):

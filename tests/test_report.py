@@ -492,3 +492,14 @@ def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
     colours = _palette(labels)
     assert len(colours) == 12 and len(set(colours.values())) == 12
+
+
+def test_the_gold_panel_is_scaled_to_its_data():
+    """A small model's gold F1 (0.03-0.12 here) on a [0, 1] axis is a flat line at the floor: the gold
+    panel's top follows its highest value or interval end (to 0.05); scores near 1 keep [0, 1.02]."""
+    from kvf.eval.plots import data_top
+    low = pd.DataFrame({"f1": [0.03, 0.08, float("nan")], "metric_high": [0.06, 0.12, float("nan")]})
+    assert data_top(low, ["f1", "metric_high"]) == pytest.approx(0.15)         # 1.15 x 0.12 = 0.138, up to 0.15
+    high = pd.DataFrame({"acc": [0.8, 0.95], "metric_high": [0.9, 1.0]})
+    assert data_top(high, ["acc", "metric_high"]) == 1.02
+    assert data_top(pd.DataFrame({"f1": [float("nan")]}), ["f1", "metric_high"]) == 1.02   # nothing to scale to
