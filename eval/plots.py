@@ -165,7 +165,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]
         colours = ["black" if m == "full" else "dimgray" if m == "reuse" else "tab:blue" for m in rows.method]
         ax.barh(rows.name, values, xerr=xerr, color=colours, capsize=2, height=0.6)
-        ax.set_xlim(0, 1.02)
+        ax.set_xlim(0, 1.02 if column == "fidelity_f1" else data_top(rows, [column, high]))   # as plot_quality
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{title} (n = {int(rows.n.max())} questions; bars: 95% bootstrap intervals; "
