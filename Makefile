@@ -10,6 +10,7 @@
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
 #   make bench-scale  Ray workers vs one process, shared vs lone sweep work (synthetic and MuSiQue), 1M-chunk cost projection
+#   make recompute-cost  full prefill vs recomputing a fraction of the rows at 6K tokens: seconds and GFLOP/s of each
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
@@ -29,7 +30,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -246,6 +247,9 @@ kvfuse-requery-heldout: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questio
 BENCH_ALLOCATOR_OUT ?= results/bench_allocator.md
 bench-allocator: setup
 	$(PY) -m kvf.scripts.bench_allocator --out $(BENCH_ALLOCATOR_OUT)
+RECOMPUTE_COST_OUT ?= results/recompute_cost.md
+recompute-cost: setup
+	$(PY) -m kvf.scripts.recompute_cost --out $(RECOMPUTE_COST_OUT)
 # kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
 # distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup

@@ -2,6 +2,7 @@
 benchmark, not a test): when each question's records were all written, and the distinct prefills'
 own layer-loop seconds that no exact sharing removes."""
 import pytest
+import torch
 
 from kvf.scripts.bench_scale import own_prefill_seconds, question_ends
 
@@ -74,3 +75,30 @@ def test_a_gpu_table_that_is_not_kvf_benchs_is_one_line_naming_the_flag(tmp_path
     table.write_bytes(text.encode("latin-1"))
     with pytest.raises(SystemExit, match=f"--gpu-table {table}: not a `kvf bench` table"):
         gpu_full_prefill_rate(table)
+
+
+def test_recompute_cost_counts_the_flops_torch_counts(monkeypatch):
+    """scripts/recompute_cost's FLOPs for one layer over some rows are what torch's FlopCounterMode counts
+    for the engine's own calls: the projections and MLP per row, attention over the keys each block reads."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from conftest import tiny_model
+    from kvf.pipeline.model import forward
+    from kvf.pipeline.model.rope import apply_rope
+    from kvf.scripts.recompute_cost import attention_flops, keys_read, linear_flops_per_row
+    monkeypatch.setattr(forward, "ATTN_BLOCK_ROWS", 2)
+    T = forward.Transformer(tiny_model("llama"))
+    n, rows = 10, torch.tensor([0, 5, 6, 9])
+    assert keys_read(rows).tolist() == [6, 6, 10, 10]               # blocks [0, 5] and [6, 9] read up to 6 and 10
+    ids = torch.arange(n)
+    cache = T.new_cache(n)
+    with torch.inference_mode():
+        T.prefill(ids, cache)
+        hidden = T.embed(ids[rows])
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):   # attention as matmuls it counts
+            q, k, v = T.project_qkv(0, hidden)
+            cos, sin = T.rope.cos_sin(rows, q.dtype)
+            q = apply_rope(q, cos, sin)
+            hidden = hidden + T.attend(0, q, cache.keys(0), cache.values(0), T.causal_mask(rows, n), False, rows)
+            T.mlp(0, hidden)
+    assert counter.get_total_flops() == linear_flops_per_row(T) * len(rows) + attention_flops(T, keys_read(rows))

@@ -26,8 +26,8 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
-from kvf.pipeline.workflows.build import (BuildOptions, open_workspace_store, stage_chunks, stage_indexes,
-                                          write_workspace_manifest)
+from kvf.pipeline.workflows.build import (BuildOptions, index_digests, open_workspace_store, stage_chunks,
+                                          stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.display import progress_bar
 from kvf.pipeline.workflows.provenance import provenance
@@ -327,8 +327,6 @@ def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_
 
 def check_index_fresh(ws: Workspace, retriever: str) -> None:
     """An index built from another chunks table (the corpus changed, then a --no-bm25 rebuild) is refused."""
-    from kvf.pipeline.retrieval.chunking import read_chunks_table
-    from kvf.pipeline.workflows.build import index_digests
     manifest = ws.manifest()
     built_from = (manifest.get("indexes") or {}).get(retriever)
     if built_from is None:
@@ -477,9 +475,9 @@ def run(opts: RunOptions, console: Console) -> Path:
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
                                                q.question)
             max_positions = model_ref.config.max_position_embeddings
-        check_prompts_fit(questions, prompt_of, planned, opts, setting, max_positions, console)
         for p in planned:
             p.method.check_model(n_layers)
+        check_prompts_fit(questions, prompt_of, planned, opts, setting, max_positions, console)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
