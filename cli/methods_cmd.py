@@ -12,11 +12,11 @@ from rich.text import Text
 
 def methods_command(names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated.")):
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
-    from kvf.pipeline.fusion.methods.base import METHODS, flag_name, method_names
+    from kvf.pipeline.fusion.methods.base import METHODS, method_names
     if names:
         print(",".join(method_names()))
         return
-    rows = [method_row(METHODS[name], name, flag_name) for name in method_names()]
+    rows = [method_row(METHODS[name], name) for name in method_names()]
     console = Console()
     if console.width >= WIDE:
         console.print(methods_table(rows))
@@ -28,7 +28,8 @@ def methods_command(names: bool = typer.Option(False, "--names", help="Print onl
 WIDE = 140  # columns the table needs before its summaries read as sentences
 
 
-def method_row(cls, name: str, flag_name) -> dict:
+def method_row(cls, name: str) -> dict:
+    from kvf.pipeline.fusion.methods.base import flag_name
     knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
     ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",

@@ -99,9 +99,7 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
             (fidelity_ax, "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
              "fidelity to full prefill")):
         if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
-            # fidelity spans [0, 1] with full at 1; gold scores of a small model may all sit below 0.1,
-            # where a [0, 1] axis would flatten every line into the floor
-            ax.set_ylim(0, 1.02 if column == "fidelity_f1" else data_top(rows, [column, high]))
+            ax.set_ylim(0, axis_top(rows, column, high))
             ax.set_title(title)
         else:
             _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
@@ -111,6 +109,12 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
     save_figure(fig, path)
+
+
+def axis_top(rows: pd.DataFrame, column: str, high: str) -> float:
+    """Where a quality axis ends: fidelity spans [0, 1] with full at 1; gold scores of a small model may all
+    sit below 0.1, where a [0, 1] axis would flatten every method into the floor, so theirs follows the data."""
+    return 1.02 if column == "fidelity_f1" else data_top(rows, [column, high])
 
 
 def data_top(rows: pd.DataFrame, columns: list[str]) -> float:
@@ -165,7 +169,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]
         colours = ["black" if m == "full" else "dimgray" if m == "reuse" else "tab:blue" for m in rows.method]
         ax.barh(rows.name, values, xerr=xerr, color=colours, capsize=2, height=0.6)
-        ax.set_xlim(0, 1.02 if column == "fidelity_f1" else data_top(rows, [column, high]))   # as plot_quality
+        ax.set_xlim(0, axis_top(rows, column, high))
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{title} (n = {int(rows.n.max())} questions; bars: 95% bootstrap intervals; "

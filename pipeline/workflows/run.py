@@ -300,8 +300,8 @@ class ChunkPicker:
 
 def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planned], opts: RunOptions,
                       setting: str, limit: int, console: Console) -> None:
-    """Every question's prompt must fit the model's positions with --max-new-tokens to spare, under
-    every planned method, checked before any work: else a sweep stops at its first long question, and
+    """Every question's prompt (those still to answer) must fit the model's positions with --max-new-tokens
+    to spare, under every planned method, checked before any work: else a sweep stops at its first long question, and
     at that question again on every resume. prompt_of(q) -> FusedPrompt."""
     methods = [p.method for p in planned] + ([get_method("full")] if opts.compare_full else [])
     source = opts.questions or opts.dataset / "questions.jsonl"
@@ -477,7 +477,6 @@ def run(opts: RunOptions, console: Console) -> Path:
             max_positions = model_ref.config.max_position_embeddings
         for p in planned:
             p.method.check_model(n_layers)
-        check_prompts_fit(questions, prompt_of, planned, opts, setting, max_positions, console)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
@@ -485,6 +484,9 @@ def run(opts: RunOptions, console: Console) -> Path:
         todo_of = {q.qid: [i for i, p in enumerate(planned)
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
                    for q in questions}
+        # questions already answered in full proved that they fit: a resumed sweep does not search them again
+        check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
+                          console)
         stats = MethodStats()
         with progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
