@@ -68,6 +68,23 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def work_dir(given: str | Path | None, prefix: str) -> Iterator[Path]:
+    """The directory a command works in: `given` (kept, so a rerun can reuse it), or a temp dir that is
+    removed when the block ends, however it ends: a benchmark's stores are hundreds of MB each, and a
+    temp dir left behind on every run fills /tmp."""
+    if given is not None:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_writable_dir(path: str | Path, flag: str) -> Path:
     """A directory kvf is about to write into: created if missing; a file there, or a place that
     cannot be written, is a one-line error naming the flag."""

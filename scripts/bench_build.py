@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from rich.table import Table
 
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.cachestore.dtypes import itemsize
 from kvf.pipeline.data.synthetic import make_synthetic
@@ -82,8 +80,11 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = output_console(140)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvf-bench-build-"))
+    with work_dir(args.workdir, "kvf-bench-build-") as work:   # the store is ~23 KB per token: a temp one goes
+        bench_build(args, work, output_console(140))
+
+
+def bench_build(args, work: Path, console) -> None:
     make_synthetic(work / "data", n_questions=args.questions, passages_per_question=args.passages, seed=0)
     model_ref = open_model(None)
     chunks = chunk_documents(read_corpus(work / "data" / "corpus"), model_ref.tokenizer, args.chunk_tokens)
@@ -195,8 +196,6 @@ def main():
                "bytes_per_token_overhead": bpt_overhead, "read_layer_us": 1e6 * read_median}
     write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1) + "\n")
     console.print(f"wrote {args.out}")
-    if args.workdir is None:  # the store is ~23 KB per token: don't leave it in /tmp
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.fusion.sources import InMemoryKV, StoreKVSource
@@ -78,9 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     engine = FusionEngine(transformer)
     prompt = bench_prompt(transformer, None, args.length, 512)
-    store = open_store(str(Path(tempfile.mkdtemp(prefix="kvf-gpu-load-")) / "store.zarr"), "zarr", create=True,
-                       meta={"model": "bench", "dtype": "float16", "layers": transformer.n_layers,
-                             "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
+    with work_dir(None, "kvf-gpu-load-") as tmp:   # the store is GBs: it goes when the measuring ends
+        store = open_store(str(tmp / "store.zarr"), "zarr", create=True,
+                           meta={"model": "bench", "dtype": "float16", "layers": transformer.n_layers,
+                                 "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
+        numbers = measure(args, engine, prompt, store)
+    write_report(args, numbers)
+    return 0
+
+
+def measure(args, engine: FusionEngine, prompt, store) -> dict:
+    """Store reads, copies to the GPU and TTFT by where the chunk KVs come from."""
+    transformer = engine.model
     keys = store_chunk_kvs(engine, prompt, store, [get_method("reuse")])
     layers = range(transformer.n_layers)
     kv_bytes = sum(store.header(k).layer_nbytes for k in keys) * transformer.n_layers
@@ -116,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             ttft[f"{label}|{where}"] = 1000 * median_seconds(lambda: first_token(method, engine, prompt, factory),
                                                             args.repeats)
     numbers["full_ms"], numbers["ttft_ms"] = full_ms, ttft
-    write_report(args, numbers)
-    return 0
+    return numbers
 
 
 def write_report(args, numbers: dict) -> None:

@@ -39,7 +39,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ from rich.table import Table
 
 from kvf.cachestore import open_store
 from kvf.pipeline.data.synthetic import make_synthetic
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.methods import METHODS, method_names
 from kvf.pipeline.records import read_records
 from kvf.pipeline.workflows.build import BuildOptions, build_cache
@@ -439,8 +438,11 @@ def main():
     args = parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    console = output_console(140)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvf-bench-scale-"))
+    with work_dir(args.workdir, "kvf-bench-scale-") as work:   # a temp one goes however the run ends
+        bench_scale(args, work, output_console(140))
+
+
+def bench_scale(args, work: Path, console) -> None:
     data = work / "data"
     if not (data / "questions.jsonl").exists():
         make_synthetic(data, n_questions=args.questions, passages_per_question=args.passages, seed=0)
@@ -588,8 +590,6 @@ def main():
                "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
     write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1))
     console.print(f"wrote {args.out}, {args.out.with_suffix('.json').name}, {args.out.with_suffix('.png').name}")
-    if args.workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

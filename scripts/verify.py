@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -244,7 +245,12 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
     failed = print_report(report)
     for line in skipped:
         print("SKIP " + line)
-    print(f"{len(report) - failed} OK, {failed} FAIL{f', {len(skipped)} SKIP' if skipped else ''} ({mode}; work in {work})")
+    if failed or keep:   # the logs of what failed stay to be read
+        where = f"work in {work}"
+    else:                # a clean pass leaves nothing behind in /tmp (a rescore's tables are ~100 MB)
+        shutil.rmtree(work, ignore_errors=True)
+        where = "work dir removed; --keep DIR keeps it"
+    print(f"{len(report) - failed} OK, {failed} FAIL{f', {len(skipped)} SKIP' if skipped else ''} ({mode}; {where})")
     return 1 if failed else 0
 
 

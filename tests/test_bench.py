@@ -159,6 +159,45 @@ def test_no_timed_request_runs_under_the_memory_setting(tmp_path, monkeypatch):
     assert (df.peak_bytes >= 0).all() and len(df) == 2
 
 
+def test_bench_without_a_workdir_leaves_no_store_behind(tmp_path, monkeypatch):
+    """Each length's store is hundreds of MB at real lengths: a temp work dir goes when the benchmark ends,
+    also when it stops with an error; a --store / workdir the user named stays."""
+    import tempfile
+    import kvf.pipeline.workflows.bench as bench_module
+    temp_root = tmp_path / "tmp"
+    temp_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
+    opts = BenchOptions(lengths=[96], chunk_tokens=32, methods=["full", "reuse"], repeats=1, modes=("warm",),
+                        compare_no_pipeline=False, auto_ratio=False, random_weights="tiny", out=tmp_path / "out")
+    stores_made = []
+    real_prepare = bench_module.prepare_length
+
+    def recorded(*args):
+        setup = real_prepare(*args)
+        stores_made.append(args[5])
+        return setup
+    monkeypatch.setattr(bench_module, "prepare_length", recorded)
+
+    def left_behind():   # torch may put its own caches in the temp dir too
+        return [p.name for p in temp_root.iterdir() if p.name.startswith("kvf-")]
+    df = bench(opts, QUIET)
+    assert len(df) == 2 and stores_made and stores_made[0].parent == temp_root
+    assert left_behind() == []
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_module, "time_length", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench(opts, QUIET)
+    assert len(stores_made) == 2 and left_behind() == []
+
+    monkeypatch.setattr(bench_module, "time_length", interrupted)
+    kept = tmp_path / "kept"
+    with pytest.raises(KeyboardInterrupt):
+        bench(BenchOptions(**{**opts.__dict__, "workdir": kept}), QUIET)
+    assert (kept / "store-96.zarr").is_dir()
+
+
 def test_bench_allocator_refuses_bad_arguments_in_one_line():
     from kvf.scripts import bench_allocator
     for argv, fragment in ((["--rounds", "0"], "--rounds 0"), (["--length", "0"], "--length 0"),

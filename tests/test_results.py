@@ -144,6 +144,23 @@ def test_verify_smoke_reproduces_committed_records(tmp_path, capsys):
     assert verify.main(["--smoke", "--keep", str(tmp_path)]) == 0, capsys.readouterr().out
 
 
+def test_verify_removes_its_temp_work_dir_after_a_clean_pass_and_keeps_it_after_a_failure(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A re-score writes ~100 MB of tables per run: a pass leaves nothing in /tmp; a failure keeps the logs."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    only = ["results/recompute_cost.md"]   # committed numbers only in --smoke: no model, seconds
+
+    def work_dirs():
+        return [p.name for p in tmp_path.iterdir() if p.name.startswith("kvf-verify-")]
+    assert verify.main(["--smoke", "--only", *only]) == 0
+    assert work_dirs() == [] and "work dir removed" in capsys.readouterr().out
+    monkeypatch.setattr(verify, "check_numbers", lambda name, *a, report, **k: report.append((False, f"{name}: off")))
+    assert verify.main(["--smoke", "--only", *only]) == 1
+    kept = work_dirs()
+    assert len(kept) == 1 and f"work in {tmp_path / kept[0]}" in capsys.readouterr().out
+
+
 def test_a_results_file_names_a_dirty_commit_only_when_code_changed(tmp_path, monkeypatch):
     """Re-scoring rewrites results/ while it runs: that must not mark the commit '-dirty'; a changed
     source file must."""

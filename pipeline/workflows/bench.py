@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,7 +35,7 @@ from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
-from kvf.pipeline.files import atomic_path, write_atomic
+from kvf.pipeline.files import atomic_path, work_dir, write_atomic
 from kvf.pipeline.workflows.devices import compute_dtype
 from kvf.pipeline.workflows.display import fit_table, progress_bar
 from kvf.pipeline.workflows.workspace import EntryKeys
@@ -435,17 +434,13 @@ def measure_peaks(engine: FusionEngine, memory: PeakMemory, setup: LengthSetup, 
     return peaks
 
 
-def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
-    planned = plan(opts)
-    if opts.versus:
-        check_versus(opts.versus, planned)
-    transformer, tokenizer = load_transformer(opts)
-    engine = FusionEngine(transformer)
+def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, workdir: Path,
+            console: Console) -> list[dict]:
+    """Every length's timed rounds, then one request per entry for peak memory -> one row per timing."""
     methods = [method for method, _ in planned]
     spec_of = {id(method): spec for method, spec in planned}   # an entry's own knobs, for its label
-    model_bytes = sum(p.numel() * p.element_size() for p in transformer.hf_model.parameters())
-    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvf-bench-"))
-    token_layer_seconds = measure_token_layer_seconds(transformer) if opts.auto_ratio else None
+    model_bytes = sum(p.numel() * p.element_size() for p in engine.model.hf_model.parameters())
+    token_layer_seconds = measure_token_layer_seconds(engine.model) if opts.auto_ratio else None
     timed: list[tuple[LengthSetup, list[list[dict]]]] = []
     with progress_bar(console) as progress:
         task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory", total=0)
@@ -460,6 +455,16 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
             peaks = measure_peaks(engine, memory, setup, advance)
             for mode_rows in by_mode:
                 rows += [dict(row, peak_bytes=peak, model_bytes=model_bytes) for row, peak in zip(mode_rows, peaks)]
+    return rows
+
+
+def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
+    planned = plan(opts)
+    if opts.versus:
+        check_versus(opts.versus, planned)
+    transformer, tokenizer = load_transformer(opts)
+    with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
+        rows = measure(opts, FusionEngine(transformer), tokenizer, planned, workdir, console)
     df = add_ratios(pd.DataFrame(rows))
     return add_versus(df, opts.versus) if opts.versus else df
 
