@@ -100,7 +100,7 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
              "fidelity to full prefill")):
         if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
             ax.set_ylim(0, axis_top(rows, column, high))
-            ax.set_title(title)
+            ax.set_title(title + gold_count(rows) if column == metric else title)
         else:
             _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
                             if column == "fidelity_f1" else "no gold answers in these records")
@@ -109,6 +109,13 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
     save_figure(fig, path)
+
+
+def gold_count(rows: pd.DataFrame) -> str:
+    """The gold panel's own n, when some questions have no gold answers (the figure's n counts them all)."""
+    if "n_gold" not in rows or (rows.n_gold == rows.n).all():
+        return ""
+    return f" (n = {int(rows.n_gold.max())} with gold answers)"
 
 
 def axis_top(rows: pd.DataFrame, column: str, high: str) -> float:

@@ -33,7 +33,7 @@ import pandas as pd
 from kvf.errors import KvfError
 from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
-from kvf.pipeline.files import check_writable_dir
+from kvf.pipeline.files import check_writable_dir, read_listed
 from kvf.pipeline.records import RunRecord, read_records
 from kvf.pipeline.workflows.display import fit_table
 
@@ -127,11 +127,7 @@ def complete_questions(df: pd.DataFrame) -> pd.DataFrame:
 
 def read_question_ids(path: Path) -> set[str]:
     """Question ids, one per line (blank lines and `#` comments ignored), e.g. a method's dev split."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvfError(f"--exclude-questions: {path} does not exist; pass a file with one question id per line")
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
-    qids = {line for line in lines if line}
+    qids = read_listed(path, "--exclude-questions", "question id")
     if not qids:
         raise KvfError(f"--exclude-questions: {path} names no question id; write one id per line")
     return qids
@@ -283,12 +279,15 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     norm, note = normalized_f1_on_common(group, full, reuse)
     vs_full = difference(group, full, metric) if first.method != "full" else (math.nan,) * 3 + (0,)
     vs_reuse = difference(group, reuse, metric) if first.method not in ("full", "reuse") else (math.nan,) * 3 + (0,)
-    note = "; ".join(text for text in (note, mixed_settings(group)) if text)
+    n_gold = int(group[metric].notna().sum())   # a user's own questions may leave some answers out
+    partial_gold = f"gold metrics over the {n_gold} of {len(group)} questions with answers" \
+        if 0 < n_gold < len(group) else ""
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
     return {"dataset": first.dataset, "method": first.method, "label": first.label, "variant": first.variant,
-            "ratio": first.ratio, "n": len(group), "metric": metric, "em": group.em.mean(), "f1": group.f1.mean(),
+            "ratio": first.ratio, "n": len(group), "n_gold": n_gold, "metric": metric, "em": group.em.mean(), "f1": group.f1.mean(),
             "substring": group.substring.mean(), "acc": group.acc.mean(),
             "vs_full": vs_full[0], "vs_full_low": vs_full[1], "vs_full_high": vs_full[2], "_vs_full_n": vs_full[3],
             "vs_reuse": vs_reuse[0], "vs_reuse_low": vs_reuse[1], "vs_reuse_high": vs_reuse[2],
@@ -323,6 +322,8 @@ def format_cell(row: pd.Series, column: str) -> str:
     if column in ("vs_full", "vs_reuse"):
         return describe_difference(row[column], row[f"{column}_low"], row[f"{column}_high"], int(row[f"_{column}_n"]))
     value = row[column]
+    if column == "n" and 0 < row.get("n_gold", value) < value:   # gold columns average fewer questions
+        return f"{value} ({row.n_gold} with gold)"
     if column == "norm_f1" and isinstance(value, float) and math.isnan(value):
         return "undefined" if "undefined" in row.note else "-"
     if isinstance(value, (float, np.floating)):

@@ -85,6 +85,21 @@ def work_dir(given: str | Path | None, prefix: str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read_listed(path: str | Path, flag: str, what: str) -> set[str]:
+    """The items of a file that lists one `what` per line: blank lines and `# comments` skipped, and a
+    leading byte-order mark (Windows editors write one) dropped, so the first item matches like the rest."""
+    from kvf.errors import KvfError
+    path = Path(path)
+    if not path.is_file():
+        raise KvfError(f"{flag} {path}: no such file; pass a file with one {what} per line")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise KvfError(f"{flag} {path} is not UTF-8 text; pass a file with one {what} per line") from None
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return {line for line in lines if line}
+
+
 def check_writable_dir(path: str | Path, flag: str) -> Path:
     """A directory kvf is about to write into: created if missing; a file there, or a place that
     cannot be written, is a one-line error naming the flag."""

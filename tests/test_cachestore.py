@@ -618,5 +618,11 @@ def test_cli_info_verify_gc(tmp_path, fmt):
     res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep), "--yes"])
     assert res.exit_code == 0 and "1 entries" in res.output
     assert open_store(store.path).keys() == [key_of(0)]
+    # a keep list saved with a byte-order mark (Windows editors) keeps its first key like the others
+    store.put(key_of(2), rand_kv(seed=2), attrs={"variant": "prefix"})
+    store.put(key_of(3), rand_kv(seed=3), attrs={"variant": "prefix"})
+    keep.write_bytes(("\ufeff" + key_of(2) + "\r\n" + key_of(3) + "\r\n").encode("utf-8"))
+    res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep), "--yes"])
+    assert res.exit_code == 0 and open_store(store.path).keys() == sorted([key_of(2), key_of(3)])
     res = runner.invoke(store_app, ["info", "--store", str(tmp_path / "nope")])
     assert res.exit_code != 0 and isinstance(res.exception, KvfError)

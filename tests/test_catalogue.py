@@ -138,6 +138,14 @@ CASES = {
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["nope"]}\n'), "--out", t / "p"], ["line 1", "nope"]),
+    # the user's own file: the fix is theirs to make, not a `kvf data prepare` re-run
+    "prepare custom missing": (lambda d, t: ["data", "prepare", "custom", "--input", t / "nope.jsonl", "--out", t / "p"],
+                               ["--input", "nope.jsonl is missing", "JSON Lines file of questions"]),
+    "prepare custom latin-1": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "caf\xe9", "answers": ["a"], "passages": [{"text": "x"}]}'), "--out", t / "p"],
+        ["--input", "c.jsonl is not UTF-8 text", "save it as UTF-8"]),
+    "run -q latin-1": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "caf\xe9"}'),
+                                     "-m", "reuse", "-o", t / "o.jsonl"], ["--questions", "q.jsonl is not UTF-8 text"]),
 }
 
 

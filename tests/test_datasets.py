@@ -264,3 +264,21 @@ def test_malformed_json_array_names_the_line(tmp_path):
 def test_empty_passages_are_dropped(tmp_path):
     rec = {"question": "q", "answers": ["a"], "ctxs": [{"title": "T", "text": "  "}, {"title": "U", "text": "u"}]}
     assert load_dataset("nq", write_json(tmp_path / "e.json", [rec]))[0].contexts == [Passage("U", "u")]
+
+
+def test_own_questions_file_saved_by_a_windows_editor_reads_like_any_other(tmp_path):
+    """`kvf run -q FILE` and `kvf data prepare custom --input FILE`: a byte-order mark and CRLF line
+    ends (what Notepad writes) read as plain UTF-8 lines, not 'malformed JSON' on line 1."""
+    from kvf.pipeline.data.datasets import load_questions_file, prepare_custom
+    lines = [{"question": "Who founded Acme?", "answers": ["Jane Roe"], "passages": [{"title": "Acme", "text": "Jane Roe."}]},
+             {"question": "Who runs Beta?", "answers": ["John Doe"], "passages": [{"title": "Beta", "text": "John Doe."}]}]
+    def windows_file(name, rows):
+        path = tmp_path / name
+        path.write_bytes(("\ufeff" + "".join(json.dumps(row) + "\r\n" for row in rows) + "\r\n").encode("utf-8"))
+        return path
+    own = load_questions_file(windows_file("mine.jsonl", [{k: v for k, v in line.items() if k != "passages"}
+                                                          for line in lines]))
+    assert [q.question for q in own] == ["Who founded Acme?", "Who runs Beta?"] and own[0].answers == ["Jane Roe"]
+    prepare_custom(windows_file("custom.jsonl", lines), tmp_path / "prepared")
+    prepared, _ = load_prepared(tmp_path / "prepared")
+    assert [q.question for q in prepared] == ["Who founded Acme?", "Who runs Beta?"]

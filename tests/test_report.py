@@ -193,6 +193,9 @@ def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path):
     assert set(held_out.n) == {3 * REPS}
     scored = held_out.attrs["records"]
     assert not scored.qid.str.startswith("q1-").any() and scored.qid.nunique() == 3 * REPS
+    # saved with a byte-order mark and CRLF line ends (Windows editors): the first id still matches
+    dev.write_bytes(("\ufeff" + "".join(f"q1-{rep}\r\n" for rep in range(REPS))).encode("utf-8"))
+    assert set(evaluate(runs, tmp_path / "bom", exclude_questions=dev).n) == {3 * REPS}
     # listing every question leaves nothing: a one-line error, not an empty table
     everything = tmp_path / "all.txt"
     everything.write_text("".join(f"q{q}-{rep}\n" for q in range(1, 5) for rep in range(REPS)))
@@ -503,3 +506,24 @@ def test_the_gold_panel_is_scaled_to_its_data():
     high = pd.DataFrame({"acc": [0.8, 0.95], "metric_high": [0.9, 1.0]})
     assert data_top(high, ["acc", "metric_high"]) == 1.02
     assert data_top(pd.DataFrame({"f1": [float("nan")]}), ["f1", "metric_high"]) == 1.02   # nothing to scale to
+
+
+def test_questions_without_gold_answers_are_counted_apart(tmp_path):
+    """A user's own questions file may give answers for some questions only: gold F1 averages those, and
+    the table, summary.md and the gold panel say over how many, instead of an n that counts them all."""
+    records = []
+    for method, ratio in (("full", 1.0), ("cacheblend", 0.15)):
+        for rep in range(REPS):
+            records.append(record(f"q1-{rep}", method, "Paris", ratio=ratio))
+            records.append(record(f"q2-{rep}", method, "no idea", ratio=ratio, gold=[]))   # no answers given
+    summary = evaluate([write_run(tmp_path / "mine.jsonl", records)], tmp_path / "out")
+    blend = row(summary, "cacheblend")
+    assert blend.n == 2 * REPS and blend.n_gold == REPS and blend.f1 == 1.0
+    assert format_cell(blend, "n") == f"{2 * REPS} ({REPS} with gold)"
+    assert f"gold metrics over the {REPS} of {2 * REPS} questions with answers" in blend.note
+    assert f"| {2 * REPS} ({REPS} with gold) |" in (tmp_path / "out" / "summary.md").read_text()
+    from kvf.eval.plots import gold_count
+    assert gold_count(summary[summary.dataset == "toy"]) == f" (n = {REPS} with gold answers)"
+    with_gold = [r for r in records if r["gold"]]
+    whole = evaluate([write_run(tmp_path / "all.jsonl", with_gold)], tmp_path / "all")
+    assert format_cell(row(whole, "cacheblend"), "n") == str(REPS) and gold_count(whole) == ""

@@ -437,7 +437,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
     fix = "see README, 'Your own documents and questions'"
     questions, seen = [], set()
-    for lineno, row in _read_prepared_jsonl(path, path.parent):
+    for lineno, row in _read_jsonl_objects(path, f"--input {path}", "pass a JSON Lines file of questions; " + fix):
         where = f"--input {path} line {lineno}"
         text = _text_field(row, "question", where, fix)
         answers = _answers_field(row, where, required=True) if "answers" in row or "answer" in row else None
@@ -468,25 +468,31 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     return write_prepared(questions, out_dir, manifest, corpus_extra=[p for q in extra for p in q.contexts])
 
 
-def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
-    """(line number, row) of a prepared JSONL file; every row must be a JSON object."""
+def _read_jsonl_objects(path: Path, where: str, fix: str) -> list[tuple[int, dict]]:
+    """(line number, row) of a JSON Lines file whose rows are JSON objects. A leading byte-order mark
+    (Windows editors write one) is dropped; `where` names the file (and its flag) in errors."""
     if not path.is_file():
-        raise KvfError(f"{path} is missing: is {directory} a directory made by `kvf data prepare`?")
-    rows = []
+        raise KvfError(f"{where} is missing; {fix}")
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise KvfError(f"{path} is not UTF-8 text; re-run `kvf data prepare`") from None
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise KvfError(f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8, or {fix}") from None
+    rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise KvfError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
+                raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise KvfError(f"{path} line {lineno}: expected a JSON object")
+                raise KvfError(f"{where} line {lineno}: expected a JSON object")
             rows.append((lineno, row))
     return rows
+
+
+def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of a prepared directory's JSONL file."""
+    return _read_jsonl_objects(path, str(path), f"is {directory} a directory made by `kvf data prepare`? (re-run it)")
 
 
 def _text_field(row: dict, name: str, where: str, fix: str) -> str:
@@ -556,10 +562,8 @@ def load_questions_file(path: str | Path) -> list[Question]:
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
     path = Path(path)
     fix = "see README, 'Your own documents and questions'"
-    if not path.is_file():
-        raise KvfError(f"--questions {path}: no such file; pass a JSON Lines file of questions")
     questions = []
-    for lineno, r in _read_prepared_jsonl(path, path.parent):
+    for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix):
         where = f"--questions {path} line {lineno}"
         passages = r.get("passages", [])
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):

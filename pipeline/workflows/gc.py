@@ -15,16 +15,8 @@ from rich.console import Console
 
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
+from kvf.pipeline.files import read_listed
 from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
-
-
-def read_keep_file(path: Path) -> set[str]:
-    if not path.is_file():
-        raise KvfError(f"--keep {path}: no such file; pass a file with one store key per line")
-    try:
-        return {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
-    except UnicodeDecodeError:
-        raise KvfError(f"--keep {path} is not a text file of store keys") from None
 
 
 def workspace_keys(path: Path) -> set[str]:
@@ -58,7 +50,7 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
         existing = set(store.keys())
         keep = None
         if keep_file is not None:
-            listed = read_keep_file(keep_file)
+            listed = read_listed(keep_file, "--keep", "store key")
             if not listed & existing:
                 raise KvfError(f"--keep {keep_file}: none of its {len(listed)} lines names an entry of store {location} "
                                "(store keys are the 64-hex entry keys that `kvf store info --json` lists, not chunk ids); "
