@@ -16,8 +16,8 @@ def _command_line() -> str:
 
 def eval_command(
     run_files: Annotated[list[Path], typer.Argument(
-        help="Run files (JSON Lines) written by `kvf run`; include the `full` and `reuse` runs "
-             "for the vs_full / vs_reuse intervals, normalized F1 and TTFT ratio.")],
+        help="Run files (JSON Lines, or .jsonl.gz) written by `kvf run`, or a directory of them; include the "
+             "`full` and `reuse` runs for the vs_full / vs_reuse intervals, normalized F1 and TTFT ratio.")],
     out: Annotated[Path, typer.Option(
         "--out", "-o", help="Directory for summary.csv, summary.md and the plots.")] = Path("results"),
     complete_only: Annotated[bool, typer.Option(

@@ -23,7 +23,14 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
             raise KvfError(f"{flag} {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
     if label:
         rows = rows[rows.label == label]
+    if rows.empty:   # say what there is to choose from
+        raise KvfError(f"{flag} {selector}: no records match; the runs there are {', '.join(run_names(df)[:8])}")
     return one_group(rows, f"{flag} {selector}", "narrow it with @ratio or :label")
+
+
+def run_names(rows: pd.DataFrame) -> list[str]:
+    """The selectors (method@ratio[:label]) of the runs in `rows`, sorted."""
+    return sorted({f"{m}@{r:g}" + (f":{lab}" if lab else "") for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
 
 
 def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
@@ -33,8 +40,7 @@ def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
         raise KvfError(f"{what}: no records match; selectors look like method@ratio[:label], e.g. cacheblend@0.15")
     groups = rows.groupby(["dataset", "method", "label", "variant", "ratio"]).ngroups
     if groups > 1:
-        found = sorted({f"{m}@{r:g}" + (f":{lab}" if lab else "") for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
-        raise KvfError(f"{what} matches {groups} runs ({', '.join(found[:6])}); {narrow}")
+        raise KvfError(f"{what} matches {groups} runs ({', '.join(run_names(rows)[:6])}); {narrow}")
     return rows
 
 

@@ -34,7 +34,7 @@ from kvf.errors import KvfError
 from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
-from kvf.pipeline.records import RunRecord, read_records
+from kvf.pipeline.records import RunRecord, read_records, run_files_of
 from kvf.pipeline.workflows.display import fit_table
 
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
@@ -103,7 +103,7 @@ def load_runs(run_files: list[Path]) -> pd.DataFrame:
     """All records of all run files, scored against their gold answers."""
     if not run_files:
         raise KvfError("no run files given: pass one or more JSONL files written by `kvf run`")
-    rows = [record_row(rec, Path(path), i + 1) for path in run_files for i, rec in enumerate(read_records(Path(path)))]
+    rows = [record_row(rec, path, i + 1) for path in run_files_of(run_files) for i, rec in enumerate(read_records(path))]
     df = score(pd.DataFrame(rows))
     _check_duplicates(df)
     return df

@@ -25,6 +25,7 @@ only a torn *last* line (a run killed mid-write), saying so.
 from __future__ import annotations
 
 import fcntl
+import glob
 import gzip
 import json
 import math
@@ -132,6 +133,27 @@ def parse_record(data: Any, where: str) -> RunRecord:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "record"
         raise KvfError(f"{where}: not a kvf run record ({field}: {first['msg']})") from None
+
+
+def run_files_of(paths: list[str | Path]) -> list[Path]:
+    """The run files a user named: a directory stands for the .jsonl / .jsonl.gz files in it, and a quoted
+    glob (runs/*.jsonl, which no shell expanded) for the files it matches; anything else as given."""
+    files = []
+    for given in map(Path, paths):
+        if given.is_dir():
+            inside = sorted(p for p in given.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+            if not inside:
+                raise KvfError(f"run file directory {given} holds no .jsonl or .jsonl.gz files; pass the files `kvf run` wrote")
+            files += inside
+        elif not given.exists() and any(c in str(given) for c in "*?["):
+            matched = sorted(Path(p) for p in glob.glob(str(given)))
+            if not matched:
+                raise KvfError(f"run files {given}: the pattern matches no file")
+            files += matched
+        else:
+            files.append(given)
+    unique = {f.resolve(): f for f in reversed(files)}   # a file named twice (runs/ and runs/a.jsonl) counts once
+    return [f for f in files if unique[f.resolve()] is f]
 
 
 def read_records(path: Path) -> list[RunRecord]:

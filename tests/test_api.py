@@ -33,6 +33,10 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
     assert retrieved.chunk_ids == [cid for cid, _ in hits] and retrieved.recomputed_tokens == 0
     with pytest.raises(kvf.KvfError, match="not in workspace"):
         ws.answer("q", documents=["no-such-doc"])
+    # a ratio for a method that has none would silently run at the method's own (full: everything)
+    with pytest.raises(kvf.KvfError, match="ratio=0.3: full always recomputes 1 of the chunk tokens"):
+        ws.answer("q", method="full", ratio=0.3)
+    assert ws.answer("q", method="full", ratio=1.0, documents=[first_doc], max_new_tokens=1).recomputed_tokens > 0
 
 
 def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):

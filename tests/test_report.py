@@ -527,3 +527,22 @@ def test_questions_without_gold_answers_are_counted_apart(tmp_path):
     with_gold = [r for r in records if r["gold"]]
     whole = evaluate([write_run(tmp_path / "all.jsonl", with_gold)], tmp_path / "all")
     assert format_cell(row(whole, "cacheblend"), "n") == str(REPS) and gold_count(whole) == ""
+
+
+def test_a_directory_or_a_quoted_glob_stands_for_its_run_files(runs, tmp_path):
+    """`kvf eval runs/` and `kvf eval 'runs/*.jsonl'` (no shell expanded it) read the run files there, each
+    once; a directory without run files, or a pattern that matches none, is a one-line error naming it."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for path in runs:
+        (folder / Path(path).name).write_bytes(Path(path).read_bytes())
+    (folder / "notes.txt").write_text("not a run file\n")
+    cols = ["method", "ratio", "n", "f1"]
+    named = evaluate(runs, tmp_path / "named")[cols].reset_index(drop=True)
+    for given in ([folder], [str(folder / "*.jsonl")], [folder, folder / Path(runs[0]).name]):
+        pd.testing.assert_frame_equal(evaluate(given, tmp_path / "given")[cols].reset_index(drop=True), named)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KvfError, match="empty holds no .jsonl or .jsonl.gz files"):
+        evaluate([tmp_path / "empty"], tmp_path / "e")
+    with pytest.raises(KvfError, match=r"x\*.jsonl: the pattern matches no file"):
+        evaluate([str(folder / "x*.jsonl")], tmp_path / "e")

@@ -51,6 +51,9 @@ class WorkspaceSession:
         order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         fusion = build_method(method, ratio if ratio is not None else build_method(method, 0.15).recompute_ratio, knobs)
+        if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
+            raise KvfError(f"ratio={ratio:g}: {method} always recomputes {fusion.recompute_ratio:g} of the chunk "
+                           "tokens; leave ratio out, or pick a method with a ratio (kvf methods)")
         fusion.check_model(s.n_layers)
         if documents is not None:
             doc_chunks = s.ws.doc_chunks()
