@@ -39,7 +39,7 @@ def bench_command(
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON (one object per row) instead of a table."),
-    out: Path = typer.Option(Path("results"), "--out", "-o", help="Directory for ttft.csv, rounds.csv (every timed request), ttft.md and ttft_vs_context.png (and ttft_paired.png with --versus)."),
+    out: Path = typer.Option(Path("results/bench"), "--out", "-o", help="Directory for ttft.csv, rounds.csv (every timed request), ttft.md and ttft_vs_context.png (and ttft_paired.png with --versus); not results/ itself, whose ttft.md is committed evidence (make ttft)."),
     store: Optional[str] = typer.Option(None, "--store", help="Where the benchmark's store goes: a path or URL (s3://bucket/prefix) [default: a temp dir]."),
     s3_endpoint: S3EndpointOption = None,
     versus: Optional[str] = typer.Option(None, "--versus", help="An -m entry (e.g. prophetkv) that every other entry is also paired with, round by round: TTFT ratio with a 95% bootstrap interval over rounds."),

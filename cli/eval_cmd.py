@@ -19,7 +19,8 @@ def eval_command(
         help="Run files (JSON Lines, or .jsonl.gz) written by `kvf run`, or a directory of them; include the "
              "`full` and `reuse` runs for the vs_full / vs_reuse intervals, normalized F1 and TTFT ratio.")],
     out: Annotated[Path, typer.Option(
-        "--out", "-o", help="Directory for summary.csv, summary.md and the plots.")] = Path("results"),
+        "--out", "-o", help="Directory for summary.csv, summary.md and the plots (a folder of its own: the "
+                            "repository's results/ holds committed evidence).")] = Path("results/eval"),
     complete_only: Annotated[bool, typer.Option(
         "--complete-only/--all-questions", help="Score only the questions every method/ratio of their dataset "
         "answered (a sweep stopped mid-question then compares all methods on the same questions).")] = False,

@@ -256,3 +256,19 @@ def test_probes_refuse_a_missing_dataset_or_report_in_one_line(tmp_path, capsys,
         code = script.main(argv)
         err = capsys.readouterr().err
         assert code in (1, 2) and err.count("\n") == 1 and "error: " in err and named in err, err
+
+
+def test_kvf_bench_and_eval_do_not_write_over_committed_evidence_by_default():
+    """Run from the repository with their default --out, `kvf bench` and `kvf eval` must not replace a
+    results file that results/expected.yaml holds (results/ttft.md is `make ttft`'s, with its conditions)."""
+    import inspect
+
+    from kvf.cli.bench_cmd import bench_command
+    from kvf.cli.eval_cmd import eval_command
+    from kvf.pipeline.workflows.bench import BenchOptions
+    committed = {(REPO / name).parent.resolve() for name in EXPECTED}
+    defaults = {"kvf bench": inspect.signature(bench_command).parameters["out"].default.default,
+                "kvf eval": inspect.signature(eval_command).parameters["out"].default,
+                "BenchOptions": BenchOptions().out}
+    for command, out in defaults.items():
+        assert (REPO / out).resolve() not in committed, f"{command} writes into {out}, beside committed evidence"

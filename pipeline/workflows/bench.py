@@ -70,7 +70,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "float16"          # stored KV dtype
     dtype_compute: str | None = None  # compute dtype (default float32 on cpu, bfloat16 on cuda)
-    out: Path = Path("results")
+    out: Path = Path("results/bench")
     workdir: Path | None = None
     store_url: str | None = None      # where the benchmark stores go (a path or URL; default: workdir)
     versus: str | None = None         # an -m entry every other entry is also paired with, round by round
