@@ -20,7 +20,7 @@ import itertools
 
 import pandas as pd
 
-from kvf.eval.report import fidelity_scores, reference_rows, summary_group
+from kvf.eval.report import fidelity_scores, no_progress, reference_rows, summary_group
 from kvf.eval.stats import MIN_QUESTIONS, holm, paired_bootstrap, paired_p_value
 
 ALPHA = 0.05
@@ -77,10 +77,12 @@ def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd
     return pairs
 
 
-def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame, track=no_progress) -> pd.DataFrame:
     """One row per compared pair: dataset, ratio, measure, a, b, paired difference a - b (>= 0), its 95%
     interval, the paired permutation p-value and its Holm adjustment, and whether the pair differs."""
-    pairs = [pair for dataset, ratio, rows in families(summary) for measure in (rows.metric.iloc[0], FIDELITY)
+    tests = [(dataset, ratio, rows, measure) for dataset, ratio, rows in families(summary)
+             for measure in (rows.metric.iloc[0], FIDELITY)]
+    pairs = [pair for dataset, ratio, rows, measure in track(tests, description="testing every pair of methods")
              for pair in compare_family(df, dataset, ratio, rows, measure)]
     return pd.DataFrame(pairs, columns=PAIR_COLUMNS)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -99,11 +100,17 @@ def score(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def load_runs(run_files: list[Path]) -> pd.DataFrame:
+def no_progress(items, description: str = ""):
+    """evaluate()'s default `track`: the items as they are (the CLI passes a rich progress bar's track)."""
+    return items
+
+
+def load_runs(run_files: list[Path], track=no_progress) -> pd.DataFrame:
     """All records of all run files, scored against their gold answers."""
     if not run_files:
         raise KvfError("no run files given: pass one or more JSONL files written by `kvf run`")
-    rows = [record_row(rec, path, i + 1) for path in run_files_of(run_files) for i, rec in enumerate(read_records(path))]
+    rows = [record_row(rec, path, i + 1) for path in track(run_files_of(run_files), description="reading run files")
+            for i, rec in enumerate(read_records(path))]
     df = score(pd.DataFrame(rows))
     _check_duplicates(df)
     return df
@@ -306,9 +313,10 @@ def _mean(series: pd.Series) -> float:
     return float(series.mean()) if len(series) else math.nan
 
 
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
+def summarize(df: pd.DataFrame, track=no_progress) -> pd.DataFrame:
     """The summary table: one row per (dataset, method, label, variant, ratio), baselines first."""
-    rows = [summarize_group(df, g) for _, g in df.groupby(GROUP_KEYS, dropna=False, sort=False)]
+    groups = [g for _, g in df.groupby(GROUP_KEYS, dropna=False, sort=False)]
+    rows = [summarize_group(df, g) for g in track(groups, description="scoring each method and ratio")]
     summary = pd.DataFrame(rows)
     order = summary.method.map(lambda m: BASELINE_ORDER.get(m, len(BASELINE_ORDER)))
     summary = summary.assign(_order=order).sort_values(["dataset", "_order", "method", "label", "variant", "ratio"])
@@ -464,7 +472,7 @@ def significance_lines(summary: pd.DataFrame) -> list[str]:
 
 
 def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None = None,
-                  command: str | None = None) -> list[Path]:
+                  command: str | None = None, track=no_progress) -> list[Path]:
     """summary.csv, summary.md and the PNG plots; returns the paths written. df (the scored
     records) adds the "runs" table to summary.md; command goes in its header with the commit."""
     from kvf.eval.pairs import ALPHA, families, pairs_lines, pairwise_differences  # pairs builds on this module
@@ -482,7 +490,7 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
             + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n" if best else ""))
     if df is not None:
-        pairs = pairwise_differences(df, summary)
+        pairs = pairwise_differences(df, summary, track)
         written.append(out_dir / "pairs.csv")
         write_atomic(written[-1], pairs.to_csv(index=False))
         body += ("\nMethod pairs that differ (`pairs.csv`), in the primary metric vs gold and in fidelity to full: "
@@ -491,18 +499,15 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
                  f"pairs on fewer than {MIN_QUESTIONS} common questions are not tested.\n\n"
                  + ("\n".join(pairs_lines(pairs)) if len(pairs) else "- no pair has enough common questions") + "\n")
     write_atomic(written[1], body)
-    for dataset, ratio, rows in families(summary):
-        if ratio is not None and rows.n.max() >= MIN_QUESTIONS:
-            path = out_dir / f"ranking_{_safe_name(dataset)}_ratio{ratio:g}.png"
-            plot_ranking(rows, f"{dataset} at recompute ratio {ratio:g}", path)
-            written.append(path)
-    for dataset in summary.dataset.unique():
-        path = out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png"
-        plot_quality(summary, dataset, path)
+    plots = [(out_dir / f"ranking_{_safe_name(dataset)}_ratio{ratio:g}.png",
+              partial(plot_ranking, rows, f"{dataset} at recompute ratio {ratio:g}"))
+             for dataset, ratio, rows in families(summary) if ratio is not None and rows.n.max() >= MIN_QUESTIONS]
+    plots += [(out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png", partial(plot_quality, summary, dataset))
+              for dataset in summary.dataset.unique()]
+    plots.append((out_dir / "ttft_vs_ratio.png", partial(plot_ttft, summary)))
+    for path, draw in track(plots, description="drawing plots"):
+        draw(path)
         written.append(path)
-    path = out_dir / "ttft_vs_ratio.png"
-    plot_ttft(summary, path)
-    written.append(path)
     return written
 
 
@@ -511,19 +516,20 @@ def _safe_name(text: str) -> str:
 
 
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
-             exclude_questions: Path | None = None) -> pd.DataFrame:
+             exclude_questions: Path | None = None, track=no_progress) -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
     complete_only: score only questions every method answered (see complete_questions).
     exclude_questions: a file of question ids left out (see without_questions).
-    The written paths are in `summary.attrs["written"]`."""
+    The written paths are in `summary.attrs["written"]`. track(items, description=...) -> items shows
+    progress (rich's Progress.track; a large eval takes a minute)."""
     check_writable_dir(out_dir, "--out")
-    df = load_runs([Path(p) for p in run_files])
+    df = load_runs([Path(p) for p in run_files], track)
     if exclude_questions is not None:
         df = without_questions(df, exclude_questions)
     if complete_only:
         df = complete_questions(df)
     df = with_pooled_tasks(df)
-    summary = summarize(df)
-    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command)]
+    summary = summarize(df, track)
+    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]
     summary.attrs["records"] = df
     return summary

@@ -293,8 +293,10 @@ def test_bad_run_files(tmp_path, runs):
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(KvfError, match="binary.jsonl is not UTF-8"):
         evaluate([tmp_path / "binary.jsonl"], tmp_path / "out")
+    copy = tmp_path / "copy.jsonl"   # the same records in two files: refused (one file named twice counts once)
+    copy.write_bytes(Path(runs[2]).read_bytes())
     with pytest.raises(KvfError, match="appears more than once"):
-        evaluate(runs + [runs[2]], tmp_path / "out")
+        evaluate(runs + [copy], tmp_path / "out")
     with pytest.raises(KvfError, match="no run files"):
         evaluate([], tmp_path / "out")
 
@@ -472,6 +474,52 @@ def test_holm_and_permutation_p_values():
     assert paired_p_value(better, worse) < 1e-3        # every flip of 30 equal signs but two is smaller
     one_off = pd.Series([1.0] + [0.0] * 29)
     assert paired_p_value(one_off, worse) == pytest.approx(1.0)   # one question says nothing
+
+
+def test_shared_sign_flips_and_paired_differences_give_the_numbers_of_their_first_form():
+    """The p-value draws its flips once per question count, and the paired differences come from dicts
+    rather than pandas label lookups (a large eval took minutes): the same numbers as the direct forms."""
+    import numpy as np
+
+    from kvf.eval.stats import paired_differences, paired_p_value
+
+    def direct_p_value(diff, permutations=20000, seed=0):   # the first form: fresh flips, block by block
+        observed, rng, as_far = abs(diff.mean()), np.random.default_rng(seed), 0
+        for start in range(0, permutations, 5000):
+            signs = rng.choice([-1.0, 1.0], (min(5000, permutations - start), len(diff)))
+            as_far += int((np.abs((signs * diff).mean(axis=1)) >= observed - 1e-12).sum())
+        return (as_far + 1) / (permutations + 1)
+    rng = np.random.default_rng(7)
+    for n in (20, 37, 50):
+        for _ in range(3):   # F1-like scores with many ties, questions in different orders, a NaN, a bool run
+            qids = [f"q{i}" for i in range(n)]
+            a = pd.Series(rng.choice([0.0, 0.5, 1.0, float("nan")], n, p=[.4, .2, .38, .02]), index=qids)
+            b = pd.Series(rng.choice([0.0, 1.0], n).astype(bool), index=qids).sample(frac=1, random_state=1)
+            b = b.iloc[: n - 2]   # b lacks two questions
+            common = sorted(set(a.index) & set(b.index))
+            want = (a.loc[common].astype(float) - b.loc[common].astype(float)).to_numpy()
+            np.testing.assert_array_equal(paired_differences(a, b), want)
+            clean = a.fillna(0.0)
+            assert paired_p_value(clean, b.astype(float)) == direct_p_value(paired_differences(clean, b.astype(float)))
+
+
+def test_eval_reports_its_progress_through_track(runs, tmp_path):
+    """kvf eval shows a progress bar (a large eval takes a minute): evaluate() walks every stage's items
+    through `track`, and tracking changes no output."""
+    stages = []
+
+    def track(items, description=""):
+        items = list(items)
+        stages.append((description, len(items)))
+        return items
+    tracked = evaluate(runs, tmp_path / "tracked", track=track)
+    plain = evaluate(runs, tmp_path / "plain")
+    assert [d for d, _ in stages] == ["reading run files", "scoring each method and ratio",
+                                      "testing every pair of methods", "drawing plots"]
+    assert dict(stages)["reading run files"] == 3 and dict(stages)["scoring each method and ratio"] == len(plain)
+    assert dict(stages)["drawing plots"] == len(tracked.attrs["written"]) - 3   # + summary.csv, .md, pairs.csv
+    for name in ("summary.csv", "pairs.csv"):
+        assert (tmp_path / "tracked" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
 
 
 def test_a_labelled_single_ratio_row_does_not_turn_its_methods_line_into_points():
