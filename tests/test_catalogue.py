@@ -216,7 +216,8 @@ def test_passages_with_no_chunks_in_the_workspace_are_refused(data, tmp_path, ca
     (tmp_path / "other" / "questions.jsonl").write_text(json.dumps(
         {"id": "q1", "question": "Where does Zorvan live?", "answers": ["Quillmarsh"], "context_ids": ["p1", "p1"]}) + "\n")
     code, _, err = run_cli(run_args((tmp_path / "other", data[1]), tmp_path / "o.jsonl"), capsys, monkeypatch)
-    assert_one_line(code, err, "question q1", "p1", "another corpus")
+    other, ws = tmp_path / "other", data[1]
+    assert_one_line(code, err, "question q1", "p1", "another corpus", f"`kvf build-cache {other / 'corpus'} -w {ws}`")
 
 
 # ---- resuming: stale records, other files, two writers ----------------------------------------------

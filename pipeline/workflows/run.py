@@ -272,17 +272,19 @@ class ChunkPicker:
                 self._searcher = DenseSearcher(self.ws.dense_dir)
         return self._searcher
 
-    def check_questions(self, questions: list[Question]) -> None:
-        """Every passage a question names must have chunks in the workspace: never an empty context by accident."""
+    def check_questions(self, questions: list[Question], corpus: Path | None = None) -> None:
+        """Every passage a question names must have chunks in the workspace: never an empty context by accident.
+        corpus: the dataset's corpus, named in the fix (re-prepared data leaves its old workspace behind)."""
         for q in questions:
             missing = [pid for pid in q.context_ids if not self.doc_chunks.get(pid)]
             if self.setting == "per-question" and not q.context_ids:
                 raise KvfError(f"question {q.qid} names no passages, so the per-question setting has no context for "
                                "it; give it passages or pass --setting shared")
             if missing:
+                build = f"`kvf build-cache {corpus} -w {self.ws.root}`" if corpus else "`kvf build-cache CORPUS -w WS`"
                 raise KvfError(f"question {q.qid} cites passage {missing[0]}, which has no chunks in workspace {self.ws.root}: "
-                               "the workspace was built from another corpus; build one from this dataset's corpus "
-                               "(`kvf build-cache DATASET/corpus -w WS`) or pass its --workspace")
+                               f"the workspace was built from another corpus; rebuild it from this one with {build} "
+                               "(chunks it already holds keep their stored KVs), or pass the workspace built for it (-w)")
 
     def chunk_ids(self, q: Question) -> list[str]:
         if q.qid not in self._chunk_ids_of:
@@ -460,7 +462,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                         markup=False, highlight=False)
         ws = ensure_workspace(opts, console)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
-        picker.check_questions(questions)
+        picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
         if opts.ray is None:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
