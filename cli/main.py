@@ -59,12 +59,41 @@ app.command("eval")(eval_command)
 app.command("compare")(compare_command)
 
 
+# options whose value may be left out, and what they then mean (typer has no optional-value options)
+OPTIONAL_VALUES = {"--ray": "local"}
+
+
+def with_optional_values(args: list[str]) -> list[str]:
+    """`--ray` with no value after it (the last word, or another option next) -> `--ray local`."""
+    out = []
+    for i, word in enumerate(args):
+        out.append(word)
+        if word in OPTIONAL_VALUES and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append(OPTIONAL_VALUES[word])
+    return out
+
+
+def command_path(args: list[str]) -> str:
+    """`kvf build-cache` for the words `build-cache docs --chunk-tokens`: the (sub)command the words name,
+    for errors click raises before it has a context (an option's missing value)."""
+    command, path = typer.main.get_command(app), ["kvf"]
+    for word in args:
+        if word.startswith("-") and hasattr(command, "commands"):   # a group's own option (kvf --debug run ...)
+            continue
+        sub = getattr(command, "commands", {}).get(word)
+        if sub is None:
+            break
+        command, path = sub, path + [word]
+    return " ".join(path)
+
+
 def main():
     """Run the CLI; every way it can end is one line on stderr (see the module docstring).
     Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
     debug = "--debug" in sys.argv[1:]
     try:
-        code = app(prog_name="kvf", standalone_mode=False)  # click's usage errors come to us, to be printed on one line
+        # click's usage errors come to us, to be printed on one line
+        code = app(args=with_optional_values(sys.argv[1:]), prog_name="kvf", standalone_mode=False)
         if code == 130:  # typer turns a KeyboardInterrupt it sees into this code
             raise KeyboardInterrupt
         sys.exit(code if isinstance(code, int) else 0)
@@ -73,7 +102,7 @@ def main():
             print(e.ctx.get_help())
             sys.exit(0)
         ctx = getattr(e, "ctx", None)
-        where = ctx.command_path if ctx is not None else "kvf"
+        where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = " ".join((format_message() if format_message else str(e)).split())
         print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)

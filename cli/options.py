@@ -44,8 +44,10 @@ def use_s3_endpoint(endpoint: str | None) -> None:
 
 
 RayOption = Annotated[Optional[str], typer.Option(
-    "--ray", help="Spread the work over Ray actors: local (start Ray on this machine) or a cluster address "
-                  "(auto, ray://HEAD:10001). Needs pip install 'kvf[ray]'.", rich_help_panel="Scale-out")]
+    "--ray", metavar="[ADDRESS]",   # --ray alone means local (kvf.cli.main.with_optional_values)
+    help="Spread the work over Ray actors: --ray alone (or --ray local) starts Ray on this machine; "
+         "--ray ADDRESS joins a cluster (auto, ray://HEAD:10001). Needs pip install 'kvf[ray]'.",
+    rich_help_panel="Scale-out")]
 WorkersOption = Annotated[Optional[int], typer.Option(
     "--workers", min=1, help="Ray actors, each with its own model [default: one per CPU, or per GPU with --device cuda].",
     rich_help_panel="Scale-out")]

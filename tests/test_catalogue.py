@@ -128,6 +128,14 @@ CASES = {
                                       ["--ray 127.0.0.1:1", "cannot reach"]),
     "build-cache --workers 0": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "local", "--workers", "0"],
                                 ["--workers"]),
+    # an option's missing value is found before click has a context: the help named is still the command's
+    "build-cache option without its value": (lambda d, t: ["build-cache", d[0] / "corpus", "--chunk-tokens"],
+                                             ["--chunk-tokens", "requires an argument", "see `kvf build-cache --help`"]),
+    "store gc option without its value": (lambda d, t: ["--debug", "store", "gc", "--keep"],
+                                          ["--keep", "see `kvf store gc --help`"]),
+    # --ray alone means a local Ray instance: parsed, the command goes on to refuse --workers 0
+    "build-cache --ray alone": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "--workers", "0"],
+                                ["--workers"]),
     "store needs one of": (lambda d, t: ["store", "info"], ["--store", "--workspace"]),
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
@@ -169,6 +177,16 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
 
 
 # ---- data that is not what kvf needs --------------------------------------------------------------
+def test_ray_without_an_address_means_a_local_instance():
+    """`--ray` is the last word or another option follows it: `--ray local` (the issue's `--ray [ADDRESS]`);
+    an address, `--ray=...` and other words are left as they are."""
+    from kvf.cli.main import with_optional_values
+    assert with_optional_values(["build-cache", "docs", "--ray"]) == ["build-cache", "docs", "--ray", "local"]
+    assert with_optional_values(["run", "--ray", "-o", "x.jsonl"]) == ["run", "--ray", "local", "-o", "x.jsonl"]
+    for args in (["run", "--ray", "auto"], ["run", "--ray=ray://head:10001"], ["run", "-o", "ray.jsonl"]):
+        assert with_optional_values(args) == args
+
+
 def test_prompt_too_long_is_refused_before_any_answer(data, tmp_path, capsys, monkeypatch):
     """A question whose prompt cannot fit the model stops the run before the first answer, naming it:
     found mid-sweep it would stop the run there, and again at it on every resume."""
