@@ -9,8 +9,6 @@ import typer
 from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
 from kvf.pipeline.workflows.display import output_console
 
-console = output_console(140)
-
 
 def _ints(text: str, flag: str) -> list[int]:
     from kvf.errors import KvfError
@@ -59,6 +57,7 @@ def bench_command(
                         compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,
                         model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
                         knobs=knobs, store_url=store, versus=versus)
+    console = output_console(140, stderr=json_out)   # --json: stdout holds the JSON alone
     if repeats == 1:
         console.print("warning: --repeats 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
                       "so treat single-repeat ratios as noise", style="yellow")

@@ -33,14 +33,12 @@ def eval_command(
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
     """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT); write summary.md and plots."""
-    from rich.console import Console
-
     from kvf.eval.report import evaluate, summary_table
     from kvf.pipeline.workflows.display import progress_bar
-    with progress_bar(Console(stderr=True)) as progress:   # on stderr: --json keeps stdout to itself
+    with progress_bar(output_console(160, stderr=True)) as progress:
         summary = evaluate(run_files, out, complete_only, command=_command_line(),
                            exclude_questions=exclude_questions, track=progress.track)
-    console = output_console(160)
+    console = output_console(160, stderr=json_out)   # --json: stdout holds the JSON alone
     if json_out:
         print(summary.to_json(orient="records"))
     else:

@@ -206,3 +206,20 @@ def test_bench_allocator_refuses_bad_arguments_in_one_line():
             bench_allocator.parse_args(argv)
         message = str(refused.value.code)
         assert message.startswith("bench_allocator: ") and fragment in message and "\n" not in message
+
+
+def test_bench_json_is_the_only_thing_on_stdout(tmp_path, capsys, monkeypatch):
+    """`kvf bench --json | jq`: the 'wrote ...' line and the --repeats 1 warning go to stderr."""
+    import json
+    import sys
+
+    from kvf.cli.main import main
+    monkeypatch.setattr(sys, "argv", ["kvf", "bench", "--random-weights", "tiny", "--lengths", "96", "--chunk-tokens",
+                                      "32", "-m", "full,reuse", "--repeats", "1", "--no-cold", "--no-compare-no-pipeline",
+                                      "--no-auto-ratio", "--json", "-o", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code in (0, None), err
+    assert {row["method"] for row in json.loads(out)} == {"full", "reuse"}
+    assert "wrote" in err and "--repeats 1" in err

@@ -594,3 +594,18 @@ def test_a_directory_or_a_quoted_glob_stands_for_its_run_files(runs, tmp_path):
         evaluate([tmp_path / "empty"], tmp_path / "e")
     with pytest.raises(KvfError, match=r"x\*.jsonl: the pattern matches no file"):
         evaluate([str(folder / "x*.jsonl")], tmp_path / "e")
+
+
+def test_eval_json_is_the_only_thing_on_stdout(runs, tmp_path, capsys, monkeypatch):
+    """`kvf eval --json | jq`: the 'wrote ...' line (and a --compare table) go to stderr, so stdout parses."""
+    import sys
+
+    from kvf.cli.main import main
+    monkeypatch.setattr(sys, "argv", ["kvf", "eval", *map(str, runs), "-o", str(tmp_path / "out"), "--json",
+                                      "--compare", "cacheblend@0.2", "full"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code in (0, None), err
+    rows = json.loads(out)
+    assert {r["method"] for r in rows} == {"full", "reuse", "cacheblend"} and "wrote summary.csv" in err

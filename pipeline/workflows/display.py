@@ -16,10 +16,10 @@ def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
                     disable=not (console.is_terminal or console.is_jupyter))
 
 
-def output_console(log_width: int) -> Console:
+def output_console(log_width: int, stderr: bool = False) -> Console:
     """A terminal keeps its own width (tables are fitted to it); a file or pipe gets `log_width`, wide
-    enough that every table row stays on one line in a log."""
-    return Console(width=None if Console().is_terminal else log_width)
+    enough that every table row stays on one line in a log. stderr: for what --json output must not mix with."""
+    return Console(width=None if Console(stderr=stderr).is_terminal else log_width, stderr=stderr)
 
 
 def fit_table(build: Callable[[list[str]], Table], columns: Sequence[str], droppable: Sequence[str],
