@@ -3,6 +3,9 @@
 A reader, or a run killed mid-write, never sees half a file, and no temp file is left behind on
 any error (disk full, Ctrl-C). New files get the usual permissions (0666 less the umask), not
 mkstemp's 0600, so a workspace built by one user can be read by another.
+
+Also here: the work directory of a benchmark (`work_dir`: a temp one is removed however the run
+ends), and the reader of files that list one item per line (`read_listed`).
 """
 from __future__ import annotations
 
