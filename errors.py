@@ -1,4 +1,5 @@
-"""kvf's one user-facing error type (its own module, so the store can import it without the rest of kvf)."""
+"""kvf's one user-facing error type, and its warnings (their own module, so the store can import them
+without the rest of kvf)."""
 
 
 class KvfError(Exception):
@@ -6,3 +7,9 @@ class KvfError(Exception):
 
     Messages name the offending file or flag and the fix.
     """
+
+
+def warn(message: str) -> None:
+    """A non-fatal problem with the input: one yellow line on stderr, and kvf carries on."""
+    from rich.console import Console
+    Console(stderr=True).print(f"warning: {message}", style="yellow", markup=False, highlight=False, soft_wrap=True)

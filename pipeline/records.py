@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
@@ -172,6 +172,10 @@ def read_records(path: Path) -> list[RunRecord]:
                 try:
                     data = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if not line.endswith("\n"):   # the last line, cut short: a run still writing it, or one killed
+                        warn(f"run file {path} line {lineno} is incomplete (a `kvf run` still writing it, or one "
+                             "stopped mid-line): left out")
+                        break
                     raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg})") from None
                 records.append(parse_record(data, f"run file {path} line {lineno}"))
     except UnicodeDecodeError:

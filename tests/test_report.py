@@ -272,12 +272,19 @@ def test_labels_tell_apart_runs_of_one_method(runs, tmp_path):
     assert sorted(blends.label) == ["", "big-model"]
 
 
-def test_bad_run_files(tmp_path, runs):
+def test_bad_run_files(tmp_path, runs, capsys):
     with pytest.raises(KvfError, match="nope.jsonl does not exist"):
         evaluate([tmp_path / "nope.jsonl"], tmp_path / "out")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(KvfError, match="empty.jsonl is empty"):
         evaluate([tmp_path / "empty.jsonl"], tmp_path / "out")
+    # a sweep still writing its file: the unterminated last line is left out with a warning, the rest scored
+    live = tmp_path / "live.jsonl"
+    whole = Path(runs[0]).read_text()
+    live.write_text(whole + whole.splitlines()[0][:60])
+    assert evaluate([live], tmp_path / "live").n.iloc[0] == len(whole.splitlines())
+    assert "live.jsonl line" in capsys.readouterr().err
+    # a malformed line that is whole is damage, not a write in progress
     (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + "\n{not json\n")
     with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON"):
         evaluate([tmp_path / "broken.jsonl"], tmp_path / "out")

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvf.errors import KvfError
-from kvf.pipeline.retrieval.corpus import Document, warn
+from kvf.errors import KvfError, warn
+from kvf.pipeline.retrieval.corpus import Document
 
 
 @dataclass

@@ -4,12 +4,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
-_stderr = Console(stderr=True)
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 
 
@@ -19,11 +16,6 @@ class Document:
     title: str
     text: str
     source_file: str  # the file it came from, for messages
-
-
-def warn(message: str):
-    """A non-fatal problem with the input: say so on stderr and carry on."""
-    _stderr.print(f"warning: {message}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def list_corpus_files(root: Path) -> list[Path]:
