@@ -315,8 +315,11 @@ def _mean(series: pd.Series) -> float:
 
 def summarize(df: pd.DataFrame, track=no_progress) -> pd.DataFrame:
     """The summary table: one row per (dataset, method, label, variant, ratio), baselines first."""
-    groups = [g for _, g in df.groupby(GROUP_KEYS, dropna=False, sort=False)]
-    rows = [summarize_group(df, g) for g in track(groups, description="scoring each method and ratio")]
+    # each row reads its own dataset's records only (its full and reuse references): handing it just
+    # those saves filtering every record again for every row
+    groups = [(part, g) for _, part in df.groupby("dataset", sort=False)
+              for _, g in part.groupby(GROUP_KEYS, dropna=False, sort=False)]
+    rows = [summarize_group(part, g) for part, g in track(groups, description="scoring each method and ratio")]
     summary = pd.DataFrame(rows)
     order = summary.method.map(lambda m: BASELINE_ORDER.get(m, len(BASELINE_ORDER)))
     summary = summary.assign(_order=order).sort_values(["dataset", "_order", "method", "label", "variant", "ratio"])
