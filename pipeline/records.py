@@ -165,14 +165,14 @@ def read_records(path: Path) -> list[RunRecord]:
     # committed evidence is kept gzipped (results/*/runs/*.jsonl.gz); `kvf run` writes plain lines
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:   # -sig: a file re-saved by a Windows editor
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
                     data = json.loads(line)
                 except json.JSONDecodeError as e:
-                    if not line.endswith("\n"):   # the last line, cut short: a run still writing it, or one killed
+                    if records and not line.endswith("\n"):   # the last line cut short: a run writing it, or killed
                         warn(f"run file {path} line {lineno} is incomplete (a `kvf run` still writing it, or one "
                              "stopped mid-line): left out")
                         break

@@ -284,6 +284,13 @@ def test_bad_run_files(tmp_path, runs, capsys):
     live.write_text(whole + whole.splitlines()[0][:60])
     assert evaluate([live], tmp_path / "live").n.iloc[0] == len(whole.splitlines())
     assert "live.jsonl line" in capsys.readouterr().err
+    # a file that is nothing but a cut line is no sweep in progress: malformed, not "empty"
+    (tmp_path / "cut.jsonl").write_text("x")
+    with pytest.raises(KvfError, match=r"cut.jsonl line 1: malformed JSON"):
+        evaluate([tmp_path / "cut.jsonl"], tmp_path / "cut")
+    # a run file re-saved with a byte-order mark (a Windows editor) reads like the original
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + Path(runs[0]).read_bytes())
+    assert evaluate([tmp_path / "bom.jsonl"], tmp_path / "bom").n.iloc[0] == len(whole.splitlines())
     # a malformed line that is whole is damage, not a write in progress
     (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + "\n{not json\n")
     with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON"):
