@@ -115,6 +115,9 @@ def _resolve(path: str):
         if isinstance(e, ImportError) and path.startswith("s3"):
             raise KvfError(f"cannot open store URL {path}: S3 stores need s3fs; pip install 'kvf[s3]'") from e
         raise KvfError(f"cannot open store URL {path}: {e}") from e
+    except OSError as e:   # filesystems that connect when made (ftp://, sftp://): an unknown or refusing host
+        raise KvfError(f"--store {path}: cannot reach its server ({type(e).__name__}: {e}); check the URL and "
+                       "that the server is up") from None
     if isinstance(fs, LocalFileSystem):
         return LocalFS(os.path.abspath(root)), os.path.abspath(root)
     return FsspecFS(fs), root.rstrip("/")

@@ -117,8 +117,8 @@ def main():
     except OSError as e:
         if debug:
             raise
-        where = f" {e.filename}" if e.filename else ""
-        print(f"kvf: error:{where}: {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
+        where = f" {e.filename}:" if e.filename else ""
+        print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
         if debug:

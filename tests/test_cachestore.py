@@ -626,3 +626,10 @@ def test_cli_info_verify_gc(tmp_path, fmt):
     assert res.exit_code == 0 and open_store(store.path).keys() == sorted([key_of(2), key_of(3)])
     res = runner.invoke(store_app, ["info", "--store", str(tmp_path / "nope")])
     assert res.exit_code != 0 and isinstance(res.exception, KvfError)
+
+
+def test_a_store_url_whose_server_cannot_be_reached_is_one_line():
+    """fsspec filesystems that connect when made (ftp://) raised a bare OSError: the CLI printed
+    'kvf: error:: Connection refused' with no flag or fix."""
+    with pytest.raises(KvfError, match=r"--store ftp://127.0.0.1:9/kv: cannot reach its server .*check the URL"):
+        open_store("ftp://127.0.0.1:9/kv")
