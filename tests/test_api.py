@@ -37,6 +37,11 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
     with pytest.raises(kvf.KvfError, match="ratio=0.3: full always recomputes 1 of the chunk tokens"):
         ws.answer("q", method="full", ratio=0.3)
     assert ws.answer("q", method="full", ratio=1.0, documents=[first_doc], max_new_tokens=1).recomputed_tokens > 0
+    # a misspelt or another method's knob was dropped without a word; an empty documents list meant no context
+    with pytest.raises(kvf.KvfError, match="check_layr=2: not a knob of cacheblend; its knobs: check_layer"):
+        ws.answer("q", method="cacheblend", check_layr=2)
+    with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):
+        ws.answer("q", documents=[])
 
 
 def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):

@@ -1,11 +1,12 @@
 """The Python API behind `kvf.open_workspace`: answer questions from a built workspace in a notebook."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
-from kvf.pipeline.fusion.methods import build_method
+from kvf.pipeline.fusion.methods import METHODS, build_method, get_method
 from kvf.pipeline.workflows.session import Session, workspace_path
 
 
@@ -50,12 +51,15 @@ class WorkspaceSession:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
         order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
+        check_own_knobs(method, knobs)
         fusion = build_method(method, ratio if ratio is not None else build_method(method, 0.15).recompute_ratio, knobs)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
             raise KvfError(f"ratio={ratio:g}: {method} always recomputes {fusion.recompute_ratio:g} of the chunk "
                            "tokens; leave ratio out, or pick a method with a ratio (kvf methods)")
         fusion.check_model(s.n_layers)
         if documents is not None:
+            if not documents:   # an empty list would answer with no context at all
+                raise KvfError("documents=[]: name at least one document id, or leave documents out to retrieve")
             doc_chunks = s.ws.doc_chunks()
             missing = [d for d in documents if d not in doc_chunks]
             if missing:
@@ -71,3 +75,13 @@ class WorkspaceSession:
         record = fused.answer.record()
         return WorkspaceAnswer(fused.answer.text, chunk_ids, record["recomputed_tokens"], record["chunk_tokens"],
                                record["prompt_tokens"], record["timings"], {**fusion.settings(), "variant": variant})
+
+
+def check_own_knobs(method: str, knobs: dict) -> None:
+    """answer(**knobs): a knob the method does not take (a typo, another method's) is refused, not ignored."""
+    get_method(method)   # an unknown method: its own one-line error first
+    own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
+    for name in knobs:
+        if name not in own:
+            raise KvfError(f"{name}={knobs[name]!r}: not a knob of {method}; its knobs: {', '.join(own) or 'none'} "
+                           "(kvf methods lists them)")
