@@ -140,6 +140,8 @@ CASES = {
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
         "--out", t / "p"], ["record 0", "not a string"]),
+    "prepare triviaqa without --input": (lambda d, t: ["data", "prepare", "triviaqa", "--out", t / "p"],
+                                         ["triviaqa has no file of its own", "--input FILE (dpr or kilt format)"]),
     "prepare custom no answers": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "passages": [{"text": "x"}]}\n'), "--out", t / "p"], ["line 1", "answers"]),
     "prepare custom no question": (lambda d, t: ["data", "prepare", "custom", "--input", write(

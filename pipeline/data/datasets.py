@@ -114,8 +114,9 @@ def data_dir(flag: str | None = None) -> Path:
 def find_dataset_file(name: str, directory: str | Path | None = None) -> Path:
     """The default input file of a benchmark inside the data directory."""
     if name not in DATASET_FILES:
-        known = ", ".join(DATASET_FILES)
-        raise KvfError(f"no default file for dataset '{name}' (known: {known}); pass --input FILE")
+        accepted = " or ".join(ACCEPTED_FORMATS.get(name, []))
+        raise KvfError(f"{name} has no file of its own in the data directory (only {', '.join(DATASET_FILES)} do); "
+                       f"pass --input FILE" + (f" ({accepted} format)" if accepted else ""))
     path = data_dir(str(directory) if directory else None) / DATASET_FILES[name]
     if not path.is_file():
         raise KvfError(f"dataset file {path} is missing; pass --input FILE or fix --data-dir/KVF_DATA")
