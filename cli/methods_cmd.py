@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import typer
 from rich.console import Console, Group
@@ -10,11 +11,16 @@ from rich.table import Table
 from rich.text import Text
 
 
-def methods_command(names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated.")):
+def methods_command(names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated."),
+                    json_out: bool = typer.Option(False, "--json", help="Print every method as JSON: its summary, "
+                                                  "ratio, stored variant, knobs with their defaults, build-time extras.")):
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
     from kvf.pipeline.fusion.methods.base import METHODS, method_names
     if names:
         print(",".join(method_names()))
+        return
+    if json_out:   # for scripts that build sweeps: the knobs as values, not as flag text
+        print(json.dumps([method_json(METHODS[name], name) for name in method_names()], indent=1))
         return
     rows = [method_row(METHODS[name], name) for name in method_names()]
     console = Console()
@@ -34,6 +40,13 @@ def method_row(cls, name: str) -> dict:
     ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
             "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-"}
+
+
+def method_json(cls, name: str) -> dict:
+    return {"method": name, "summary": cls.summary, "ratio_is_knob": cls.ratio_is_knob,
+            "default_ratio": cls.default_ratio if cls.ratio_is_knob else cls.fixed_ratio,
+            "stored_variant": cls.offline_variant if cls.uses_store else None,
+            "knobs": {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, "extras": list(cls.extras_names)}
 
 
 def methods_table(rows: list[dict]) -> Table:

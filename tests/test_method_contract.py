@@ -249,3 +249,14 @@ def test_a_method_that_says_it_is_reuse_gives_reuse_bits(answerer, embedded, nam
     assert torch.equal(got.logits, reuse.logits)
     assert torch.equal(got.cache.kv[:, :, :, : prompt.n_tokens], reuse.cache.kv[:, :, :, : prompt.n_tokens])
     assert got.recomputed_tokens == 0
+
+
+def test_kvf_methods_json_lists_every_method_with_its_knob_defaults(capsys):
+    """`kvf methods --json`, for scripts that build sweeps: every registered method, its knobs as values."""
+    from kvf.cli.methods_cmd import methods_command
+    methods_command(names=False, json_out=True)
+    listed = {m["method"]: m for m in json.loads(capsys.readouterr().out)}
+    assert sorted(listed) == sorted(NAMES)
+    for name, cls in METHODS.items():
+        assert listed[name]["knobs"] == {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, name
+        assert listed[name]["ratio_is_knob"] == cls.ratio_is_knob and listed[name]["summary"] == cls.summary
