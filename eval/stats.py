@@ -38,16 +38,27 @@ def paired_differences(a: pd.Series, b: pd.Series) -> np.ndarray:
     return np.array([by_question_a[q] - by_question_b[q] for q in common], dtype=float)
 
 
+# draws are cached per question count up to this many entries (~40 MB in float64: 20,000 flips of 256
+# questions); larger ones are made afresh each time, so memory stays bounded whatever n is
+CACHED_DRAW_LIMIT = 20000 * 256
+
+
 def bootstrap_means(x: np.ndarray, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> np.ndarray:
     """Means of `samples` resamples of x with replacement (fixed seed: reports are reproducible)."""
+    if samples * len(x) > CACHED_DRAW_LIMIT:
+        return x[draw_resamples(len(x), samples, seed)].mean(axis=1)
     return x[resamples(len(x), samples, seed)].mean(axis=1)                        # [samples]
 
 
-@functools.lru_cache(maxsize=8)
+def draw_resamples(n_questions: int, samples: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_questions, (samples, n_questions))   # [samples, questions]
+
+
+@functools.lru_cache(maxsize=4)
 def resamples(n_questions: int, samples: int, seed: int) -> np.ndarray:
     """Which questions each resample draws: they depend on the question count only, so every interval
     over the same n shares one draw."""
-    picks = np.random.default_rng(seed).integers(0, n_questions, (samples, n_questions))   # [samples, questions]
+    picks = draw_resamples(n_questions, samples, seed)
     picks.setflags(write=False)
     return picks
 
@@ -64,19 +75,26 @@ def paired_p_value(a: pd.Series, b: pd.Series, permutations: int = PERMUTATIONS,
     if not len(diff):
         return math.nan
     observed = abs(diff.mean())
-    flipped_means = sign_flips(len(diff), permutations, seed) @ diff / len(diff)   # [flips]
-    as_far = int((np.abs(flipped_means) >= observed - 1e-12).sum())
+    if permutations * len(diff) > CACHED_DRAW_LIMIT:   # block by block, as drawn
+        blocks = flip_blocks(len(diff), permutations, seed)
+    else:
+        blocks = [sign_flips(len(diff), permutations, seed)]
+    as_far = sum(int((np.abs(block @ diff / len(diff)) >= observed - 1e-12).sum()) for block in blocks)
     return (as_far + 1) / (permutations + 1)
 
 
-@functools.lru_cache(maxsize=8)
-def sign_flips(n_questions: int, permutations: int, seed: int) -> np.ndarray:
-    """The random signs of every flip: they depend on the question count only, so the hundreds of pairs
-    an eval tests with the same n share one draw (a report takes seconds, not minutes)."""
+def flip_blocks(n_questions: int, permutations: int, seed: int):
+    """The random signs of every flip, in blocks of 5000 flips: [flips, questions] each."""
     rng = np.random.default_rng(seed)
-    blocks = [rng.choice([-1.0, 1.0], (min(5000, permutations - start), n_questions))   # drawn in blocks of
-              for start in range(0, permutations, 5000)]                                # 5000, as always
-    flips = np.concatenate(blocks)                                                       # [flips, questions]
+    for start in range(0, permutations, 5000):
+        yield rng.choice([-1.0, 1.0], (min(5000, permutations - start), n_questions))
+
+
+@functools.lru_cache(maxsize=4)
+def sign_flips(n_questions: int, permutations: int, seed: int) -> np.ndarray:
+    """All the flips at once: they depend on the question count only, so the hundreds of pairs an eval
+    tests with the same n share one draw (a report takes seconds, not minutes)."""
+    flips = np.concatenate(list(flip_blocks(n_questions, permutations, seed)))   # [flips, questions]
     flips.setflags(write=False)
     return flips
 

@@ -504,7 +504,7 @@ def test_shared_sign_flips_and_paired_differences_give_the_numbers_of_their_firs
             as_far += int((np.abs((signs * diff).mean(axis=1)) >= observed - 1e-12).sum())
         return (as_far + 1) / (permutations + 1)
     rng = np.random.default_rng(7)
-    for n in (20, 37, 50):
+    for n in (20, 37, 50, 300):   # 300: past the cached draws' limit, drawn afresh block by block
         for _ in range(3):   # F1-like scores with many ties, questions in different orders, a NaN, a bool run
             qids = [f"q{i}" for i in range(n)]
             a = pd.Series(rng.choice([0.0, 0.5, 1.0, float("nan")], n, p=[.4, .2, .38, .02]), index=qids)
@@ -515,6 +515,11 @@ def test_shared_sign_flips_and_paired_differences_give_the_numbers_of_their_firs
             np.testing.assert_array_equal(paired_differences(a, b), want)
             clean = a.fillna(0.0)
             assert paired_p_value(clean, b.astype(float)) == direct_p_value(paired_differences(clean, b.astype(float)))
+    from kvf.eval.stats import bootstrap_means
+    for n in (50, 3000):   # 3000: past the limit too
+        x = rng.random(n)
+        picks = np.random.default_rng(0).integers(0, n, (2000, n))
+        np.testing.assert_array_equal(bootstrap_means(x), x[picks].mean(axis=1))
 
 
 def test_eval_reports_its_progress_through_track(runs, tmp_path):
