@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
@@ -146,6 +146,10 @@ def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
     if not qids & set(df.qid):
         raise KvfError(f"--exclude-questions: none of the {len(qids)} ids in {path} is in the run files; "
                        f"check the ids (e.g. {sorted(qids)[0]!r}) against the records' qid")
+    unknown = sorted(qids - set(df.qid))
+    if unknown:   # a typo would leave a tuned-on question in the held-out scores without a word
+        warn(f"--exclude-questions: {len(unknown)} of the {len(qids)} ids in {path} are in no run file "
+             f"(e.g. {unknown[0]!r}); check them against the records' qid")
     out = df[~df.qid.isin(qids)]
     if out.empty:
         raise KvfError(f"--exclude-questions: {path} lists every question of the run files; nothing is left to score")

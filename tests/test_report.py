@@ -185,7 +185,7 @@ def test_complete_only_keeps_questions_every_method_answered(runs, tmp_path):
         evaluate([partial, lonely], tmp_path / "none", complete_only=True)
 
 
-def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path):
+def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path, capsys):
     # q1 (every replicate) is a "dev" question: excluded, every row is over the other three
     dev = tmp_path / "dev.txt"
     dev.write_text("# tuned on these\n" + "".join(f"q1-{rep}\n" for rep in range(REPS)) + "\n")
@@ -193,6 +193,11 @@ def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path):
     assert set(held_out.n) == {3 * REPS}
     scored = held_out.attrs["records"]
     assert not scored.qid.str.startswith("q1-").any() and scored.qid.nunique() == 3 * REPS
+    # an id in no run file (a typo) is said, not passed over: its question would stay in the scores
+    dev.write_text("".join(f"q1-{rep}\n" for rep in range(REPS)) + "q1-O\n")
+    assert set(evaluate(runs, tmp_path / "typo", exclude_questions=dev).n) == {3 * REPS}
+    err = capsys.readouterr().err
+    assert "1 of the 7 ids" in err and "'q1-O'" in err
     # saved with a byte-order mark and CRLF line ends (Windows editors): the first id still matches
     dev.write_bytes(("\ufeff" + "".join(f"q1-{rep}\r\n" for rep in range(REPS))).encode("utf-8"))
     assert set(evaluate(runs, tmp_path / "bom", exclude_questions=dev).n) == {3 * REPS}
