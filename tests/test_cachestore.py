@@ -624,6 +624,12 @@ def test_cli_info_verify_gc(tmp_path, fmt):
     keep.write_bytes(("\ufeff" + key_of(2) + "\r\n" + key_of(3) + "\r\n").encode("utf-8"))
     res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep), "--yes"])
     assert res.exit_code == 0 and open_store(store.path).keys() == sorted([key_of(2), key_of(3)])
+    # a key that names no entry (a typo) is said: the entry it meant is not kept
+    typo = ("0" if key_of(3)[0] != "0" else "1") + key_of(3)[1:]
+    keep.write_text(key_of(2) + "\n" + typo + "\n")
+    res = runner.invoke(store_app, ["gc", "--store", store.path, "--keep", str(keep)])
+    assert res.exit_code == 0 and "1 of its 2 keys name no entry" in " ".join(res.output.split())
+    assert "and 1 of 2 entries" in res.output   # the entry the typo meant would go: the warning says why
     res = runner.invoke(store_app, ["info", "--store", str(tmp_path / "nope")])
     assert res.exit_code != 0 and isinstance(res.exception, KvfError)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvf.cachestore import open_store
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 from kvf.pipeline.files import read_listed
 from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
 
@@ -55,6 +55,10 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
                 raise KvfError(f"--keep {keep_file}: none of its {len(listed)} lines names an entry of store {location} "
                                "(store keys are the 64-hex entry keys that `kvf store info --json` lists, not chunk ids); "
                                "to keep what a workspace uses, pass --keep-workspace WS")
+            unknown = sorted(listed - existing)
+            if unknown:   # a mistyped key keeps nothing, and the entry it meant goes
+                warn(f"--keep {keep_file}: {len(unknown)} of its {len(listed)} keys name no entry of store {location} "
+                     f"(e.g. {unknown[0][:16]}...); an entry meant by a mistyped key is not kept")
             keep = listed
         if keep_workspace is not None:
             used = workspace_keys(keep_workspace)
