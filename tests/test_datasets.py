@@ -282,3 +282,16 @@ def test_own_questions_file_saved_by_a_windows_editor_reads_like_any_other(tmp_p
     prepare_custom(windows_file("custom.jsonl", lines), tmp_path / "prepared")
     prepared, _ = load_prepared(tmp_path / "prepared")
     assert [q.question for q in prepared] == ["Who founded Acme?", "Who runs Beta?"]
+
+
+def test_two_questions_under_one_id_in_an_own_questions_file_are_refused(tmp_path):
+    """`kvf run -q FILE`: records are keyed by question id; two questions sharing one were both answered,
+    and the run file then failed `kvf eval` ('appears more than once') and confused resuming."""
+    from kvf.pipeline.data.datasets import load_questions_file
+    questions = tmp_path / "mine.jsonl"
+    questions.write_text(json.dumps({"id": "a", "question": "Who founded Acme?"}) + "\n"
+                         + json.dumps({"id": "a", "question": "Who runs Beta?"}) + "\n")
+    with pytest.raises(KvfError, match="mine.jsonl line 2: question id a is used twice"):
+        load_questions_file(questions)
+    questions.write_text(json.dumps({"question": "Who founded Acme?"}) + "\n" + json.dumps({"question": "Who?"}) + "\n")
+    assert [q.qid for q in load_questions_file(questions)] == ["mine-1", "mine-2"]   # made-up ids never collide

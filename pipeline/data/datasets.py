@@ -456,9 +456,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
             else:
                 raise KvfError(f"{where}: each passage is a document id or {{\"title\", \"text\"}} with a non-empty text")
         qid = str(row["id"]) if row.get("id") not in (None, "") else f"custom-{lineno}"
-        if qid in seen:
-            raise KvfError(f"{where}: question id {qid} is used twice; give every question its own id")
-        seen.add(qid)
+        claim_id(qid, seen, where)
         questions.append(Question(qid, text, answers, passages))
     if not questions:
         raise KvfError(f"--input {path} holds no questions; {fix}")
@@ -494,6 +492,13 @@ def _read_jsonl_objects(path: Path, where: str, fix: str) -> list[tuple[int, dic
 def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
     """(line number, row) of a prepared directory's JSONL file."""
     return _read_jsonl_objects(path, str(path), f"is {directory} a directory made by `kvf data prepare`? (re-run it)")
+
+
+def claim_id(qid: str, seen: set[str], where: str) -> None:
+    """One question per id: run records are keyed by it, so two questions under one id would collide."""
+    if qid in seen:
+        raise KvfError(f"{where}: question id {qid} is used twice; give every question its own id")
+    seen.add(qid)
 
 
 def _text_field(row: dict, name: str, where: str, fix: str) -> str:
@@ -537,9 +542,7 @@ def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Pass
     for lineno, r in _read_prepared_jsonl(questions_path, directory):
         where = f"{questions_path} line {lineno}"
         qid = _text_field(r, "id", where, fix)
-        if qid in seen:
-            raise KvfError(f"{where}: question id {qid} is used twice; give every question its own id")
-        seen.add(qid)
+        claim_id(qid, seen, where)
         context_ids = r.get("context_ids")
         if not isinstance(context_ids, list) or not all(isinstance(c, str) for c in context_ids):
             raise KvfError(f"{where}: needs \"context_ids\", a list of passage ids from corpus/passages.jsonl "
@@ -563,13 +566,14 @@ def load_questions_file(path: str | Path) -> list[Question]:
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
     path = Path(path)
     fix = "see README, 'Your own documents and questions'"
-    questions = []
+    questions, seen = [], set()
     for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix):
         where = f"--questions {path} line {lineno}"
         passages = r.get("passages", [])
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
             raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {fix}")
         qid = str(r["id"]) if r.get("id") not in (None, "") else f"{path.stem}-{lineno}"
+        claim_id(qid, seen, where)
         questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
                                   [], list(passages)))
     if not questions:
