@@ -422,7 +422,8 @@ def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built,
     code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
                             capsys, monkeypatch)
     assert_one_line_error(code, err, f"--workspace {ws}", "disk full")
-    assert sorted(p.name for p in ws.iterdir()) == ["kv.zarr"]  # no chunks table, no half-written temp file
+    # no chunks table, no half-written temp file (the build's lock file stays, empty, for the next build)
+    assert sorted(p.name for p in ws.iterdir()) == [".kvf-build.lock", "kv.zarr"]
 
 
 # ---- killed mid-build: resume, readers during the build, equality with a one-go build -------------
@@ -594,3 +595,43 @@ def test_build_cache_errors_are_kvf_errors(built, tmp_path):
     """The in-process API raises KvfError (what the CLI turns into one line), never a bare exception."""
     with pytest.raises(KvfError, match="does not exist"):
         build_cache(opts_for(tmp_path, tmp_path / "nope"), QUIET)
+
+
+def test_a_build_whose_chunks_another_build_rewrote_leaves_the_workspace_to_the_other(tmp_path, short_docs,
+                                                                                     monkeypatch):
+    """Two build-caches with other settings on one workspace: the files stages take turns (a lock), and a
+    build whose chunks table was rewritten by the other while it computed KVs does not write its manifest
+    over the other's files (the workspace said 64-token chunks over a 128-token table and index)."""
+    import kvf.pipeline.workflows.build as build_module
+    from kvf.pipeline.retrieval.chunking import write_chunks_table
+    corpus = write_corpus(tmp_path, short_docs)
+    opts = opts_for(tmp_path, corpus, dtype="float32")
+    real_stage_kv = build_module.stage_kv
+
+    def other_build_meanwhile(opts, builder, chunks, *args):   # what a build of other settings leaves
+        stats = real_stage_kv(opts, builder, chunks, *args)
+        write_chunks_table(chunks[1:], Workspace(opts.workspace).chunks_path)
+        return stats
+    monkeypatch.setattr(build_module, "stage_kv", other_build_meanwhile)
+    with pytest.raises(KvfError, match="another build-cache with other settings rewrote its chunks"):
+        build_cache(opts, QUIET)
+    assert not Workspace(opts.workspace).manifest_path.exists()
+    monkeypatch.setattr(build_module, "stage_kv", real_stage_kv)
+    assert build_cache(opts, QUIET).chunks > 0 and Workspace(opts.workspace).manifest_path.exists()   # alone: fine
+
+
+def test_the_workspace_files_lock_makes_a_second_build_wait(tmp_path):
+    """While one build holds a workspace's files lock, a second one says it waits, and gets it after."""
+    import threading
+    ws, said, order = Workspace(tmp_path / "ws"), [], []
+
+    def second_build():
+        with ws.files_lock(said.append):
+            order.append("second")
+    with ws.files_lock(said.append):
+        second = threading.Thread(target=second_build)
+        second.start()
+        time.sleep(0.3)
+        order.append("first done")
+    second.join(5)
+    assert order == ["first done", "second"] and said == [f"another build is writing workspace {ws.root}'s files; waiting for it"]

@@ -10,6 +10,7 @@ import errno
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -336,11 +337,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     previous = previous_manifest(ws, console)
     store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
-    with _writing(ws):
+    waiting = partial(console.print, style="yellow", markup=False, highlight=False)
+    with ws.files_lock(waiting), _writing(ws):
         chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs, console)
-    summary.chunks, summary.tokens = len(chunks), stat.tokens
-    summary.stages.append(stat)
-    with _writing(ws):
+        summary.chunks, summary.tokens = len(chunks), stat.tokens
+        summary.stages.append(stat)
         index_state = dict(previous.get("indexes", {}))
         summary.stages += stage_indexes(opts, ws, chunks, index_state, console)
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
@@ -353,9 +354,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
             summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary)
         else:
             summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
-    write_workspace_manifest(ws, opts, model_ref, store, index_state,
-                             variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
-                             extras_for=extras_for)
+    with ws.files_lock(waiting):
+        ws.check_chunks_are([c.chunk_id for c in chunks])
+        write_workspace_manifest(ws, opts, model_ref, store, index_state,
+                                 variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
+                                 extras_for=extras_for)
     return summary
 
 

@@ -353,17 +353,20 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
                        f"`kvf build-cache YOUR_DOCS -w {ws.root}`")
-    console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
-                  "(KVs are computed as questions need them)")
-    model_ref = open_model(opts.model)
-    bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                         chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
-                         n_neighbours=opts.n_neighbours, device=opts.device)
-    chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
-    index_state: dict = {}
-    stage_indexes(bopts, ws, chunks, index_state, console)
-    store = open_workspace_store(ws, model_ref, opts.store, None, bopts.dtype, create=True)
-    write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], extras_for=[])
+    with ws.files_lock(lambda message: console.print(message, style="yellow", markup=False, highlight=False)):
+        if ws.manifest_path.is_file():   # another run built it while this one waited
+            return ws
+        console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
+                      "(KVs are computed as questions need them)")
+        model_ref = open_model(opts.model)
+        bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
+                             chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
+                             n_neighbours=opts.n_neighbours, device=opts.device)
+        chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
+        index_state: dict = {}
+        stage_indexes(bopts, ws, chunks, index_state, console)
+        store = open_workspace_store(ws, model_ref, opts.store, None, bopts.dtype, create=True)
+        write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], extras_for=[])
     return ws
 
 

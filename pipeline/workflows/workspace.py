@@ -14,10 +14,13 @@ variant, what it attended to (S, and for `fusion` its neighbours), and its token
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kvf.errors import KvfError
 from kvf.cachestore import entry_key
@@ -59,6 +62,30 @@ class Workspace:
     bm25_dir = property(lambda self: self.root / "bm25")
     dense_dir = property(lambda self: self.root / "dense")
     neighbours_path = property(lambda self: self.root / "neighbours.json")
+
+    @contextmanager
+    def files_lock(self, waiting: Callable[[str], None]):
+        """Held while a build writes the workspace's files (chunks table, indexes, manifest): two builds at
+        once take turns there, so neither interleaves its files with the other's. The KV stage runs
+        outside it: shards of one build (--shard I/N) compute KVs side by side into the shared store."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".kvf-build.lock", "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waiting(f"another build is writing workspace {self.root}'s files; waiting for it")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield   # closing the file releases the lock
+
+    def check_chunks_are(self, chunk_ids: list[str]) -> None:
+        """Before a build writes the manifest: the chunks table must still be the one it built, not one
+        that a build with other settings wrote while this one computed KVs."""
+        from kvf.pipeline.retrieval.chunking import read_chunks_table
+        on_disk = [c.chunk_id for c in read_chunks_table(self.chunks_path)]
+        if on_disk != chunk_ids:
+            raise KvfError(f"--workspace {self.root}: another build-cache with other settings rewrote its chunks "
+                           f"while this one ran ({len(on_disk)} chunks there, {len(chunk_ids)} here); its KVs are "
+                           "stored, but the workspace is now the other build's: re-run this build on its own")
 
     def default_store(self, fmt: str | None = "zarr") -> str:
         if fmt is None and (self.root / "kv.h5").exists():
