@@ -21,7 +21,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvf.errors import KvfError
 from kvf.pipeline.files import write_atomic
 from kvf.pipeline.model import forward
 from kvf.pipeline.model.rope import apply_rope
@@ -38,10 +37,18 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "recompute_cost.md")
     args = p.parse_args(argv)
-    args.ratio_list = [float(r) for r in args.ratios.split(",") if r.strip()]
-    if not 64 <= args.length <= 8000 or args.rounds < 1 or args.threads < 1 \
-            or not all(0 < r <= 1 for r in args.ratio_list):
-        raise KvfError("--length must be within [64, 8000], --rounds and --threads >= 1, --ratios within (0, 1]")
+    # one line naming the flag, as bench_allocator's (a KvfError here reached the user as a traceback)
+    try:
+        args.ratio_list = [float(r) for r in args.ratios.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"recompute_cost: --ratios {args.ratios}: expected numbers in (0, 1], e.g. 0.05,0.15") from None
+    if not args.ratio_list or not all(0 < r <= 1 for r in args.ratio_list):
+        raise SystemExit(f"recompute_cost: --ratios {args.ratios}: every ratio must be within (0, 1]")
+    if not 64 <= args.length <= 8000:
+        raise SystemExit(f"recompute_cost: --length {args.length}: must be within [64, 8000]")
+    for flag, value in (("--rounds", args.rounds), ("--threads", args.threads)):
+        if value < 1:
+            raise SystemExit(f"recompute_cost: {flag} {value}: must be at least 1")
     return args
 
 

@@ -198,6 +198,17 @@ def test_bench_without_a_workdir_leaves_no_store_behind(tmp_path, monkeypatch):
     assert (kept / "store-96.zarr").is_dir()
 
 
+def test_recompute_cost_refuses_bad_arguments_in_one_line():
+    from kvf.scripts import recompute_cost
+    for argv, fragment in ((["--length", "10"], "--length 10"), (["--ratios", "abc"], "--ratios abc"),
+                           (["--ratios", "0"], "--ratios 0"), (["--rounds", "0"], "--rounds 0"),
+                           (["--threads", "0"], "--threads 0")):
+        with pytest.raises(SystemExit) as refused:
+            recompute_cost.parse_args(argv)
+        message = str(refused.value.code)
+        assert message.startswith("recompute_cost: ") and fragment in message and "\n" not in message
+
+
 def test_bench_allocator_refuses_bad_arguments_in_one_line():
     from kvf.scripts import bench_allocator
     for argv, fragment in ((["--rounds", "0"], "--rounds 0"), (["--length", "0"], "--length 0"),
