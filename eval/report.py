@@ -142,11 +142,11 @@ def read_question_ids(path: Path) -> set[str]:
 
 def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
     """The records of every question but those listed in `path` (a split used to tune a method)."""
-    qids = read_question_ids(path)
-    if not qids & set(df.qid):
+    qids, scored = read_question_ids(path), set(df.qid)
+    if not qids & scored:
         raise KvfError(f"--exclude-questions: none of the {len(qids)} ids in {path} is in the run files; "
                        f"check the ids (e.g. {sorted(qids)[0]!r}) against the records' qid")
-    unknown = sorted(qids - set(df.qid))
+    unknown = sorted(qids - scored)
     if unknown:   # a typo would leave a tuned-on question in the held-out scores without a word
         warn(f"--exclude-questions: {len(unknown)} of the {len(qids)} ids in {path} are in no run file "
              f"(e.g. {unknown[0]!r}); check them against the records' qid")

@@ -152,8 +152,12 @@ def run_files_of(paths: list[str | Path]) -> list[Path]:
             files += matched
         else:
             files.append(given)
-    unique = {f.resolve(): f for f in reversed(files)}   # a file named twice (runs/ and runs/a.jsonl) counts once
-    return [f for f in files if unique[f.resolve()] is f]
+    unique, seen = [], set()   # a file named twice (runs/ and runs/a.jsonl) counts once, where first named
+    for f in files:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique
 
 
 def read_records(path: Path) -> list[RunRecord]:
