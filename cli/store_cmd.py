@@ -20,6 +20,9 @@ console = Console()
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store path or URL (file://, s3://, ...).")]
 WorkspaceOpt = Annotated[Optional[Path], typer.Option("--workspace", "-w", help="Use this workspace's store.")]
 FormatOpt = Annotated[Optional[str], typer.Option("--format", help="zarr or hdf5 [default: detect].")]
+WhereArg = Annotated[Optional[str], typer.Argument(
+    metavar="STORE|WORKSPACE", show_default=False,
+    help="A store path or URL (kv.zarr, kv.h5, s3://bucket/prefix), or a workspace folder; or use --store / -w.")]
 EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
@@ -32,12 +35,21 @@ def _size(n: float | None) -> str:
         n /= 1024
 
 
-def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None) -> str:
-    """--store, or the store named by --workspace's manifest (one of them)."""
+def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None,
+                  where: str | None = None) -> str:
+    """--store, or the store named by --workspace's manifest (one of them); or `where`, the positional
+    argument: a workspace folder (it holds a manifest.json) stands for its store, anything else is a store."""
     from kvf.cli.options import use_s3_endpoint
     use_s3_endpoint(endpoint)
+    if where is not None:
+        if store is not None or workspace is not None:
+            raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
+        if (Path(where) / "manifest.json").is_file():
+            workspace = Path(where)
+        else:
+            store = where
     if (store is None) == (workspace is None):
-        raise KvfError("pass --store PATH (or URL) or --workspace DIR, one of them")
+        raise KvfError("pass a store (kvf store info PATH, or --store PATH / URL) or --workspace DIR, one of them")
     if store is not None:
         return store
     from kvf.pipeline.workflows.workspace import Workspace
@@ -45,11 +57,11 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
 
 
 @store_app.command()
-def info(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
          json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False,
          s3_endpoint: EndpointOpt = None):
     """Entries, tokens, bytes on disk and per token, variants, and the store's identity."""
-    location = resolve_store(store, workspace, s3_endpoint)
+    location = resolve_store(store, workspace, s3_endpoint, where)
     i = open_store(location, format, readonly=True).info()
     if json_out:
         print(json.dumps(i, default=str))
@@ -72,11 +84,11 @@ def info(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatO
 
 
 @store_app.command()
-def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
            delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete bad entries so a rebuild recomputes them.")] = False,
            s3_endpoint: EndpointOpt = None):
     """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
-    location = resolve_store(store, workspace, s3_endpoint)
+    location = resolve_store(store, workspace, s3_endpoint, where)
     s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
     bad = s.verify()
@@ -93,12 +105,12 @@ def verify(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: Forma
 
 
 @store_app.command()
-def gc(store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
+def gc(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt = None, format: FormatOpt = None,
        keep: Annotated[Optional[Path], typer.Option("--keep", help="File of store keys to keep, one per line: every other entry goes.")] = None,
        keep_workspace: Annotated[Optional[Path], typer.Option("--keep-workspace", help="Keep every entry this workspace's chunks and variants use; every other entry goes.")] = None,
        yes: Annotated[bool, typer.Option("--yes", help="Delete for real; without it gc only says what it would delete.")] = False,
        s3_endpoint: EndpointOpt = None):
     """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
     from kvf.pipeline.workflows.gc import collect
-    location = resolve_store(store, workspace, s3_endpoint)
+    location = resolve_store(store, workspace, s3_endpoint, where)
     collect(location, format, keep, keep_workspace, yes, console)

@@ -156,6 +156,17 @@ def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
     return out
 
 
+def warn_unscored(summary: pd.DataFrame) -> None:
+    """A dataset with neither gold answers nor full prefill's answers scores no quality at all (a user's own
+    questions run without --compare-full): say so, and how to score it, rather than print a table of dashes."""
+    for dataset, rows in summary.groupby("dataset", sort=True):
+        gold = rows.apply(lambda r: r[r.metric], axis=1)
+        if gold.isna().all() and rows.fidelity_f1.isna().all():
+            warn(f"{dataset}: no question has gold answers and no record has full prefill's answer, so no quality is "
+                 "scored (TTFT and recompute fractions only); give the questions answers, or re-run with "
+                 "--compare-full (or add -m full)")
+
+
 def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
     """A generated suite's records ("ruler-2048/alias", ...) once more under "ruler-2048 (all tasks)":
     per task n is small, pooled over tasks the paired intervals can separate methods."""
@@ -537,6 +548,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
         df = complete_questions(df)
     df = with_pooled_tasks(df)
     summary = summarize(df, track)
+    warn_unscored(summary)
     summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]
     summary.attrs["records"] = df
     return summary

@@ -140,7 +140,7 @@ CASES = {
     # --ray alone means a local Ray instance: parsed, the command goes on to refuse --workers 0
     "build-cache --ray alone": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "--workers", "0"],
                                 ["--workers"]),
-    "store needs one of": (lambda d, t: ["store", "info"], ["--store", "--workspace"]),
+    "store needs one of": (lambda d, t: ["store", "info"], ["kvf store info PATH", "--store", "--workspace"]),
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
         "--out", t / "p"], ["record 0", "not a string"]),
@@ -160,6 +160,9 @@ CASES = {
         ["--input", "c.jsonl is not UTF-8 text", "save it as UTF-8"]),
     "run -q latin-1": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "caf\xe9"}'),
                                      "-m", "reuse", "-o", t / "o.jsonl"], ["--questions", "q.jsonl is not UTF-8 text"]),
+    "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
+                                        "-m", "reuse", "-o", t / "o.jsonl"],
+                          ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),
 }
 
 
@@ -369,6 +372,23 @@ def test_damaged_or_misplaced_entries_are_refused_before_they_are_read(ws_copy, 
     (entry(b) / "zarr.json").write_text(json.dumps(meta))
     code, out, _ = run_cli(["store", "verify", "-w", ws], capsys, monkeypatch)
     assert code == 1 and "header checksum mismatch" in out
+
+
+def test_store_commands_take_the_store_or_workspace_as_an_argument(built, capsys, monkeypatch):
+    """`kvf store info PATH`: what a new user types first. A workspace folder stands for its store, any other
+    path for a store; the answer is the one --store / -w give. Named twice, or not a store: one line."""
+    ws = built / "ws"
+    by_flag = run_cli(["store", "info", "--store", ws / "kv.zarr", "--json"], capsys, monkeypatch)
+    assert by_flag[0] == 0
+    for where in (ws / "kv.zarr", ws):
+        assert run_cli(["store", "info", where, "--json"], capsys, monkeypatch)[1] == by_flag[1]
+    code, out, _ = run_cli(["store", "verify", ws], capsys, monkeypatch)
+    assert code == 0 and "entries OK" in out
+    code, out, _ = run_cli(["store", "gc", ws / "kv.zarr"], capsys, monkeypatch)
+    assert code == 0 and "would remove 0 temp" in out
+    assert_one_line(*run_cli(["store", "info", ws, "--store", ws / "kv.zarr"], capsys, monkeypatch)[::2],
+                    "name the store once")
+    assert_one_line(*run_cli(["store", "info", built / "data"], capsys, monkeypatch)[::2], "is not a kvf store")
 
 
 def test_an_entry_directory_without_metadata_is_reported_and_rebuilt(ws_copy, capsys, monkeypatch):

@@ -601,6 +601,20 @@ def test_questions_without_gold_answers_are_counted_apart(tmp_path):
     assert format_cell(row(whole, "cacheblend"), "n") == str(REPS) and gold_count(whole) == ""
 
 
+def test_runs_with_nothing_to_score_against_say_so(tmp_path, capsys):
+    """A user's own questions without answers, run without --compare-full: no gold and no full answer to
+    score against. kvf eval says so and how to fix it, instead of a silent table of dashes; a run with
+    full's answers (or gold) draws no such warning."""
+    bare = [record(f"q1-{i}", "cacheblend", "Paris", ratio=0.15, gold=[]) for i in range(REPS)]
+    evaluate([write_run(tmp_path / "bare.jsonl", bare)], tmp_path / "bare")
+    err = capsys.readouterr().err
+    assert "toy: no question has gold answers and no record has full prefill's answer" in err and "--compare-full" in err
+    with_full = bare + [record(f"q1-{i}", "full", "Paris", ratio=1.0, gold=[]) for i in range(REPS)]
+    summary = evaluate([write_run(tmp_path / "full.jsonl", with_full)], tmp_path / "full")
+    assert row(summary, "cacheblend").fidelity_f1 == 1.0
+    assert "no question has gold" not in capsys.readouterr().err
+
+
 def test_a_directory_or_a_quoted_glob_stands_for_its_run_files(runs, tmp_path):
     """`kvf eval runs/` and `kvf eval 'runs/*.jsonl'` (no shell expanded it) read the run files there, each
     once; a directory without run files, or a pattern that matches none, is a one-line error naming it."""

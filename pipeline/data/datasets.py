@@ -32,6 +32,9 @@ from pathlib import Path
 from kvf.errors import KvfError
 from kvf.pipeline.files import check_writable_dir, write_atomic
 
+# what a line of a user's own question file looks like, for errors on a line that is not one
+QUESTION_LINE = 'each line must be one JSON object, e.g. {"question": "Who wrote Dune?", "answers": ["Frank Herbert"]}'
+
 FORMATS = {
     "dpr": "DPR-style {question, answers, ctxs[{title,text}]} (NQ-open, TriviaQA, CacheBlend/LongBench)",
     "2wiki": "2WikiMultihopQA / HotpotQA original {question, answer, context[[title,[sentences]]], supporting_facts}, pandas export too",
@@ -438,7 +441,8 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
     fix = "see README, 'Your own documents and questions'"
     questions, seen = [], set()
-    for lineno, row in _read_jsonl_objects(path, f"--input {path}", "pass a JSON Lines file of questions; " + fix):
+    for lineno, row in _read_jsonl_objects(path, f"--input {path}", "pass a JSON Lines file of questions; " + fix,
+                                              QUESTION_LINE):
         where = f"--input {path} line {lineno}"
         text = _text_field(row, "question", where, fix)
         answers = _answers_field(row, where, required=True) if "answers" in row or "answer" in row else None
@@ -467,9 +471,11 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     return write_prepared(questions, out_dir, manifest, corpus_extra=[p for q in extra for p in q.contexts])
 
 
-def _read_jsonl_objects(path: Path, where: str, fix: str) -> list[tuple[int, dict]]:
+def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None = None) -> list[tuple[int, dict]]:
     """(line number, row) of a JSON Lines file whose rows are JSON objects. A leading byte-order mark
-    (Windows editors write one) is dropped; `where` names the file (and its flag) in errors."""
+    (Windows editors write one) is dropped; `where` names the file (and its flag) in errors, `line_fix`
+    (default `fix`) what a line should look like."""
+    line_fix = fix if line_fix is None else line_fix
     if not path.is_file():
         raise KvfError(f"{where} is missing; {fix}")
     try:
@@ -482,9 +488,9 @@ def _read_jsonl_objects(path: Path, where: str, fix: str) -> list[tuple[int, dic
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg})") from None
+                raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg}); {line_fix}") from None
             if not isinstance(row, dict):
-                raise KvfError(f"{where} line {lineno}: expected a JSON object")
+                raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
             rows.append((lineno, row))
     return rows
 
@@ -567,7 +573,8 @@ def load_questions_file(path: str | Path) -> list[Question]:
     path = Path(path)
     fix = "see README, 'Your own documents and questions'"
     questions, seen = [], set()
-    for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix):
+    for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix,
+                                            QUESTION_LINE):
         where = f"--questions {path} line {lineno}"
         passages = r.get("passages", [])
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):

@@ -10,7 +10,6 @@ import errno
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.display import progress_bar
+from kvf.pipeline.workflows.display import notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
 
@@ -337,7 +336,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     previous = previous_manifest(ws, console)
     store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
-    waiting = partial(console.print, style="yellow", markup=False, highlight=False)
+    waiting = notice(console)
     with ws.files_lock(waiting), _writing(ws):
         chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs, console)
         summary.chunks, summary.tokens = len(chunks), stat.tokens

@@ -16,6 +16,11 @@ def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
                     disable=not (console.is_terminal or console.is_jupyter))
 
 
+def notice(console: Console) -> Callable[[str], None]:
+    """A printer for plain notices in yellow (e.g. "waiting for another build"): the text as given, no markup."""
+    return lambda message: console.print(message, style="yellow", markup=False, highlight=False)
+
+
 def output_console(log_width: int, stderr: bool = False) -> Console:
     """A terminal keeps its own width (tables are fitted to it); a file or pipe gets `log_width`, wide
     enough that every table row stays on one line in a log. stderr: for what --json output must not mix with."""

@@ -29,7 +29,7 @@ from kvf.pipeline.retrieval.chunking import read_chunks_table
 from kvf.pipeline.workflows.build import (BuildOptions, index_digests, open_workspace_store, stage_chunks,
                                           stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
-from kvf.pipeline.workflows.display import progress_bar
+from kvf.pipeline.workflows.display import notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
@@ -353,7 +353,7 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
                        f"`kvf build-cache YOUR_DOCS -w {ws.root}`")
-    with ws.files_lock(lambda message: console.print(message, style="yellow", markup=False, highlight=False)):
+    with ws.files_lock(notice(console)):
         if ws.manifest_path.is_file():   # another run built it while this one waited
             return ws
         console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
