@@ -19,8 +19,8 @@ def run_command(
     method: str = typer.Option(..., "--method", "-m", help="Fusion method(s), comma-separated, or all (see `kvf methods`)."),
     dataset: Optional[Path] = typer.Option(None, "--dataset", "-d", help="Prepared dataset dir (corpus/ + questions.jsonl), see `kvf data`."),
     questions: Optional[Path] = typer.Option(None, "--questions", "-q", help="Your own questions, JSON Lines {question, answers?, id?, passages?}, answered from --workspace."),
-    ratio: str = typer.Option("0.15", "--ratio", "-r", help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller)."),
-    quality_floor: float = typer.Option(0.15, "--quality-floor", min=0.0, max=1.0, help="With --ratio auto: never recompute less than this."),
+    ratio: Optional[str] = typer.Option(None, "--ratio", "-r", show_default=False, help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller) [default: 0.15]."),
+    quality_floor: Optional[float] = typer.Option(None, "--quality-floor", min=0.0, max=1.0, show_default=False, help="With --ratio auto: never recompute less than this [default: 0.15]."),
     workspace: Optional[Path] = typer.Option(None, "--workspace", "-w", help="Workspace from build-cache [default: DATASET/workspace with --dataset, else ./workspace]."),
     variant: Optional[str] = typer.Option(None, "--variant", help="Stored KV variant: prefix or fusion [default: each method's own]."),
     top_k: int = typer.Option(5, "--top-k", "-k", min=1, help="Chunks retrieved per question in the shared setting."),
@@ -51,8 +51,13 @@ def run_command(
     """Answer every question with each method and ratio; one JSON line per question, method and ratio."""
     from kvf.errors import KvfError
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
+    from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
     use_s3_endpoint(s3_endpoint)
     check_ray_flags(ray, workers)
+    methods = parse_methods(method)
+    check_ratio_used(ratio, quality_floor, methods)
+    ratio = "0.15" if ratio is None else ratio
+    quality_floor = DEFAULT_QUALITY_FLOOR if quality_floor is None else quality_floor
     auto = ratio.strip() == "auto"
     if auto:
         ratios = [quality_floor]
@@ -60,7 +65,7 @@ def run_command(
         ratios = parse_ratios(ratio)
     if (dataset is None) == (questions is None):
         raise KvfError("pass either --dataset DIR (a prepared directory) or --questions FILE (with --workspace)")
-    opts = RunOptions(dataset=dataset, questions=questions, methods=parse_methods(method), ratios=ratios, out=out,
+    opts = RunOptions(dataset=dataset, questions=questions, methods=methods, ratios=ratios, out=out,
                       workspace=workspace, variant=variant, top_k=top_k, limit=limit, offset=offset, setting=setting,
                       retriever=retriever, compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
@@ -72,3 +77,17 @@ def run_command(
         from kvf.cli.tables import answers_table
         Console().print(answers_table(path, opts))
     console.print(f"runs written to {path}", highlight=False, markup=False)
+
+
+def check_ratio_used(ratio: str | None, quality_floor: float | None, methods) -> None:
+    """A --ratio (or --quality-floor) given for methods that recompute a fixed amount would be dropped
+    without a word (`-m full -r 0.3` is full prefill): refused, as a knob no listed method takes is."""
+    from kvf.errors import KvfError
+    from kvf.pipeline.fusion.methods import METHODS
+    from kvf.pipeline.workflows.run import parse_method_spec
+    if quality_floor is not None and (ratio or "").strip() != "auto":
+        raise KvfError(f"--quality-floor {quality_floor:g} is used with --ratio auto only; add -r auto, or leave it out")
+    names = sorted({parse_method_spec(entry).name for entry in methods})
+    if ratio is not None and not any(METHODS[name].ratio_is_knob for name in names):
+        raise KvfError(f"--ratio {ratio}: {', '.join(names)} recompute a fixed amount and take no ratio; leave --ratio out, "
+                       "or add a method that takes one (see `kvf methods`)")
