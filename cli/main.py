@@ -7,6 +7,7 @@ one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -118,7 +119,11 @@ def main():
         if debug:
             raise
         where = f" {e.filename}:" if e.filename else ""
-        print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"kvf: error:{where} disk full (no space left on device); free some space there, or write "
+                  "elsewhere (--out, --workspace or --store), and re-run", file=sys.stderr)
+        else:
+            print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
         if debug:

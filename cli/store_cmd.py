@@ -38,14 +38,18 @@ def _size(n: float | None) -> str:
 def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None,
                   where: str | None = None) -> str:
     """--store, or the store named by --workspace's manifest (one of them); or `where`, the positional
-    argument: a workspace folder (it holds a manifest.json) stands for its store, anything else is a store."""
+    argument: a workspace folder stands for its store (the manifest's, else its kv.zarr or kv.h5),
+    anything else is a store."""
     from kvf.cli.options import use_s3_endpoint
     use_s3_endpoint(endpoint)
     if where is not None:
         if store is not None or workspace is not None:
             raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
+        defaults = [Path(where) / name for name in ("kv.zarr", "kv.h5") if (Path(where) / name).exists()]
         if (Path(where) / "manifest.json").is_file():
             workspace = Path(where)
+        elif len(defaults) == 1:     # a workspace whose first build has not finished: no manifest yet
+            store = str(defaults[0])
         else:
             store = where
     if (store is None) == (workspace is None):

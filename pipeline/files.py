@@ -34,8 +34,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename in (None, tmp):   # a failed write (disk full) names no file:
+            e.filename = str(path)                                   # the user's, not our temp one
         raise
 
 

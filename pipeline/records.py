@@ -24,6 +24,7 @@ only a torn *last* line (a run killed mid-write), saying so.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import gzip
@@ -205,7 +206,7 @@ class RunFile:
                            "and gzip it when the run is done (kvf eval reads both)")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a+b")
+            self._file = open(self.path, "a+b", buffering=0)   # unbuffered: a failed write leaves nothing pending
         except IsADirectoryError:
             raise KvfError(f"--out {self.path} is a directory; pass a file path such as {self.path}/run.jsonl") from None
         except OSError as e:
@@ -247,7 +248,6 @@ class RunFile:
             good_bytes += len(raw) + 1
         if not complete and len(records) == len(lines):  # a whole record without its newline: keep it
             self._file.write(b"\n")
-            self._file.flush()
             good_bytes = self._file.tell()
         if good_bytes < self._file.seek(0, os.SEEK_END):
             self._file.truncate(good_bytes)
@@ -258,11 +258,21 @@ class RunFile:
         self._file.truncate(0)
 
     def append(self, record: RunRecord) -> None:
-        """One record, flushed and fsynced: a crash loses at most the record being written."""
-        self._file.seek(0, os.SEEK_END)
-        self._file.write(record.to_line().encode())
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """One record, fsynced: a crash loses at most the record being written. A write that fails (disk
+        full) is cut back, so the file ends with whole records and a re-run resumes it."""
+        start = self._file.seek(0, os.SEEK_END)
+        try:
+            line = memoryview(record.to_line().encode())
+            while line:
+                line = line[self._file.write(line):]
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            self._file.truncate(start)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise KvfError(f"--out {self.path}: disk full while writing a record; the records before it are kept: "
+                               "free some space there and re-run to resume") from None
+            e.filename = str(self.path)
+            raise
 
 
 def finite(value: float) -> bool:

@@ -189,6 +189,18 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, *fragments)
 
 
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """`kvf eval` onto a full disk: the line names the file it could not write and says to free space or
+    write elsewhere (it said "No space left on device (check the path and its permissions)")."""
+    import errno
+    run_file = write(tmp_path / "r.jsonl", record())
+    def full(self, data, encoding=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    code, _, err = run_cli(["eval", run_file, "-o", tmp_path / "out"], capsys, monkeypatch)
+    assert_one_line(code, err, f"{tmp_path / 'out' / 'summary.csv'}: disk full", "free some space", "--out")
+
+
 # ---- data that is not what kvf needs --------------------------------------------------------------
 def test_ray_without_an_address_means_a_local_instance():
     """`--ray` is the last word or another option follows it: `--ray local` (the issue's `--ray [ADDRESS]`);
@@ -378,7 +390,7 @@ def test_damaged_or_misplaced_entries_are_refused_before_they_are_read(ws_copy, 
     assert code == 1 and "header checksum mismatch" in out
 
 
-def test_store_commands_take_the_store_or_workspace_as_an_argument(built, capsys, monkeypatch):
+def test_store_commands_take_the_store_or_workspace_as_an_argument(built, tmp_path, capsys, monkeypatch):
     """`kvf store info PATH`: what a new user types first. A workspace folder stands for its store, any other
     path for a store; the answer is the one --store / -w give. Named twice, or not a store: one line."""
     ws = built / "ws"
@@ -388,6 +400,11 @@ def test_store_commands_take_the_store_or_workspace_as_an_argument(built, capsys
         assert run_cli(["store", "info", where, "--json"], capsys, monkeypatch)[1] == by_flag[1]
     code, out, _ = run_cli(["store", "verify", ws], capsys, monkeypatch)
     assert code == 0 and "entries OK" in out
+    unfinished = tmp_path / "unfinished"          # a first build cut short: its store, no manifest yet
+    unfinished.mkdir()
+    (unfinished / "kv.zarr").symlink_to(ws / "kv.zarr")
+    code, out, _ = run_cli(["store", "verify", unfinished], capsys, monkeypatch)
+    assert code == 0 and "entries OK in" in out and str(unfinished / "kv.zarr") in out
     code, out, _ = run_cli(["store", "gc", ws / "kv.zarr"], capsys, monkeypatch)
     assert code == 0 and "would remove 0 temp" in out
     assert_one_line(*run_cli(["store", "info", ws, "--store", ws / "kv.zarr"], capsys, monkeypatch)[::2],

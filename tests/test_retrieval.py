@@ -85,6 +85,20 @@ def test_bm25_errors(workspace, tmp_path):
         BM25Searcher(tmp_path / "no-index")
 
 
+def test_an_index_lucene_could_not_commit_is_refused(workspace, tmp_path):
+    """Lucene logs a failed commit (disk full) and carries on: segment files without segments_N, or fewer
+    documents than chunks, must be an error before the index replaces a good one, not a silent bad index."""
+    from kvf.pipeline.retrieval.bm25 import check_written
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "_0.fdt").write_bytes(b"\0" * 64)                     # segment data, no commit point
+    with pytest.raises(KvfError, match="Lucene could not commit it.*free some space"):
+        check_written(half, tmp_path / "bm25", len(TOPICS))
+    check_written(workspace / "bm25", workspace / "bm25", len(TOPICS))         # a whole index passes
+    with pytest.raises(KvfError, match=f"Lucene wrote {len(TOPICS)} of {len(TOPICS) + 1} chunks"):
+        check_written(workspace / "bm25", workspace / "bm25", len(TOPICS) + 1)
+
+
 def test_java_setup_is_idempotent_and_skips_the_vector_module():
     import jnius_config
     from kvf.pipeline.retrieval.java import ensure_java
@@ -150,6 +164,18 @@ def test_dense_errors(workspace, tmp_path, embedder):
         DenseSearcher(tmp_path / "no-index", embedder)
     with pytest.raises(KvfError, match="empty"):
         DenseSearcher(workspace / "dense", embedder).search("", k=1)
+
+
+def test_a_dense_index_faiss_cannot_write_is_one_line(tmp_path, embedder, monkeypatch):
+    """faiss reports a full disk as a RuntimeError of its own: kvf says disk full, and leaves no index."""
+    import faiss
+    from kvf.pipeline.retrieval.dense import build_dense
+    def full(index, path):
+        raise RuntimeError(f"Error in faiss::write_index: write error in {path}: 0 != 512 (No space left on device)")
+    monkeypatch.setattr(faiss, "write_index", full)
+    with pytest.raises(KvfError, match="dense index .*dense: disk full.*free some space"):
+        build_dense(["a text"], ["c1"], tmp_path / "dense", embedder)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dense_refuses_another_embedder(workspace, tmp_path, embedder):

@@ -1,13 +1,16 @@
 """`kvf run` end to end on the synthetic set: records, sweeps, resuming, and bad input."""
+import errno
 import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from kvf.errors import KvfError
+from kvf.pipeline.records import RunFile, parse_record
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
 
 QUIET = Console(file=io.StringIO())
@@ -100,6 +103,49 @@ def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
     again = out.read_text().splitlines()
     assert len(again) == 4 and again[:3] == first[:3]
     assert json.loads(again[3])["qid"] == json.loads(first[3])["qid"]
+
+
+class DiskFills:
+    """A run file's handle whose next write stops half-way with "no space left on device", as a full disk does."""
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data):
+        self.file.write(bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_full_disk_cuts_the_record_back_and_the_rerun_resumes(built, tmp_path):
+    """Disk full mid-record: one line naming --out and the fix, the file cut back to its whole records (no
+    torn line, no traceback from a buffered retry at close), and the re-run writes the rest."""
+    out = tmp_path / "runs.jsonl"
+    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
+    run(opts, QUIET)
+    records = [parse_record(json.loads(line), "test") for line in out.read_text().splitlines()]
+    with RunFile(out) as run_file:
+        run_file.truncate_all()
+        run_file.append(records[0])
+        run_file._file = DiskFills(run_file._file)
+        with pytest.raises(KvfError, match=f"--out {out}: disk full while writing a record.*re-run to resume"):
+            run_file.append(records[1])
+    assert out.read_text() == records[0].to_line()
+    run(opts, QUIET)
+    assert len(out.read_text().splitlines()) == 4
+
+
+def test_a_failed_atomic_write_names_the_file_not_its_temp(tmp_path, monkeypatch):
+    """A write that fails (disk full) carries no file name; kvf's one line must name the user's file."""
+    from kvf.pipeline.files import write_atomic
+    def full(self, data, encoding=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as failed:
+        write_atomic(tmp_path / "summary.csv", "a,b\n")
+    assert failed.value.filename == str(tmp_path / "summary.csv")
+    assert list(tmp_path.iterdir()) == []            # no temp file left behind
 
 
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):

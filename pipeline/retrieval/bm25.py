@@ -32,6 +32,19 @@ def build_bm25(chunks: list[Chunk], index_dir: str | Path, threads: int | None =
                     on_batch(len(part))
         finally:
             indexer.close()  # commits to disk
+        check_written(tmp, index_dir, len(chunks))
+
+
+def check_written(tmp: Path, index_dir: str | Path, n_chunks: int) -> None:
+    """Lucene logs a failed commit (disk full) and carries on, leaving segment files but no segments_N
+    index of them: such an index must not replace a good one, nor look built."""
+    fix = "if the disk is full, free some space there; then re-run the build"
+    if not any(Path(tmp).glob("segments_*")):
+        raise KvfError(f"BM25 index {index_dir}: Lucene could not commit it (see its log above); {fix}")
+    from pyserini.index.lucene import LuceneIndexReader
+    documents = LuceneIndexReader(str(tmp)).stats()["documents"]
+    if documents != n_chunks:
+        raise KvfError(f"BM25 index {index_dir}: Lucene wrote {documents} of {n_chunks} chunks (see its log above); {fix}")
 
 
 class BM25Searcher:

@@ -85,7 +85,14 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
     index, kind = make_index(embedder.dim, len(chunk_ids), approx_threshold)
     index.add(embeddings)
     with atomic_dir(index_dir) as tmp:  # never mix files of two builds, never leave half an index
-        faiss.write_index(index, str(tmp / INDEX_FILE))
+        try:
+            faiss.write_index(index, str(tmp / INDEX_FILE))
+        except RuntimeError as e:   # faiss's own error, not an OSError: a full disk among others
+            if "No space left on device" in str(e):
+                raise KvfError(f"dense index {index_dir}: disk full (no space left on device); free some space there "
+                               "and re-run the build") from None
+            raise KvfError(f"dense index {index_dir}: faiss could not write it ({str(e).strip()[-80:]}); "
+                           "re-run the build") from None
         np.save(tmp / EMBEDDINGS_FILE, embeddings)
         (tmp / IDS_FILE).write_text(json.dumps(list(chunk_ids)))
         meta = {"embedder": embedder.name, "dim": embedder.dim, "index": kind, "count": len(chunk_ids)}
