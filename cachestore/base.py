@@ -379,7 +379,9 @@ class KVStore:
 
     def _check_writable(self) -> None:
         if self.readonly:
-            raise KvfError(f"store {self.path} was opened read-only; open it without readonly to modify it")
+            raise KvfError(f"store {self.path} is read-only here (opened for reading, or not writable by this "
+                           "process) and cannot take new entries; build them where it is writable (kvf build-cache), "
+                           "or pass a writable --store")
 
     def _check_shape(self, shape: tuple) -> None:
         if len(shape) != 5 or shape[1] != 2 or min(shape) < 1:
@@ -495,7 +497,18 @@ class KVStore:
         if not self.fs.local:  # object stores have no locks: gc there must not overlap readers
             yield
             return
-        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            # a read-only copy (a read-only mount, another user's store): nobody can gc it from here,
+            # so a reader needs no lock; flock also works on a descriptor opened for reading
+            if not (self.readonly and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)):
+                raise
+            try:
+                fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDONLY)
+            except OSError:
+                yield
+                return
         try:
             fcntl.flock(fd, mode)
             yield

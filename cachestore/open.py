@@ -19,13 +19,14 @@ _ABSENT = "<absent>"
 
 
 def open_store(path: str, format: str | None = None, *, meta: dict | None = None, create: bool = False,
-               readonly: bool = False, compressor: str | None = None) -> KVStore:
+               readonly: bool | None = False, compressor: str | None = None) -> KVStore:
     """Open the store at path (local path or fsspec URL such as file:///data/kv or s3://bucket/kv).
 
     format: "zarr", "hdf5", or None to detect an existing store (new stores default to zarr).
     meta: the store identity (model, tokenizer, dtype, layers, kv_heads, head_dim, ...). Written when the
       store is created; when opening, every given field must equal the stored one (StoreMismatch).
-    create: create the store if it does not exist. readonly: refuse put/delete/gc.
+    create: create the store if it does not exist. readonly: refuse put/delete/gc; None: read-only only
+      where this process cannot write the store (a shared copy on a read-only mount), else writable.
     compressor: None (default: fastest reads), or zarr "zstd"/"gzip", hdf5 "gzip"/"lzf". Applies to new entries.
     """
     if format not in (None, *FORMATS):
@@ -55,6 +56,8 @@ def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) 
     identity = cls.read_identity(fs, root)
     if meta:
         check_meta(path, identity.get("meta", {}), meta)
+    if readonly is None:
+        readonly = fs.local and not os.access(root, os.W_OK)
     if not readonly and fs.local and not os.access(root, os.W_OK):
         raise KvfError(f"store {path} is not writable; fix its permissions, use another --store path, or open it read-only")
     try:

@@ -461,6 +461,32 @@ def test_open_errors(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_a_store_this_process_cannot_write_is_read(tmp_path, fmt, monkeypatch):
+    """A shared copy on a read-only mount: `kvf run` reads it (readonly=None) instead of refusing it,
+    without the lock file it cannot create; only a missing entry is an error, naming the fix."""
+    import kvf.cachestore.base as base
+    import kvf.cachestore.open as opener
+    store = new_store(tmp_path, fmt)
+    store.put(key_of(0), rand_kv())
+    assert not open_store(store.path, readonly=None).readonly             # writable here: writable
+    real_access, real_open = os.access, os.open
+    monkeypatch.setattr(opener.os, "access", lambda p, mode: mode != os.W_OK and real_access(p, mode))
+    def read_only_mount(path, flags, *mode):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *mode)
+    monkeypatch.setattr(base.os, "open", read_only_mount)
+    with pytest.raises(KvfError, match="not writable"):                  # asked for writes: refused, as before
+        open_store(store.path)
+    shared = open_store(store.path, meta={**META, "dtype": "float16"}, create=True, readonly=None)
+    assert shared.readonly
+    with shared.shared_lock():                                            # what a run session holds
+        assert torch.equal(shared.get(key_of(0)), store.get(key_of(0)))
+    with pytest.raises(KvfError, match="read-only here.*kvf build-cache.*writable --store"):
+        shared.put(key_of(1), rand_kv())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_file_url(tmp_path, fmt):
     url = "file://" + str(tmp_path / "store")
     store = open_store(url, fmt, meta={**META}, create=True)

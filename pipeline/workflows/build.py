@@ -124,8 +124,9 @@ def store_location(ws: Workspace, store: str | None, fmt: str | None) -> str:
 
 
 def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
-                         create: bool):
-    return open_store(store_location(ws, store, fmt), fmt, meta=store_meta(model_ref, dtype), create=create)
+                         create: bool, readonly: bool | None = False):
+    return open_store(store_location(ws, store, fmt), fmt, meta=store_meta(model_ref, dtype), create=create,
+                      readonly=readonly)
 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------

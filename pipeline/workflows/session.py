@@ -40,8 +40,9 @@ class Session:
         self.dtype = compute_dtype(device, dtype)
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
+        # a store this process cannot write (a shared read-only copy) is read: only a missing entry needs writing
         self.store = open_workspace_store(ws, self.model_ref, store or ws.store_location(), None,
-                                          self.manifest.get("dtype", "float16"), create=True)
+                                          self.manifest.get("dtype", "float16"), create=True, readonly=None)
         self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
         self._store_lock.__enter__()
         self.extras_for = tuple(sorted(set(extras_for) | set(workspace_extras(self.manifest))))
