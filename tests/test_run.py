@@ -148,6 +148,24 @@ def test_a_failed_atomic_write_names_the_file_not_its_temp(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []            # no temp file left behind
 
 
+def test_a_dataset_on_a_read_only_mount_needs_a_workspace_elsewhere(built, tmp_path, monkeypatch):
+    """`kvf run -d DATA` with no workspace makes one inside DATA; where DATA is a read-only copy the line
+    names the default and the flag that moves it (it was "Read-only file system (check the path ...)")."""
+    import shutil
+    import tempfile
+    data = tmp_path / "data"
+    shutil.copytree(built / "data", data, ignore=shutil.ignore_patterns("workspace"))
+    real_probe = tempfile.NamedTemporaryFile
+    def read_only_under_data(*args, dir=None, **kw):
+        if dir is not None and Path(dir).is_relative_to(data):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_probe(*args, dir=dir, **kw)
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only_under_data)
+    opts = run_opts(built, tmp_path / "runs.jsonl", dataset=data, workspace=None, methods=["reuse"], ratios=[0.0], limit=1)
+    with pytest.raises(KvfError, match=r"--workspace \(default: inside --dataset\) .*data/workspace is not writable"):
+        run(opts, QUIET)
+
+
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
+from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
@@ -353,6 +354,8 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
                        f"`kvf build-cache YOUR_DOCS -w {ws.root}`")
+    # a read-only copy of the data cannot hold its default workspace: name the flag that moves it
+    check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):
         if ws.manifest_path.is_file():   # another run built it while this one waited
             return ws
