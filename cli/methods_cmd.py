@@ -37,14 +37,17 @@ WIDE = 140  # columns the table needs before its summaries read as sentences
 def method_row(cls, name: str) -> dict:
     from kvf.pipeline.fusion.methods.base import flag_name
     knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
-    ratio = f"--ratio [{cls.default_ratio}]" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
+    paper = f" (paper: {cls.paper_ratio:g})" if cls.paper_ratio is not None else ""
+    ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
             "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-"}
 
 
 def method_json(cls, name: str) -> dict:
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
     return {"method": name, "summary": cls.summary, "ratio_is_knob": cls.ratio_is_knob,
-            "default_ratio": cls.default_ratio if cls.ratio_is_knob else cls.fixed_ratio,
+            "default_ratio": DEFAULT_RATIO if cls.ratio_is_knob else cls.fixed_ratio, "paper_ratio": cls.paper_ratio,
             "stored_variant": cls.offline_variant if cls.uses_store else None,
             "knobs": {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, "extras": list(cls.extras_names)}
 

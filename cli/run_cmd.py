@@ -52,11 +52,12 @@ def run_command(
     from kvf.errors import KvfError
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
     from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
     use_s3_endpoint(s3_endpoint)
     check_ray_flags(ray, workers)
     methods = parse_methods(method)
     check_ratio_used(ratio, quality_floor, methods)
-    ratio = "0.15" if ratio is None else ratio
+    ratio = f"{DEFAULT_RATIO:g}" if ratio is None else ratio
     quality_floor = DEFAULT_QUALITY_FLOOR if quality_floor is None else quality_floor
     auto = ratio.strip() == "auto"
     if auto:

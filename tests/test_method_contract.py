@@ -260,3 +260,19 @@ def test_kvf_methods_json_lists_every_method_with_its_knob_defaults(capsys):
     for name, cls in METHODS.items():
         assert listed[name]["knobs"] == {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, name
         assert listed[name]["ratio_is_knob"] == cls.ratio_is_knob and listed[name]["summary"] == cls.summary
+
+
+def test_the_ratio_kvf_methods_shows_is_the_one_a_method_runs_at(capsys):
+    """`kvf methods` showed cachecraft --ratio [0.3] and prophetkv [0.2] (their papers'), while `kvf run`
+    and Workspace.answer ran every method at 0.15. The default shown is now the default used; a paper's
+    own ratio is shown apart."""
+    from kvf.cli.methods_cmd import method_row, methods_command
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
+    methods_command(names=False, json_out=True)
+    listed = {m["method"]: m for m in json.loads(capsys.readouterr().out)}
+    for name, cls in METHODS.items():
+        built = get_method(name)                      # no ratio given, as `kvf run` without -r
+        assert listed[name]["default_ratio"] == built.recompute_ratio, name
+        assert built.recompute_ratio == (DEFAULT_RATIO if cls.ratio_is_knob else cls.fixed_ratio), name
+    assert listed["cachecraft"]["paper_ratio"] == 0.3 and listed["prophetkv"]["paper_ratio"] == 0.2
+    assert method_row(METHODS["prophetkv"], "prophetkv")["ratio"] == f"--ratio [{DEFAULT_RATIO:g}] (paper: 0.2)"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.methods import METHODS, build_method, get_method
+from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
 from kvf.pipeline.workflows.session import Session, workspace_path
 
 
@@ -52,7 +53,7 @@ class WorkspaceSession:
         order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         check_own_knobs(method, knobs)
-        fusion = build_method(method, ratio if ratio is not None else build_method(method, 0.15).recompute_ratio, knobs)
+        fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
             raise KvfError(f"ratio={ratio:g}: {method} always recomputes {fusion.recompute_ratio:g} of the chunk "
                            "tokens; leave ratio out, or pick a method with a ratio (kvf methods)")

@@ -39,6 +39,10 @@ from kvf.pipeline.model.prompt import FusedPrompt
 METHODS: dict[str, type["FusionMethod"]] = {}
 METHOD_PATH_ENV = "KVF_METHOD_PATH"  # extra directories of method files, ':'-separated
 
+# the recompute ratio of a method given none (`kvf run` without -r, Workspace.answer without ratio=):
+# one budget for every method, so their answers compare
+DEFAULT_RATIO = 0.15
+
 
 # ---- knobs ------------------------------------------------------------------------------------
 def knob(default, help: str, *, min=None, max=None, choices=None):
@@ -97,7 +101,8 @@ class FusionMethod:
     Knobs: type = NoKnobs
     ratio_is_knob = True          # False: the method ignores --ratio and recomputes `fixed_ratio`
     fixed_ratio = 0.0
-    default_ratio = 0.15
+    paper_ratio: float | None = None   # the ratio its paper reports at, shown by `kvf methods`; runs use
+                                       # DEFAULT_RATIO unless told, so every method compares at one budget
     offline_variant = "prefix"    # which stored variant it reads by default
     uses_store = True             # False for `full`: it never reads chunk KVs
     passes = 1                    # layer loops per request (two-pass methods select in the first)
@@ -122,7 +127,7 @@ class FusionMethod:
         if not self.ratio_is_knob:
             recompute_ratio = self.fixed_ratio
         elif recompute_ratio is None:
-            recompute_ratio = self.default_ratio
+            recompute_ratio = DEFAULT_RATIO
         recompute_budget(recompute_ratio, 0)  # validates the range
         self.recompute_ratio = float(recompute_ratio)
 

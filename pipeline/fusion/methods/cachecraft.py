@@ -273,7 +273,7 @@ class CacheCraft(FusionMethod):
     name = "cachecraft"
     summary = "per chunk ⌈CFO·|Ci|⌉ tokens by inter-attention (needs build-time summaries, computed automatically)"
     Knobs = CacheCraftKnobs
-    default_ratio = 0.3
+    paper_ratio = 0.3
     extras_names = EXTRAS
     exact_budget = False  # ceil(CFO_i |C_i|) per chunk: within one token per chunk of r * n
     reuse_at_ratio_zero = True

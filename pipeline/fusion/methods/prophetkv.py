@@ -27,7 +27,7 @@ class ProphetKV(FusionRAG):
     name = "prophetkv"
     summary = "top-r tokens by layer-averaged Q attention, then recompute"
     offline_variant = "prefix"
-    default_ratio = 0.2
+    paper_ratio = 0.2
 
     def scored_layers(self, n_layers: int) -> list[int]:
         return list(range(n_layers))
