@@ -62,7 +62,9 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            "recomputed_tokens": rec.recomputed_tokens,
            # how the run was set up, for the report's "runs" table
            "setting": s.get("setting"), "retriever": s.get("retriever"), "top_k": s.get("top_k"),
-           "chunk_size": s.get("chunk_tokens"), "model": s.get("model"), "settings": settings_key(s)}
+           "chunk_size": s.get("chunk_tokens"), "model": s.get("model"), "settings": settings_key(s),
+           # the request a question was asked as: compared to full's only where full was asked the same
+           "request": json.dumps([list(rec.chunk_ids), s.get("model"), s.get("max_new_tokens")])}
     for name in TIMINGS:
         row[f"t_{name}"] = float(getattr(rec.timings, name))
     return row
@@ -84,6 +86,19 @@ def mixed_settings(group: pd.DataFrame) -> str:
     differing = {name: sorted({json.dumps(settings.get(name)) for settings in decoded}) for name in names}
     return "mixed settings: " + ", ".join(f"{name}={'/'.join(values)}" for name, values in differing.items()
                                           if len(values) > 1)
+
+
+def other_requests(group: pd.DataFrame, ref: pd.DataFrame, name: str) -> str:
+    """'' when the reference run (full, reuse) was asked every common question as this row was; else how many
+    questions it answered from other chunks, another model or another --max-new-tokens (e.g. `full` run
+    with -k 5 and a method with -k 3: fidelity and TTFT ratio would compare different requests)."""
+    if not len(ref):
+        return ""
+    mine = group.drop_duplicates("qid").set_index("qid").request
+    common = mine.index.intersection(ref.index)
+    differ = int((mine.loc[common] != ref.request.loc[common]).sum())
+    return f"{name} was asked {differ} of {len(common)} questions with other chunks, model or --max-new-tokens" \
+        if differ else ""
 
 
 def _number(value) -> float:
@@ -154,6 +169,19 @@ def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
     if out.empty:
         raise KvfError(f"--exclude-questions: {path} lists every question of the run files; nothing is left to score")
     return out
+
+
+def warn_other_requests(summary: pd.DataFrame) -> None:
+    """Rows compared with a full or reuse run that was asked other requests: said once per dataset, since
+    their vs_full / vs_reuse, fidelity and TTFT ratio then compare different prompts."""
+    for dataset, rows in summary.groupby("dataset", sort=True):
+        odd = rows[rows.note.str.contains(" was asked ", regex=False)]
+        if len(odd):
+            first = odd.iloc[0]
+            reason = next(part for part in first.note.split("; ") if " was asked " in part)
+            warn(f"{dataset}: {len(odd)} row(s) are compared with runs asked other requests (e.g. "
+                 f"{_name(first)}@{first.ratio:g}: {reason}); their comparisons with full and reuse mix different "
+                 "prompts: run every method with the same -k, chunks, model and --max-new-tokens (or --compare-full)")
 
 
 def warn_unscored(summary: pd.DataFrame) -> None:
@@ -304,7 +332,9 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     n_gold = int(group[metric].notna().sum())   # a user's own questions may leave some answers out
     partial_gold = f"gold metrics over the {n_gold} of {len(group)} questions with answers" \
         if 0 < n_gold < len(group) else ""
-    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold) if text)
+    other_full = other_requests(group, full, "full") if first.method != "full" else ""
+    other_reuse = other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse") else ""
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other_full, other_reuse) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
@@ -549,6 +579,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     df = with_pooled_tasks(df)
     summary = summarize(df, track)
     warn_unscored(summary)
+    warn_other_requests(summary)
     summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]
     summary.attrs["records"] = df
     return summary

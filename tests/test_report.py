@@ -615,6 +615,24 @@ def test_runs_with_nothing_to_score_against_say_so(tmp_path, capsys):
     assert "no question has gold" not in capsys.readouterr().err
 
 
+def test_a_full_run_asked_other_requests_is_said(tmp_path, capsys):
+    """full run with -k 5, a method with -k 3 (or another model, or fewer new tokens): its fidelity and TTFT
+    ratio compare different requests. The row's note and a warning say so; requests alike say nothing."""
+    full = [record(f"q1-{i}", "full", "Paris", ratio=1.0) for i in range(REPS)]
+    blend = [record(f"q1-{i}", "cacheblend", "Paris", ratio=0.15) for i in range(REPS)]
+    summary = evaluate([write_run(tmp_path / "same.jsonl", full + blend)], tmp_path / "same")
+    assert "was asked" not in row(summary, "cacheblend").note
+    assert "other requests" not in capsys.readouterr().err
+    other = [{**r, "chunk_ids": ["c1", "c2"]} for r in full[:2]] + full[2:]       # full saw more chunks on 2
+    summary = evaluate([write_run(tmp_path / "other.jsonl", other + blend)], tmp_path / "other")
+    assert f"full was asked 2 of {REPS} questions with other chunks" in row(summary, "cacheblend").note
+    err = capsys.readouterr().err
+    assert "toy: 1 row(s) are compared with runs asked other requests" in err and "same -k" in err
+    longer = [{**r, "settings": {**r["settings"], "max_new_tokens": 32}} for r in full]
+    summary = evaluate([write_run(tmp_path / "longer.jsonl", longer + blend)], tmp_path / "longer")
+    assert f"full was asked {REPS} of {REPS} questions" in row(summary, "cacheblend").note
+
+
 def test_a_directory_or_a_quoted_glob_stands_for_its_run_files(runs, tmp_path):
     """`kvf eval runs/` and `kvf eval 'runs/*.jsonl'` (no shell expanded it) read the run files there, each
     once; a directory without run files, or a pattern that matches none, is a one-line error naming it."""
