@@ -23,8 +23,10 @@ class Stopped(BaseException):
     word: str
     signum: signal.Signals
 
-    def exit(self) -> NoReturn:
-        print(f"kvf: {self.word}; re-run the same command to resume", file=sys.stderr)
+    def exit(self, resumable: bool = True) -> NoReturn:
+        """resumable: the command picks up where it stopped (build-cache, run); others start again."""
+        again = "resume" if resumable else "start again"
+        print(f"kvf: {self.word}; re-run the same command to {again}", file=sys.stderr)
         sys.exit(self.code)
 
 

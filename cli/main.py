@@ -88,6 +88,18 @@ def command_path(args: list[str]) -> str:
     return " ".join(path)
 
 
+RESUMABLE = ("build-cache", "run")   # what a re-run picks up where it stopped; the rest start again
+
+
+def resumes(args: list[str]) -> bool:
+    """Whether the command in `args` resumes when re-run (an interrupted eval or bench starts again)."""
+    try:
+        words = command_path(args).split()
+    except Exception:   # on the way out of a signal: never fail there, say the plainer thing
+        return False
+    return len(words) > 1 and words[1] in RESUMABLE
+
+
 def main():
     """Run the CLI; every way it can end is one line on stderr (see the module docstring).
     Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
@@ -109,9 +121,9 @@ def main():
         print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:
-        e.exit()
+        e.exit(resumes(sys.argv[1:]))
     except (KeyboardInterrupt, typer.Abort):
-        Interrupted().exit()
+        Interrupted().exit(resumes(sys.argv[1:]))
     except KvfError as e:
         print(f"kvf: error: {e}", file=sys.stderr)
         sys.exit(1)

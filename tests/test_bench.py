@@ -13,6 +13,7 @@ from kvf.pipeline.workflows.bench import BenchOptions, bench, summary_table, wri
 from kvf.pipeline.fusion.controller import choose_ratio
 
 QUIET = Console(file=io.StringIO())
+SAID = Console(file=io.StringIO(), width=400)   # what the tiny bench printed
 
 
 def test_controller_balances_load_and_recompute():
@@ -29,7 +30,7 @@ def tiny_bench(tmp_path_factory):
     opts = BenchOptions(lengths=[96, 192], chunk_tokens=32, methods=["full", "reuse", "cacheblend", "fusionrag", "epic", "cachecraft",
                                                                  "cacheblend:deviation=v"],
                         ratios=[0.15, 0.3], repeats=1, random_weights="tiny", out=out, workdir=out / "work")
-    yield bench(opts, QUIET), out
+    yield bench(opts, SAID), out
     shutil.rmtree(out, ignore_errors=True)
 
 
@@ -48,6 +49,17 @@ def test_bench_measures_every_method_against_full(tiny_bench):
     assert set(df["mode"]) == {"warm", "cold"}
     assert (df[df.method != "full"].read_ms > 0).all()          # KVs really came from the store
     assert (~df.pipeline).any() and df.ratio_auto.any()      # no-pipeline comparison and --ratio auto ran
+
+
+def test_bench_says_up_front_how_many_requests_it_will_time(tiny_bench):
+    """The defaults time hundreds of requests up to 8K tokens (hours on a CPU): the first line says how many,
+    and that count is what the benchmark then timed (one round per mode here: one row each)."""
+    df, _ = tiny_bench
+    first = SAID.file.getvalue().splitlines()[0]
+    entries = len(df) // (2 * 2)                          # per length and mode
+    assert first.startswith(f"kvf bench: {entries} entries x 2 lengths (up to 192 tokens) x 2 rounds (warm and cold) "
+                            f"= {len(df)} timed requests"), first
+    assert "--lengths" in first
 
 
 def test_bench_writes_tables_and_plot(tiny_bench):

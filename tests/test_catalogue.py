@@ -523,8 +523,17 @@ def test_ctrl_c_and_sigterm_after_the_jvm_is_up_exit_cleanly(tmp_path, sig, code
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
-    assert_one_line(proc.returncode, err, word, "re-run")
+    assert_one_line(proc.returncode, err, word, "re-run the same command to resume")
     assert not list(tmp_path.glob("hs_err_pid*.log"))
+
+
+def test_only_commands_that_resume_say_a_re_run_resumes():
+    """Ctrl-C said "re-run the same command to resume" everywhere; an interrupted eval or bench (its temp
+    store removed) starts again, and says so."""
+    from kvf.cli.main import resumes
+    assert resumes(["build-cache", "docs"]) and resumes(["--debug", "run", "-d", "x"])
+    for args in (["eval", "runs/"], ["bench", "-m", "full"], ["data", "prepare", "nq"], ["store", "gc"], []):
+        assert not resumes(args), args
 
 
 SWALLOWED_SIGNAL = """

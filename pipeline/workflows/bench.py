@@ -386,12 +386,18 @@ def prepare_length(opts: BenchOptions, engine: FusionEngine, tokenizer, methods:
     if opts.auto_ratio:
         layer_bytes, bandwidth = measure_bandwidth(store, keys)
         auto = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds)
+    return LengthSetup(prompt, store, keys, extras, timed_entries(opts, methods, auto), auto, fused_kv_bytes)
+
+
+def timed_entries(opts: BenchOptions, methods: list, auto: float | None) -> list[tuple]:
+    """(method, pipelined loading?) per entry timed at one length: every method, the 0.15 ones again
+    without pipelining (--compare-no-pipeline), and --auto-method at the controller's ratio `auto`."""
     run_list = [(m, True) for m in methods]
     if opts.compare_no_pipeline:
         run_list += [(m, False) for m in methods if m.uses_store and m.ratio_is_knob and m.recompute_ratio == 0.15]
     if auto is not None:
         run_list.append((build_method(opts.auto_method, auto, opts.knobs), True))
-    return LengthSetup(prompt, store, keys, extras, run_list, auto, fused_kv_bytes)
+    return run_list
 
 
 def time_length(opts: BenchOptions, engine: FusionEngine, setup: LengthSetup, spec_of: dict,
@@ -442,12 +448,19 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
     model_bytes = sum(p.numel() * p.element_size() for p in engine.model.hf_model.parameters())
     token_layer_seconds = measure_token_layer_seconds(engine.model) if opts.auto_ratio else None
     timed: list[tuple[LengthSetup, list[list[dict]]]] = []
+    entries = len(timed_entries(opts, methods, 0.15 if opts.auto_ratio else None))   # the same at every length
+    rounds = len(opts.modes) * opts.repeats
+    # said up front: the defaults time hundreds of requests up to 8K tokens, hours on a CPU
+    console.print(f"kvf bench: {entries} entries x {len(opts.lengths)} lengths (up to {max(opts.lengths):,} tokens) x "
+                  f"{rounds} rounds ({' and '.join(opts.modes)}) = {entries * len(opts.lengths) * rounds:,} timed requests, "
+                  "plus a warm-up and a memory request per entry; narrow it with -m, -r, --lengths or --repeats",
+                  highlight=False, markup=False)
     with progress_bar(console) as progress:
-        task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory", total=0)
+        task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory",
+                                 total=entries * len(opts.lengths) * (rounds + 1))
         advance = partial(progress.advance, task)
         for length in opts.lengths:
             setup = prepare_length(opts, engine, tokenizer, methods, length, workdir, token_layer_seconds)
-            progress.update(task, total=progress.tasks[task].total + len(setup.run_list) * (len(opts.modes) * opts.repeats + 1))
             timed.append((setup, time_length(opts, engine, setup, spec_of, advance)))
         rows = []
         memory = PeakMemory(opts.device)  # after every timing: its setting stays for the rest of the process
