@@ -101,6 +101,7 @@ class KVStore:
         self.meta = identity["meta"]  # the store's identity: model, tokenizer, dtype, layers, ...
         self.dtype = check_dtype(self.meta.get("dtype", "float16"))
         self.readonly = readonly
+        self.created = False   # open_store sets it when it made the store just now
         self.compressor = self.check_compressor(compressor if compressor is not None else identity.get("compressor"))
         self._headers: OrderedDict[str, EntryHeader] = OrderedDict()
         self._lock = threading.Lock()

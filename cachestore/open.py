@@ -38,6 +38,7 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
 
 def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) -> KVStore:
     found = _detect(fs, root, path)
+    created = found is None
     if found is None:
         if not create:
             raise KvfError(f"no kvf store at {path}; check --store, or build one there first")
@@ -61,9 +62,11 @@ def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) 
     if not readonly and fs.local and not os.access(root, os.W_OK):
         raise KvfError(f"store {path} is not writable; fix its permissions, use another --store path, or open it read-only")
     try:
-        return cls(fs, root, path, identity, readonly, compressor)
+        store = cls(fs, root, path, identity, readonly, compressor)
     except ValueError as e:  # bad compressor name / dtype
         raise KvfError(f"store {path}: {e}") from e
+    store.created = created   # made by this call (a caller may say so: a mistyped path is a new, empty store)
+    return store
 
 
 @contextmanager

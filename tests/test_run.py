@@ -166,6 +166,19 @@ def test_a_dataset_on_a_read_only_mount_needs_a_workspace_elsewhere(built, tmp_p
         run(opts, QUIET)
 
 
+def test_a_store_that_does_not_exist_yet_is_said(built, tmp_path, capsys):
+    """`kvf run --store TYPO`: the run made a new, empty store there and recomputed every KV without a word.
+    It still may (the store fills as questions need it), but says so; the workspace's own store says nothing."""
+    out = tmp_path / "runs.jsonl"
+    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1), QUIET)
+    assert "no store at" not in capsys.readouterr().err
+    elsewhere = tmp_path / "typo" / "kv.zarr"
+    run(run_opts(built, tmp_path / "other.jsonl", methods=["reuse"], ratios=[0.0], limit=1, store=str(elsewhere)), QUIET)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"no store at {elsewhere} yet: created it" in err and "check --store" in err
+    assert (tmp_path / "other.jsonl").read_text().count("\n") == 1   # it answered, from the new store
+
+
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""

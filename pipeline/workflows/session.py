@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 from kvf.pipeline.fusion.answer import Answer, Answerer
 from kvf.pipeline.fusion.methods import FusionMethod
 from kvf.pipeline.fusion.sources import StoreKVSource
@@ -43,6 +43,9 @@ class Session:
         # a store this process cannot write (a shared read-only copy) is read: only a missing entry needs writing
         self.store = open_workspace_store(ws, self.model_ref, store or ws.store_location(), None,
                                           self.manifest.get("dtype", "float16"), create=True, readonly=None)
+        if self.store.created:   # a mistyped --store, or a deleted kv.zarr: everything is recomputed, untimed
+            warn(f"no store at {self.store.path} yet: created it; every KV this run needs is computed into it "
+                 "first (untimed), check --store if you meant an existing one")
         self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
         self._store_lock.__enter__()
         self.extras_for = tuple(sorted(set(extras_for) | set(workspace_extras(self.manifest))))
