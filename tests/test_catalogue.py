@@ -150,8 +150,9 @@ CASES = {
         "--out", t / "p"], ["record 0", "not a string"]),
     "prepare triviaqa without --input": (lambda d, t: ["data", "prepare", "triviaqa", "--out", t / "p"],
                                          ["triviaqa has no file of its own", "--input FILE (dpr or kilt format)"]),
-    "prepare custom no answers": (lambda d, t: ["data", "prepare", "custom", "--input", write(
-        t / "c.jsonl", b'{"question": "q", "passages": [{"text": "x"}]}\n'), "--out", t / "p"], ["line 1", "answers"]),
+    "prepare custom answers not text": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "answers": 5, "passages": [{"text": "x"}]}\n'), "--out", t / "p"],
+                                        ["line 1", "answers", "string or a list of strings"]),
     "prepare custom no question": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
@@ -164,6 +165,9 @@ CASES = {
         ["--input", "c.jsonl is not UTF-8 text", "save it as UTF-8"]),
     "run -q latin-1": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "caf\xe9"}'),
                                      "-m", "reuse", "-o", t / "o.jsonl"], ["--questions", "q.jsonl is not UTF-8 text"]),
+    "run -q answers a number": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "answers": 5}'),
+                                              "-m", "reuse", "-o", t / "o.jsonl"],
+                                ["--questions", "line 1", "string or a list of strings"]),
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),

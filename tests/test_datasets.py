@@ -284,6 +284,20 @@ def test_own_questions_file_saved_by_a_windows_editor_reads_like_any_other(tmp_p
     assert [q.question for q in prepared] == ["Who founded Acme?", "Who runs Beta?"]
 
 
+def test_own_questions_with_passages_need_no_answers(tmp_path):
+    """`kvf data prepare custom`: answers are optional, as for `kvf run -q` (a user's own questions are
+    scored against full prefill's answer); it refused a file without them."""
+    from kvf.pipeline.data.datasets import prepare_custom
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"question": "Who built it?", "passages": [{"title": "B", "text": "Ann built it."}]}) + "\n"
+                    + json.dumps({"question": "Who runs Beta?", "answers": "John Doe",
+                                  "passages": [{"title": "Beta", "text": "John Doe."}]}) + "\n")
+    prepare_custom(mine, tmp_path / "prepared")
+    prepared, _ = load_prepared(tmp_path / "prepared")
+    assert [(q.question, q.answers) for q in prepared] == [("Who built it?", []), ("Who runs Beta?", ["John Doe"])]
+    assert [p.text for p in prepared[0].contexts] == ["Ann built it."]
+
+
 def test_two_questions_under_one_id_in_an_own_questions_file_are_refused(tmp_path):
     """`kvf run -q FILE`: records are keyed by question id; two questions sharing one were both answered,
     and the run file then failed `kvf eval` ('appears more than once') and confused resuming."""

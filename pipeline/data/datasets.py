@@ -432,7 +432,8 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
         {"id": "q1", "question": "...", "answers": ["...", ...],
          "passages": [{"title": "...", "text": "..."}, ...]}      # the question's own passages, or
          "passages": ["doc-id", ...]                                # ids of documents in --corpus
-    "id" is optional; leave "passages" out (or empty) to retrieve from the whole corpus at run time.
+    "id" and "answers" are optional (without answers, a question is scored against full prefill's answer
+    only); leave "passages" out (or empty) to retrieve from the whole corpus at run time.
     """
     from kvf.pipeline.retrieval.corpus import read_corpus
     path = Path(input_file)
@@ -445,9 +446,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
                                               QUESTION_LINE):
         where = f"--input {path} line {lineno}"
         text = _text_field(row, "question", where, fix)
-        answers = _answers_field(row, where, required=True) if "answers" in row or "answer" in row else None
-        if answers is None:
-            raise KvfError(f"{where}: needs \"answers\" (a string or a list of strings); {fix}")
+        answers = _answers_field(row, where, required=False)   # optional, as for `kvf run -q`: fidelity needs none
         passages = []
         for item in row.get("passages") or []:
             if isinstance(item, str):
@@ -521,10 +520,10 @@ def _answers_field(row: dict, where: str, required: bool) -> list[str]:
     if value is None and not required:
         return []
     try:
-        answers = flatten_answers(value)
-    except ValueError:
+        answers = flatten_answers(value) if isinstance(value, (str, list)) else None
+    except (ValueError, TypeError):   # a list holding numbers or objects
         answers = None
-    if answers is None or (required and not answers) or not isinstance(value, (str, list)):
+    if answers is None or (required and not answers):
         raise KvfError(f"{where}: \"answers\" must be a string or a list of strings" + ("" if not required else
                        " (every question needs at least one answer here)"))
     return answers
