@@ -35,9 +35,8 @@ WIDE = 140  # columns the table needs before its summaries read as sentences
 
 
 def method_row(cls, name: str) -> dict:
-    from kvf.pipeline.fusion.methods.base import flag_name
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name
     knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
-    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
     paper = f" (paper: {cls.paper_ratio:g})" if cls.paper_ratio is not None else ""
     ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",

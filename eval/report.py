@@ -175,12 +175,11 @@ def warn_other_requests(summary: pd.DataFrame) -> None:
     """Rows compared with a full or reuse run that was asked other requests: said once per dataset, since
     their vs_full / vs_reuse, fidelity and TTFT ratio then compare different prompts."""
     for dataset, rows in summary.groupby("dataset", sort=True):
-        odd = rows[rows.note.str.contains(" was asked ", regex=False)]
+        odd = rows[rows._other_requests != ""]
         if len(odd):
             first = odd.iloc[0]
-            reason = next(part for part in first.note.split("; ") if " was asked " in part)
             warn(f"{dataset}: {len(odd)} row(s) are compared with runs asked other requests (e.g. "
-                 f"{_name(first)}@{first.ratio:g}: {reason}); their comparisons with full and reuse mix different "
+                 f"{_name(first)}@{first.ratio:g}: {first._other_requests}); their comparisons with full and reuse mix different "
                  "prompts: run every method with the same -k, chunks, model and --max-new-tokens (or --compare-full)")
 
 
@@ -332,9 +331,10 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     n_gold = int(group[metric].notna().sum())   # a user's own questions may leave some answers out
     partial_gold = f"gold metrics over the {n_gold} of {len(group)} questions with answers" \
         if 0 < n_gold < len(group) else ""
-    other_full = other_requests(group, full, "full") if first.method != "full" else ""
-    other_reuse = other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse") else ""
-    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other_full, other_reuse) if text)
+    other = "; ".join(text for text in (other_requests(group, full, "full") if first.method != "full" else "",
+                                        other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse")
+                                        else "") if text)
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
@@ -351,7 +351,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
             "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
             "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
             "recompute_s": group.t_recompute.mean(), "decode_s": group.t_decode.mean(),
-            "prompt_tokens": group.prompt_tokens.mean(), "note": note}
+            "prompt_tokens": group.prompt_tokens.mean(), "note": note, "_other_requests": other}
 
 
 def _mean(series: pd.Series) -> float:

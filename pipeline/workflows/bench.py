@@ -448,7 +448,8 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
     model_bytes = sum(p.numel() * p.element_size() for p in engine.model.hf_model.parameters())
     token_layer_seconds = measure_token_layer_seconds(engine.model) if opts.auto_ratio else None
     timed: list[tuple[LengthSetup, list[list[dict]]]] = []
-    entries = len(timed_entries(opts, methods, 0.15 if opts.auto_ratio else None))   # the same at every length
+    # how many entries each length times (the same at every length; any auto ratio counts one)
+    entries = len(timed_entries(opts, methods, 0.15 if opts.auto_ratio else None))
     rounds = len(opts.modes) * opts.repeats
     # said up front: the defaults time hundreds of requests up to 8K tokens, hours on a CPU
     console.print(f"kvf bench: {entries} entries x {len(opts.lengths)} lengths (up to {max(opts.lengths):,} tokens) x "
