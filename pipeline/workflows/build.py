@@ -312,6 +312,21 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], nei
     return stats
 
 
+# the least room a prompt needs beside S and one chunk: a short question and answer (`kvf run` checks
+# every real prompt in full; this only catches a chunk that can never fit)
+QUESTION_ROOM = 32
+
+
+def check_chunk_fits(chunk_tokens: int, model_ref: ModelRef) -> None:
+    """A chunk longer than the model's positions leave beside S, a question and an answer would be
+    computed and stored (minutes, GBs) only for every prompt holding it to be refused at run time."""
+    limit = model_ref.config.max_position_embeddings
+    room = limit - len(make_template(model_ref.tokenizer).prefix_ids) - QUESTION_ROOM
+    if chunk_tokens > room:
+        raise KvfError(f"--chunk-tokens {chunk_tokens}: a chunk must fit the model's {limit:,} positions with the "
+                       f"system prompt and room for a question and its answer; use at most {room:,} (256-512 is usual)")
+
+
 # ---- the whole build --------------------------------------------------------------------------
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # cheap checks first: bad flags, a bad corpus or a store that cannot be used fail in seconds,
@@ -332,6 +347,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         check_ray(opts)
     docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
+    check_chunk_fits(opts.chunk_tokens, model_ref)
     ws = Workspace(opts.workspace)
     check_writable_dir(ws.root, "--workspace")
     previous = previous_manifest(ws, console)
