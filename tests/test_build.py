@@ -635,3 +635,19 @@ def test_the_workspace_files_lock_makes_a_second_build_wait(tmp_path):
         order.append("first done")
     second.join(5)
     assert order == ["first done", "second"] and said == [f"another build is writing workspace {ws.root}'s files; waiting for it"]
+
+
+def test_a_fusion_entry_past_the_model_positions_is_refused_not_stored(built, tmp_path):
+    """A fusion entry sits after S and its neighbours; past the model's positions RoPE extrapolates and the
+    KV is not the model's. The build refuses up front (--neighbours, --chunk-tokens: the catalogue), and
+    each entry refuses again on its real lengths, before anything is stored."""
+    from kvf.pipeline.workflows.build import EntryBuilder
+    store = open_store(str(tmp_path / "kv.zarr"), meta=store_meta(built.model_ref, "float32"), create=True)
+    builder = EntryBuilder(built.model_ref, store)
+    chunk, *others = built.chunks[:4]
+    by_id = {c.chunk_id: c for c in built.chunks}
+    neighbours = {chunk.chunk_id: [c.chunk_id for c in others]}
+    builder.engine.model.max_positions = len(builder.template.prefix_ids) + 2 * CHUNK_TOKENS  # room for 2 chunks
+    with pytest.raises(KvfError, match=f"chunk {chunk.chunk_id[:12]}: after S and its 3 neighbours .* past the model"):
+        builder.compute("fusion", chunk, neighbours, by_id)
+    assert builder.key("fusion", chunk, neighbours) not in store.keys()

@@ -255,6 +255,11 @@ class EntryBuilder:
             neighbour = by_id[nid]
             context_ids += template.chunk_segment(neighbour.token_ids)
             context_kvs.append(self.prefix_kv_of(neighbour, by_id))
+        limit = engine.model.max_positions
+        if len(context_ids) + len(segment) > limit:   # past the model's positions RoPE extrapolates: not its KV
+            raise KvfError(f"chunk {chunk.chunk_id[:12]}: after S and its {len(neighbour_ids)} neighbours it would sit at "
+                           f"positions {len(context_ids):,}-{len(context_ids) + len(segment):,}, past the model's "
+                           f"{limit:,}; build with fewer --neighbours or smaller --chunk-tokens")
         attention = [] if self.extras_methods else None  # one prefill gives the KV and what the hooks read
         kv = engine.chunk_kv(segment, context_ids, context_kvs, attention_out=attention)   # [L, 2, KV, t, d]
         extras = {}
@@ -317,14 +322,20 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], nei
 QUESTION_ROOM = 32
 
 
-def check_chunk_fits(chunk_tokens: int, model_ref: ModelRef) -> None:
+def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
     """A chunk longer than the model's positions leave beside S, a question and an answer would be
-    computed and stored (minutes, GBs) only for every prompt holding it to be refused at run time."""
+    computed and stored (minutes, GBs) only for every prompt holding it to be refused at run time; a
+    fusion entry is computed after its neighbours, so they must fit beside it too (past the model's
+    positions RoPE extrapolates and the stored KV is not the model's)."""
     limit = model_ref.config.max_position_embeddings
     room = limit - len(make_template(model_ref.tokenizer).prefix_ids) - QUESTION_ROOM
-    if chunk_tokens > room:
-        raise KvfError(f"--chunk-tokens {chunk_tokens}: a chunk must fit the model's {limit:,} positions with the "
-                       f"system prompt and room for a question and its answer; use at most {room:,} (256-512 is usual)")
+    if opts.chunk_tokens > room:
+        raise KvfError(f"--chunk-tokens {opts.chunk_tokens}: a chunk must fit the model's {limit:,} positions with "
+                       f"the system prompt and room for a question and its answer; use at most {room:,} (256-512 is usual)")
+    if "fusion" in opts.variants and (opts.n_neighbours + 1) * opts.chunk_tokens > room:
+        raise KvfError(f"--neighbours {opts.n_neighbours}: a fusion entry is computed after its neighbours, and "
+                       f"{opts.n_neighbours + 1} chunks of up to {opts.chunk_tokens} tokens exceed the model's {limit:,} "
+                       f"positions; use at most {room // opts.chunk_tokens - 1} neighbours (or smaller --chunk-tokens)")
 
 
 # ---- the whole build --------------------------------------------------------------------------
@@ -347,7 +358,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         check_ray(opts)
     docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
-    check_chunk_fits(opts.chunk_tokens, model_ref)
+    check_chunk_fits(opts, model_ref)
     ws = Workspace(opts.workspace)
     check_writable_dir(ws.root, "--workspace")
     previous = previous_manifest(ws, console)

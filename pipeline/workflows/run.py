@@ -27,8 +27,8 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
-from kvf.pipeline.workflows.build import (BuildOptions, index_digests, open_workspace_store, stage_chunks,
-                                          stage_indexes, write_workspace_manifest)
+from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
+                                          stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.display import notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
@@ -365,6 +365,7 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
         bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                              chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
                              n_neighbours=opts.n_neighbours, device=opts.device)
+        check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
         stage_indexes(bopts, ws, chunks, index_state, console)
