@@ -128,6 +128,17 @@ def test_unknown_random_shape_is_refused(tmp_path):
         bench(BenchOptions(lengths=[64], random_weights="gpt-9", out=tmp_path), QUIET)
 
 
+def test_a_length_past_the_model_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--lengths 20000 on a 4K model was cut to 4,095 tokens without a word (the table said 4095); now it is
+    refused, naming the longest length that fits, before the first length is timed."""
+    import kvf.pipeline.workflows.bench as bench_module
+    def never(*args, **kwargs):
+        raise AssertionError("a length was prepared before the check")
+    monkeypatch.setattr(bench_module, "prepare_length", never)
+    with pytest.raises(KvfError, match="--lengths 20000: the model holds 4,096 positions; use lengths up to 4,096"):
+        bench(BenchOptions(lengths=[96, 20000], methods=["full"], random_weights="tiny", out=tmp_path), QUIET)
+
+
 def test_rounds_time_every_method_once_each_in_a_balanced_order():
     from kvf.pipeline.workflows.bench import paired_ratio_stats, round_orders, timed_rounds
     calls = []

@@ -108,9 +108,13 @@ def bench_prompt(transformer: Transformer, tokenizer, length: int, chunk_tokens:
         vocab = transformer.config.vocab_size
         pool = torch.randint(0, vocab, (length * 2,), generator=g).tolist()
         prefix, question = pool[:32], pool[32:64]
+    # the model's whole context (--lengths 8192 on an 8K model) leaves one position for the first token
     room = min(length, transformer.max_positions - 1) - len(prefix) - len(question)
-    if room < 1 or len(pool) < room:
-        raise KvfError(f"--lengths {length}: too short for the system prefix and question, or beyond the model")
+    if room < 1:
+        raise KvfError(f"--lengths {length}: too short for the system prefix and question "
+                       f"({len(prefix) + len(question)} tokens); use a longer length")
+    if len(pool) < room:
+        raise KvfError(f"--lengths {length}: the benchmark's text holds only {len(pool):,} tokens; use a shorter length")
     chunks = [pool[i: min(i + chunk_tokens, room)] for i in range(0, room, chunk_tokens)]
     return FusedPrompt(prefix, chunks, question)
 
@@ -472,11 +476,22 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
     return rows
 
 
+def check_lengths(lengths: list[int], max_positions: int) -> None:
+    """Before any work: a length past the model's positions was cut to fit without a word (the table
+    then said 4,095 tokens for --lengths 20000). The model's own length (8192 on an 8K model) is its
+    whole context: timed at one token less, room for the first token, as the table shows."""
+    for length in lengths:
+        if length > max_positions:
+            raise KvfError(f"--lengths {length}: the model holds {max_positions:,} positions; use lengths up to "
+                           f"{max_positions:,}")
+
+
 def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     planned = plan(opts)
     if opts.versus:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
+    check_lengths(opts.lengths, transformer.max_positions)
     with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
         rows = measure(opts, FusionEngine(transformer), tokenizer, planned, workdir, console)
     df = add_ratios(pd.DataFrame(rows))
