@@ -1,6 +1,7 @@
 """The README's paths for a researcher's own material: the Python API (kvf.open_workspace, kvf.evaluate),
 and `kvf run -w WS -q my_questions.jsonl` on documents built with `kvf build-cache my_docs/`."""
 import json
+import re
 import sys
 
 import pytest
@@ -42,6 +43,11 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         ws.answer("q", method="cacheblend", check_layr=2)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):
         ws.answer("q", documents=[])
+    # the notebook's own argument names, not the CLI's flags (it said "-k must be at least 1")
+    for bad, said in (({"top_k": 0}, "top_k=0"), ({"ratio": 1.5}, "ratio=1.5"), ({"variant": "x"}, "variant='x'"),
+                      ({"retriever": "splade"}, "retriever='splade'"), ({"max_new_tokens": -1}, "max_new_tokens=-1")):
+        with pytest.raises(kvf.KvfError, match=re.escape(said)):
+            ws.answer("q", **bad)
 
 
 def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):

@@ -52,6 +52,7 @@ class WorkspaceSession:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
         order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
+        check_answer_args(ratio, top_k, variant, max_new_tokens)   # retriever: search() checks it
         check_own_knobs(method, knobs)
         fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
@@ -76,6 +77,18 @@ class WorkspaceSession:
         record = fused.answer.record()
         return WorkspaceAnswer(fused.answer.text, chunk_ids, record["recomputed_tokens"], record["chunk_tokens"],
                                record["prompt_tokens"], record["timings"], {**fusion.settings(), "variant": variant})
+
+
+def check_answer_args(ratio, top_k, variant, max_new_tokens) -> None:
+    """answer()'s own arguments, named as a notebook passes them (the engine's checks name the CLI's flags)."""
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise KvfError(f"ratio={ratio!r}: must be within [0, 1]")
+    if top_k < 1:
+        raise KvfError(f"top_k={top_k!r}: retrieve at least 1 chunk")
+    if variant not in (None, "prefix", "fusion"):
+        raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
+    if max_new_tokens < 0:
+        raise KvfError(f"max_new_tokens={max_new_tokens!r}: must be >= 0 (0: the first token's work only)")
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:
