@@ -179,6 +179,24 @@ def test_a_store_that_does_not_exist_yet_is_said(built, tmp_path, capsys):
     assert (tmp_path / "other.jsonl").read_text().count("\n") == 1   # it answered, from the new store
 
 
+def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(built, tmp_path, capsys):
+    """Resuming keys records by question id: a question whose text changed under the same id was skipped
+    as done, its old answer kept. Refused now; changed gold answers (scoring only) are said."""
+    mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
+    ask = lambda text, answers: mine.write_text(json.dumps({"id": "a", "question": text, "answers": answers}) + "\n")  # noqa: E731
+    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    ask("Where was the subject born?", ["Paris"])
+    run(opts, QUIET)
+    ask("Who founded the company?", ["Paris"])
+    with pytest.raises(KvfError, match=f"--out {out} answered question a as 'Where was the subject born\\?'.*"
+                                       "now asks 'Who founded the company\\?'.*--overwrite"):
+        run(opts, QUIET)
+    ask("Where was the subject born?", ["Lyon"])
+    run(opts, QUIET)
+    assert "the answers of 1 question(s)" in " ".join(capsys.readouterr().err.split())
+    assert out.read_text().count("\n") == 1                     # nothing re-run
+
+
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""

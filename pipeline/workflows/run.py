@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
@@ -234,6 +234,27 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
             diff = ", ".join(f"{n} {have.get(n)!r} -> {want.get(n)!r}" for n in names[:4])
             raise KvfError(f"--out {out} holds {record.method} records run with other settings ({diff}); "
                            "pass a new --out, or --overwrite to replace them")
+
+
+def check_same_questions(existing: list[RunRecord], questions: list[Question], opts: RunOptions) -> None:
+    """A question edited since --out answered it (same id, other text) would be skipped as done, its old
+    answer kept under its id: refused. Edited gold answers only change scoring: the records keep the
+    answers they were scored with, so that is said."""
+    source = opts.questions or opts.dataset / "questions.jsonl"
+    by_id = {q.qid: q for q in questions}
+    regolded = set()
+    for record in existing:
+        q = by_id.get(record.qid)
+        if q is None:
+            continue
+        if record.question != q.question:
+            raise KvfError(f"--out {opts.out} answered question {record.qid} as {record.question[:60]!r}, but {source} "
+                           f"now asks {q.question[:60]!r}; pass a new --out, or --overwrite to answer afresh")
+        if list(record.gold) != list(q.answers):
+            regolded.add(record.qid)
+    if regolded:
+        warn(f"--out {opts.out}: the answers of {len(regolded)} question(s) in {source} changed since they were run "
+             f"(e.g. {sorted(regolded)[0]}); their records keep the gold they were run with: --overwrite to re-run")
 
 
 # ---- choosing chunks -----------------------------------------------------------------------------
@@ -489,6 +510,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
+        check_same_questions(existing, questions, opts)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
         todo_of = {q.qid: [i for i, p in enumerate(planned)
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
