@@ -9,6 +9,12 @@ class KvfError(Exception):
     """
 
 
+def disk_full(e: OSError) -> bool:
+    """A write that failed for want of space (the disk, or the user's quota): said as such, with its fix."""
+    import errno
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def warn(message: str) -> None:
     """A non-fatal problem with the input: one yellow line on stderr, and kvf carries on."""
     from rich.console import Console

@@ -25,7 +25,7 @@ import torch
 # ~60 GB/s where a plain zlib build gives 2-7, which made the checksum the slowest step of a GPU read.
 from zlib_ng.zlib_ng import crc32
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, disk_full
 from kvf.cachestore.dtypes import byte_view, check_dtype, empty_tensor, extra_to_numpy, itemsize, to_stored, STORE_DTYPES
 from kvf.cachestore.errors import BadShape, CorruptEntry, MissingEntry
 from kvf.cachestore.keys import check_key
@@ -357,7 +357,7 @@ class KVStore:
         return error
 
     def _write_error(self, key: str, e: OSError) -> KvfError:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(e):
             return KvfError(f"disk full while writing entry {key} in store {self.path}; "
                             f"free space and re-run (committed entries are intact)")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

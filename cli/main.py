@@ -7,7 +7,6 @@ one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 """
 from __future__ import annotations
 
-import errno
 import os
 import sys
 
@@ -16,7 +15,7 @@ import typer
 from kvf import __version__
 from kvf.cli.entry import Interrupted, Stopped
 from kvf.cli.options import command_group
-from kvf.errors import KvfError
+from kvf.errors import KvfError, disk_full
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # kvf shows its own progress
@@ -131,7 +130,7 @@ def main():
         if debug:
             raise
         where = f" {e.filename}:" if e.filename else ""
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(e):
             print(f"kvf: error:{where} disk full (no space left on device); free some space there, or write "
                   "elsewhere (--out, --workspace or --store), and re-run", file=sys.stderr)
         else:

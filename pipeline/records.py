@@ -24,7 +24,6 @@ only a torn *last* line (a run killed mid-write), saying so.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import glob
 import gzip
@@ -36,7 +35,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvf.errors import KvfError, warn
+from kvf.errors import KvfError, disk_full, warn
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
@@ -268,7 +267,7 @@ class RunFile:
             os.fsync(self._file.fileno())
         except OSError as e:
             self._file.truncate(start)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if disk_full(e):
                 raise KvfError(f"--out {self.path}: disk full while writing a record; the records before it are kept: "
                                "free some space there and re-run to resume") from None
             e.filename = str(self.path)

@@ -6,7 +6,6 @@ killed build resumes where it stopped and an unchanged corpus costs no model wor
 """
 from __future__ import annotations
 
-import errno
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, disk_full
 from kvf.cachestore import open_store
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, split_documents, tokenizer_fingerprint, unique_chunks, validate_chunking,
@@ -410,7 +409,7 @@ def _writing(ws: Workspace):
     try:
         yield
     except OSError as e:
-        problem = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        problem = "disk full" if disk_full(e) else (e.strerror or str(e))
         raise KvfError(f"--workspace {ws.root}: cannot write {e.filename or 'its files'} ({problem}); "
                        "free space or fix permissions and re-run (stored KV entries are intact)") from None
 
