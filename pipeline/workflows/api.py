@@ -9,6 +9,7 @@ from kvf.errors import KvfError
 from kvf.pipeline.fusion.methods import METHODS, build_method, get_method
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
 from kvf.pipeline.workflows.session import Session, workspace_path
+from kvf.pipeline.workflows.workspace import VARIANTS
 
 
 @dataclass
@@ -85,7 +86,7 @@ def check_answer_args(ratio, top_k, variant, max_new_tokens) -> None:
         raise KvfError(f"ratio={ratio!r}: must be within [0, 1]")
     if top_k < 1:
         raise KvfError(f"top_k={top_k!r}: retrieve at least 1 chunk")
-    if variant not in (None, "prefix", "fusion"):
+    if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
     if max_new_tokens < 0:
         raise KvfError(f"max_new_tokens={max_new_tokens!r}: must be >= 0 (0: the first token's work only)")

@@ -34,7 +34,7 @@ from kvf.pipeline.workflows.display import notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
-from kvf.pipeline.workflows.workspace import Workspace
+from kvf.pipeline.workflows.workspace import VARIANTS, Workspace
 
 SETTINGS = ("auto", "per-question", "shared")
 RETRIEVERS = ("bm25", "dense")
@@ -74,6 +74,11 @@ class RunOptions:
     ray: str | None = None              # Ray address ("local": start one here): questions spread over actors
     workers: int | None = None          # Ray actors (default: one per CPU, or per GPU with --device cuda)
     threads: int = 1                    # torch threads per Ray actor
+
+    @property
+    def questions_source(self) -> Path:
+        """The file the questions come from, for messages: --questions, or the prepared dataset's."""
+        return self.questions or self.dataset / "questions.jsonl"
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -128,7 +133,7 @@ def parse_method_spec(text: str) -> MethodSpec:
         if not sep or not key:
             raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3")
         if key == "variant":
-            if value not in ("prefix", "fusion"):
+            if value not in VARIANTS:
                 raise KvfError(f"--method {text}: variant {value!r}; use prefix or fusion")
             variant = value
         elif key not in types:
@@ -171,7 +176,7 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--setting {opts.setting}: use one of {', '.join(SETTINGS)}")
     if opts.retriever not in RETRIEVERS:
         raise KvfError(f"--retriever {opts.retriever}: use one of {', '.join(RETRIEVERS)}")
-    if opts.variant is not None and opts.variant not in ("prefix", "fusion"):
+    if opts.variant is not None and opts.variant not in VARIANTS:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
     if not opts.methods:
         raise KvfError("--method: name at least one method")
@@ -240,7 +245,7 @@ def check_same_questions(existing: list[RunRecord], questions: list[Question], o
     """A question edited since --out answered it (same id, other text) would be skipped as done, its old
     answer kept under its id: refused. Edited gold answers only change scoring: the records keep the
     answers they were scored with, so that is said."""
-    source = opts.questions or opts.dataset / "questions.jsonl"
+    source = opts.questions_source
     by_id = {q.qid: q for q in questions}
     regolded = set()
     for record in existing:
@@ -328,7 +333,7 @@ def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planne
     to spare, under every planned method, checked before any work: else a sweep stops at its first long question, and
     at that question again on every resume. prompt_of(q) -> FusedPrompt."""
     methods = [p.method for p in planned] + ([get_method("full")] if opts.compare_full else [])
-    source = opts.questions or opts.dataset / "questions.jsonl"
+    source = opts.questions_source
     fewer = "retrieve fewer chunks (--top-k)" if setting == "shared" else "give it fewer passages"
     with progress_bar(console) as progress:
         for q in progress.track(questions, description="checking every prompt fits"):
@@ -384,7 +389,7 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
                       "(KVs are computed as questions need them)")
         model_ref = open_model(opts.model)
         bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                             chunk_tokens=opts.chunk_tokens, variants=("prefix", "fusion"), store=opts.store,
+                             chunk_tokens=opts.chunk_tokens, variants=VARIANTS, store=opts.store,
                              n_neighbours=opts.n_neighbours, device=opts.device)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
