@@ -413,6 +413,29 @@ def test_rerun_without_format_uses_the_workspace_hdf5_store(tmp_path, short_docs
     assert Workspace(tmp_path / "ws").manifest()["format"] == "hdf5"
 
 
+def test_rerun_without_store_keeps_building_into_the_workspace_store_elsewhere(tmp_path, short_docs, capsys, monkeypatch):
+    # a workspace built with --store elsewhere, rebuilt after a new document without --store, used to start
+    # an empty WORKSPACE/kv.zarr and recompute every entry there
+    corpus, shared, ws = small_corpus(tmp_path, short_docs), tmp_path / "shared.zarr", tmp_path / "ws"
+    args = ["build-cache", corpus, "--workspace", ws, "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]
+    code, _, err = run_main([*args, "--store", shared], capsys, monkeypatch)
+    assert code == 0, err
+    (Path(corpus) / "added.txt").write_text("Added later: the lighthouse keeper was Ada Vole.")
+    code, _, err = run_main(args, capsys, monkeypatch)
+    assert code == 0, err
+    assert re.search(r"entries written 1 .*already present 2", err)
+    assert not (ws / "kv.zarr").exists()
+    assert Workspace(ws).store_location() == str(shared)
+    # another --format is a switch, said once on stderr; the store left behind is untouched
+    before = sorted(p.name for p in shared.rglob("*"))
+    code, _, err = run_main([*args, "--format", "hdf5"], capsys, monkeypatch)
+    assert code == 0, err
+    assert f"switches from its store {shared} to {ws / 'kv.h5'}" in " ".join(err.split())
+    assert re.search(r"entries written 3 .*already present 0", err)
+    assert Workspace(ws).store_location() == str(ws / "kv.h5")
+    assert sorted(p.name for p in shared.rglob("*")) == before
+
+
 def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built, tmp_path, capsys, monkeypatch):
     def full(chunks, path):
         Path(path).write_bytes(b"PAR1")  # a few bytes made it, then the disk filled

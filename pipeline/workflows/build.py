@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -120,6 +120,25 @@ def store_location(ws: Workspace, store: str | None, fmt: str | None) -> str:
     """Where the store lives; local paths made absolute, since the manifest is read from other cwds."""
     location = store or ws.default_store(fmt)
     return location if "://" in location else str(Path(location).expanduser().resolve())
+
+
+def keep_workspace_store(opts: BuildOptions, ws: Workspace, previous: dict, console: Console) -> tuple[BuildOptions, bool]:
+    """A rebuild (new documents, say) writes into the store the workspace already uses, wherever it lies
+    (--store elsewhere, s3://), not into a new WORKSPACE/kv.zarr that recomputes every entry. --store or
+    --format naming another store switches to it: said on stderr, and the previous store is left untouched.
+    Returns the options with the store settled, and whether it is the workspace's previous one."""
+    if not previous.get("store"):
+        return opts, False
+    current, current_format = ws.store_location(), previous.get("format")
+    if opts.store is None and opts.format in (None, current_format):
+        return replace(opts, store=current, format=current_format), True
+    wanted = store_location(ws, opts.store, opts.format)
+    if wanted == current:
+        return opts, True
+    console.print(f"warning: --workspace {ws.root} switches from its store {current} to {wanted}, which must hold its "
+                  f"own entries; the previous store is left as it was (delete it if unused, or pass --store {current} "
+                  "to keep building into it)", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    return opts, False
 
 
 def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
@@ -361,6 +380,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     ws = Workspace(opts.workspace)
     check_writable_dir(ws.root, "--workspace")
     previous = previous_manifest(ws, console)
+    opts, same_store = keep_workspace_store(opts, ws, previous, console)
     store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     waiting = notice(console)
@@ -383,7 +403,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     with ws.files_lock(waiting):
         ws.check_chunks_are([c.chunk_id for c in chunks])
         write_workspace_manifest(ws, opts, model_ref, store, index_state,
-                                 variants=sorted(set(opts.variants) | set(previous.get("variants", []))),
+                                 variants=sorted(set(opts.variants) | set(previous.get("variants", []) if same_store else ())),
                                  extras_for=extras_for)
     return summary
 
