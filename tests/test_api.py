@@ -43,6 +43,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         ws.answer("q", method="cacheblend", check_layr=2)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):
         ws.answer("q", documents=[])
+    with pytest.raises(kvf.KvfError, match="bm25 retrieval found no chunk for 'Qzxv wkpq\\?'.*documents="):
+        ws.answer("Qzxv wkpq?", method="reuse", max_new_tokens=1)   # no word of it in the corpus: no context
     # the notebook's own argument names, not the CLI's flags (it said "-k must be at least 1")
     for bad, said in (({"top_k": 0}, "top_k=0"), ({"ratio": 1.5}, "ratio=1.5"), ({"variant": "x"}, "variant='x'"),
                       ({"retriever": "splade"}, "retriever='splade'"), ({"max_new_tokens": -1}, "max_new_tokens=-1")):

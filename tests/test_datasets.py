@@ -298,6 +298,24 @@ def test_own_questions_with_passages_need_no_answers(tmp_path):
     assert [p.text for p in prepared[0].contexts] == ["Ann built it."]
 
 
+def test_an_unknown_passage_id_names_the_fix_that_applies(tmp_path):
+    """With --corpus given, the error told the user to "pass --corpus DOCS", which they had."""
+    from kvf.pipeline.data.datasets import prepare_custom
+    docs, mine = tmp_path / "docs", tmp_path / "mine.jsonl"
+    docs.mkdir()
+    (docs / "acme.txt").write_text("Acme was founded by Jane Roe.")
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": ["acme"]}) + "\n")
+    with pytest.raises(KvfError, match=f"line 1: passage id 'acme' is not a document of --corpus {docs}; check the id "
+                                       ".*e.g. 'acme.txt'"):
+        prepare_custom(mine, tmp_path / "prepared", corpus=docs)
+    with pytest.raises(KvfError, match=r"--corpus \(none given\); pass --corpus DOCS, or give the passage"):
+        prepare_custom(mine, tmp_path / "prepared")
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": ["acme.txt"]}) + "\n")
+    prepare_custom(mine, tmp_path / "prepared", corpus=docs)
+    prepared, _ = load_prepared(tmp_path / "prepared")
+    assert [p.text for p in prepared[0].contexts] == ["Acme was founded by Jane Roe."]
+
+
 def test_two_questions_under_one_id_in_an_own_questions_file_are_refused(tmp_path):
     """`kvf run -q FILE`: records are keyed by question id; two questions sharing one were both answered,
     and the run file then failed `kvf eval` ('appears more than once') and confused resuming."""

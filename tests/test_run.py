@@ -197,6 +197,19 @@ def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(built, t
     assert out.read_text().count("\n") == 1                     # nothing re-run
 
 
+def test_a_question_retrieval_finds_nothing_for_is_refused_before_any_work(built, tmp_path):
+    """Shared BM25 retrieval of a question with no word in the corpus returns no chunk: the question was
+    answered with no context at all, every method alike, and each one's fidelity to full counted 1.0."""
+    mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
+    mine.write_text(json.dumps({"id": "fine", "question": "Where was the subject born?"}) + "\n"
+                    + json.dumps({"id": "void", "question": "Qzxv wkpq?"}) + "\n")
+    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    with pytest.raises(KvfError, match=f"question void in {mine}: bm25 retrieval found no chunk for it.*"
+                                       "--retriever dense, or leave it out of mine.jsonl"):
+        run(opts, QUIET)
+    assert not out.exists() or out.read_text() == ""
+
+
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""

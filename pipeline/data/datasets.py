@@ -451,8 +451,10 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
         for item in row.get("passages") or []:
             if isinstance(item, str):
                 if item not in documents:
+                    fix_id = (f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
+                              if documents else "pass --corpus DOCS")
                     raise KvfError(f"{where}: passage id {item!r} is not a document of --corpus "
-                                   f"{corpus or '(none given)'}; pass --corpus DOCS or give the passage as {{title, text}}")
+                                   f"{corpus or '(none given)'}; {fix_id}, or give the passage as {{title, text}}")
                 passages.append(Passage(documents[item].title, documents[item].text))
             elif isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():
                 passages.append(Passage(str(item.get("title") or ""), item["text"]))

@@ -70,6 +70,9 @@ class WorkspaceSession:
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:
             chunk_ids = [cid for cid, _ in self.search(question, top_k, retriever)]
+            if not chunk_ids:   # BM25 matched no word of it: every method would answer alike, without context
+                raise KvfError(f"{retriever} retrieval found no chunk for {question!r}; rephrase it, pass "
+                               "retriever=\"dense\", or name its documents=[...]")
         chunks = s.chunks(chunk_ids, retriever)
         prompt = s.prompt(chunks, question)
         variant = variant or fusion.offline_variant
