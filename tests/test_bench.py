@@ -117,6 +117,15 @@ def test_versus_adds_a_paired_plot(tiny_bench, tmp_path):
     assert paths[4].stat().st_size > 1000
 
 
+def test_full_prefill_is_timed_even_when_not_named(tmp_path):
+    """`kvf bench -m prophetkv,kvfuse` printed '-' in every "x full" cell: nothing divided by full prefill."""
+    df = bench(BenchOptions(lengths=[96], chunk_tokens=32, methods=["reuse"], ratios=[0.15], repeats=1,
+                            random_weights="tiny", out=tmp_path, modes=("warm",), compare_no_pipeline=False,
+                            auto_ratio=False), QUIET)
+    assert list(df.method) == ["full", "reuse"]
+    assert df.set_index("method").ttft_ratio["reuse"] > 0
+
+
 def test_versus_must_name_a_timed_entry(tmp_path):
     with pytest.raises(KvfError, match=r"--versus prophetkv: no -m entry is prophetkv.*reuse"):
         bench(BenchOptions(lengths=[64], methods=["full", "reuse"], random_weights="tiny", out=tmp_path,

@@ -325,7 +325,8 @@ def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
 
 def plan(opts: BenchOptions) -> list[tuple]:
     """(method, spec) per --method entry and ratio; methods without a ratio knob run once. An entry may set
-    knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None)."""
+    knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None).
+    full prefill is always timed, first unless named: it is what every ratio divides by."""
     from kvf.pipeline.workflows.run import parse_method_spec
     entries = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
     planned, seen = [], set()
@@ -337,6 +338,8 @@ def plan(opts: BenchOptions) -> list[tuple]:
             if key not in seen:
                 seen.add(key)
                 planned.append((method, spec.label))
+    if not any(method.name == "full" for method, _ in planned):  # every ratio in the table is to full prefill
+        planned.insert(0, (build_method("full", 1.0), None))
     return planned
 
 
