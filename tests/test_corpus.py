@@ -60,6 +60,15 @@ def test_binary_and_non_utf8_and_empty_are_skipped_with_warning(tmp_path, capsys
     assert "blank.txt" in err and "empty" in err
 
 
+def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys):
+    (tmp_path / "good.txt").write_text("fine")
+    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7")
+    assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.pdf" in err
+    assert "kvf reads .txt, .md, .jsonl files" in err
+
+
 def test_missing_path_is_an_error(tmp_path):
     with pytest.raises(KvfError, match="does not exist"):
         read_corpus(tmp_path / "nope")

@@ -37,7 +37,8 @@ def list_corpus_files(root: Path) -> list[Path]:
                        f"supported extensions are {', '.join(SUPPORTED_EXTENSIONS)}")
     if len(supported) < len(files):
         skipped = [p for p in files if p.suffix.lower() not in SUPPORTED_EXTENSIONS]
-        warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]}")
+        warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]} "
+             f"(kvf reads {', '.join(SUPPORTED_EXTENSIONS)} files; convert the others to text)")
     return supported
 
 
