@@ -59,11 +59,15 @@ def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str |
             yerr = [(line[column] - line[low]).clip(lower=0).fillna(0), (line[high] - line[column]).clip(lower=0).fillna(0)]
         if (method, label, variant) in fixed:
             ax.errorbar(line.recomputed_frac.fillna(line.ratio), line[column], yerr=yerr, fmt=next(marker, "o"),
-                        markersize=8, capsize=3, color=colours[name], label=name, linestyle="none")
+                        markersize=8, capsize=3, color=colours[name], label=name, linestyle="none", clip_on=False)
         else:
-            ax.errorbar(line.ratio, line[column], yerr=yerr, marker="o", capsize=3, color=colours[name], label=name)
+            ax.errorbar(line.ratio, line[column], yerr=yerr, marker="o", capsize=3, color=colours[name], label=name,
+                        clip_on=False)   # a point at 0 (or at the last ratio) is drawn whole, not cut by the frame
     ax.set(xlabel="recompute ratio (fraction of chunk tokens recomputed)", ylabel=ylabel)
-    ax.set_xlim(left=-0.01)
+    if math.isfinite(ax.dataLim.x1):   # one ratio alone is not drawn on the frame's edge
+        ax.set_xlim(-0.01, ax.dataLim.x1 + 0.01)
+    else:                            # reference lines only
+        ax.set_xlim(left=-0.01)
     ax.grid(alpha=0.3)
     return True
 

@@ -562,6 +562,20 @@ def test_a_labelled_single_ratio_row_does_not_turn_its_methods_line_into_points(
     assert lines["kvfuse [other]"].get_linestyle() == "None"               # the one-ratio row: a point
 
 
+def test_points_at_the_frame_are_drawn_whole():
+    """A run at one ratio put its only point on the plot's right edge, and a score of 0 sat half under
+    the x axis: the x range ends past the last ratio, and markers are not clipped by the frame."""
+    from matplotlib.figure import Figure
+
+    from kvf.eval.plots import plot_panel
+    rows = pd.DataFrame({"method": ["cacheblend"], "label": [""], "variant": ["prefix"], "ratio": [0.15],
+                         "acc": [0.0], "recomputed_frac": [0.149]})
+    ax = Figure().subplots()
+    assert plot_panel(ax, rows, "acc", None, None, "accuracy", {"cacheblend": "red"}, show_variant=False)
+    assert ax.get_xlim()[1] >= 0.149 + 0.01
+    assert not ax.containers[0].lines[0].get_clip_on()
+
+
 def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     from kvf.eval.plots import _palette
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
