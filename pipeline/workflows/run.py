@@ -338,11 +338,11 @@ def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planne
     with progress_bar(console) as progress:
         for q in progress.track(questions, description="checking every prompt fits"):
             prompt = prompt_of(q)
+            check_prompt_fits(q, prompt, methods, opts.max_new_tokens, limit, source, fewer)
             if prompt.n_chunk_tokens == 0:  # only shared retrieval gets here: BM25 matched no word of the question
                 raise KvfError(f"question {q.qid} in {source}: {opts.retriever} retrieval found no chunk for it, so every "
                                f"method would answer it without context, alike; rephrase it, use --retriever dense, "
                                f"or leave it out of {source.name}")
-            check_prompt_fits(q, prompt, methods, opts.max_new_tokens, limit, source, fewer)
 
 
 def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_tokens: int, limit: int,
