@@ -30,7 +30,7 @@ def run_command(
     retriever: str = typer.Option("bm25", "--retriever", help="bm25 or dense (shared setting)."),
     compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
     model: ModelOption = None,
-    neighbours: int = typer.Option(10, "--neighbours", min=1, help="FusionRAG's top-n similar chunks, used when run creates the workspace."),
+    neighbours: Optional[int] = typer.Option(None, "--neighbours", min=1, show_default=False, help="FusionRAG's top-n similar chunks, when run creates the workspace [default: 10; an existing workspace keeps its own]."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Longest answer to generate."),
     pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="Read the next layers from the store while computing this one."),
     label: Optional[str] = typer.Option(None, "--label", help="Name this run, to compare runs of one method with other models or settings."),

@@ -210,6 +210,15 @@ def test_a_question_retrieval_finds_nothing_for_is_refused_before_any_work(built
     assert not out.exists() or out.read_text() == ""
 
 
+def test_neighbours_other_than_the_workspace_s_are_refused_not_ignored(built, tmp_path):
+    """`kvf run --neighbours 5` on a workspace built with 2 ran on the workspace's fusion entries, silently."""
+    out = tmp_path / "runs.jsonl"
+    with pytest.raises(KvfError, match=f"--neighbours 5: workspace {built / 'ws'} was built with 2, .*--neighbours 5`"):
+        run(run_opts(built, out, methods=["fusionrag"], ratios=[0.15], limit=1, n_neighbours=5), QUIET)
+    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, n_neighbours=2), QUIET)
+    assert read_records(out)[0]["settings"]["n_neighbours"] == 2
+
+
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""

@@ -30,6 +30,9 @@ from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
 
 
+DEFAULT_NEIGHBOURS = 10   # FusionRAG's top-n similar chunks per chunk
+
+
 @dataclass
 class BuildOptions:
     corpus: Path
@@ -40,7 +43,7 @@ class BuildOptions:
     chunk_tokens: int = 256
     overlap: int = 0
     variants: tuple[str, ...] = ("prefix",)
-    n_neighbours: int = 10
+    n_neighbours: int = DEFAULT_NEIGHBOURS
     embedder: str | None = None
     model: str | None = None
     shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I

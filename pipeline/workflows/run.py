@@ -27,8 +27,8 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
-from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
-                                          stage_chunks, stage_indexes, write_workspace_manifest)
+from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
+                                          open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.display import notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
@@ -63,7 +63,7 @@ class RunOptions:
     store: str | None = None
     device: str = "cpu"
     dtype: str | None = None            # compute dtype; default float32 on CPU, bfloat16 on CUDA
-    n_neighbours: int = 10              # FusionRAG's n, when run has to create the workspace
+    n_neighbours: int | None = None     # FusionRAG's n when run creates the workspace (None: 10); else must match it
     auto_ratio: bool = False            # --ratio auto: the loading controller picks each question's ratio
     quality_floor: float = DEFAULT_QUALITY_FLOOR
     label: str | None = None            # tells apart runs of one method with other models or settings
@@ -377,10 +377,21 @@ def default_workspace(opts: RunOptions) -> Path:
     return opts.dataset / "workspace" if opts.dataset is not None else Path("workspace")
 
 
+def check_neighbours(opts: RunOptions, ws: Workspace) -> None:
+    """--neighbours shapes the fusion entries of a workspace run creates; one that exists keeps its own
+    (it was silently ignored, and the records said the workspace's n)."""
+    built = ws.manifest().get("n_neighbours")
+    if opts.n_neighbours is not None and built is not None and opts.n_neighbours != built:
+        raise KvfError(f"--neighbours {opts.n_neighbours}: workspace {ws.root} was built with {built}, which its fusion "
+                       f"entries use; leave --neighbours out, or build another workspace with `kvf build-cache CORPUS "
+                       f"-w NEW_WS --neighbours {opts.n_neighbours}` and pass -w NEW_WS")
+
+
 def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus."""
     ws = workspace_path(default_workspace(opts))
     if ws.manifest_path.is_file():
+        check_neighbours(opts, ws)
         return ws
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
@@ -389,13 +400,14 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):
         if ws.manifest_path.is_file():   # another run built it while this one waited
+            check_neighbours(opts, ws)
             return ws
         console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
                       "(KVs are computed as questions need them)")
         model_ref = open_model(opts.model)
         bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                              chunk_tokens=opts.chunk_tokens, variants=VARIANTS, store=opts.store,
-                             n_neighbours=opts.n_neighbours, device=opts.device)
+                             n_neighbours=opts.n_neighbours or DEFAULT_NEIGHBOURS, device=opts.device)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
