@@ -279,7 +279,7 @@ def test_passages_with_no_chunks_in_the_workspace_are_refused(data, tmp_path, ca
 def test_resumed_run_with_other_settings_is_refused(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "o.jsonl"
     assert run_cli(run_args(data, out), capsys, monkeypatch)[0] == 0
-    for changed in (["--max-new-tokens", "3"], ["--top-k", "2"]):
+    for changed in (["--max-new-tokens", "3"], ["--setting", "shared", "--top-k", "2"]):
         code, _, err = run_cli(run_args(data, out, *changed), capsys, monkeypatch)
         assert_one_line(code, err, f"--out {out}", "other settings", "--overwrite")
     assert run_cli(run_args(data, out, "--max-new-tokens", "3", "--overwrite"), capsys, monkeypatch)[0] == 0

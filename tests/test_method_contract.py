@@ -138,7 +138,7 @@ def test_knobs_round_trip_into_run_records(built, tmp_path):
     from rich.console import Console
     import io
     run(RunOptions(out=out, methods=NAMES, ratios=[0.3], dataset=built / "data", workspace=built / "ws", limit=1,
-                   max_new_tokens=2, knobs=knobs), Console(file=io.StringIO()))
+                   max_new_tokens=2, knobs=knobs, warmup=False), Console(file=io.StringIO()))
     records = {json.loads(line)["method"]: json.loads(line) for line in out.read_text().splitlines()}
     assert set(records) == set(NAMES)
     for name, expected in non_default_knobs().items():

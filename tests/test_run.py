@@ -20,7 +20,7 @@ RECORD_FIELDS = {"qid", "dataset", "method", "settings", "chunk_ids", "question"
 
 def run_opts(built, out, **kw):
     base = dict(dataset=built / "data", methods=["full", "reuse", "cacheblend"], ratios=[0.0, 0.5, 1.0],
-                out=out, workspace=built / "ws", limit=2, max_new_tokens=4)
+                out=out, workspace=built / "ws", limit=2, max_new_tokens=4, warmup=False)  # timing is not tested here
     base.update(kw)
     return RunOptions(**base)
 
@@ -50,13 +50,13 @@ def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
 
 def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, monkeypatch):
     """With --compare-full, the `full` record is the comparison's own prefill: one per question
-    (plus one untimed warm-up), not two."""
+    (plus one untimed warm-up, when there is one), not two."""
     from kvf.pipeline.fusion.methods.full import FullPrefill
     calls = []
     original = FullPrefill.prefill
     monkeypatch.setattr(FullPrefill, "prefill", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
     out = tmp_path / "runs.jsonl"
-    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], compare_full=True), QUIET)
+    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], compare_full=True, warmup=True), QUIET)
     records = read_records(out)
     assert len(records) == 2 * 2
     assert len(calls) == 1 + 2
@@ -217,6 +217,18 @@ def test_neighbours_other_than_the_workspace_s_are_refused_not_ignored(built, tm
         run(run_opts(built, out, methods=["fusionrag"], ratios=[0.15], limit=1, n_neighbours=5), QUIET)
     run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, n_neighbours=2), QUIET)
     assert read_records(out)[0]["settings"]["n_neighbours"] == 2
+
+
+def test_retrieval_flags_in_the_per_question_setting_are_refused_not_ignored(built, tmp_path):
+    """`kvf run -d DATA -k 3` where questions bring their own passages answered from all of them: -k (and
+    --retriever) shape shared retrieval only, and were dropped without a word."""
+    out = tmp_path / "runs.jsonl"
+    for flags, said in (({"top_k": 3}, "--top-k 3"), ({"retriever": "dense"}, "--retriever dense")):
+        with pytest.raises(KvfError, match=f"{said}: the per-question setting \\(questions name up to 3 passages\\) "
+                                           ".*--setting shared"):
+            run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, **flags), QUIET)
+    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, top_k=2, setting="shared"), QUIET)
+    assert len(read_records(out)[0]["chunk_ids"]) == 2
 
 
 def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):

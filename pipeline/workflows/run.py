@@ -10,7 +10,7 @@ settings that would change an answer is refused rather than mixed with the old r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from kvf.pipeline.workflows.workspace import VARIANTS, Workspace
 
 SETTINGS = ("auto", "per-question", "shared")
 RETRIEVERS = ("bm25", "dense")
+DEFAULT_RETRIEVER, DEFAULT_TOP_K = "bm25", 5
 
 
 @dataclass
@@ -49,11 +50,11 @@ class RunOptions:
     questions: Path | None = None       # ... or a JSONL file of questions, answered from --workspace
     workspace: Path | None = None       # default: DATASET/workspace, else ./workspace
     variant: str | None = None          # default: the method's own offline variant
-    top_k: int = 5
+    top_k: int | None = None            # shared retrieval's k (None: 5); refused in the per-question setting
     limit: int | None = None
     offset: int = 0                     # skip the first N questions (e.g. a held-out split: --offset 100 -n 50)
     setting: str = "auto"
-    retriever: str = "bm25"
+    retriever: str | None = None        # shared retrieval's index (None: bm25); refused in the per-question setting
     compare_full: bool = False
     model: str | None = None
     max_new_tokens: int = 32
@@ -168,13 +169,13 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--offset {opts.offset}: must be >= 0")
     if opts.max_new_tokens < 1:
         raise KvfError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
-    if opts.top_k < 1:
+    if opts.top_k is not None and opts.top_k < 1:
         raise KvfError(f"--top-k {opts.top_k}: must be >= 1")
     if not 0.0 <= opts.quality_floor <= 1.0:
         raise KvfError(f"--quality-floor {opts.quality_floor}: must be within [0, 1]")
     if opts.setting not in SETTINGS:
         raise KvfError(f"--setting {opts.setting}: use one of {', '.join(SETTINGS)}")
-    if opts.retriever not in RETRIEVERS:
+    if opts.retriever is not None and opts.retriever not in RETRIEVERS:
         raise KvfError(f"--retriever {opts.retriever}: use one of {', '.join(RETRIEVERS)}")
     if opts.variant is not None and opts.variant not in VARIANTS:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
@@ -276,6 +277,17 @@ def resolve_setting(setting: str, questions: list[Question], own_questions: bool
     if most == 1:  # one passage per question (NQ-open oracle) only makes sense pooled into a shared corpus
         return "shared", "each question names at most one passage"
     return "per-question", f"questions name up to {most} passages"
+
+
+def settle_retrieval(opts: RunOptions, setting: str, why: str) -> RunOptions:
+    """-k and --retriever shape shared retrieval. The per-question setting retrieves nothing, and there both
+    were silently ignored (`-k 3` answered from all 20 of a question's passages): refused, naming why."""
+    if setting == "per-question":
+        for flag, value in (("--top-k", opts.top_k), ("--retriever", opts.retriever)):
+            if value is not None:
+                raise KvfError(f"{flag} {value}: the per-question setting ({why}) answers from each question's own "
+                               f"passages and retrieves nothing; pass --setting shared to retrieve, or leave {flag} out")
+    return replace(opts, top_k=opts.top_k or DEFAULT_TOP_K, retriever=opts.retriever or DEFAULT_RETRIEVER)
 
 
 class ChunkPicker:
@@ -502,6 +514,7 @@ def run(opts: RunOptions, console: Console) -> Path:
     questions, name = load_questions(opts)
     planned = plan_methods(opts)
     setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
+    opts = settle_retrieval(opts, setting, why)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
     with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True, markup=False)) as run_file:
         if opts.overwrite:
