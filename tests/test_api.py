@@ -43,6 +43,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         ws.answer("q", method="cacheblend", check_layr=2)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):
         ws.answer("q", documents=[])
+    with pytest.raises(kvf.KvfError, match="top_k=3: documents=\\[...\\] name the chunks, so nothing is retrieved"):
+        ws.answer("q", documents=[first_doc], top_k=3)   # it was dropped without a word
     with pytest.raises(kvf.KvfError, match="bm25 retrieval found no chunk for 'Qzxv wkpq\\?'.*documents="):
         ws.answer("Qzxv wkpq?", method="reuse", max_new_tokens=1)   # no word of it in the corpus: no context
     # the notebook's own argument names, not the CLI's flags (it said "-k must be at least 1")

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.methods import METHODS, build_method, get_method
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
+from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS
 
@@ -33,7 +34,7 @@ class WorkspaceSession:
         self.session = Session(ws, model, device)
         self._searchers: dict[str, object] = {}
 
-    def search(self, question: str, top_k: int = 5, retriever: str = "bm25") -> list[tuple[str, float]]:
+    def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = DEFAULT_RETRIEVER) -> list[tuple[str, float]]:
         """(chunk id, score) of the top-k chunks for a question."""
         if retriever not in self._searchers:
             ws = self.session.ws
@@ -47,13 +48,20 @@ class WorkspaceSession:
                 raise KvfError(f"retriever={retriever!r}: use bm25 or dense")
         return self._searchers[retriever].search(question, top_k)
 
-    def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int = 5,
-               retriever: str = "bm25", documents: list[str] | None = None, variant: str | None = None,
+    def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int | None = None,
+               retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
                max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
-        order, or else the top-k retrieved ones. Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
+        order, or else the top-k retrieved ones (top_k 5, retriever bm25 unless given). Knobs are the method's
+        (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         check_answer_args(ratio, top_k, variant, max_new_tokens)   # retriever: search() checks it
+        if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
+            for name, value in (("top_k", top_k), ("retriever", retriever)):
+                if value is not None:
+                    raise KvfError(f"{name}={value!r}: documents=[...] name the chunks, so nothing is retrieved; "
+                                   f"leave {name} out, or documents out to retrieve")
+        top_k, retriever = top_k or DEFAULT_TOP_K, retriever or DEFAULT_RETRIEVER
         check_own_knobs(method, knobs)
         fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
@@ -87,7 +95,7 @@ def check_answer_args(ratio, top_k, variant, max_new_tokens) -> None:
     """answer()'s own arguments, named as a notebook passes them (the engine's checks name the CLI's flags)."""
     if ratio is not None and not 0 <= ratio <= 1:
         raise KvfError(f"ratio={ratio!r}: must be within [0, 1]")
-    if top_k < 1:
+    if top_k is not None and top_k < 1:
         raise KvfError(f"top_k={top_k!r}: retrieve at least 1 chunk")
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
