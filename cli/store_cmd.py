@@ -101,10 +101,10 @@ def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceO
         if delete_bad:
             s.delete(key)
     if not bad:
-        console.print(f"[green]{n} entries OK[/green] in {escape(str(location))}")
+        console.print(f"[green]{n} entries OK[/green] in {escape(str(location))}", soft_wrap=True)  # a path is not cut
         return
     action = "deleted; rebuild to recompute them" if delete_bad else "re-run with --delete-bad, then rebuild"
-    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {escape(str(location))} ({action})")
+    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {escape(str(location))} ({action})", soft_wrap=True)
     raise typer.Exit(1)
 
 

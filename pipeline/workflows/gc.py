@@ -70,9 +70,9 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
         if not yes:
             nbytes = sum(store.fs.size(p) for p in garbage) + sum(store._entry_bytes(k) for k in entries)
             console.print(f"would remove {len(garbage)} temp/garbage items and {len(entries)} of {len(existing)} entries "
-                          f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them")
+                          f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them", soft_wrap=True)
             return {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0, "would_remove": len(entries)}
         freed = store.gc(keep=keep)
         console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
-                      f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}")
+                      f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}", soft_wrap=True)
         return freed
