@@ -390,8 +390,8 @@ def default_workspace(opts: RunOptions) -> Path:
 
 
 def check_neighbours(opts: RunOptions, ws: Workspace) -> None:
-    """--neighbours shapes the fusion entries of a workspace run creates; one that exists keeps its own
-    (it was silently ignored, and the records said the workspace's n)."""
+    """--neighbours shapes the fusion entries of a workspace run creates; one that existed keeps its own
+    (it was silently ignored, and the records said the workspace's n). A workspace this run created has it."""
     built = ws.manifest().get("n_neighbours")
     if opts.n_neighbours is not None and built is not None and opts.n_neighbours != built:
         raise KvfError(f"--neighbours {opts.n_neighbours}: workspace {ws.root} was built with {built}, which its fusion "
@@ -403,7 +403,6 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus."""
     ws = workspace_path(default_workspace(opts))
     if ws.manifest_path.is_file():
-        check_neighbours(opts, ws)
         return ws
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
@@ -412,7 +411,6 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):
         if ws.manifest_path.is_file():   # another run built it while this one waited
-            check_neighbours(opts, ws)
             return ws
         console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
                       "(KVs are computed as questions need them)")
@@ -524,6 +522,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         Console().print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""),
                         markup=False, highlight=False)
         ws = ensure_workspace(opts, console)
+        check_neighbours(opts, ws)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
         if opts.ray is None:
