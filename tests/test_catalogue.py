@@ -69,6 +69,12 @@ CASES = {
     "run -m NAME:no_such_knob": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:nope=1",
                                                "-o", t / "o.jsonl"], ["--method cacheblend:nope=1", "no knob"]),
     "run --offset past the end": (lambda d, t: run_args(d, t / "o.jsonl", "--offset", "100000"), ["--offset 100000", "only"]),
+    "run -k where questions bring passages": (lambda d, t: run_args(d, t / "o.jsonl", "-k", "3"),
+                                              ["--top-k 3", "per-question setting", "--setting shared"]),
+    "run --retriever where questions bring passages": (lambda d, t: run_args(d, t / "o.jsonl", "--retriever", "dense"),
+                                                       ["--retriever dense", "per-question setting"]),
+    "run --neighbours other than the workspace's": (lambda d, t: run_args(d, t / "o.jsonl", "--neighbours", "5"),
+                                                    ["--neighbours 5", "was built with 2"]),
     "run knob no method takes": (lambda d, t: run_args(d, t / "o.jsonl", "--check-layer", "2"), ["--check-layer", "cacheblend"]),
     "run --deviation-share 1.5": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "-n", "1",
                                                 "--deviation-share", "1.5", "-o", t / "o.jsonl"], ["--deviation-share"]),
@@ -238,6 +244,14 @@ def test_prompt_too_long_is_refused_before_any_answer(data, tmp_path, capsys, mo
     code, _, err = run_cli(run_args(data, out, "--max-new-tokens", "8100", "--compare-full"), capsys, monkeypatch)
     assert_one_line(code, err, "under reuse", "--max-new-tokens 8100", "give it fewer passages", "lower --max-new-tokens")
     assert not out.exists() or out.read_text() == ""
+
+
+def test_a_question_retrieval_finds_no_chunk_for_is_one_line(data, tmp_path, capsys, monkeypatch):
+    questions = tmp_path / "mine.jsonl"
+    questions.write_text(json.dumps({"id": "void", "question": "Qzxv wkpq?"}) + "\n")
+    code, _, err = run_cli(["run", "-w", data[1], "-q", questions, "-m", "reuse", "-o", tmp_path / "o.jsonl"],
+                           capsys, monkeypatch)
+    assert_one_line(code, err, "question void in", "mine.jsonl", "found no chunk", "--retriever dense")
 
 
 def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatch):
