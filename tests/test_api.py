@@ -52,6 +52,23 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                       ({"retriever": "splade"}, "retriever='splade'"), ({"max_new_tokens": -1}, "max_new_tokens=-1")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer("q", **bad)
+    # a notebook's argument of the wrong type failed deep inside (TypeError from torch, AttributeError), or
+    # read a bare string letter by letter as document ids ("document 'a' is not in workspace")
+    for question, bad, said in ((123, {}, "question=123: pass the question as a non-empty string"),
+                                ("", {"documents": [first_doc]}, "question='': pass the question"),
+                                ("q", {"ratio": "0.15"}, "ratio='0.15': must be a number"),
+                                ("q", {"ratio": float("nan")}, "ratio=nan: must be within [0, 1]"),
+                                ("q", {"ratio": True}, "ratio=True: must be a number"),
+                                ("q", {"max_new_tokens": 2.5}, "max_new_tokens=2.5: must be an integer"),
+                                ("q", {"top_k": 2.0}, "top_k=2.0: must be an integer"),
+                                ("q", {"documents": first_doc}, f"documents={first_doc!r}: pass a list of document ids"),
+                                ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,")):
+        with pytest.raises(kvf.KvfError, match=re.escape(said)):
+            ws.answer(question, **bad)
+    for args, said in ((("capital", "3"), "top_k='3': must be an integer"), (("capital", 0), "top_k=0: retrieve at least"),
+                       ((None,), "question=None: pass the question")):
+        with pytest.raises(kvf.KvfError, match=re.escape(said)):
+            ws.search(*args)
 
 
 def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):

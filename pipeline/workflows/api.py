@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
-from kvf.pipeline.fusion.methods import METHODS, build_method, get_method
+from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
@@ -36,6 +36,8 @@ class WorkspaceSession:
 
     def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = DEFAULT_RETRIEVER) -> list[tuple[str, float]]:
         """(chunk id, score) of the top-k chunks for a question."""
+        check_question(question)
+        check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
         if retriever not in self._searchers:
             ws = self.session.ws
             if retriever == "bm25":
@@ -55,7 +57,7 @@ class WorkspaceSession:
         order, or else the top-k retrieved ones (top_k 5, retriever bm25 unless given). Knobs are the method's
         (e.g. check_layer=2 for cacheblend)."""
         s = self.session
-        check_answer_args(ratio, top_k, variant, max_new_tokens)   # retriever: search() checks it
+        check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
                 if value is not None:
@@ -91,21 +93,42 @@ class WorkspaceSession:
                                record["prompt_tokens"], record["timings"], {**fusion.settings(), "variant": variant})
 
 
-def check_answer_args(ratio, top_k, variant, max_new_tokens) -> None:
+def check_argument(name: str, value, kind: type, low: float, high: float | None = None, why: str = "") -> None:
+    """One number a notebook passes: of its kind (a string or a bool would fail deep in torch, or pass as 1),
+    within its range. None means "not given" and passes."""
+    if value is None:
+        return
+    kinds = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise KvfError(f"{name}={value!r}: must be {'a number' if kind is float else 'an integer'}")
+    if not low <= value or (high is not None and not value <= high):   # written so that NaN fails too
+        raise KvfError(f"{name}={value!r}: {why}")
+
+
+def check_question(question) -> None:
+    if not isinstance(question, str) or not question.strip():
+        raise KvfError(f"question={question!r}: pass the question as a non-empty string")
+
+
+def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents) -> None:
     """answer()'s own arguments, named as a notebook passes them (the engine's checks name the CLI's flags)."""
-    if ratio is not None and not 0 <= ratio <= 1:
-        raise KvfError(f"ratio={ratio!r}: must be within [0, 1]")
-    if top_k is not None and top_k < 1:
-        raise KvfError(f"top_k={top_k!r}: retrieve at least 1 chunk")
+    check_question(question)
+    # a bare string would be read letter by letter as document ids
+    if documents is not None and (not isinstance(documents, (list, tuple))
+                                  or not all(isinstance(d, str) for d in documents)):
+        raise KvfError(f"documents={documents!r}: pass a list of document ids, e.g. documents=['acme.md']")
+    check_argument("ratio", ratio, float, low=0, high=1, why="must be within [0, 1]")
+    check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
-    if max_new_tokens < 0:
-        raise KvfError(f"max_new_tokens={max_new_tokens!r}: must be >= 0 (0: the first token's work only)")
+    check_argument("max_new_tokens", max_new_tokens, int, low=0, why="must be >= 0 (0: the first token's work only)")
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:
     """answer(**knobs): a knob the method does not take (a typo, another method's) is refused, not ignored."""
-    get_method(method)   # an unknown method: its own one-line error first
+    known = method_names()   # discovers the method files on first use
+    if method not in known:   # named as the notebook passed it (get_method's error names --method)
+        raise KvfError(f"method={method!r}: unknown method; known methods: {', '.join(known)}")
     own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
     for name in knobs:
         if name not in own:
