@@ -162,6 +162,8 @@ CASES = {
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
         "--out", t / "p"], ["record 0", "not a string"]),
+    "prepare unknown dataset": (lambda d, t: ["data", "prepare", "musiqe", "--out", t / "p"],   # it said "has no file of its own"
+                                ["unknown dataset 'musiqe'", "known: nq,", "musique", "or custom"]),
     "prepare triviaqa without --input": (lambda d, t: ["data", "prepare", "triviaqa", "--out", t / "p"],
                                          ["triviaqa has no file of its own", "--input FILE (dpr or kilt format)"]),
     "prepare custom answers not text": (lambda d, t: ["data", "prepare", "custom", "--input", write(

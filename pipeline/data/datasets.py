@@ -114,8 +114,14 @@ def data_dir(flag: str | None = None) -> Path:
     return path
 
 
+def check_dataset_name(name: str) -> None:
+    if name not in ACCEPTED_FORMATS:
+        raise KvfError(f"unknown dataset '{name}'; known: {', '.join(ACCEPTED_FORMATS)}, or custom (your own questions)")
+
+
 def find_dataset_file(name: str, directory: str | Path | None = None) -> Path:
     """The default input file of a benchmark inside the data directory."""
+    check_dataset_name(name)   # a typo is a typo, not a dataset without a file of its own
     if name not in DATASET_FILES:
         accepted = " or ".join(ACCEPTED_FORMATS.get(name, []))
         raise KvfError(f"{name} has no file of its own in the data directory (only {', '.join(DATASET_FILES)} do); "
@@ -313,8 +319,7 @@ def _source_qid(rec: dict) -> str | None:
 def parse_records(name: str, path: Path, records: list[dict]) -> tuple[list[Question], str, list[str]]:
     """Records -> (questions, format, bad-record messages). A bad record has no answers, no
     non-empty passages, or misses a field its format needs. Empty passages are dropped."""
-    if name not in ACCEPTED_FORMATS:
-        raise KvfError(f"unknown dataset '{name}'; known: {', '.join(ACCEPTED_FORMATS)}")
+    check_dataset_name(name)
     accepted = ACCEPTED_FORMATS[name]
     fmt = detect_format(records[0])
     if fmt not in accepted:
@@ -414,6 +419,7 @@ def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bo
     limit: keep the first N questions (the same N first questions a run with --limit N answers)."""
     if limit is not None and limit < 1:
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
+    check_dataset_name(name)   # before reading a large file
     path = Path(input_file)
     questions, fmt, bad = parse_records(name, path, read_records(path))
     _check_bad(path, bad, skip_bad)
