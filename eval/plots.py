@@ -103,16 +103,21 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
             (fidelity_ax, "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
              "fidelity to full prefill")):
         if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
-            ax.set_ylim(0, axis_top(rows, column, high))
+            top = axis_top(rows, column, high)
+            ax.set_ylim(-0.02 * top, top)   # a score of 0 (reuse's line, often) drawn above the frame, not under it
             ax.set_title(title + gold_count(rows) if column == metric else title)
         else:
             _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
                             if column == "fidelity_f1" else "no gold answers in these records")
-    n = int(rows.n.max())
-    fig.suptitle(f"{dataset}: quality vs recompute ratio (n = {n} questions; bars: 95% bootstrap intervals)")
+    fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals)")
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
     save_figure(fig, path)
+
+
+def count_questions(rows) -> str:
+    n = int(rows.n.max())
+    return f"n = {n} question" + ("" if n == 1 else "s")
 
 
 def gold_count(rows: pd.DataFrame) -> str:
@@ -183,7 +188,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         ax.set_xlim(0, axis_top(rows, column, high))
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"{title} (n = {int(rows.n.max())} questions; bars: 95% bootstrap intervals; "
+    fig.suptitle(f"{title} ({count_questions(rows)}; bars: 95% bootstrap intervals; "
                  "black: full prefill, grey: reuse)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     save_figure(fig, path)

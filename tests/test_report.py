@@ -576,6 +576,21 @@ def test_points_at_the_frame_are_drawn_whole():
     assert not ax.containers[0].lines[0].get_clip_on()
 
 
+def test_a_score_of_zero_is_drawn_above_the_frame_and_one_question_is_not_questions(tmp_path, monkeypatch):
+    """reuse scoring 0 on every question drew its line exactly on the x axis, where the frame hid it, and a
+    one-question run was titled "n = 1 questions"."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    one = write_run(tmp_path / "one.jsonl", [record("q1-0", "reuse", "London"), record("q1-0", "cacheblend", "x", ratio=0.2)])
+    evaluate([one], tmp_path / "out")
+    figure = figures["quality_vs_ratio_toy.png"]
+    gold_ax = figure.axes[0]
+    reuse_line = next(line for line in gold_ax.get_lines() if line.get_label() == "reuse")
+    assert reuse_line.get_ydata()[0] == 0 and gold_ax.get_ylim()[0] < 0
+    assert "(n = 1 question;" in figure.texts[0].get_text()
+
+
 def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     from kvf.eval.plots import _palette
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
