@@ -117,4 +117,5 @@ def gc(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt =
     """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
     from kvf.pipeline.workflows.gc import collect
     location = resolve_store(store, workspace, s3_endpoint, where)
-    collect(location, format, keep, keep_workspace, yes, console)
+    named_workspace = workspace or (Path(where) if where and (Path(where) / "manifest.json").is_file() else None)
+    collect(location, format, keep, keep_workspace, yes, console, named_workspace)

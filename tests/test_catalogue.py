@@ -383,6 +383,11 @@ def test_gc_refuses_keep_lists_that_keep_nothing_and_previews_by_default(ws_copy
     store.put(foreign, store.get(chunk_entry_keys(store)[0]), attrs={"variant": "prefix"})
     code, out, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws], capsys, monkeypatch)
     assert code == 0 and "would remove 0 temp/garbage items and 1 of" in " ".join(out.split())
+    # named through the workspace but with nothing kept, gc removes no entry (the store may be shared), and
+    # it said only "would remove 0 of N entries": it now says which the workspace leaves unused, and how
+    code, out, _ = run_cli(["store", "gc", ws], capsys, monkeypatch)
+    assert code == 0 and "would remove 0 temp/garbage items and 0 of" in out
+    assert f"1 of {n + 1} entries are not used by workspace {ws}" in out and f"add --keep-workspace {ws}" in out
     code, _, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
     assert code == 0 and len(open_store(str(ws / "kv.zarr")).keys()) == n    # only the foreign entry went
 

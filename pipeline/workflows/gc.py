@@ -44,7 +44,9 @@ def workspace_keys(path: Path) -> set[str]:
 
 
 def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspace: Path | None, yes: bool,
-            console: Console) -> dict:
+            console: Console, named_workspace: Path | None = None) -> dict:
+    """named_workspace: the workspace the store was named through (`kvf store gc WS`), for a hint only:
+    its unused entries are never removed unless kept ones are named (the store may be shared)."""
     store = open_store(location, fmt)
     with store.exclusive_lock():
         existing = set(store.keys())
@@ -67,6 +69,8 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
                                f"store {location} (another model or another store?); nothing would be kept, so nothing is deleted")
             keep = (keep or set()) | used
         garbage, entries = store.gc_plan(keep)
+        if keep is None and named_workspace is not None:
+            hint_unused(existing, named_workspace, console)
         if not yes:
             nbytes = sum(store.fs.size(p) for p in garbage) + sum(store._entry_bytes(k) for k in entries)
             console.print(f"would remove {len(garbage)} temp/garbage items and {len(entries)} of {len(existing)} entries "
@@ -76,3 +80,13 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
         console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
                       f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}", soft_wrap=True)
         return freed
+
+
+def hint_unused(existing: set[str], workspace: Path, console: Console) -> None:
+    """Entries the workspace no longer uses (its documents were removed or changed): say how to collect them.
+    Not done unasked: another workspace may share the store and use them."""
+    unused = len(existing - workspace_keys(workspace))
+    if unused:
+        console.print(f"{unused} of {len(existing)} entries are not used by workspace {workspace} (documents removed or "
+                      f"changed since they were stored); add --keep-workspace {workspace} to remove them, unless "
+                      "another workspace shares this store", soft_wrap=True)
