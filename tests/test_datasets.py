@@ -327,3 +327,20 @@ def test_two_questions_under_one_id_in_an_own_questions_file_are_refused(tmp_pat
         load_questions_file(questions)
     questions.write_text(json.dumps({"question": "Who founded Acme?"}) + "\n" + json.dumps({"question": "Who?"}) + "\n")
     assert [q.qid for q in load_questions_file(questions)] == ["mine-1", "mine-2"]   # made-up ids never collide
+
+
+def test_integer_document_ids_are_cited_as_the_corpus_writes_them(tmp_path):
+    """A .jsonl corpus's {"id": 1} is document "1" (read_corpus keys it so); a question citing it as written
+    there, "passages": [1], was refused by `kvf run -q` and by `kvf data prepare custom`."""
+    from kvf.pipeline.data.datasets import load_questions_file, prepare_custom
+    docs, mine = tmp_path / "docs", tmp_path / "mine.jsonl"
+    docs.mkdir()
+    (docs / "c.jsonl").write_text(json.dumps({"id": 1, "title": "Acme", "text": "Acme was founded by Jane Roe."}) + "\n")
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": [1]}) + "\n")
+    assert load_questions_file(mine)[0].context_ids == ["1"]
+    prepare_custom(mine, tmp_path / "prepared", corpus=docs)
+    prepared, _ = load_prepared(tmp_path / "prepared")
+    assert [p.text for p in prepared[0].contexts] == ["Acme was founded by Jane Roe."]
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": [True]}) + "\n")   # not an id
+    with pytest.raises(KvfError, match="passages"):
+        load_questions_file(mine)

@@ -455,6 +455,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
         answers = _answers_field(row, where, required=False)   # optional, as for `kvf run -q`: fidelity needs none
         passages = []
         for item in row.get("passages") or []:
+            item = as_document_id(item)
             if isinstance(item, str):
                 if item not in documents:
                     fix_id = (f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
@@ -574,6 +575,12 @@ def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Pass
     return questions, passages
 
 
+def as_document_id(item):
+    """A .jsonl corpus's integer "id" (1) is the document id "1" (read_corpus keys it so), and a question may
+    cite it as written there; anything else is left for the caller to refuse."""
+    return str(item) if isinstance(item, int) and not isinstance(item, bool) else item
+
+
 def load_questions_file(path: str | Path) -> list[Question]:
     """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id"?, "passages"?}, where
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
@@ -584,6 +591,7 @@ def load_questions_file(path: str | Path) -> list[Question]:
                                             QUESTION_LINE):
         where = f"--questions {path} line {lineno}"
         passages = r.get("passages", [])
+        passages = [as_document_id(p) for p in passages] if isinstance(passages, list) else passages
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
             raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {fix}")
         qid = str(r["id"]) if r.get("id") not in (None, "") else f"{path.stem}-{lineno}"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
+from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
@@ -57,6 +58,8 @@ class WorkspaceSession:
         order, or else the top-k retrieved ones (top_k 5, retriever bm25 unless given). Knobs are the method's
         (e.g. check_layer=2 for cacheblend)."""
         s = self.session
+        if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
+            documents = [as_document_id(d) for d in documents]
         check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
