@@ -104,3 +104,15 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
     assert code == 0 and stdout.startswith("setting: per-question (the questions name their passages)"), err
     record = json.loads((tmp_path / "own.jsonl").read_text())
     assert record["chunk_ids"] == json.loads((tmp_path / "workspace" / "doc_chunks.json").read_text())["doc2.txt"]
+    # the document is edited and the workspace rebuilt: a method added to the run would answer from the new
+    # chunks beside reuse's record from the old ones, and eval would pair them. Refused; with nothing left to
+    # answer, resuming is fine
+    (docs / "doc2.txt").write_text(short_docs[2].replace("wild goats", "wild goats and ibex"))
+    code, _, err = cli(["build-cache", docs, "-w", tmp_path / "workspace", "--chunk-tokens", "64"], capsys, monkeypatch)
+    assert code == 0, err
+    resume = ["run", "-w", tmp_path / "workspace", "-q", own, "--max-new-tokens", "4", "-o", tmp_path / "own.jsonl"]
+    code, _, err = cli([*resume, "-m", "reuse,full"], capsys, monkeypatch)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "answered question own_passages-1 (reuse) from other chunks than workspace" in err and "--overwrite" in err
+    code, _, err = cli([*resume, "-m", "reuse"], capsys, monkeypatch)
+    assert code == 0, err

@@ -263,6 +263,21 @@ def check_same_questions(existing: list[RunRecord], questions: list[Question], o
              f"(e.g. {sorted(regolded)[0]}); their records keep the gold they were run with: --overwrite to re-run")
 
 
+def check_same_chunks(existing: list[RunRecord], pending: list[Question], picker, opts: RunOptions) -> None:
+    """A question answered before the workspace's corpus changed (a document added, removed or edited, then
+    rebuilt) now gets other chunks: its new records would sit beside old ones answered from another
+    context, and eval would pair them as if not. Refused, for the questions still to answer."""
+    first_of = {}
+    for record in existing:
+        first_of.setdefault(record.qid, record)
+    for q in pending:
+        record = first_of.get(q.qid)
+        if record is not None and list(record.chunk_ids) != picker.chunk_ids(q):
+            raise KvfError(f"--out {opts.out} answered question {q.qid} ({record.method}) from other chunks than workspace "
+                           f"{picker.ws.root} gives it now (its documents changed since); the methods of one run must "
+                           "see the same context: pass a new --out, or --overwrite to answer afresh")
+
+
 # ---- choosing chunks -----------------------------------------------------------------------------
 def resolve_setting(setting: str, questions: list[Question], own_questions: bool = False) -> tuple[str, str]:
     """(setting, why): auto picks per-question when questions bring several passages (or, in your own
@@ -549,6 +564,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         todo_of = {q.qid: [i for i, p in enumerate(planned)
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
                    for q in questions}
+        check_same_chunks(existing, [q for q in questions if todo_of[q.qid]], picker, opts)
         # questions already answered in full proved that they fit: a resumed sweep does not search them again
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
