@@ -184,6 +184,8 @@ CASES = {
     "run -q answers a number": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "answers": 5}'),
                                               "-m", "reuse", "-o", t / "o.jsonl"],
                                 ["--questions", "line 1", "string or a list of strings"]),
+    "run -q DIR": (lambda d, t: ["run", "-w", d[1], "-q", d[0], "-m", "reuse", "-o", t / "o.jsonl"],   # it said "is missing"
+                   ["--questions", "is a directory", "JSON Lines file of questions"]),
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),

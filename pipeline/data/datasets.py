@@ -485,7 +485,7 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
     (default `fix`) what a line should look like."""
     line_fix = fix if line_fix is None else line_fix
     if not path.is_file():
-        raise KvfError(f"{where} is missing; {fix}")
+        raise KvfError(f"{where} is {'a directory' if path.is_dir() else 'missing'}; {fix}")
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
