@@ -16,7 +16,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     from kvf.eval.metrics import token_f1
     from kvf.pipeline.records import run_name
     table = Table(title=title, expand=True)
-    table.add_column("method", no_wrap=True)
+    table.add_column("method", max_width=20)   # a long labelled name wraps, and leaves the answers their width
     table.add_column("answer", overflow="fold", ratio=1)
     for col in ("F1", "vs full", "recomp.", "TTFT ms"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -58,7 +58,9 @@ def f1_to_full(records: list[dict]) -> list[float | None]:
 def answers_table(path: Path, opts) -> Table:
     """The answers of the questions this run covered, read back from its run file."""
     from kvf.pipeline.records import read_records
+    from kvf.pipeline.workflows.run import plan_methods
     records = [r.model_dump(mode="json") for r in read_records(path)]
-    if opts.label is not None:
-        records = [r for r in records if r.get("label") == opts.label]
-    return answers_rows_table(records, f"kvf run: {len(records)} answers in {path}")
+    if opts.label is not None:   # this run's records among others' in the file: its entries' labels carry --label
+        labels = {p.label for p in plan_methods(opts)}   # (`-m NAME:KNOB=V` adds to it: "big check_layer=2")
+        records = [r for r in records if r.get("label") in labels]
+    return answers_rows_table(records, f"kvf run: {len(records)} answer{'' if len(records) == 1 else 's'} in {path}")

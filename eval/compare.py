@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -12,8 +13,10 @@ from kvf.eval.report import primary_metric, reference_rows
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
     """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model); `flag` is
-    the option the selector came from, for the errors."""
-    text, _, label = selector.partition(":")
+    the option the selector came from, for the errors. The form tables and progress lines print a labelled run
+    in, 'method@ratio [label]', names it too."""
+    shown = re.fullmatch(r"(\S+) \[(.+)\]", selector.strip())
+    text, _, label = (shown[1], None, shown[2]) if shown else selector.partition(":")
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
     if ratio:
@@ -73,9 +76,10 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
     from rich.table import Table
     from rich.text import Text
     metric = next(c[:-2] for c in table.columns if c.endswith("_a") and c not in ("answer_a", "fidelity_a", "kl_a"))
-    out = Table(title=f"{name_a} (A) vs {name_b} (B): {len(table)} questions", expand=True,
-                caption=f"A = {name_a}, B = {name_b}; {metric}: against gold; "
-                        "vs full: answer F1 against full prefill's answer")
+    # Text, not markup: a labelled run's name ends in "[label]", which markup would swallow as a style tag
+    out = Table(title=Text(f"{name_a} (A) vs {name_b} (B): {len(table)} questions"), expand=True,
+                caption=Text(f"A = {name_a}, B = {name_b}; {metric}: against gold; "
+                             "vs full: answer F1 against full prefill's answer"))
     out.add_column("", no_wrap=True)
     out.add_column("answer", overflow="fold", ratio=1)
     out.add_column(metric, justify="right", no_wrap=True)

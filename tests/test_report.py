@@ -694,3 +694,13 @@ def test_eval_json_is_the_only_thing_on_stdout(runs, tmp_path, capsys, monkeypat
     assert exit_info.value.code in (0, None), err
     rows = json.loads(out)
     assert {r["method"] for r in rows} == {"full", "reuse", "cacheblend"} and "wrote summary.csv" in err
+
+
+def test_a_labelled_run_is_selected_as_tables_print_it():
+    """`kvf run --label big` prints the run as 'cacheblend@0.15 [big]'; --a / --compare took only
+    'cacheblend@0.15:big', and the printed form failed ('the ratio after @ must be a number')."""
+    from kvf.eval.compare import select
+    df = pd.DataFrame({"dataset": ["toy"] * 3, "method": ["cacheblend", "cacheblend", "reuse"], "label": ["big", "", "x@1"],
+                       "variant": ["prefix"] * 3, "ratio": [0.15, 0.15, 0.0], "qid": ["q1"] * 3})
+    assert list(select(df, "cacheblend@0.15 [big]").index) == list(select(df, "cacheblend@0.15:big").index) == [0]
+    assert list(select(df, "reuse [x@1]").index) == [2]

@@ -455,6 +455,30 @@ def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_
     cells = {c.header: [str(v) for v in c._cells] for c in answers_rows_table(records[:2] + [ablation], "t").columns}
     assert cells["method"] == ["question", "full", "cacheblend@0.15", "cacheblend@0.15 [propagate=off]"]
     assert cells["vs full"][1:] == ["1.00", "0.00", "1.00"]          # compared with the unlabelled full run
+    # `--label x@0.5 -m cacheblend:check_layer=2`: the long name took the whole width, and the answer got none
+    long_name = dict(ablation, label="x@0.5 check_layer=2 propagate=off", answer="Vartroucko province")
+    out = io.StringIO()
+    Console(file=out, width=80).print(answers_rows_table([long_name], "t"))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert any("Vartroucko" in line for line in lines) and any("province" in line for line in lines)   # wrapped, not cut
+
+
+def test_answers_table_of_a_labelled_run_keeps_its_ablation_entries(tmp_path):
+    """`kvf run --label big -m reuse,cacheblend:check_layer=2`: the table kept records labelled exactly "big",
+    and dropped the entry labelled "big check_layer=2" that this run had just answered."""
+    from kvf.cli.tables import answers_table
+    from kvf.pipeline.workflows.run import RunOptions
+    def record(method, label, ratio):
+        return dict(qid="q1", dataset="toy", method=method, label=label, settings=dict(ratio=ratio, variant="prefix"),
+                    chunk_ids=["c"], question="Where?", answer=f"{method} {label}", gold=["x"], prompt_tokens=10,
+                    chunk_tokens=8, recomputed_tokens=0, timings=dict(load=0.0, select=0.0, recompute=0.1, first_token=0.1, decode=0.1))
+    out = tmp_path / "run.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in (record("reuse", "big", 0.0), record("cacheblend", "big check_layer=2", 0.15),
+                                                          record("reuse", "small", 0.0))))
+    table = answers_table(out, RunOptions(out=out, methods=["reuse", "cacheblend:check_layer=2"], label="big"))
+    methods = [str(v) for v in table.columns[0]._cells]
+    assert methods == ["question", "reuse [big]", "cacheblend@0.15 [big check_layer=2]"]   # not the other run's
 
 
 def test_run_refuses_zero_ray_workers(tmp_path):
