@@ -704,3 +704,11 @@ def test_a_labelled_run_is_selected_as_tables_print_it():
                        "variant": ["prefix"] * 3, "ratio": [0.15, 0.15, 0.0], "qid": ["q1"] * 3})
     assert list(select(df, "cacheblend@0.15 [big]").index) == list(select(df, "cacheblend@0.15:big").index) == [0]
     assert list(select(df, "reuse [x@1]").index) == [2]
+    from rich.console import Console
+
+    from kvf.eval.compare import comparison_table
+    table = pd.DataFrame({"qid": ["q1"], "question": ["Where?"], "gold": ["x"], "answer_a": ["a"], "answer_b": ["b"],
+                          "f1_a": [0.0], "f1_b": [1.0], "fidelity_a": [None], "fidelity_b": [None], "full_answer": [None]})
+    console = Console(width=200, record=True)
+    console.print(comparison_table(table, "run.jsonl cacheblend@0.15 [big]", "run.jsonl full"))
+    assert "run.jsonl cacheblend@0.15 [big] (A) vs run.jsonl full (B)" in console.export_text()   # markup ate "[big]"
