@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
@@ -70,7 +71,7 @@ def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt
     if json_out:
         print(json.dumps(i, default=str))
         return
-    table = Table(title=f"kvf store {location}", show_header=False)
+    table = Table(title=Text(f"kvf store {location}"), show_header=False)   # Text: a path's [brackets] are not markup
     table.add_column("field", style="bold")
     table.add_column("value")
     table.add_row("format", f"{i['format']} ({i['dtype']}, compressor {i['compressor']})")

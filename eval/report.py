@@ -420,6 +420,7 @@ def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 1
     """The summary as a rich Table (for the terminal), no wider than `width` if leaving out columns
     (DISPLAY_DROPPABLE, in that order) can make it so."""
     from rich.table import Table
+    from rich.text import Text
     droppable = list(DISPLAY_DROPPABLE)
     if not summary.duplicated(["dataset", "method", "label", "ratio"]).any():
         droppable.append("variant")
@@ -432,7 +433,7 @@ def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 1
         for c in columns:
             table.add_column(c, justify="left" if c in ("dataset", "method", "label", "variant", "note") else "right")
         for _, row in summary.iterrows():
-            table.add_row(*(format_cell(row, c) for c in columns))
+            table.add_row(*(Text(format_cell(row, c)) for c in columns))   # a label "[v2]" is not markup
         return table
     return fit_table(build, _columns(summary, DISPLAY_COLUMNS), droppable, width, "summary.md")
 

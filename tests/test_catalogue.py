@@ -394,6 +394,17 @@ def test_gc_refuses_keep_lists_that_keep_nothing_and_previews_by_default(ws_copy
     assert code == 0 and len(open_store(str(ws / "kv.zarr")).keys()) == n    # only the foreign entry went
 
 
+def test_a_path_with_brackets_is_printed_as_it_is(ws_copy, tmp_path, capsys, monkeypatch):
+    """rich read "[v2]" in a path as a markup tag and dropped it: `kvf store info "ws [v2]"` titled its table
+    with a store path that does not exist, and gc said it would remove entries "from .../ws /kv.zarr"."""
+    _, ws = ws_copy
+    bracketed = ws.rename(tmp_path / "ws [v2]")
+    code, out, _ = run_cli(["store", "info", bracketed], capsys, monkeypatch)
+    assert code == 0 and "[v2]/kv.zarr" in out   # the title may wrap at this width, but whole
+    code, out, _ = run_cli(["store", "gc", bracketed], capsys, monkeypatch)
+    assert code == 0 and f"from {bracketed}/kv.zarr" in out
+
+
 def test_gc_never_follows_a_symlink_out_of_the_store(ws_copy, tmp_path, capsys, monkeypatch):
     _, ws = ws_copy
     outside = tmp_path / "precious"

@@ -352,6 +352,15 @@ def test_rich_table_and_cli(runs, tmp_path):
     assert "question q2-0" in result.output                                   # each question heads its answers
 
 
+def test_a_label_in_brackets_is_printed_as_it_is(tmp_path):
+    """rich read a label "[v2]" as a markup tag: the summary table's label cell came out empty."""
+    from rich.console import Console
+    labelled = write_run(tmp_path / "l.jsonl", [dict(r, label="[v2]") for r in replicated("reuse", {"q1": "Paris"})])
+    console = Console(width=200, record=True)
+    console.print(summary_table(evaluate([labelled], tmp_path / "out")))
+    assert "[v2]" in console.export_text()
+
+
 def test_a_narrow_terminal_gets_fewer_columns_not_numbers_broken_over_lines(runs, tmp_path):
     """At 80 columns the table leaves out columns (and says which) instead of squeezing every column until
     each number wraps; the variant stays while two rows differ only by it."""

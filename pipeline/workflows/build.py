@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvf.errors import KvfError, disk_full
 from kvf.cachestore import open_store
@@ -479,7 +480,7 @@ def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
 
 
 def summary_table(summary: BuildSummary) -> Table:
-    table = Table(title=f"build-cache: {summary.chunks} chunks, {summary.tokens:,} tokens; store {summary.store}")
+    table = Table(title=Text(f"build-cache: {summary.chunks} chunks, {summary.tokens:,} tokens; store {summary.store}"))
     for col in ("stage", "items", "tokens", "seconds", "items/s", "tokens/s", "note"):
         table.add_column(col, justify="right" if col not in ("stage", "note") else "left")
     for s in summary.stages:

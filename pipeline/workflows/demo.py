@@ -17,7 +17,7 @@ def run_demo(model: str | None, n_questions: int, ratio: float, max_new_tokens: 
              console: Console) -> list[dict]:
     data = workspace / "synthetic"
     make_synthetic(data, n_questions=n_questions, passages_per_question=4, seed=0)
-    console.print(f"synthetic two-hop corpus: {n_questions} questions -> {data}")
+    console.print(f"synthetic two-hop corpus: {n_questions} questions -> {data}", markup=False)
     summary = build_cache(BuildOptions(corpus=data / "corpus", workspace=workspace / "ws", model=model,
                                        variants=("prefix",), n_neighbours=3), console)
     console.print(summary_table(summary))

@@ -74,11 +74,11 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
         if not yes:
             nbytes = sum(store.fs.size(p) for p in garbage) + sum(store._entry_bytes(k) for k in entries)
             console.print(f"would remove {len(garbage)} temp/garbage items and {len(entries)} of {len(existing)} entries "
-                          f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them", soft_wrap=True)
+                          f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them", soft_wrap=True, markup=False)
             return {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0, "would_remove": len(entries)}
         freed = store.gc(keep=keep)
         console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
-                      f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}", soft_wrap=True)
+                      f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}", soft_wrap=True, markup=False)
         return freed
 
 
@@ -89,4 +89,4 @@ def hint_unused(existing: set[str], workspace: Path, console: Console) -> None:
     if unused:
         console.print(f"{unused} of {len(existing)} entries are not used by workspace {workspace} (documents removed or "
                       f"changed since they were stored); add --keep-workspace {workspace} to remove them, unless "
-                      "another workspace shares this store", soft_wrap=True)
+                      "another workspace shares this store", soft_wrap=True, markup=False)

@@ -428,7 +428,7 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
         if ws.manifest_path.is_file():   # another run built it while this one waited
             return ws
         console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
-                      "(KVs are computed as questions need them)")
+                      "(KVs are computed as questions need them)", markup=False)
         model_ref = open_model(opts.model)
         bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                              chunk_tokens=opts.chunk_tokens, variants=VARIANTS, store=opts.store,
