@@ -53,6 +53,10 @@ def run_args(data, out, *extra):
 
 # ---- flags and paths: refused before any work -----------------------------------------------------
 CASES = {
+    "run -r auto,0.15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "auto,0.15", "-o", t / "o.jsonl"],
+                         ["--ratio auto,0.15", "auto stands alone"]),
+    "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
+                     ["--ratio ''", "within [0, 1]"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
     "run --limit -1": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "-1"), ["--limit"]),
     "run -m ,": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", ",", "-o", t / "o.jsonl"], ["--method"]),

@@ -245,6 +245,34 @@ def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, t
     assert made_by_run["variants"] == [] and made_by_run["chunk_tokens"] == 64
 
 
+def test_a_dataset_prepared_again_with_more_questions_is_chunked_again_into_its_own_workspace(tmp_path):
+    """`kvf data prepare ... -n 2 -o D`, `kvf run -d D`, then `kvf data prepare ... -n 4 -o D` and `kvf run -d D`:
+    the dataset's own workspace had no chunks for the new questions' passages, and the run was refused ("built
+    from another corpus"). It is chunked and indexed again in its own settings; the entries it stored stay."""
+    from kvf.cachestore import open_store
+    from kvf.pipeline.data.synthetic import make_synthetic
+    data = tmp_path / "data"
+    make_synthetic(data, n_questions=2, passages_per_question=3, seed=5)
+    opts = RunOptions(dataset=data, methods=["reuse"], ratios=[0.0], out=tmp_path / "a.jsonl", max_new_tokens=1,
+                      warmup=False, chunk_tokens=64)
+    run(opts, QUIET)
+    ws = data / "workspace"
+    stored = set(open_store(str(ws / "kv.zarr")).keys())
+    first = json.loads((ws / "doc_chunks.json").read_text())
+    make_synthetic(data, n_questions=4, passages_per_question=3, seed=6)   # more questions, other passages
+    out = io.StringIO()
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "b.jsonl", "chunk_tokens": 256}), Console(file=out, width=300))
+    assert f"workspace {ws} lacks passages of {data / 'corpus'} that its questions cite" in out.getvalue()
+    assert len(read_records(tmp_path / "b.jsonl")) == 4
+    manifest = json.loads((ws / "manifest.json").read_text())
+    assert manifest["chunk_tokens"] == 64 and manifest["store"] == "kv.zarr"            # its own settings, its store
+    assert len(json.loads((ws / "doc_chunks.json").read_text())) > len(first)
+    assert stored <= set(open_store(str(ws / "kv.zarr")).keys())                           # nothing stored was lost
+    out = io.StringIO()
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "c.jsonl"}), Console(file=out, width=300))
+    assert "chunking and indexing" not in out.getvalue()                                  # up to date: used as it is
+
+
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "0.1,abc", ""])
 def test_bad_ratio_is_refused(text):
     with pytest.raises(KvfError, match="--ratio"):

@@ -86,10 +86,13 @@ def parse_ratios(text: str) -> list[float]:
     try:
         ratios = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
+        if "auto" in [x.strip() for x in text.split(",")]:
+            raise KvfError(f"--ratio {text}: auto stands alone (the loading controller picks each question's ratio); "
+                           "run the fixed ratios with a second kvf run") from None
         raise KvfError(f"--ratio {text}: expected numbers in [0, 1], e.g. 0.15 or 0,0.05,0.15") from None
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if not ratios or bad:
-        raise KvfError(f"--ratio {text}: every ratio must be within [0, 1]")
+        raise KvfError(f"--ratio {text!r}: every ratio must be within [0, 1], e.g. 0.15 or 0,0.05,0.15")
     return ratios
 
 
@@ -414,10 +417,12 @@ def check_neighbours(opts: RunOptions, ws: Workspace) -> None:
                        f"-w NEW_WS --neighbours {opts.n_neighbours}` and pass -w NEW_WS")
 
 
-def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
-    """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus."""
+def ensure_workspace(opts: RunOptions, console: Console, questions: list[Question]) -> Workspace:
+    """Use the workspace built by build-cache; for a prepared dataset with none yet, chunk and index its corpus.
+    The dataset's own workspace that lacks passages its questions cite (`kvf data prepare` wrote a larger corpus
+    into the directory since) is chunked and indexed again, in its own settings; stored KVs stay valid."""
     ws = workspace_path(default_workspace(opts))
-    if ws.manifest_path.is_file():
+    if ws.manifest_path.is_file() and not outdated_dataset_workspace(opts, ws, questions):
         return ws
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
@@ -425,21 +430,45 @@ def ensure_workspace(opts: RunOptions, console: Console) -> Workspace:
     # a read-only copy of the data cannot hold its default workspace: name the flag that moves it
     check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):
-        if ws.manifest_path.is_file():   # another run built it while this one waited
-            return ws
-        console.print(f"no workspace at {ws.root}: chunking and indexing {opts.dataset / 'corpus'} "
-                      "(KVs are computed as questions need them)", markup=False)
+        previous = ws.manifest() if ws.manifest_path.is_file() else None
+        if previous is not None and not outdated_dataset_workspace(opts, ws, questions):
+            return ws   # another run built it while this one waited
+        what = (f"no workspace at {ws.root}" if previous is None else
+                f"workspace {ws.root} lacks passages of {opts.dataset / 'corpus'} that its questions cite")
+        console.print(f"{what}: chunking and indexing {opts.dataset / 'corpus'} (KVs are computed as questions need "
+                      "them)", markup=False)
+        previous = previous or {}
+        kept = {name: previous[name] for name in ("chunk_tokens", "overlap", "dtype", "embedder", "n_neighbours", "format")
+                if previous.get(name) is not None}   # a workspace chunked again keeps its own settings, and its store
         model_ref = open_model(opts.model)
-        bopts = BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                             chunk_tokens=opts.chunk_tokens, variants=VARIANTS, store=opts.store,
-                             n_neighbours=opts.n_neighbours or DEFAULT_NEIGHBOURS, device=opts.device)
+        bopts = BuildOptions(**{"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours or DEFAULT_NEIGHBOURS,
+                                **kept}, corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
+                             variants=VARIANTS, store=opts.store or (ws.store_location() if previous.get("store") else None),
+                             device=opts.device)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
         stage_indexes(bopts, ws, chunks, index_state, console)
-        store = open_workspace_store(ws, model_ref, opts.store, None, bopts.dtype, create=True)
+        store = open_workspace_store(ws, model_ref, bopts.store, bopts.format, bopts.dtype, create=True)
         write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], extras_for=[])
     return ws
+
+
+def outdated_dataset_workspace(opts: RunOptions, ws: Workspace, questions: list[Question]) -> bool:
+    """A prepared dataset's own workspace (DATASET/workspace, built from DATASET/corpus by the same model) that
+    has no chunks for passages its questions cite. A workspace built from another corpus, or with -w, is never
+    rebuilt here: ChunkPicker.check_questions refuses the question, naming the fix."""
+    if opts.workspace is not None or opts.dataset is None:
+        return False
+    manifest = ws.manifest()
+    built_from, corpus = Path(manifest.get("corpus") or ""), (opts.dataset / "corpus").resolve()
+    # the manifest names the corpus as the building run was given it: relative to that run's directory
+    if built_from.resolve() != corpus and built_from.parts[-2:] != corpus.parts[-2:]:
+        return False
+    if manifest.get("model_arg") != opts.model:
+        return False
+    cited = {pid for q in questions for pid in q.context_ids}
+    return bool(cited - ws.doc_chunks().keys())
 
 
 def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
@@ -536,7 +565,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         # the first line of output (stdout: stderr is for problems) says how chunks are chosen, and why
         Console().print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""),
                         markup=False, highlight=False)
-        ws = ensure_workspace(opts, console)
+        ws = ensure_workspace(opts, console, questions)
         check_neighbours(opts, ws)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
