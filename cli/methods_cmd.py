@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Optional
 
 import typer
 from rich.console import Console, Group
@@ -11,20 +12,30 @@ from rich.table import Table
 from rich.text import Text
 
 
-def methods_command(names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated."),
+def methods_command(only: Optional[list[str]] = typer.Argument(
+                        None, metavar="[METHOD]...", help="Show only these methods, each knob with its help, and the "
+                                                          "file that defines it."),
+                    names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated."),
                     json_out: bool = typer.Option(False, "--json", help="Print every method as JSON: its summary, "
                                                   "ratio, stored variant, knobs with their defaults, build-time extras.")):
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
+    from kvf.errors import KvfError
     from kvf.pipeline.fusion.methods.base import METHODS, method_names
+    chosen = method_names()
+    if only:
+        for name in only:
+            if name not in chosen:
+                raise KvfError(f"kvf methods {name}: unknown method; known methods: {', '.join(chosen)}")
+        chosen = list(dict.fromkeys(only))
     if names:
-        print(",".join(method_names()))
+        print(",".join(chosen))
         return
     if json_out:   # for scripts that build sweeps: the knobs as values, not as flag text
-        print(json.dumps([method_json(METHODS[name], name) for name in method_names()], indent=1))
+        print(json.dumps([method_json(METHODS[name], name) for name in chosen], indent=1))
         return
-    rows = [method_row(METHODS[name], name) for name in method_names()]
+    rows = [method_row(METHODS[name], name, detail=bool(only)) for name in chosen]
     console = Console()
-    if console.width >= WIDE:
+    if console.width >= WIDE and not only:
         console.print(methods_table(rows))
     else:   # one block per method: a table's six columns squeeze names and summaries to nothing here
         for row in rows:
@@ -34,13 +45,20 @@ def methods_command(names: bool = typer.Option(False, "--names", help="Print onl
 WIDE = 140  # columns the table needs before its summaries read as sentences
 
 
-def method_row(cls, name: str) -> dict:
-    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name
-    knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
+def method_row(cls, name: str, detail: bool = False) -> dict:
+    """detail: each knob with its help (`kvf methods NAME`), and the method's file."""
+    import inspect
+
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name, knob_help
+    if detail:
+        knobs = [(flag_name(f.name), knob_help(f)) for f in dataclasses.fields(cls.Knobs)]
+    else:
+        knobs = [f"{flag_name(f.name)} [{f.default}]" for f in dataclasses.fields(cls.Knobs)]
     paper = f" (paper: {cls.paper_ratio:g})" if cls.paper_ratio is not None else ""
     ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
-            "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-"}
+            "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-",
+            "file": inspect.getsourcefile(cls) if detail else None}
 
 
 def method_json(cls, name: str) -> dict:
@@ -68,6 +86,16 @@ def method_block(r: dict) -> Group:
     head = Text(r["method"], style="bold")
     ratio = r["ratio"] if r["ratio"].startswith("--") else f"ratio {r['ratio']}"
     head.append(f" · {ratio} · stored variant {r['variant']}")
-    lines = [r["summary"]] + ([f"knobs [default]: {', '.join(r['knobs'])}"] if r["knobs"] else []) \
-        + ([f"build-time extras: {', '.join(r['extras'])}"] if r["extras"] else [])
-    return Group(head, *(Padding(Text(line), (0, 0, 0, 4), expand=False) for line in lines), Text(""))
+    extras = [f"build-time extras: {', '.join(r['extras'])}"] if r["extras"] else []
+    if not r["file"]:
+        lines = [r["summary"]] + ([f"knobs [default]: {', '.join(r['knobs'])}"] if r["knobs"] else []) + extras
+        return Group(head, *(Padding(Text(line), (0, 0, 0, 4), expand=False) for line in lines), Text(""))
+    # one method in detail: a knob per row, its help wrapped beside it; the file that defines it (and cites its paper)
+    knobs = Table.grid(padding=(0, 2))
+    knobs.add_column(no_wrap=True)
+    knobs.add_column(overflow="fold")
+    for flag, help in r["knobs"]:
+        knobs.add_row(Text(flag), Text(help))
+    parts = [Text(r["summary"]), Text("knobs:" if r["knobs"] else "knobs: none"), *([Padding(knobs, (0, 0, 0, 2))] if r["knobs"] else []),
+             *map(Text, extras), Text(f"defined in {r['file']}")]
+    return Group(head, *(Padding(part, (0, 0, 0, 4)) for part in parts), Text(""))

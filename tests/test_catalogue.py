@@ -57,6 +57,7 @@ CASES = {
                          ["--ratio auto,0.15", "auto stands alone"]),
     "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
                      ["--ratio ''", "within [0, 1]"]),
+    "methods unknown name": (lambda d, t: ["methods", "cacheblnd"], ["kvf methods cacheblnd: unknown method", "cacheblend"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
     "run --limit -1": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "-1"), ["--limit"]),
     "run -m ,": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", ",", "-o", t / "o.jsonl"], ["--method"]),

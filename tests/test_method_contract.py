@@ -172,6 +172,11 @@ def test_summary_is_the_readme_row_and_kvf_methods_prints_it(name):
     assert " ".join(summary.split()) in listed, name
     narrow = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "80"}).output   # one block per method there
     assert max(map(len, narrow.splitlines())) <= 80 and " ".join(summary.split()) in " ".join(narrow.split()), name
+    detail = CliRunner().invoke(app, ["methods", name], env={"COLUMNS": "80"}).output   # one method: each knob's help
+    assert max(map(len, detail.splitlines())) <= 80 and detail.split()[0] == name
+    for f in dataclasses.fields(METHODS[name].Knobs):
+        assert " ".join(f.metadata.get("help", "").split()) in " ".join(detail.split()), (name, f.name)
+    assert f"methods/{name}.py" in "".join(detail.split())                              # and the file to read
 
 
 def test_registry_rejects_a_second_method_of_the_same_name():
