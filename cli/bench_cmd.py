@@ -49,7 +49,7 @@ def bench_command(
     from kvf.pipeline.workflows.devices import check_device
     from kvf.pipeline.workflows.run import parse_method_spec, parse_methods, parse_ratios
     check_device(device)
-    use_s3_endpoint(s3_endpoint)
+    use_s3_endpoint(s3_endpoint, store or "(a temp dir)")
     methods = parse_methods(method) if method else ["all"]
     check_knobs_used([parse_method_spec(m).name for m in parse_methods(method or "all")], knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,

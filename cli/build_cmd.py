@@ -41,7 +41,7 @@ def build_cache_command(
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device)  # before any work: a bad device must not leave a half-built workspace
-    use_s3_endpoint(s3_endpoint)
+    use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,

@@ -36,11 +36,20 @@ S3EndpointOption = Annotated[Optional[str], typer.Option(
     "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
-def use_s3_endpoint(endpoint: str | None) -> None:
-    """--s3-endpoint: the standard variable botocore (and so s3fs, and Ray workers) read."""
+def use_s3_endpoint(endpoint: str | None, store: str | None = None) -> None:
+    """--s3-endpoint: the standard variable botocore (and so s3fs, and Ray workers) read. `store`: where the
+    store is, when known here; an endpoint beside a store not on S3 would be ignored, so it is refused."""
     import os
-    if endpoint:
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+    from kvf.errors import KvfError
+    if not endpoint:
+        return
+    if not endpoint.startswith(("http://", "https://")):
+        raise KvfError(f"--s3-endpoint {endpoint}: not an endpoint URL; pass one such as http://localhost:9000")
+    if store is not None and not store.startswith("s3://"):
+        raise KvfError(f"--s3-endpoint {endpoint}: the store {store} is not on S3 (s3://bucket/prefix), so no endpoint "
+                       "is used; leave --s3-endpoint out, or pass --store s3://BUCKET/PREFIX")
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
 RayOption = Annotated[Optional[str], typer.Option(

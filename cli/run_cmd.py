@@ -53,7 +53,7 @@ def run_command(
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
     from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
     from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
-    use_s3_endpoint(s3_endpoint)
+    use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers)
     methods = parse_methods(method)
     check_ratio_used(ratio, quality_floor, methods)

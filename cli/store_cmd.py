@@ -42,7 +42,6 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
     argument: a workspace folder stands for its store (the manifest's, else its kv.zarr or kv.h5),
     anything else is a store."""
     from kvf.cli.options import use_s3_endpoint
-    use_s3_endpoint(endpoint)
     if where is not None:
         if store is not None or workspace is not None:
             raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
@@ -55,10 +54,11 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
             store = where
     if (store is None) == (workspace is None):
         raise KvfError("pass a store (kvf store info PATH, or --store PATH / URL) or --workspace DIR, one of them")
-    if store is not None:
-        return store
-    from kvf.pipeline.workflows.workspace import Workspace
-    return Workspace(workspace).store_location()
+    if store is None:
+        from kvf.pipeline.workflows.workspace import Workspace
+        store = Workspace(workspace).store_location()
+    use_s3_endpoint(endpoint, store)
+    return store
 
 
 @store_app.command()
