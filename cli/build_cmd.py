@@ -34,21 +34,23 @@ def build_cache_command(
     s3_endpoint: S3EndpointOption = None,
     ray: RayOption = None,
     workers: WorkersOption = None,
-    threads: ThreadsOption = 1,
-    batch: int = typer.Option(16, "--batch", min=1, help="Chunks per Ray task.", rich_help_panel="Scale-out"),
+    threads: ThreadsOption = None,
+    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Chunks per Ray task [default: 16].",
+                                        rich_help_panel="Scale-out"),
 ):
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device)  # before any work: a bad device must not leave a half-built workspace
     use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
-    check_ray_flags(ray, workers)
+    check_ray_flags(ray, workers, threads, batch)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()),
                         n_neighbours=neighbours, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
                         device=device, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),
-                        ray=ray, workers=workers, threads=threads, batch=batch)
+                        ray=ray, workers=workers, threads=threads or BuildOptions.threads,
+                        batch=batch or BuildOptions.batch)
     summary = build_cache(opts, console)
     console.print(summary_table(summary))

@@ -60,14 +60,19 @@ RayOption = Annotated[Optional[str], typer.Option(
 WorkersOption = Annotated[Optional[int], typer.Option(
     "--workers", min=1, help="Ray actors, each with its own model [default: one per CPU, or per GPU with --device cuda].",
     rich_help_panel="Scale-out")]
-ThreadsOption = Annotated[int, typer.Option(
-    "--threads", min=1, help="torch threads per Ray actor.", rich_help_panel="Scale-out")]
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", min=1, help="torch threads per Ray actor [default: 1].", rich_help_panel="Scale-out")]
 
 
-def check_ray_flags(ray: str | None, workers: int | None) -> None:
+def check_ray_flags(ray: str | None, workers: int | None, threads: int | None = None, batch: int | None = None) -> None:
+    """Ray's own flags without --ray would be ignored: refused (they default to None, so a given one shows)."""
     from kvf.errors import KvfError
-    if workers is not None and ray is None:
-        raise KvfError("--workers needs --ray (e.g. --ray local --workers 2)")
+    if ray is None:
+        for flag, value, example in (("--workers", workers, "--workers 2"), ("--threads", threads, "--threads 2"),
+                                     ("--batch", batch, "--batch 8")):
+            if value is not None:
+                raise KvfError(f"{flag} {value} needs --ray (e.g. --ray local {example}); without it the work runs "
+                               "in this process")
 
 
 DtypeOption = Annotated[Optional[str], typer.Option(

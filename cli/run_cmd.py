@@ -45,7 +45,7 @@ def run_command(
     s3_endpoint: S3EndpointOption = None,
     ray: RayOption = None,
     workers: WorkersOption = None,
-    threads: ThreadsOption = 1,
+    threads: ThreadsOption = None,
     **knobs,
 ):
     """Answer every question with each method and ratio; one JSON line per question, method and ratio."""
@@ -54,7 +54,7 @@ def run_command(
     from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
     from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
     use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
-    check_ray_flags(ray, workers)
+    check_ray_flags(ray, workers, threads)
     methods = parse_methods(method)
     check_ratio_used(ratio, quality_floor, methods)
     ratio = f"{DEFAULT_RATIO:g}" if ratio is None else ratio
@@ -72,7 +72,7 @@ def run_command(
                       pipeline=pipeline, knobs=knobs, device=device, dtype=dtype, n_neighbours=neighbours,
                       auto_ratio=auto, quality_floor=quality_floor, label=label, overwrite=overwrite,
                       qids=[q.strip() for q in qid.split(",") if q.strip()] if qid else None, warmup=warmup,
-                      share=share, store=store, ray=ray, workers=workers, threads=threads)
+                      share=share, store=store, ray=ray, workers=workers, threads=threads or RunOptions.threads)
     path = run(opts, console)
     if show_answers:
         from kvf.cli.tables import answers_table
