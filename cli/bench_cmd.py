@@ -31,7 +31,7 @@ def bench_command(
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),
     compare_no_pipeline: bool = typer.Option(True, "--compare-no-pipeline/--no-compare-no-pipeline", help="Also time 0.15 runs with pipelined loading off, to report the hidden share."),
     auto_ratio: bool = typer.Option(True, "--auto-ratio/--no-auto-ratio", help="Also time --auto-method at the loading controller's ratio (--ratio auto)."),
-    auto_method: str = typer.Option("cacheblend", "--auto-method", help="The method timed at the loading controller's ratio."),
+    auto_method: Optional[str] = typer.Option(None, "--auto-method", help="The method timed at the loading controller's ratio [default: cacheblend]."),
     model: ModelOption = None,
     random_weights: Optional[str] = typer.Option(None, "--random-weights", help="Time a randomly initialised model of a real shape instead (llama3-8b, tiny); no download."),
     device: DeviceOption = "cpu",
@@ -50,11 +50,13 @@ def bench_command(
     from kvf.pipeline.workflows.run import parse_method_spec, parse_methods, parse_ratios
     check_device(device)
     use_s3_endpoint(s3_endpoint, store or "(a temp dir)")
+    check_auto_method(auto_method, auto_ratio)
     methods = parse_methods(method) if method else ["all"]
     check_knobs_used([parse_method_spec(m).name for m in parse_methods(method or "all")], knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,
                         ratios=parse_ratios(ratio), repeats=repeats, modes=("warm", "cold") if cold else ("warm",),
-                        compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio, auto_method=auto_method,
+                        compare_no_pipeline=compare_no_pipeline, auto_ratio=auto_ratio,
+                        auto_method=auto_method or BenchOptions.auto_method,
                         model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
                         knobs=knobs, store_url=store, versus=versus)
     console = output_console(140, stderr=json_out)   # --json: stdout holds the JSON alone
@@ -70,3 +72,20 @@ def bench_command(
     else:
         console.print(summary_table(df, f"TTFT vs full prefill — {label}", width=console.width))
     console.print("wrote " + ", ".join(str(p) for p in written), highlight=False, markup=False)
+
+
+def check_auto_method(auto_method: str | None, auto_ratio: bool) -> None:
+    """--auto-method names a method that takes a ratio, checked before any timing (it was built only after the
+    first length's set-up); beside --no-auto-ratio it would be unused: refused."""
+    from kvf.errors import KvfError
+    from kvf.pipeline.fusion.methods.base import METHODS, method_names
+    if auto_method is None:
+        return
+    if not auto_ratio:
+        raise KvfError(f"--auto-method {auto_method}: --no-auto-ratio times no method at the controller's ratio; "
+                       "leave one of them out")
+    if auto_method not in method_names():
+        raise KvfError(f"--auto-method {auto_method}: unknown method; known methods: {', '.join(method_names())}")
+    if not METHODS[auto_method].ratio_is_knob:
+        raise KvfError(f"--auto-method {auto_method}: it recomputes a fixed amount, so the controller's ratio would "
+                       "not reach it; pick a method with a ratio (kvf methods)")
