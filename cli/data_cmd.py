@@ -28,6 +28,7 @@ def prepare_command(
         "--skip-bad/--no-skip-bad", help="Skip records with no answers or no passages (with a warning) instead of failing.")] = False,
 ):
     """Convert a QA benchmark file (or your own questions) into a prepared directory (passages pooled once, stable ids)."""
+    check_prepare_flags(name, input_file, data_dir, corpus, skip_bad)
     if name == "custom":
         from kvf.errors import KvfError
         from kvf.pipeline.data.datasets import prepare_custom
@@ -43,6 +44,21 @@ def prepare_command(
             typer.echo(f"warning: {w.message}", err=True)
     typer.echo(f"{name}: {manifest['questions']} questions, {manifest['passages']} distinct passages "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
+
+
+def check_prepare_flags(name: str, input_file, data_dir, corpus, skip_bad: bool) -> None:
+    """Flags the chosen dataset does not use would be dropped without a word: refused."""
+    from kvf.errors import KvfError
+    if name == "custom":
+        unused = [("--data-dir", data_dir, "custom reads --input only"),
+                  ("--skip-bad", skip_bad or None, "custom refuses a bad line, naming it, instead of skipping it")]
+    else:
+        unused = [("--corpus", corpus, f"--corpus is for `custom`; {name}'s passages come with its questions"),
+                  ("--data-dir", data_dir if input_file is not None else None, "--input names the file")]
+    for flag, value, why in unused:
+        if value is not None:
+            given = flag if value is True else f"{flag} {value}"
+            raise KvfError(f"{given}: unused here ({why}); leave it out")
 
 
 @data_app.command("synthetic")
