@@ -61,16 +61,20 @@ def compare_command(
     ratio: Annotated[Optional[float], typer.Option("--ratio", "-r", help="Which ratio's records in both files, when they hold several.")] = None,
 ):
     """Per question: gold, A's and B's answers, full prefill's answer, and each one's scores."""
-    from kvf.eval.compare import comparison_table, one_group, per_question, select
+    from kvf.errors import KvfError
+    from kvf.eval.compare import comparison_table, one_group, per_question, run_names, select
     from kvf.eval.report import load_runs
     frames, loaded = [], []
     for path, selector, flag in ((run_a, a, "--a"), (run_b, b, "--b")):
         df = load_runs([path])
         loaded.append(df)
-        if method:
-            df = df[df.method == method]
-        if ratio is not None:
-            df = df[(df.ratio - ratio).abs() < 1e-9]
+        filters = ([(f"--method {method}", lambda d: d.method == method)] if method else []) + \
+                  ([(f"--ratio {ratio:g}", lambda d: (d.ratio - ratio).abs() < 1e-9)] if ratio is not None else [])
+        for given, keep in filters:
+            kept = df[keep(df)]
+            if kept.empty:   # say which flag matched nothing, not that the selector after it did
+                raise KvfError(f"{given}: no records in {path} match; the runs there are {', '.join(run_names(df)[:8])}")
+            df = kept
         if selector:
             frames.append(select(df, selector, flag))
         else:

@@ -132,6 +132,8 @@ CASES = {
                                        ["--a full@x", "must be a number"]),
     "compare --b no such run": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "--b", "cacheblend@0.15"],
                                 ["--b cacheblend@0.15", "no records match", "the runs there are full@1"]),
+    "compare -m matching nothing": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "-m", "cacheblnd"],
+                                    ["--method cacheblnd: no records in", "the runs there are full@1"]),
     "compare one file, two runs": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)),
                                                  t / "s.jsonl"], ["matches 2 runs", "pick one with --a"]),
     "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
