@@ -72,6 +72,8 @@ CASES = {
                                  ["--corpus", "unused here", "for `custom`"]),
     "prepare custom --skip-bad": (lambda d, t: ["data", "prepare", "custom", "--input", t / "c.jsonl", "--skip-bad", "--out", t / "p"],
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
+    "data synthetic --passages 1": (lambda d, t: ["data", "synthetic", "--passages", "1", "--out", t / "s"],
+                                    ["--passages 1: must be at least 2"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
     "run --limit -1": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "-1"), ["--limit"]),
     "run -m ,": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", ",", "-o", t / "o.jsonl"], ["--method"]),

@@ -142,8 +142,8 @@ def make_synthetic(out_dir: str | Path | None, n_questions: int = 20, passages_p
     if n_questions < 1:
         raise KvfError(f"--n must be at least 1 (got {n_questions})")
     if passages_per_question < 2:
-        raise KvfError(f"passages per question must be at least 2: a two-hop answer needs two "
-                       f"(got {passages_per_question})")
+        raise KvfError(f"--passages {passages_per_question}: must be at least 2 (passages per question: a two-hop "
+                       "answer needs two)")
     rng = random.Random(seed)
     names = NameMaker(rng)
     questions = [make_question(rng, names, f"syn{seed}-{i:04d}", passages_per_question)
