@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console, Group
@@ -12,12 +12,12 @@ from rich.table import Table
 from rich.text import Text
 
 
-def methods_command(only: Optional[list[str]] = typer.Argument(
-                        None, metavar="[METHOD]...", help="Show only these methods, each knob with its help, and the "
-                                                          "file that defines it."),
-                    names: bool = typer.Option(False, "--names", help="Print only the names, comma-separated."),
-                    json_out: bool = typer.Option(False, "--json", help="Print every method as JSON: its summary, "
-                                                  "ratio, stored variant, knobs with their defaults, build-time extras.")):
+def methods_command(only: Annotated[Optional[list[str]], typer.Argument(
+                        metavar="[METHOD]...", help="Show only these methods, each knob with its help, and the "
+                                                    "file that defines it.")] = None,
+                    names: Annotated[bool, typer.Option("--names", help="Print only the names, comma-separated.")] = False,
+                    json_out: Annotated[bool, typer.Option("--json", help="Print every method as JSON: its summary, "
+                                        "ratio, stored variant, knobs with their defaults, build-time extras.")] = False):
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
     from kvf.errors import KvfError
     from kvf.pipeline.fusion.methods.base import METHODS, method_names

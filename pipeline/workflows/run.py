@@ -92,7 +92,8 @@ def parse_ratios(text: str) -> list[float]:
         raise KvfError(f"--ratio {text}: expected numbers in [0, 1], e.g. 0.15 or 0,0.05,0.15") from None
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if not ratios or bad:
-        raise KvfError(f"--ratio {text!r}: every ratio must be within [0, 1], e.g. 0.15 or 0,0.05,0.15")
+        raise KvfError(f"--ratio {text if text.strip() else repr(text)}: every ratio must be within [0, 1], "
+                       "e.g. 0.15 or 0,0.05,0.15")
     return ratios
 
 
