@@ -13,7 +13,7 @@ from rich.text import Text
 
 
 def methods_command(only: Annotated[Optional[list[str]], typer.Argument(
-                        metavar="[METHOD]...", help="Show only these methods, each knob with its help, and the "
+                        metavar="METHOD", help="Show only these methods, each knob with its help, and the "
                                                     "file that defines it.")] = None,
                     names: Annotated[bool, typer.Option("--names", help="Print only the names, comma-separated.")] = False,
                     json_out: Annotated[bool, typer.Option("--json", help="Print every method as JSON: its summary, "
