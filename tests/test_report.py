@@ -721,3 +721,19 @@ def test_a_labelled_run_is_selected_as_tables_print_it():
     console = Console(width=200, record=True)
     console.print(comparison_table(table, "run.jsonl cacheblend@0.15 [big]", "run.jsonl full"))
     assert "run.jsonl cacheblend@0.15 [big] (A) vs run.jsonl full (B)" in console.export_text()   # markup ate "[big]"
+
+
+def test_a_progress_bar_shows_a_bracketed_name_as_it_is():
+    """Progress descriptions hold dataset and file names ("answering runs [v2]"); rich's default column read
+    "[v2]" as markup and dropped it."""
+    import io
+
+    from rich.console import Console
+
+    from kvf.pipeline.workflows.display import progress_bar
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    with progress_bar(console) as progress:
+        progress.add_task("answering mine [v2]", total=2, completed=1)
+        progress.refresh()
+    assert "answering mine [v2]" in out.getvalue()

@@ -96,7 +96,7 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
 
 
 def build_progress(console: Console) -> Progress:
-    return progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    return progress_bar(console, TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
 
 

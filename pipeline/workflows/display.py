@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
-from rich.progress import Progress, ProgressColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 
@@ -12,6 +12,10 @@ def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
     """A rich progress bar with `columns` (rich's defaults if none), gone once done: the summary tables
     keep the numbers. Off where nothing can draw it (output piped to a file or a CI log), where rich would
     only leave one empty line per bar."""
+    # rich's default columns, with the description as plain text: it holds dataset and file names, whose
+    # "[v2]" markup would swallow
+    columns = columns or (TextColumn("{task.description}", style="progress.description", markup=False), BarColumn(),
+                          TaskProgressColumn(), TimeRemainingColumn())
     return Progress(*columns, console=console, transient=True,
                     disable=not (console.is_terminal or console.is_jupyter))
 

@@ -599,7 +599,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
         stats = MethodStats()
-        with progress_bar(console, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        with progress_bar(console, TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
             task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
             progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))
