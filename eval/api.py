@@ -6,13 +6,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvf.errors import KvfError
 from kvf.eval.report import evaluate
 
 
 def evaluate_runs(run_files, out=None, complete_only: bool = False, exclude_questions=None) -> pd.DataFrame:
     """The summary `kvf eval` prints, as a DataFrame (its scored records in .attrs["records"]).
     With `out`, the tables and plots are written there too."""
-    files = [Path(run_files)] if isinstance(run_files, (str, Path)) else [Path(p) for p in run_files]
+    files = [run_files] if isinstance(run_files, (str, Path)) else run_files
+    if not isinstance(files, (list, tuple)) or not all(isinstance(f, (str, Path)) for f in files):
+        raise KvfError(f"run_files={run_files!r}: pass a run file's path, or a list of them (folders and globs too)")
+    files = [Path(f) for f in files]
     if out is not None:
         return evaluate(files, Path(out), complete_only, command="kvf.evaluate(...)", exclude_questions=exclude_questions)
     with tempfile.TemporaryDirectory(prefix="kvf-evaluate-") as tmp:

@@ -116,3 +116,10 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
     assert "answered question own_passages-1 (reuse) from other chunks than workspace" in err and "--overwrite" in err
     code, _, err = cli([*resume, "-m", "reuse"], capsys, monkeypatch)
     assert code == 0, err
+
+
+def test_evaluate_refuses_what_is_not_a_run_file_path():
+    """kvf.evaluate(5) raised "TypeError: 'int' object is not iterable"."""
+    for bad in (5, None, [3]):
+        with pytest.raises(kvf.KvfError, match=re.escape(f"run_files={bad!r}: pass a run file's path")):
+            kvf.evaluate(bad)
