@@ -123,3 +123,5 @@ def test_evaluate_refuses_what_is_not_a_run_file_path():
     for bad in (5, None, [3]):
         with pytest.raises(kvf.KvfError, match=re.escape(f"run_files={bad!r}: pass a run file's path")):
             kvf.evaluate(bad)
+    with pytest.raises(kvf.KvfError, match=re.escape("open_workspace(5): pass the workspace's folder")):
+        kvf.open_workspace(5)   # it raised a TypeError from pathlib

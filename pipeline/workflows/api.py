@@ -29,6 +29,8 @@ class WorkspaceSession:
     """kvf.open_workspace(path): `answer()` retrieves (or takes) chunks and fuses their stored KVs."""
 
     def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu"):
+        if not isinstance(path, (str, Path)):
+            raise KvfError(f"open_workspace({path!r}): pass the workspace's folder, e.g. open_workspace(\"workspace\")")
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
             raise KvfError(f"{ws.root}: no workspace there; build one with `kvf build-cache YOUR_DOCS -w {ws.root}`")
