@@ -271,6 +271,13 @@ def test_a_dataset_prepared_again_with_more_questions_is_chunked_again_into_its_
     out = io.StringIO()
     run(RunOptions(**{**opts.__dict__, "out": tmp_path / "c.jsonl"}), Console(file=out, width=300))
     assert "chunking and indexing" not in out.getvalue()                                  # up to date: used as it is
+    # a refresh stopped after the chunks were written but before the manifest caught up: the next run finishes it
+    manifest["indexes"]["bm25"] = "0" * 64
+    (ws / "manifest.json").write_text(json.dumps(manifest))
+    out = io.StringIO()
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "d.jsonl"}), Console(file=out, width=300))
+    assert f"workspace {ws} was left half updated" in out.getvalue()
+    assert json.loads((ws / "manifest.json").read_text())["indexes"]["bm25"] != "0" * 64
 
 
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "0.1,abc", ""])

@@ -423,7 +423,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     The dataset's own workspace that lacks passages its questions cite (`kvf data prepare` wrote a larger corpus
     into the directory since) is chunked and indexed again, in its own settings; stored KVs stay valid."""
     ws = workspace_path(default_workspace(opts))
-    if ws.manifest_path.is_file() and not outdated_dataset_workspace(opts, ws, questions):
+    if ws.manifest_path.is_file() and not why_outdated(opts, ws, questions):
         return ws
     if opts.dataset is None:
         raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
@@ -432,11 +432,10 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):
         previous = ws.manifest() if ws.manifest_path.is_file() else None
-        if previous is not None and not outdated_dataset_workspace(opts, ws, questions):
+        why = why_outdated(opts, ws, questions) if previous is not None else f"no workspace at {ws.root}"
+        if not why:
             return ws   # another run built it while this one waited
-        what = (f"no workspace at {ws.root}" if previous is None else
-                f"workspace {ws.root} lacks passages of {opts.dataset / 'corpus'} that its questions cite")
-        console.print(f"{what}: chunking and indexing {opts.dataset / 'corpus'} (KVs are computed as questions need "
+        console.print(f"{why}: chunking and indexing {opts.dataset / 'corpus'} (KVs are computed as questions need "
                       "them)", markup=False)
         previous = previous or {}
         kept = {name: previous[name] for name in ("chunk_tokens", "overlap", "dtype", "embedder", "n_neighbours", "format")
@@ -455,21 +454,28 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     return ws
 
 
-def outdated_dataset_workspace(opts: RunOptions, ws: Workspace, questions: list[Question]) -> bool:
-    """A prepared dataset's own workspace (DATASET/workspace, built from DATASET/corpus by the same model) that
-    has no chunks for passages its questions cite. A workspace built from another corpus, or with -w, is never
-    rebuilt here: ChunkPicker.check_questions refuses the question, naming the fix."""
+def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> str | None:
+    """Why a prepared dataset's own workspace (DATASET/workspace, built from DATASET/corpus by the same model)
+    must be chunked and indexed again, or None: it has no chunks for passages its questions cite, or a refresh
+    stopped before its indexes caught up with its chunks. A workspace built from another corpus, or with -w, is
+    never rebuilt here: ChunkPicker.check_questions and check_index_fresh refuse, naming the fix."""
     if opts.workspace is not None or opts.dataset is None:
-        return False
+        return None
     manifest = ws.manifest()
     built_from, corpus = Path(manifest.get("corpus") or ""), (opts.dataset / "corpus").resolve()
     # the manifest names the corpus as the building run was given it: relative to that run's directory
     if built_from.resolve() != corpus and built_from.parts[-2:] != corpus.parts[-2:]:
-        return False
+        return None
     if manifest.get("model_arg") != opts.model:
-        return False
+        return None
     cited = {pid for q in questions for pid in q.context_ids}
-    return bool(cited - ws.doc_chunks().keys())
+    if cited - ws.doc_chunks().keys():
+        return f"workspace {ws.root} lacks passages of {opts.dataset / 'corpus'} that its questions cite"
+    indexes = manifest.get("indexes") or {}
+    fresh = index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])
+    if any(indexes[name] not in (None, fresh[name]) for name in indexes if name in fresh):
+        return f"workspace {ws.root} was left half updated (its indexes predate its chunks)"
+    return None
 
 
 def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
