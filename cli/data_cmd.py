@@ -42,7 +42,8 @@ def prepare_command(
             manifest = prepare(name, path, out, skip_bad=skip_bad, limit=limit)
         for w in caught:
             typer.echo(f"warning: {w.message}", err=True)
-    typer.echo(f"{name}: {manifest['questions']} questions, {manifest['passages']} distinct passages "
+    short = f" (-n {limit} asked: that is all there are)" if limit is not None and manifest["questions"] < limit else ""
+    typer.echo(f"{name}: {manifest['questions']} questions{short}, {manifest['passages']} distinct passages "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
 
 
