@@ -37,7 +37,7 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
 
 
 def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) -> KVStore:
-    found = _detect(fs, root, path)
+    found = _detect(fs, root, path, create)
     created = found is None
     if found is None:
         if not create:
@@ -129,8 +129,9 @@ def _resolve(path: str):
     return FsspecFS(fs), root.rstrip("/")
 
 
-def _detect(fs, root: str, path: str) -> str | None:
-    """Which format lives at root; None if nothing does (missing or empty directory)."""
+def _detect(fs, root: str, path: str, create: bool = True) -> str | None:
+    """Which format lives at root; None if nothing does (missing or empty directory). create: whether the
+    caller would make a store there (the fix for a folder of other files differs)."""
     found = []
     for name, cls in FORMATS.items():
         try:
@@ -148,7 +149,9 @@ def _detect(fs, root: str, path: str) -> str | None:
     if found:
         return found[0]
     if fs.local and os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
-        raise KvfError(f"{path} exists and is not a kvf store; use another --store path (or an empty directory)")
+        fix = "use another --store path (or an empty directory)" if create else \
+            "pass a store (such as WORKSPACE/kv.zarr) or a workspace folder"
+        raise KvfError(f"{path} exists and is not a kvf store; {fix}")
     return None
 
 

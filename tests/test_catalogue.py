@@ -74,6 +74,8 @@ CASES = {
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
     "data synthetic --passages 1": (lambda d, t: ["data", "synthetic", "--passages", "1", "--out", t / "s"],
                                     ["--passages 1: must be at least 2"]),
+    "store info on a folder of documents": (lambda d, t: ["store", "info", d[0] / "corpus"],
+                                            ["exists and is not a kvf store", "pass a store (such as WORKSPACE/kv.zarr)"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
     "run --limit -1": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "-1"), ["--limit"]),
     "run -m ,": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", ",", "-o", t / "o.jsonl"], ["--method"]),
