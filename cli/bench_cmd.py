@@ -78,14 +78,13 @@ def check_auto_method(auto_method: str | None, auto_ratio: bool) -> None:
     """--auto-method names a method that takes a ratio, checked before any timing (it was built only after the
     first length's set-up); beside --no-auto-ratio it would be unused: refused."""
     from kvf.errors import KvfError
-    from kvf.pipeline.fusion.methods.base import METHODS, method_names
+    from kvf.pipeline.fusion.methods.base import METHODS, check_method_name
     if auto_method is None:
         return
     if not auto_ratio:
         raise KvfError(f"--auto-method {auto_method}: --no-auto-ratio times no method at the controller's ratio; "
                        "leave one of them out")
-    if auto_method not in method_names():
-        raise KvfError(f"--auto-method {auto_method}: unknown method; known methods: {', '.join(method_names())}")
+    check_method_name(auto_method, f"--auto-method {auto_method}")
     if not METHODS[auto_method].ratio_is_knob:
         raise KvfError(f"--auto-method {auto_method}: it recomputes a fixed amount, so the controller's ratio would "
                        "not reach it; pick a method with a ratio (kvf methods)")

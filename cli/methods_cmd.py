@@ -19,13 +19,11 @@ def methods_command(only: Annotated[Optional[list[str]], typer.Argument(
                     json_out: Annotated[bool, typer.Option("--json", help="Print every method as JSON: its summary, "
                                         "ratio, stored variant, knobs with their defaults, build-time extras.")] = False):
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
-    from kvf.errors import KvfError
-    from kvf.pipeline.fusion.methods.base import METHODS, method_names
+    from kvf.pipeline.fusion.methods.base import METHODS, check_method_name, method_names
     chosen = method_names()
     if only:
         for name in only:
-            if name not in chosen:
-                raise KvfError(f"kvf methods {name}: unknown method; known methods: {', '.join(chosen)}")
+            check_method_name(name, f"kvf methods {name}")
         chosen = list(dict.fromkeys(only))
     if names:
         print(",".join(chosen))

@@ -45,13 +45,11 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
     if where is not None:
         if store is not None or workspace is not None:
             raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
-        defaults = [Path(where) / name for name in ("kv.zarr", "kv.h5") if (Path(where) / name).exists()]
-        if (Path(where) / "manifest.json").is_file():
-            workspace = Path(where)
-        elif len(defaults) == 1:     # a workspace whose first build has not finished: no manifest yet
-            store = str(defaults[0])
-        else:
-            store = where
+        workspace = named_workspace(where, None)
+        if workspace is None:
+            defaults = [Path(where) / name for name in ("kv.zarr", "kv.h5") if (Path(where) / name).exists()]
+            # one default store inside: a workspace whose first build has not finished (no manifest yet)
+            store = str(defaults[0]) if len(defaults) == 1 else where
     if (store is None) == (workspace is None):
         raise KvfError("pass a store (kvf store info PATH, or --store PATH / URL) or --workspace DIR, one of them")
     if store is None:
@@ -59,6 +57,13 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         store = Workspace(workspace).store_location()
     use_s3_endpoint(endpoint, store)
     return store
+
+
+def named_workspace(where: str | None, workspace: Path | None) -> Path | None:
+    """The workspace the store was named through: --workspace, or a positional folder with a manifest."""
+    if workspace is not None:
+        return workspace
+    return Path(where) if where and (Path(where) / "manifest.json").is_file() else None
 
 
 @store_app.command()
@@ -118,5 +123,4 @@ def gc(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt =
     """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
     from kvf.pipeline.workflows.gc import collect
     location = resolve_store(store, workspace, s3_endpoint, where)
-    named_workspace = workspace or (Path(where) if where and (Path(where) / "manifest.json").is_file() else None)
-    collect(location, format, keep, keep_workspace, yes, console, named_workspace)
+    collect(location, format, keep, keep_workspace, yes, console, named_workspace(where, workspace))

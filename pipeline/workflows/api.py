@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import as_document_id
-from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
+from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
@@ -131,9 +131,7 @@ def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents
 
 def check_own_knobs(method: str, knobs: dict) -> None:
     """answer(**knobs): a knob the method does not take (a typo, another method's) is refused, not ignored."""
-    known = method_names()   # discovers the method files on first use
-    if method not in known:   # named as the notebook passed it (get_method's error names --method)
-        raise KvfError(f"method={method!r}: unknown method; known methods: {', '.join(known)}")
+    check_method_name(method, f"method={method!r}")   # named as the notebook passed it
     own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
     for name in knobs:
         if name not in own:

@@ -26,7 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.display import notice, progress_bar
+from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
 
@@ -96,7 +96,7 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
 
 
 def build_progress(console: Console) -> Progress:
-    return progress_bar(console, TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+    return progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
 
 

@@ -8,14 +8,16 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TaskProgressColum
 from rich.table import Table
 
 
+def description_column() -> TextColumn:
+    """A task's description as plain text: it holds dataset and file names, whose "[v2]" markup would swallow."""
+    return TextColumn("{task.description}", style="progress.description", markup=False)
+
+
 def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
-    """A rich progress bar with `columns` (rich's defaults if none), gone once done: the summary tables
-    keep the numbers. Off where nothing can draw it (output piped to a file or a CI log), where rich would
-    only leave one empty line per bar."""
-    # rich's default columns, with the description as plain text: it holds dataset and file names, whose
-    # "[v2]" markup would swallow
-    columns = columns or (TextColumn("{task.description}", style="progress.description", markup=False), BarColumn(),
-                          TaskProgressColumn(), TimeRemainingColumn())
+    """A rich progress bar with `columns` (rich's defaults if none, the description as plain text), gone once
+    done: the summary tables keep the numbers. Off where nothing can draw it (output piped to a file or a CI
+    log), where rich would only leave one empty line per bar."""
+    columns = columns or (description_column(), BarColumn(), TaskProgressColumn(), TimeRemainingColumn())
     return Progress(*columns, console=console, transient=True,
                     disable=not (console.is_terminal or console.is_jupyter))
 

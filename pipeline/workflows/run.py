@@ -30,7 +30,7 @@ from kvf.pipeline.retrieval.chunking import read_chunks_table
 from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
                                           open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
-from kvf.pipeline.workflows.display import notice, progress_bar
+from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
@@ -390,13 +390,20 @@ def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_
                            f"or leave the question out of {source.name}")
 
 
+def stale_indexes(ws: Workspace, manifest: dict) -> list[str]:
+    """The indexes the manifest says were built from another chunks table than the workspace's (an index
+    built before indexes recorded their chunk set is taken as fresh)."""
+    built_from = manifest.get("indexes") or {}
+    fresh = index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])
+    return [name for name, digest in built_from.items() if name in fresh and digest not in (None, fresh[name])]
+
+
 def check_index_fresh(ws: Workspace, retriever: str) -> None:
     """An index built from another chunks table (the corpus changed, then a --no-bm25 rebuild) is refused."""
     manifest = ws.manifest()
-    built_from = (manifest.get("indexes") or {}).get(retriever)
-    if built_from is None:
-        return  # built before indexes recorded their chunk set
-    if built_from != index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])[retriever]:
+    if (manifest.get("indexes") or {}).get(retriever) is None:
+        return  # built before indexes recorded their chunk set: nothing to compare (and no table to read)
+    if retriever in stale_indexes(ws, manifest):
         raise KvfError(f"the {retriever} index of workspace {ws.root} was built from another set of chunks (the corpus "
                        f"changed since); rebuild it with `kvf build-cache CORPUS --workspace {ws.root} --rebuild {retriever}`")
 
@@ -471,9 +478,7 @@ def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> 
     cited = {pid for q in questions for pid in q.context_ids}
     if cited - ws.doc_chunks().keys():
         return f"workspace {ws.root} lacks passages of {opts.dataset / 'corpus'} that its questions cite"
-    indexes = manifest.get("indexes") or {}
-    fresh = index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])
-    if any(indexes[name] not in (None, fresh[name]) for name in indexes if name in fresh):
+    if stale_indexes(ws, manifest):
         return f"workspace {ws.root} was left half updated (its indexes predate its chunks)"
     return None
 
@@ -605,7 +610,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
         stats = MethodStats()
-        with progress_bar(console, TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
             task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
             progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))

@@ -244,11 +244,17 @@ def method_names() -> list[str]:
     return sorted(discover())
 
 
+def check_method_name(name: str, given: str | None = None) -> None:
+    """An unknown method is one line naming it as it was given (`given`, e.g. "--auto-method x" or "method='x'";
+    default "--method NAME") and listing the known ones."""
+    known = method_names()
+    if name not in known:
+        raise KvfError(f"{given or f'--method {name}'}: unknown method; known methods: {', '.join(known)}")
+
+
 def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
     """A method by name, at a ratio (None: its default) with its knobs."""
-    discover()
-    if name not in METHODS:
-        raise KvfError(f"--method {name}: unknown method; known methods: {', '.join(method_names())}")
+    check_method_name(name)
     return METHODS[name](recompute_ratio, **knob_values)
 
 
