@@ -209,12 +209,13 @@ class KVStore:
 
     # ------------------------------------------------------------------ maintenance
 
-    def info(self) -> dict:
-        """Entries, tokens, bytes on disk (apparent file sizes), bytes per token and its overhead, variants."""
+    def info(self, track=lambda keys: keys) -> dict:
+        """Entries, tokens, bytes on disk (apparent file sizes), bytes per token and its overhead, variants.
+        track: wraps the list of keys, as a progress bar does (each entry's header is one read, on S3 a request)."""
         entries = tokens = disk = payload = 0
         variants: dict[str, int] = {}
         unreadable = 0
-        for key in self._committed_keys():
+        for key in track(sorted(self._committed_keys())):
             try:
                 h = self._header(key, cache=False)
             except KvfError:
@@ -243,13 +244,14 @@ class KVStore:
         """Bytes on disk per stored token (data plus all metadata)."""
         return self.info()["bytes_per_token"]
 
-    def verify(self) -> list[tuple[str, str]]:
+    def verify(self, track=lambda keys: keys) -> list[tuple[str, str]]:
         """Re-read every entry and check every checksum and its identity (the key and shape its header
-        names). Returns [(key, problem)] for the bad ones, entry directories without metadata included."""
+        names). Returns [(key, problem)] for the bad ones, entry directories without metadata included.
+        track: wraps the list of keys, as a progress bar does (a large store takes minutes to re-read)."""
         problems = [(name, "entry directory without its metadata (an interrupted copy or write): "
                            "`kvf build-cache` rebuilds the entry, `kvf store gc --yes` removes it")
                     for name in self._unfinished_entries()]
-        for key in self.keys():
+        for key in track(self.keys()):
             self._forget(key)  # verify what is on disk now, not a cached header
             try:
                 header = self._header(key, cache=False)

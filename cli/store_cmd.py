@@ -71,8 +71,11 @@ def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt
          json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False,
          s3_endpoint: EndpointOpt = None):
     """Entries, tokens, bytes on disk and per token, variants, and the store's identity."""
+    from kvf.pipeline.workflows.display import progress_bar
     location = resolve_store(store, workspace, s3_endpoint, where)
-    i = open_store(location, format, readonly=True).info()
+    s = open_store(location, format, readonly=True)
+    with progress_bar(Console(stderr=True)) as progress:   # stderr: --json output stays clean
+        i = s.info(track=lambda keys: progress.track(keys, description="read entry headers"))
     if json_out:
         print(json.dumps(i, default=str))
         return
@@ -99,9 +102,11 @@ def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceO
            s3_endpoint: EndpointOpt = None):
     """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
     location = resolve_store(store, workspace, s3_endpoint, where)
+    from kvf.pipeline.workflows.display import progress_bar
     s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
-    bad = s.verify()
+    with progress_bar(console) as progress:
+        bad = s.verify(track=lambda keys: progress.track(keys, description="verify entries"))
     for key, problem in bad:
         console.print(f"[red]BAD[/red] {escape(key)}: {escape(problem)}", soft_wrap=True)  # problems are free text
         if delete_bad:

@@ -160,6 +160,24 @@ def test_compressed_round_trip_and_corruption(tmp_path, fmt, compressor):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_and_info_report_every_entry_they_read_to_their_progress(tmp_path, fmt):
+    """`kvf store verify` and `info` draw their progress bars from `track`: it sees every committed key, once."""
+    store = new_store(tmp_path, fmt)
+    for i in range(3):
+        store.put(key_of(i), rand_kv(seed=i))
+    seen = []
+
+    def track(keys):
+        for key in keys:
+            seen.append(key)
+            yield key
+
+    assert store.verify(track=track) == [] and seen == store.keys() and len(seen) == 3
+    seen.clear()
+    assert store.info(track=track)["entries"] == 3 and seen == store.keys()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_extras_attrs_and_info(tmp_path, fmt):
     store = new_store(tmp_path, fmt)
     extras = {"inter_attn": torch.rand(5, dtype=torch.bfloat16), "count": np.int64(7),
