@@ -4,8 +4,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
 from kvf.cli.options import command_group
+from kvf.pipeline.workflows.display import progress_bar
 from kvf.pipeline.data.datasets import ACCEPTED_FORMATS, find_dataset_file, prepare
 from kvf.pipeline.data.synthetic import make_synthetic
 
@@ -70,7 +72,9 @@ def synthetic_command(
     seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives the same corpus.")] = 0,
 ):
     """Generate a small synthetic two-hop corpus (fictional entities) that needs no data directory."""
-    questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed)
+    with progress_bar(Console(stderr=True)) as progress:
+        questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed,
+                                   track=lambda items, total: progress.track(items, total, description="synthetic"))
     typer.echo(f"synthetic: {len(questions)} questions, {len(questions) * passages} passages (seed {seed}) -> {out}")
 
 
@@ -89,6 +93,8 @@ def ruler_command(
     from kvf.pipeline.workflows.weights import open_model
     names = list(TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
     model_ref = open_model(model)
-    questions = make_ruler(out, model_ref.tokenizer, names, length, n, seed, chunk_tokens,
-                           model_ref.config.max_position_embeddings)
+    with progress_bar(Console(stderr=True)) as progress:
+        questions = make_ruler(out, model_ref.tokenizer, names, length, n, seed, chunk_tokens,
+                               model_ref.config.max_position_embeddings,
+                               track=lambda samples, total: progress.track(samples, total, description=f"ruler-{length}"))
     typer.echo(f"ruler-{length}: {len(questions)} samples ({n} per task: {', '.join(names)}; seed {seed}) -> {out}")

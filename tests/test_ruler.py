@@ -63,3 +63,18 @@ def test_the_prepared_directory_records_the_seed(tokenizer, tmp_path):
     assert manifest["seed"] == 3 and manifest["dataset"] == "ruler-1024"
     row = json.loads((tmp_path / "r" / "questions.jsonl").read_text().splitlines()[0])
     assert row["id"] == "niah_single-1024-s3-000"
+
+
+def test_progress_sees_every_sample_as_it_is_made(tokenizer):
+    """`kvf data ruler` draws its progress bar from `track`: told the total up front, then each sample."""
+    calls = []
+
+    def track(samples, total):
+        calls.append(total)
+        for sample in samples:
+            calls.append(sample.qid)
+            yield sample
+
+    made = make_ruler(None, tokenizer, ["niah_single", "vt"], LENGTH, 2, 0, CHUNK, track=track)
+    assert calls == [4, *[q.qid for q in made]] and len(made) == 4
+    assert [q.qid for q in made] == [q.qid for q in suite(tokenizer, tasks=("niah_single", "vt"))]

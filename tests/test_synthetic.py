@@ -62,3 +62,40 @@ def test_bad_arguments():
         make_synthetic(None, passages_per_question=1)
     with pytest.raises(KvfError, match="at least 1"):
         make_synthetic(None, n_questions=0)
+
+
+def test_names_never_run_out(monkeypatch):
+    """With one syllable to draw from there is one two-syllable river name; the next ones must grow a
+    syllable (a large -n used to loop forever once every stem was taken), and stay unique."""
+    import random
+    import signal
+    from kvf.pipeline.data import synthetic
+
+    monkeypatch.setattr(synthetic, "ONSETS", ["b"])
+    monkeypatch.setattr(synthetic, "VOWELS", ["a"])
+    monkeypatch.setattr(synthetic, "CODAS", ["n"])
+
+    def hung(*_):
+        raise AssertionError("NameMaker.new never returned: the names ran out")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        names = synthetic.NameMaker(random.Random(0))
+        rivers = [names.new("river") for _ in range(3)]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert rivers == ["Banban", "Banbanban", "Banbanbanban"]
+
+
+def test_progress_sees_every_question():
+    totals, seen = [], []
+
+    def track(items, total):
+        totals.append(total)
+        for i in items:
+            seen.append(i)
+            yield i
+
+    assert len(make_synthetic(None, 3, track=track)) == 3 and totals == [3] and seen == [0, 1, 2]

@@ -235,10 +235,22 @@ def sample_id(task: str, length: int, seed: int, i: int) -> str:
 
 
 def make_ruler(out_dir: str | Path | None, tokenizer, tasks: list[str], length: int, n: int, seed: int = 0,
-               chunk_tokens: int = 256, max_positions: int = 8192) -> list[Question]:
-    """Generate n samples per task at `length` tokens; write a prepared directory unless out_dir is None."""
+               chunk_tokens: int = 256, max_positions: int = 8192,
+               track=lambda samples, total: samples) -> list[Question]:
+    """Generate n samples per task at `length` tokens; write a prepared directory unless out_dir is None.
+    track: wraps the samples as they are made, as a progress bar does (fwe's word lists take a second each)."""
     k = check_args(tasks, length, n, chunk_tokens, max_positions)
-    questions = []
+    questions = list(track(generate(tokenizer, tasks, n, seed, chunk_tokens, k, length), len(tasks) * n))
+    if out_dir is not None:
+        manifest = {"dataset": f"ruler-{length}", "source": "kvf.pipeline.data.ruler", "format": "ruler", "seed": seed,
+                    "tasks": tasks, "length": length, "chunk_tokens": chunk_tokens, "chunks_per_sample": k,
+                    "samples_per_task": n, "skipped": 0}
+        write_prepared(questions, out_dir, manifest)
+    return questions
+
+
+def generate(tokenizer, tasks: list[str], n: int, seed: int, chunk_tokens: int, k: int, length: int):
+    """n samples of k passages per task, one Question at a time, deterministic by seed."""
     pool_rng = random.Random(f"ruler-pool-{seed}")
     writer = Writer(tokenizer, chunk_tokens, pool_rng, NameMaker(pool_rng))
     pool = filler_pool(writer, max(2 * k, 24))
@@ -249,11 +261,5 @@ def make_ruler(out_dir: str | Path | None, tokenizer, tasks: list[str], length: 
         for i in range(n):
             sample = TASKS[task](writer, pool, k)
             passages = [Passage("", text) for text in sample.passages]
-            questions.append(Question(sample_id(task, length, seed, i), sample.question, sample.answers, passages,
-                                      gold_mode=sample.gold_mode, task=task, fact_chunks=sample.fact_chunks))
-    if out_dir is not None:
-        manifest = {"dataset": f"ruler-{length}", "source": "kvf.pipeline.data.ruler", "format": "ruler", "seed": seed,
-                    "tasks": tasks, "length": length, "chunk_tokens": chunk_tokens, "chunks_per_sample": k,
-                    "samples_per_task": n, "skipped": 0}
-        write_prepared(questions, out_dir, manifest)
-    return questions
+            yield Question(sample_id(task, length, seed, i), sample.question, sample.answers, passages,
+                           gold_mode=sample.gold_mode, task=task, fact_chunks=sample.fact_chunks)

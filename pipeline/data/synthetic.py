@@ -8,6 +8,7 @@ distractor passages built the same way. All names are invented and unique as wor
 answer occurs in chunk B only and no filler sentence contradicts a question's facts.
 Deterministic for a given seed (one random.Random, no set-order dependence).
 """
+import itertools
 import random
 from pathlib import Path
 
@@ -20,6 +21,7 @@ VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou", "y"]
 CODAS = ["", "", "", "n", "r", "l", "s", "th", "ck", "m"]
 CITY_SUFFIXES = ["marsh", "ford", "holm", "vale", "mere", "wick", "stead", "haven", "port", "moor"]
 PROVINCE_SUFFIXES = ["an", "ia", "or", "ene", "oth"]
+TRIES_PER_SYLLABLE = 8   # collisions in a row before a name's stems grow a syllable
 COMPANY_KINDS = ["Industries", "Works", "Trading", "Foundry", "Laboratories", "Shipping"]
 JOBS = ["an engineer", "an accountant", "a chemist", "a translator", "a designer", "a surveyor"]
 SUBJECTS = ["astronomy", "botany", "law", "music", "geology", "medicine", "history", "mathematics"]
@@ -72,23 +74,27 @@ class NameMaker:
         return "".join(self.rng.choice(ONSETS) + self.rng.choice(VOWELS) + self.rng.choice(CODAS)
                        for _ in range(syllables))
 
-    def _make(self, kind: str) -> str:
+    def _make(self, kind: str, extra_syllables: int = 0) -> str:
         r = self.rng
+        stem = lambda syllables: self._stem(syllables + extra_syllables)
         if kind == "person":
-            return f"{self._stem(2).capitalize()} {self._stem(r.choice([2, 2, 3])).capitalize()}"
+            return f"{stem(2).capitalize()} {stem(r.choice([2, 2, 3])).capitalize()}"
         if kind == "city":
-            return (self._stem(r.randint(1, 2)) + r.choice(CITY_SUFFIXES)).capitalize()
+            return (stem(r.randint(1, 2)) + r.choice(CITY_SUFFIXES)).capitalize()
         if kind == "province":
-            return (self._stem(2) + r.choice(PROVINCE_SUFFIXES)).capitalize()
+            return (stem(2) + r.choice(PROVINCE_SUFFIXES)).capitalize()
         if kind == "company":
-            return f"{self._stem(2).capitalize()} {r.choice(COMPANY_KINDS)}"
+            return f"{stem(2).capitalize()} {r.choice(COMPANY_KINDS)}"
         if kind == "river":
-            return self._stem(2).capitalize()
+            return stem(2).capitalize()
         raise ValueError(kind)
 
     def new(self, kind: str) -> str:
-        while True:
-            name = self._make(kind)
+        for tries in itertools.count():
+            # names run out: every kind draws from the same few million two-syllable stems. Once a draw
+            # keeps colliding its stems grow a syllable, so -n 60000 takes minutes instead of never ending
+            # (below ~500 questions no draw collides that often: the corpora kvf's runs use are unchanged)
+            name = self._make(kind, extra_syllables=tries // TRIES_PER_SYLLABLE)
             # company kinds ("Works") repeat by design; every other word must be fresh
             words = [w for w in name.split() if w not in COMPANY_KINDS]
             if not any(w.lower() in self.used_words for w in words):
@@ -137,8 +143,9 @@ def make_question(rng: random.Random, names: NameMaker, qid: str, passages_per_q
 
 
 def make_synthetic(out_dir: str | Path | None, n_questions: int = 20, passages_per_question: int = 4,
-                   seed: int = 0) -> list[Question]:
-    """Generate the corpus; write it as a prepared directory (unless out_dir is None) and return it."""
+                   seed: int = 0, track=lambda items, total: items) -> list[Question]:
+    """Generate the corpus; write it as a prepared directory (unless out_dir is None) and return it.
+    track: wraps the question numbers, as a progress bar does (a thousand questions take a second)."""
     if n_questions < 1:
         raise KvfError(f"--n must be at least 1 (got {n_questions})")
     if passages_per_question < 2:
@@ -147,7 +154,7 @@ def make_synthetic(out_dir: str | Path | None, n_questions: int = 20, passages_p
     rng = random.Random(seed)
     names = NameMaker(rng)
     questions = [make_question(rng, names, f"syn{seed}-{i:04d}", passages_per_question)
-                 for i in range(n_questions)]
+                 for i in track(range(n_questions), n_questions)]
     if out_dir is not None:
         manifest = {"dataset": "synthetic", "source": "kvf.pipeline.data.synthetic", "format": "synthetic",
                     "seed": seed, "passages_per_question": passages_per_question, "skipped": 0}
