@@ -62,12 +62,10 @@ class Writer:
     def __init__(self, tokenizer, chunk_tokens: int, rng: random.Random, names: NameMaker):
         self.tokenizer, self.rng, self.names = tokenizer, rng, names
         self.budget = chunk_tokens - 2  # room for a stray merge at the joins
-        self._sizes: dict[str, int] = {}
 
     def tokens(self, text: str) -> int:
-        if text not in self._sizes:
-            self._sizes[text] = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self._sizes[text]
+        # not memoised: nearly every text measured is new (a passage growing by a sentence or a word)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def filler(self) -> str:
         return filler_sentence(self.rng, self.names)[0]
