@@ -737,3 +737,23 @@ def test_a_progress_bar_shows_a_bracketed_name_as_it_is():
         progress.add_task("answering mine [v2]", total=2, completed=1)
         progress.refresh()
     assert "answering mine [v2]" in out.getvalue()
+
+
+def test_a_progress_bar_that_advances_in_slices_half_a_minute_apart_shows_an_eta():
+    """The dense index advances 1,024 chunks at a time, ~35 s apart on this CPU: with rich's 30 s speed
+    window its ETA read -:--:-- for the whole stage."""
+    import io
+
+    from rich.console import Console
+
+    from kvf.pipeline.workflows.display import progress_bar
+    console = Console(file=io.StringIO(), force_terminal=True, width=100, color_system=None)
+    clock = [0.0]
+    with progress_bar(console) as progress:
+        progress.get_time = lambda: clock[0]
+        task = progress.add_task("dense index", total=8192)
+        for _ in range(2):
+            clock[0] += 35.0
+            progress.advance(task, 1024)
+        remaining = progress.tasks[0].time_remaining
+    assert remaining is not None and remaining == pytest.approx(35.0 * 6, rel=0.01)
