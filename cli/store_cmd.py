@@ -47,16 +47,22 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
             raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
         workspace = named_workspace(where, None)
         if workspace is None:
-            defaults = [Path(where) / name for name in ("kv.zarr", "kv.h5") if (Path(where) / name).exists()]
-            # one default store inside: a workspace whose first build has not finished (no manifest yet)
-            store = str(defaults[0]) if len(defaults) == 1 else where
+            store = unfinished_workspace_store(Path(where)) or where
     if (store is None) == (workspace is None):
         raise KvfError("pass a store (kvf store info PATH, or --store PATH / URL) or --workspace DIR, one of them")
+    if store is None and not (workspace / "manifest.json").is_file():
+        store = unfinished_workspace_store(workspace)
     if store is None:
         from kvf.pipeline.workflows.workspace import Workspace
         store = Workspace(workspace).store_location()
     use_s3_endpoint(endpoint, store)
     return store
+
+
+def unfinished_workspace_store(folder: Path) -> str | None:
+    """The one default store inside a folder without a manifest: a workspace whose first build has not finished."""
+    defaults = [folder / name for name in ("kv.zarr", "kv.h5") if (folder / name).exists()]
+    return str(defaults[0]) if len(defaults) == 1 else None
 
 
 def named_workspace(where: str | None, workspace: Path | None) -> Path | None:

@@ -479,11 +479,35 @@ def test_store_commands_take_the_store_or_workspace_as_an_argument(built, tmp_pa
     (unfinished / "kv.zarr").symlink_to(ws / "kv.zarr")
     code, out, _ = run_cli(["store", "verify", unfinished], capsys, monkeypatch)
     assert code == 0 and "entries OK in" in out and str(unfinished / "kv.zarr") in out
+    code, out, _ = run_cli(["store", "verify", "-w", unfinished], capsys, monkeypatch)   # -w means the same
+    assert code == 0 and str(unfinished / "kv.zarr") in out
     code, out, _ = run_cli(["store", "gc", ws / "kv.zarr"], capsys, monkeypatch)
     assert code == 0 and "would remove 0 temp" in out
     assert_one_line(*run_cli(["store", "info", ws, "--store", ws / "kv.zarr"], capsys, monkeypatch)[::2],
                     "name the store once")
     assert_one_line(*run_cli(["store", "info", built / "data"], capsys, monkeypatch)[::2], "is not a kvf store")
+
+
+def test_a_workspace_whose_first_build_was_stopped_says_to_finish_it(ws_copy, tmp_path, capsys, monkeypatch):
+    """No manifest is written until a build's last stage ends: a first build stopped in its KV stage (an hour
+    in, on a large corpus) left chunks, indexes and entries, and `kvf run` said "no workspace there; build one"."""
+    import kvf
+    data, ws = ws_copy
+    (ws / "manifest.json").unlink()
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "Who founded the company?"}) + "\n")
+
+    def run_on(workspace):
+        return run_cli(["run", "-q", questions, "-w", workspace, "-m", "reuse", "--max-new-tokens", "2",
+                        "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)[::2]
+
+    assert_one_line(*run_on(ws), f"--workspace {ws}: its first build-cache has not finished",
+                    "re-run the same `kvf build-cache CORPUS -w", "resumes where it stopped")
+    with pytest.raises(kvf.KvfError, match="has not finished.*resumes where it stopped"):
+        kvf.open_workspace(ws)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line(*run_on(empty), "no workspace there; build one first")
 
 
 def test_an_entry_directory_without_metadata_is_reported_and_rebuilt(ws_copy, capsys, monkeypatch):

@@ -33,7 +33,7 @@ class WorkspaceSession:
             raise KvfError(f"open_workspace({path!r}): pass the workspace's folder, e.g. open_workspace(\"workspace\")")
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
-            raise KvfError(f"{ws.root}: no workspace there; build one with `kvf build-cache YOUR_DOCS -w {ws.root}`")
+            raise ws.not_built(named="")
         self.session = Session(ws, model, device)
         self._searchers: dict[str, object] = {}
 

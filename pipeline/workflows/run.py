@@ -433,8 +433,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     if ws.manifest_path.is_file() and not why_outdated(opts, ws, questions):
         return ws
     if opts.dataset is None:
-        raise KvfError(f"--workspace {ws.root}: no workspace there; build one first with "
-                       f"`kvf build-cache YOUR_DOCS -w {ws.root}`")
+        raise ws.not_built()
     # a read-only copy of the data cannot hold its default workspace: name the flag that moves it
     check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
     with ws.files_lock(notice(console)):

@@ -92,10 +92,18 @@ class Workspace:
             fmt = "hdf5"
         return str(self.root / ("kv.h5" if fmt == "hdf5" else "kv.zarr"))
 
+    def not_built(self, named: str = "--workspace ") -> KvfError:
+        """The error for a folder without a manifest: none is written until a build's last stage ends, so a
+        first build stopped midway (chunks and indexes there) is told apart from no build at all."""
+        if self.chunks_path.is_file():
+            return KvfError(f"{named}{self.root}: its first build-cache has not finished (no manifest.json yet); re-run "
+                            f"the same `kvf build-cache CORPUS -w {self.root}` to finish it: it resumes where it stopped")
+        return KvfError(f"{named}{self.root}: no workspace there; build one first with "
+                        f"`kvf build-cache YOUR_DOCS -w {self.root}`")
+
     def manifest(self) -> dict:
         if not self.manifest_path.is_file():
-            raise KvfError(f"--workspace {self.root}: no manifest.json; build it first with `kvf build-cache CORPUS "
-                           f"--workspace {self.root}`")
+            raise self.not_built()
         manifest = self._read_json(self.manifest_path)
         if not isinstance(manifest, dict):
             raise self.damaged(self.manifest_path)
