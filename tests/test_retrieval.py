@@ -281,5 +281,9 @@ def test_an_interrupted_dense_build_resumes_and_a_later_one_embeds_only_new_chun
     saved[3] = 7.0
     np.save(dense / "embeddings.npy", saved)
     assert set(known_embeddings(dense, embedder.name, embedder.dim)) == set(more_ids) - {more_ids[3]}
+    (dense / "embeddings.npy").write_bytes(b"")                      # unreadable files: embedded again
+    checkpoint_dir(dense).mkdir()
+    (checkpoint_dir(dense) / "slice-0.npz").write_bytes(b"PK\x03\x04 cut short")
+    assert known_embeddings(dense, embedder.name, embedder.dim) == {}
     assert known_embeddings(dense, "another-embedder", embedder.dim) == {}
     assert known_embeddings(dense, embedder.name, embedder.dim, from_index=False) == {}

@@ -2,6 +2,7 @@
 import hashlib
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,9 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
 
 
 # ---- what a later build need not embed again ----------------------------------------------------
+UNREADABLE = (OSError, ValueError, EOFError, KeyError, UnicodeDecodeError, zipfile.BadZipFile)   # a damaged .npy, .npz or json
+
+
 def checkpoint_dir(index_dir: str | Path) -> Path:
     """Where the slices of a dense build in progress wait (beside the index, hidden)."""
     index_dir = Path(index_dir)
@@ -144,14 +148,14 @@ def known_embeddings(index_dir: str | Path, embedder_name: str, dim: int, from_i
             ids = json.loads((index_dir / IDS_FILE).read_text())
             if meta.get("embedder") == embedder_name and vectors.shape == (len(ids), dim):
                 known.update(unit_rows(ids, vectors))
-        except (OSError, ValueError, UnicodeDecodeError):
+        except UNREADABLE:
             pass
     for path in sorted(checkpoint_dir(index_dir).glob("slice-*.npz")):
         try:
             with np.load(path) as part:
                 if str(part["embedder"]) == embedder_name and part["vectors"].shape == (len(part["chunk_ids"]), dim):
                     known.update(unit_rows(part["chunk_ids"].tolist(), part["vectors"]))
-        except (OSError, ValueError, KeyError):
+        except UNREADABLE:
             pass
     return known
 
