@@ -14,6 +14,7 @@ from rich.text import Text
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
 from kvf.cli.options import command_group
+from kvf.pipeline.workflows.display import progress_bar
 
 store_app = command_group("Inspect and maintain a chunk KV store (info, verify, gc).")
 console = Console()
@@ -77,7 +78,6 @@ def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt
          json_out: Annotated[bool, typer.Option("--json", help="Print the information as JSON.")] = False,
          s3_endpoint: EndpointOpt = None):
     """Entries, tokens, bytes on disk and per token, variants, and the store's identity."""
-    from kvf.pipeline.workflows.display import progress_bar
     location = resolve_store(store, workspace, s3_endpoint, where)
     s = open_store(location, format, readonly=True)
     with progress_bar(Console(stderr=True)) as progress:   # stderr: --json output stays clean
@@ -108,7 +108,6 @@ def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceO
            s3_endpoint: EndpointOpt = None):
     """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
     location = resolve_store(store, workspace, s3_endpoint, where)
-    from kvf.pipeline.workflows.display import progress_bar
     s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
     with progress_bar(console) as progress:
