@@ -65,6 +65,13 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer(question, **bad)
+    # a knob's error named its CLI flag ("--check-layer '2': expected int"); from Python it names the argument
+    for bad, said in (({"check_layer": "2"}, "check_layer='2': expected int"),
+                      ({"check_layer": 99}, "check_layer=99: the model has 30 layers; use 1..29"),
+                      ({"deviation": "q"}, "deviation='q': must be one of k, v"),
+                      ({"gradual": "yes"}, "gradual='yes': expected bool")):
+        with pytest.raises(kvf.KvfError, match="^" + re.escape(said)):
+            ws.answer("q", method="cacheblend", documents=[first_doc], **bad)
     for args, said in ((("capital", "3"), "top_k='3': must be an integer"), (("capital", 0), "top_k=0: retrieve at least"),
                        ((None,), "question=None: pass the question")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):

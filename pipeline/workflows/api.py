@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
-from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
+from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS
@@ -70,11 +71,12 @@ class WorkspaceSession:
                                    f"leave {name} out, or documents out to retrieve")
         top_k, retriever = top_k or DEFAULT_TOP_K, retriever or DEFAULT_RETRIEVER
         check_own_knobs(method, knobs)
-        fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
+        with knobs_named_as_arguments(knobs):
+            fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
+            fusion.check_model(s.n_layers)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
             raise KvfError(f"ratio={ratio:g}: {method} always recomputes {fusion.recompute_ratio:g} of the chunk "
                            "tokens; leave ratio out, or pick a method with a ratio (kvf methods)")
-        fusion.check_model(s.n_layers)
         if documents is not None:
             if not documents:   # an empty list would answer with no context at all
                 raise KvfError("documents=[]: name at least one document id, or leave documents out to retrieve")
@@ -127,6 +129,21 @@ def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
     check_argument("max_new_tokens", max_new_tokens, int, low=0, why="must be >= 0 (0: the first token's work only)")
+
+
+@contextmanager
+def knobs_named_as_arguments(knobs: dict):
+    """A method checks its knobs as the CLI names them ("--check-layer 99: the model has 30 layers"); from
+    Python the knob was an argument: the same line, naming it check_layer=99."""
+    try:
+        yield
+    except KvfError as e:
+        message = str(e)
+        for name, value in knobs.items():
+            flag = flag_name(name)
+            if message.startswith((flag + " ", flag + ":")) and ": " in message:
+                raise KvfError(f"{name}={value!r}: {message.split(': ', 1)[1]}") from None
+        raise
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:
