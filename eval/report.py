@@ -535,7 +535,10 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
     runs = "" if df is None else "Runs:\n\n" + runs_markdown(df) + "\nSummary:\n\n"
     body = (header + runs + summary_markdown(summary)
             + "\n`vs_full` / `vs_reuse`: mean paired difference in the dataset's primary metric (`metric`), with its "
-              "95% paired bootstrap interval over the questions both answered.\n"
+              "95% paired bootstrap interval over the questions both answered. `fidelity_f1`: answer F1 against full "
+              "prefill's answer to the same question. `kl_full` / `top1_agree`: KL divergence of the first-token "
+              "distribution from full prefill's, and the share of first tokens equal to full's; recorded only by "
+              "`kvf run --compare-full` (`-` without it).\n"
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
             + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n" if best else ""))
     if df is not None:

@@ -102,6 +102,7 @@ def test_every_row_carries_paired_intervals_to_full_and_reuse(runs, tmp_path):
     assert "significantly above reuse: none" in md
     assert f"{blend.vs_full:+.3f} [{blend.vs_full_low:+.3f}, {blend.vs_full_high:+.3f}]" in md
     assert "Made by `kvf eval` at commit" in md                      # results files say what made them
+    assert "recorded only by `kvf run --compare-full` (`-` without it)" in md   # why kl_full / top1_agree read "-"
 
 
 def test_record_order_in_the_run_files_changes_no_number(runs, tmp_path):
