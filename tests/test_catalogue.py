@@ -152,6 +152,8 @@ CASES = {
     "bench --repeats 0": (lambda d, t: ["bench", "--repeats", "0"], ["--repeats"]),
     "bench --lengths past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "full", "--lengths", "20000",
                                                      "-o", t / "b"], ["--lengths 20000", "4,096 positions", "up to 4,096"]),
+    "bench --check-layer past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "cacheblend:check_layer=9",
+                                                         "--lengths", "512", "-o", t / "b"], ["--check-layer 9", "layers; use 1.."]),
     "bench --device cuda": (lambda d, t: ["bench", "--device", "cuda"], ["--device cuda"]),
     "bench -m unknown knob": (lambda d, t: ["bench", "-m", "full,kvfuse:nope=1"], ["--method kvfuse:nope=1", "no knob"]),
     "bench -m bad knob value": (lambda d, t: ["bench", "-m", "kvfuse:propagate=sideways"], ["propagate"]),

@@ -495,6 +495,9 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
     check_lengths(opts.lengths, transformer.max_positions)
+    # knobs that depend on the model (cacheblend's --check-layer): out of range, a method would time other work
+    for method, _ in planned + ([(build_method(opts.auto_method, 0.15, opts.knobs), None)] if opts.auto_ratio else []):
+        method.check_model(transformer.n_layers)
     with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
         rows = measure(opts, FusionEngine(transformer), tokenizer, planned, workdir, console)
     df = add_ratios(pd.DataFrame(rows))
