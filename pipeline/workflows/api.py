@@ -9,7 +9,7 @@ from pathlib import Path
 from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
-from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name
+from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, KnobError
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS
@@ -133,17 +133,14 @@ def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents
 
 @contextmanager
 def knobs_named_as_arguments(knobs: dict):
-    """A method checks its knobs as the CLI names them ("--check-layer 99: the model has 30 layers"); from
-    Python the knob was an argument: the same line, naming it check_layer=99."""
+    """A method refuses a knob naming its CLI flag (--check-layer 99: the model has 30 layers); from Python the
+    knob was an argument: the same line, naming it check_layer=99."""
     try:
         yield
-    except KvfError as e:
-        message = str(e)
-        for name, value in knobs.items():
-            flag = flag_name(name)
-            if message.startswith((flag + " ", flag + ":")) and ": " in message:
-                raise KvfError(f"{name}={value!r}: {message.split(': ', 1)[1]}") from None
-        raise
+    except KnobError as e:
+        if e.knob not in knobs:
+            raise
+        raise KvfError(f"{e.knob}={knobs[e.knob]!r}: {e.problem}") from None
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:

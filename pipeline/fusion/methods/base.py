@@ -59,6 +59,15 @@ def flag_name(knob_name: str) -> str:
     return "--" + knob_name.replace("_", "-")
 
 
+class KnobError(KvfError):
+    """A knob's value refused: the line names the CLI flag (`--check-layer 99: ...`); `knob` and `problem`
+    let a caller that took the knob otherwise name it its own way (the Python API: `check_layer=99: ...`)."""
+
+    def __init__(self, knob: str, shown: str | None, problem: str):
+        self.knob, self.problem = knob, problem
+        super().__init__(f"{flag_name(knob)}{'' if shown is None else ' ' + shown}: {problem}")
+
+
 def knob_types(knobs_class: type) -> dict[str, type]:
     """Field name -> its plain type (int, float, str, bool), Optional unwrapped."""
     hints = typing.get_type_hints(knobs_class)
@@ -77,21 +86,21 @@ def check_knobs(knobs) -> None:
         value, meta, kind = getattr(knobs, f.name), f.metadata, types[f.name]
         if value is None:
             if f.default is not None:
-                raise KvfError(f"{flag_name(f.name)}: needs a value")
+                raise KnobError(f.name, None, "needs a value")
             continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
             setattr(knobs, f.name, value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise KvfError(f"{flag_name(f.name)} {value!r}: expected {kind.__name__}")
+            raise KnobError(f.name, repr(value), f"expected {kind.__name__}")
         if kind is float and value != value:
-            raise KvfError(f"{flag_name(f.name)} {value}: not a number")
+            raise KnobError(f.name, str(value), "not a number")
         if meta.get("min") is not None and value < meta["min"]:
-            raise KvfError(f"{flag_name(f.name)} {value}: must be >= {meta['min']}")
+            raise KnobError(f.name, str(value), f"must be >= {meta['min']}")
         if meta.get("max") is not None and value > meta["max"]:
-            raise KvfError(f"{flag_name(f.name)} {value}: must be <= {meta['max']}")
+            raise KnobError(f.name, str(value), f"must be <= {meta['max']}")
         if meta.get("choices") and value not in meta["choices"]:
-            raise KvfError(f"{flag_name(f.name)} {value}: must be one of {', '.join(map(str, meta['choices']))}")
+            raise KnobError(f.name, str(value), f"must be one of {', '.join(map(str, meta['choices']))}")
 
 
 # ---- the method interface ---------------------------------------------------------------------

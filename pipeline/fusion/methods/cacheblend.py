@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, FusionState, recompute_budget
-from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
+from kvf.pipeline.fusion.methods.base import FusionMethod, KnobError, all_chunk_rows, knob, register, top_rows
 from kvf.pipeline.model.prompt import FusedPrompt
 
 
@@ -41,8 +40,8 @@ class CacheBlend(FusionMethod):
 
     def check_model(self, n_layers: int) -> None:
         if self.knobs.check_layer >= n_layers:
-            raise KvfError(f"--check-layer {self.knobs.check_layer}: the model has {n_layers} layers; "
-                           f"use 1..{n_layers - 1}")
+            raise KnobError("check_layer", str(self.knobs.check_layer),
+                            f"the model has {n_layers} layers; use 1..{n_layers - 1}")
 
     def initial_chunk_rows(self, prompt: FusedPrompt) -> torch.Tensor:
         if self.is_reuse():  # nothing will be kept at the check layer: recomputing layer 0 would be waste
