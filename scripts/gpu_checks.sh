@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The checks only a CUDA GPU can make (CI has none), in one go, for results/gpu.md:
 #   1. the method contract on CUDA (tests/test_gpu.py)  -> $OUT/tests.log
+#   1b. Ray's GPU workers (tests/test_gpu_ray.py: --ray --device cuda build and run equal one process on the GPU,
+#      a GPU worker killed mid-batch)  -> $OUT/ray.log; needs Ray (its wheel in .whl/ on a bare machine)
 #   2. kvfuse's TTFT against ProphetKV's at 15%, paired round by round, on Llama-3-8B's shape with random
 #      weights (issue 17: "no worse than prophetkv at the same ratio")  -> $OUT/kvfuse/
 #   3. `verify` of the GPU results files (expected.yaml's `requires: cuda` entries): re-runs results/gpu.md's
 #      bench at this commit and checks its committed numbers  -> $OUT/verify.log, $OUT/verify-ttft.md
-# STEPS picks some of them (default: tests bench verify); VERIFY_ONLY the results files step 3 re-runs.
+# STEPS picks some of them (default: tests ray bench verify); VERIFY_ONLY the results files step 3 re-runs.
 #
 # On a GPU machine with kvf installed: `bash scripts/gpu_checks.sh`. On a bare machine that has torch and
 # transformers but not kvf's other dependencies, put their wheels in .whl/ first: they are installed to
@@ -17,7 +19,7 @@ DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama3-8b}
 LENGTHS=${LENGTHS:-4096,16384}
 REPEATS=${REPEATS:-12}
-STEPS=${STEPS:-tests bench verify}
+STEPS=${STEPS:-tests ray bench verify}
 VERIFY_ONLY=${VERIFY_ONLY:-results/gpu.md}
 mkdir -p "$OUT/kvfuse"
 
@@ -39,6 +41,10 @@ step() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if step tests; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+fi
+
+if step ray; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu_ray.py 2>&1 | tee "$OUT/ray.log"
 fi
 
 step bench && python3 -m kvf bench --random-weights "$SHAPE" --device "$DEVICE" -m full,prophetkv,kvfuse,kvfuse:propagate=off \

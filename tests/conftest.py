@@ -23,6 +23,16 @@ def short_docs():
             "The Kettar mountains lie north of the Ossel sea and are home to wild goats."]
 
 
+# SmolLM2-135M-Instruct's shape, transformers' default initialisation (std 0.02). A larger one makes
+# the 30 random layers chaotic: bf16 rounding alone then moves logits as far as reuse does, and the
+# bf16 oracle could not fail (measured on an H100: init 0.06 gives bf16 noise 7.3 against reuse's 7.6;
+# 0.02 gives 0.032 against 1.46).
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.02,
+                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+
+
 def tiny_config(family: str, **overrides):
     """A small random decoder of each supported family, built from a config (no download)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config

@@ -16,7 +16,7 @@ Run on a GPU machine: `pytest -m gpu tests/test_gpu.py`.
 import pytest
 import torch
 
-from conftest import oracle_method, recomputes_chunks, stored_prefix_kvs
+from conftest import SMOLLM2_SHAPE, oracle_method, recomputes_chunks, stored_prefix_kvs
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
 from kvf.pipeline.fusion.sources import InMemoryKV
@@ -29,14 +29,6 @@ if not torch.cuda.is_available():
 
 NAMES = method_names()
 RATIO = 0.15
-# SmolLM2-135M-Instruct's shape, transformers' default initialisation (std 0.02). A larger one makes
-# the 30 random layers chaotic: bf16 rounding alone then moves logits as far as reuse does, and the
-# bf16 oracle could not fail (measured on an H100: init 0.06 gives bf16 noise 7.3 against reuse's 7.6;
-# 0.02 gives 0.032 against 1.46).
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.02,
-                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 
 
 def engine_on(device: str, dtype: torch.dtype) -> FusionEngine:

@@ -66,6 +66,26 @@ def test_ray_build_equals_one_process_build(ray_local, corpus):
     assert again.entries_written == 0  # resumed: nothing left to do
 
 
+def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):
+    """Run `kvf build-cache ... --ray` (args) and SIGKILL the first actor caught mid-batch (its pid
+    marker in `markers`). Returns (the pid killed or None, the build's exit status, its stderr)."""
+    proc = subprocess.Popen(args, env={**ENV, "KVF_RAY_PID_DIR": str(markers)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.time() + 300
+    while killed is None and proc.poll() is None and time.time() < deadline:
+        for marker in markers.glob("*.pid"):
+            try:
+                os.kill(int(marker.stem), signal.SIGKILL)
+                killed = int(marker.stem)
+                break
+            except ProcessLookupError:
+                continue
+        time.sleep(poll)
+    _, err = proc.communicate(timeout=600)
+    return killed, proc.returncode, err
+
+
 def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(corpus, tmp_path):
     """SIGKILL one actor while it computes a batch: Ray restarts it and retries the batch, which skips
     the entries already committed; the store ends equal to the one-process build, and verifies."""
@@ -74,23 +94,9 @@ def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(corpus, 
     args = [sys.executable, "-m", "kvf", "build-cache", str(corpus / "data" / "corpus"), "-w", str(tmp_path / "ws"),
             "--chunk-tokens", "32", "--variant", "prefix,fusion", "--neighbours", "2", "--dtype", "float32",
             "--no-bm25", "--ray", "local", "--workers", "2", "--batch", "4"]
-    proc = subprocess.Popen(args, env={**ENV, "KVF_RAY_PID_DIR": str(markers)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    killed = None
-    deadline = time.time() + 300
-    while killed is None and proc.poll() is None and time.time() < deadline:
-        for marker in markers.glob("*.pid"):
-            pid = int(marker.stem)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-                break
-            except ProcessLookupError:
-                continue
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=600)
+    killed, returncode, err = build_killing_a_worker(args, markers)
     assert killed is not None, "no worker was caught mid-batch"
-    assert proc.returncode == 0, err[-2000:]
+    assert returncode == 0, err[-2000:]
     assert_same_store(corpus / "one" / "kv.zarr", tmp_path / "ws" / "kv.zarr")
 
 
