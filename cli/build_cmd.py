@@ -19,6 +19,7 @@ def build_cache_command(
     store: Optional[str] = typer.Option(None, "--store", help="KV store path or fsspec URL [default: WORKSPACE/kv.zarr, or kv.h5 with --format hdf5]."),
     format: Optional[str] = typer.Option(None, "--format", help="Store format: zarr or hdf5 [default: the workspace's existing store, else zarr]."),
     dtype: str = typer.Option("float16", "--dtype", help="Stored KV dtype: float16, bfloat16 or float32."),
+    compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="The model's dtype while computing KVs: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda]."),
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", min=1, help="Chunk length in model tokens."),
     overlap: int = typer.Option(0, "--overlap", min=0, help="Tokens shared by consecutive chunks of a document."),
     variant: str = typer.Option("prefix", "--variant", help="Offline variants to build, comma-separated: prefix, fusion."),
@@ -49,7 +50,7 @@ def build_cache_command(
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()),
                         n_neighbours=neighbours, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
-                        device=device, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),
+                        device=device, compute_dtype=compute_dtype, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),
                         ray=ray, workers=workers, threads=threads or BuildOptions.threads,
                         batch=batch or BuildOptions.batch)
     summary = build_cache(opts, console)

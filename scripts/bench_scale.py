@@ -21,13 +21,15 @@ process computing with one torch thread:
    question's last record to the last question's, over n - 1 questions, so start-up (imports, model
    load, each method's untimed warm-up call) stays out, as it does in a long sweep.
 4. a written projection of the cost of a 1M-chunk store (bytes measured per token here; GPU hours
-   from the full-prefill throughput measured on an H100 in results/gpu/ttft.csv, and from FLOPs under
-   stated assumptions).
+   from build-cache's own cost of one entry measured on an H100, results/gpu/build.csv from
+   scripts/bench_gpu_build, and from FLOPs under stated assumptions).
 5. with --real DIR (a prepared dataset, e.g. work/musique: ~6K tokens a question), part 3's sweep again
    on its first --real-questions questions, v1 against shared work: what sharing saves at a real
    prompt length. Each code answers from its own copy of DIR (its own workspace and store), filled by
    an untimed first run.
 Prints rich tables and writes results/scale.md, results/scale.json and results/scale.png.
+`--rerender results/scale.json` measures nothing: it writes the report again from those numbers (with the
+flags that run was given) and the current --gpu-build table.
 """
 from __future__ import annotations
 
@@ -95,10 +97,15 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--real", type=Path, default=None,
                    help="a prepared dataset dir (kvf data prepare) for part 5, e.g. work/musique; default: skip part 5")
     p.add_argument("--real-questions", type=int, default=3, help="questions of part 5 (the first is not counted)")
-    p.add_argument("--gpu-table", type=Path, default=ROOT / "results" / "gpu" / "ttft.csv",
-                   help="kvf bench's table from a GPU run (full prefill's TTFT per length) for the projection")
+    p.add_argument("--gpu-build", type=Path, default=ROOT / "results" / "gpu" / "build.csv",
+                   help="scripts/bench_gpu_build's table (one chunk's entry built on a GPU) for the projection")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
+    p.add_argument("--rerender", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: write --out again from an earlier run's numbers (its .json) and the "
+                        "current --gpu-build, with the flags that run was given")
     args = p.parse_args(argv)
+    if args.rerender is not None:
+        return args
     # steady-state rates leave out each worker's first question (2 Ray workers) or the first question
     for flag, value, least in (("--sweep-questions", args.sweep_questions, 3),
                                ("--share-questions", args.share_questions, 2),
@@ -314,9 +321,12 @@ def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
     return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * dtype_bytes
 
 
-def gpu_full_prefill_rate(table: Path) -> dict | None:
-    """Full prefill's tokens/s per prompt length from a `kvf bench` table run on a GPU (its warm `full`
-    rows), with the device and model it names in its markdown twin; None when there is no such table."""
+GPU_BUILD_COLUMNS = {"compute_dtype", "chunk_tokens", "entry_ms", "prefill_ms", "model", "device"}
+
+
+def gpu_build_cost(table: Path) -> dict | None:
+    """One chunk's entry built on a GPU through build-cache's own path, in bfloat16 (its default there),
+    from scripts/bench_gpu_build's table; None when there is no such table."""
     if not table.is_file():
         return None
     import pandas as pd
@@ -324,27 +334,28 @@ def gpu_full_prefill_rate(table: Path) -> dict | None:
         rows = pd.read_csv(table)
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError):
         rows = pd.DataFrame()
-    missing = {"method", "mode", "length", "ttft_ms"} - set(rows.columns)
+    missing = GPU_BUILD_COLUMNS - set(rows.columns)
     if missing:
-        raise SystemExit(f"bench_scale: --gpu-table {table}: not a `kvf bench` table (no {', '.join(sorted(missing))} "
-                         "column); pass the ttft.csv that `kvf bench --device cuda --out DIR` wrote")
-    rows = rows[(rows["method"] == "full") & (rows["mode"] == "warm")]
+        raise SystemExit(f"bench_scale: --gpu-build {table}: not bench_gpu_build's table (no {', '.join(sorted(missing))} "
+                         "column); pass the build.csv that `python -m kvf.scripts.bench_gpu_build --out DIR/build.md` wrote")
+    rows = rows[rows["compute_dtype"] == "bfloat16"]
     if rows.empty:
         return None
-    rates = {int(r.length): r.length / (r.ttft_ms / 1000) for r in rows.itertuples()}
-    title = table.with_suffix(".md").read_text().splitlines()[0] if table.with_suffix(".md").is_file() else ""
-    return {"tokens_per_s": rates, "title": title.lstrip("# "), "table": str(table.relative_to(ROOT))
-            if table.is_relative_to(ROOT) else str(table)}
+    row = rows.iloc[0]
+    return {"seconds_per_chunk": row.entry_ms / 1000, "entry_ms": float(row.entry_ms), "prefill_ms": float(row.prefill_ms),
+            "chunk_tokens": int(row.chunk_tokens), "device": row.device, "model": row.model,
+            "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table)}
 
 
-def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_rate: dict | None = None) -> dict:
+def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_cost: dict | None = None) -> dict:
     tokens = chunks * chunk_tokens
     llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
     flops_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
-    # measured: the shortest prompt's rate (the build's chunks are short; attention grows with length)
-    gpu_seconds = tokens / gpu_rate["tokens_per_s"][min(gpu_rate["tokens_per_s"])] if gpu_rate else flops_seconds
+    # measured: a whole entry (prefill, copy to the host, local write) per chunk, in proportion to its tokens
+    gpu_seconds = (chunks * gpu_cost["seconds_per_chunk"] * chunk_tokens / gpu_cost["chunk_tokens"] if gpu_cost
+                   else flops_seconds)
     return {"flops_gpu_hours": flops_seconds / 3600,
-            "gpu_hours_measured": bool(gpu_rate), "chunks": chunks, "tokens": tokens, "gpus": gpus,
+            "gpu_hours_measured": bool(gpu_cost), "chunks": chunks, "tokens": tokens, "gpus": gpus,
             "smollm_bytes": tokens * measured["bytes_per_token"],
             "smollm_cpu_core_hours": tokens / measured["tokens_per_core_s"] / 3600,
             "llama_bytes": llama_bytes, "llama_gpu_hours": gpu_seconds / 3600,
@@ -352,6 +363,16 @@ def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_
             "llama_dollars": gpu_seconds / 3600 * ASSUMED_GPU_DOLLARS_PER_HOUR,
             "llama_storage_dollars_month": llama_bytes / 1e9 * ASSUMED_S3_DOLLARS_PER_GB_MONTH,
             "llama_write_hours": llama_bytes / 1e9 / (ASSUMED_WRITE_GB_PER_S * max(1, gpus // 8)) / 3600}
+
+
+def store_or_compute(proj: dict) -> str:
+    """Which costs more, the store or its computation: said from the numbers, not assumed."""
+    storage, compute = proj["llama_storage_dollars_month"], proj["llama_dollars"]
+    if storage >= compute:
+        return (f"At this size the store, not the prefill, is the cost: keeping {proj['llama_bytes'] / 2**40:.1f} TiB "
+                f"costs ${storage:,.0f} a month against ${compute:,.0f} once for {proj['llama_gpu_hours']:,.1f} GPU-hours.")
+    return (f"Computing it costs more than a month of keeping it: ${compute:,.0f} for {proj['llama_gpu_hours']:,.1f} "
+            f"GPU-hours against ${storage:,.0f} a month for {proj['llama_bytes'] / 2**40:.1f} TiB.")
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -393,9 +414,9 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def projection_rows(proj: dict, measured: dict, gpu_rate: dict | None, gpus: int) -> list[list]:
-    gpu_from = (f"measured: full prefill on an H100, {gpu_rate['tokens_per_s'][min(gpu_rate['tokens_per_s'])]:,.0f} "
-                f"tokens/s at {min(gpu_rate['tokens_per_s']):,} tokens (random weights, bfloat16)" if gpu_rate else
+def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int) -> list[list]:
+    gpu_from = (f"measured: build-cache's entry of a {gpu_cost['chunk_tokens']}-token chunk on an H100, "
+                f"{gpu_cost['entry_ms']:.0f} ms (random weights, bfloat16)" if gpu_cost else
                 f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at {ASSUMED_MFU:.0%} MFU")
     return [
         ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
@@ -436,10 +457,27 @@ def real_section(real: dict, note: str) -> list[str]:
 
 def main():
     args = parse_args()
+    if args.rerender is not None:
+        rerender(args, "python -m kvf.scripts.bench_scale " + shlex.join(sys.argv[1:]))
+        return
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with work_dir(args.workdir, "kvf-bench-scale-") as work:   # a temp one goes however the run ends
         bench_scale(args, work, output_console(140))
+
+
+def rerender(args, rendered_by: str) -> None:
+    """--rerender: the report again from an earlier run's numbers, with the flags that run was given (its
+    command), today's --gpu-build and --out."""
+    try:
+        numbers = json.loads(args.rerender.read_text())
+        measured_argv = shlex.split(numbers["command"])[3:]         # after `python -m kvf.scripts.bench_scale`
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"bench_scale: --rerender {args.rerender}: not a bench_scale .json ({e}); pass the .json "
+                         "beside a scale.md it wrote") from None
+    measured = parse_args([*measured_argv, "--rerender", str(args.rerender)])
+    measured.out, measured.gpu_build = args.out, args.gpu_build
+    report(measured, numbers, output_console(140), rendered_by=rendered_by)
 
 
 def bench_scale(args, work: Path, console) -> None:
@@ -479,7 +517,6 @@ def bench_scale(args, work: Path, console) -> None:
         subprocess.run(kvf("build-cache", str(corpus), "-w", str(work / "ws-v1"), "--variant", "prefix,fusion",
                            "--neighbours", "3", "--cachecraft-meta", "--no-bm25"),
                        env=kvf_env(v1), check=True, capture_output=True, cwd=ROOT)
-    ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
     sweep_args = methods_sweep_args(data, args.share_questions)
     modes = {  # name: (part key, command, PYTHONPATH)
         f"v1 ({V1_COMMIT}, as filed)": ("v1", sweep_args + ["-w", str(work / "ws-v1")], v1),
@@ -496,19 +533,37 @@ def bench_scale(args, work: Path, console) -> None:
     share_answers = [answers_of(r["records"]) for r in share.values()]
     share_equal = all(a == share_answers[0] for a in share_answers[1:])
 
+    real = real_sweep(work, args.real, args.real_questions, v1, console) if args.real is not None else None
+    one = build["one process"]
+    numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
+               "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
+               "own_prefills_per_question": own_prefill_seconds(share["shared work (default)"]["records"]),
+               "v1_at_6k": v1_split_at_6k(ROOT / "results" / "methods" / "runs" / "musique.jsonl.gz"), "real": real,
+               "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal,
+               "conditions": (f"model SmolLM2-135M-Instruct (embedded GGUF, float32 on CPU), {os.cpu_count()} CPU cores, "
+                              f"one torch thread per process; synthetic corpus (kvf.pipeline.data.synthetic, seed 0) of "
+                              f"{args.questions} questions x {args.passages} passages = {one['chunks']} chunks, "
+                              f"{one['tokens']:,} tokens"),
+               "command": "python -m kvf.scripts.bench_scale " + shlex.join(sys.argv[1:])}
+    report(args, numbers, console)
+
+
+def report(args, numbers: dict, console, rendered_by: str | None = None) -> None:
+    """Tables on the console; --out, its .json and its plot from the measured numbers (and --gpu-build)."""
+    build, sweep, share, real = numbers["build"], numbers["sweep"], numbers["share"], numbers["real"]
+    builds_equal, sweeps_equal, share_equal = numbers["builds_equal"], numbers["sweeps_equal"], numbers["share_equal"]
+    floor, at_6k = numbers["own_prefills_per_question"], numbers["v1_at_6k"]
+    ratios = ",".join(f"{r:g}" for r in SWEEP_RATIOS)
     one = build["one process"]
     measured = {"bytes_per_token": one["bytes"] / one["tokens"], "tokens_per_core_s": one["tokens"] / one["seconds"]}
-    gpu_rate = gpu_full_prefill_rate(args.gpu_table)
-    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured, gpu_rate)
-    real = real_sweep(work, args.real, args.real_questions, v1, console) if args.real is not None else None
+    gpu_cost = gpu_build_cost(args.gpu_build)
+    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured, gpu_cost)
 
     build_rows = throughput_rows(build, "chunks_per_s")
     sweep_rows = throughput_rows(sweep, "answers_per_s", "wall_answers_per_s")
     sweep_cols = ["execution", "answers/s (steady)", "answers/s (whole run)", "seconds", "vs ray x1"]
     per_q = {n: r["per_question"] for n, r in share.items()}
     before, lone, shared_s = per_q.values()
-    floor = own_prefill_seconds(share["shared work (default)"]["records"])
-    at_6k = v1_split_at_6k(ROOT / "results" / "methods" / "runs" / "musique.jsonl.gz")
     share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}", f"{s / before:.2f}"]
                   for n, s in per_q.items()]
     share_cols = ["code", "questions", "answers", "s/question", "vs v1"]
@@ -523,13 +578,12 @@ def bench_scale(args, work: Path, console) -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(build, sweep, args.out.with_suffix(".png"))
-    conditions = (f"model SmolLM2-135M-Instruct (embedded GGUF, float32 on CPU), {os.cpu_count()} CPU cores, one "
-                  f"torch thread per process; synthetic corpus (kvf.pipeline.data.synthetic, seed 0) of "
-                  f"{args.questions} questions x {args.passages} passages = {one['chunks']} chunks, "
-                  f"{one['tokens']:,} tokens")
-    command = "python -m kvf.scripts.bench_scale " + shlex.join(sys.argv[1:])
+    command, conditions = numbers["command"], numbers["conditions"]
+    made_by = (f"Made by `{command.strip()}` at commit {git_commit() or 'unknown'}." if rendered_by is None else
+               f"Made by `{rendered_by}` at commit {git_commit() or 'unknown'}, from the numbers that `{command.strip()}` "
+               "measured (scale.json; expected.yaml says when and at which commits).")
     md = ["# Scale-out: Ray workers and shared sweep work\n",
-          f"Made by `{command.strip()}` at commit {git_commit() or 'unknown'}.  \nConditions: {conditions}.\n",
+          f"{made_by}  \nConditions: {conditions}.\n",
           "## Build throughput (KV stage, prefix variant)\n",
           markdown_table(["execution", "chunks/s", "seconds", "vs ray x1"], build_rows),
           f"\nRay builds equal the one-process build, same keys and same bytes: **{builds_equal}** "
@@ -567,27 +621,25 @@ def bench_scale(args, work: Path, console) -> None:
            else "") + "\n",
           *(real_section(real, args.share_note) if real else []),
           f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",
-          markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_rate, args.gpus)),
+          markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_cost, args.gpus)),
           "\nThe SmolLM2 rows are measured in this run. " + (
-              f"The Llama-3-8B GPU-hours come from full prefill's throughput measured on an H100 with random "
-              f"weights of Llama-3-8B's shape ({gpu_rate['table']}: "
-              + ", ".join(f"{r:,.0f} tokens/s at {length:,} tokens" for length, r in sorted(gpu_rate['tokens_per_s'].items()))
-              + f"; the shortest prompt's rate is used: a build's prompts are a chunk after S, shorter still, so "
-              f"that rate is the cautious one); the FLOPs estimate would say {proj['flops_gpu_hours']:,.1f}. "
-              if gpu_rate else "The Llama-3-8B GPU-hours are arithmetic on the stated FLOPs assumptions (no GPU table "
-              f"at {args.gpu_table}). ") +
+              f"The Llama-3-8B GPU-hours come from build-cache's own cost of one entry, measured on an H100 with random "
+              f"weights of Llama-3-8B's shape ({gpu_cost['table']}: {gpu_cost['entry_ms']:.0f} ms per "
+              f"{gpu_cost['chunk_tokens']}-token chunk in bfloat16, {gpu_cost['prefill_ms']:.0f} ms of it the prefill after "
+              "S and the rest the copy to the host and the store's write), taken in proportion to a chunk's tokens. "
+              f"A chunk is one short forward pass, far below the GPU's arithmetic rate: the FLOPs estimate would say "
+              f"{proj['flops_gpu_hours']:,.1f}. " if gpu_cost else
+              "The Llama-3-8B GPU-hours are arithmetic on the stated FLOPs assumptions (no GPU table at "
+              f"{args.gpu_build}). ") +
           "The other Llama-3-8B rows are arithmetic on the stated assumptions. The fusion variant doubles bytes "
-          f"and compute. At this size the store, not the prefill, is the cost: writing and keeping "
-          f"{proj['llama_bytes'] / 2**40:.1f} TiB outweighs {proj['llama_gpu_hours']:,.1f} GPU-hours of compute.\n",
+          f"and compute. {store_or_compute(proj)}\n",
           f"![throughput]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
-    numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
-               "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
-               "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
-               "own_prefills_per_question": floor, "own_prefills_over_v1": floor / before, "v1_at_6k": at_6k,
-               "real": real, "real_shared_over_v1": real["shared"] / real["v1"] if real else None,
-               "real_own_prefills_over_v1": real["own_prefills"] / real["v1"] if real else None,
-               "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal, "projection": proj, "conditions": conditions, "command": command}
+    numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
+               "own_prefills_over_v1": floor / before,
+               "real_shared_over_v1": real["shared"] / real["v1"] if real else None,
+               "real_own_prefills_over_v1": real["own_prefills"] / real["v1"] if real else None, "projection": proj,
+               **({"rendered_by": rendered_by} if rendered_by else {})}
     write_atomic(args.out.with_suffix(".json"), json.dumps(numbers, indent=1))
     console.print(f"wrote {args.out}, {args.out.with_suffix('.json').name}, {args.out.with_suffix('.png').name}")
 

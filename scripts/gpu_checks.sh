@@ -3,11 +3,13 @@
 #   1. the method contract on CUDA (tests/test_gpu.py)  -> $OUT/tests.log
 #   1b. Ray's GPU workers (tests/test_gpu_ray.py: --ray --device cuda build and run equal one process on the GPU,
 #      a GPU worker killed mid-batch)  -> $OUT/ray.log; needs Ray (its wheel in .whl/ on a bare machine)
+#   1c. one chunk's entry built through EntryBuilder on the GPU, bfloat16 and float32 compute (scripts/bench_gpu_build.py:
+#      the per-chunk cost results/scale.md's projection reads)  -> $OUT/build.md, $OUT/build.json
 #   2. kvfuse's TTFT against ProphetKV's at 15%, paired round by round, on Llama-3-8B's shape with random
 #      weights (issue 17: "no worse than prophetkv at the same ratio")  -> $OUT/kvfuse/
 #   3. `verify` of the GPU results files (expected.yaml's `requires: cuda` entries): re-runs results/gpu.md's
 #      bench at this commit and checks its committed numbers  -> $OUT/verify.log, $OUT/verify-ttft.md
-# STEPS picks some of them (default: tests ray bench verify); VERIFY_ONLY the results files step 3 re-runs.
+# STEPS picks some of them (default: tests ray build bench verify); VERIFY_ONLY the results files step 3 re-runs.
 #
 # On a GPU machine with kvf installed: `bash scripts/gpu_checks.sh`. On a bare machine that has torch and
 # transformers but not kvf's other dependencies, put their wheels in .whl/ first: they are installed to
@@ -19,7 +21,7 @@ DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama3-8b}
 LENGTHS=${LENGTHS:-4096,16384}
 REPEATS=${REPEATS:-12}
-STEPS=${STEPS:-tests ray bench verify}
+STEPS=${STEPS:-tests ray build bench verify}
 VERIFY_ONLY=${VERIFY_ONLY:-results/gpu.md}
 mkdir -p "$OUT/kvfuse"
 
@@ -46,6 +48,8 @@ fi
 if step ray; then
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu_ray.py 2>&1 | tee "$OUT/ray.log"
 fi
+
+step build && python3 -m kvf.scripts.bench_gpu_build --random-weights "$SHAPE" --device "$DEVICE" --out "$OUT/build.md"
 
 step bench && python3 -m kvf bench --random-weights "$SHAPE" --device "$DEVICE" -m full,prophetkv,kvfuse,kvfuse:propagate=off \
   --lengths "$LENGTHS" -r 0.15 --repeats "$REPEATS" --versus prophetkv --no-cold --no-compare-no-pipeline \

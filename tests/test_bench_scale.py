@@ -1,6 +1,9 @@
 """The arithmetic of `make bench-scale`'s per-question sweep cost (the timings themselves are a
 benchmark, not a test): when each question's records were all written, and the distinct prefills'
 own layer-loop seconds that no exact sharing removes."""
+import json
+import re
+
 import pytest
 import torch
 
@@ -50,31 +53,74 @@ def test_real_questions_need_a_prepared_dataset_named_in_one_line(tmp_path):
         parse_args(["--real-questions", "1"])
 
 
-def test_the_projection_takes_gpu_hours_from_the_measured_full_prefill_rate(tmp_path):
-    """results/gpu/ttft.csv's warm full rows give tokens/s per length; the shortest length's rate is used."""
-    from kvf.scripts.bench_scale import ROOT, gpu_full_prefill_rate, projection
-    table = tmp_path / "ttft.csv"
-    table.write_text("length,method,mode,ttft_ms\n4096,full,warm,100.0\n16384,full,warm,800.0\n"
-                     "4096,reuse,warm,10.0\n4096,full,cold,999.0\n")
-    rate = gpu_full_prefill_rate(table)
-    assert rate["tokens_per_s"] == {4096: pytest.approx(40960.0), 16384: pytest.approx(20480.0)}
+BUILD_CSV = ("compute_dtype,chunk_tokens,entry_ms,prefill_ms,rest_ms,chunks_per_s,tokens_per_s,entry_mb,model,device\n"
+             "bfloat16,256,100.0,60.0,40.0,10.0,2560.0,33.8,llama3-8b,H100\n"
+             "float32,256,250.0,160.0,90.0,4.0,1024.0,33.8,llama3-8b,H100\n")
+
+
+def test_the_projection_takes_gpu_hours_from_build_caches_measured_entry_cost(tmp_path):
+    """results/gpu/build.csv's bfloat16 row (kvf's default on CUDA) gives seconds per chunk, in proportion to tokens."""
+    from kvf.scripts.bench_scale import ROOT, gpu_build_cost, projection
+    table = tmp_path / "build.csv"
+    table.write_text(BUILD_CSV)
+    cost = gpu_build_cost(table)
+    assert cost["seconds_per_chunk"] == pytest.approx(0.1) and cost["chunk_tokens"] == 256
     measured = {"bytes_per_token": 1.0, "tokens_per_core_s": 1.0}
-    proj = projection(1e6, 256, 8, measured, rate)
-    assert proj["gpu_hours_measured"] and proj["llama_gpu_hours"] == pytest.approx(256e6 / 40960.0 / 3600)
+    proj = projection(1e6, 256, 8, measured, cost)
+    assert proj["gpu_hours_measured"] and proj["llama_gpu_hours"] == pytest.approx(1e6 * 0.1 / 3600)
     assert proj["llama_wall_hours"] == pytest.approx(proj["llama_gpu_hours"] / 8)
+    assert projection(1e6, 512, 8, measured, cost)["llama_gpu_hours"] == pytest.approx(2 * proj["llama_gpu_hours"])
     assert not projection(1e6, 256, 8, measured)["gpu_hours_measured"]
-    assert gpu_full_prefill_rate(tmp_path / "absent.csv") is None
-    committed = gpu_full_prefill_rate(ROOT / "results" / "gpu" / "ttft.csv")  # the H100 run of results/gpu.md
-    assert 25_000 < committed["tokens_per_s"][4096] < 35_000
+    assert gpu_build_cost(tmp_path / "absent.csv") is None
+    committed = gpu_build_cost(ROOT / "results" / "gpu" / "build.csv")  # the H100 run of results/gpu/build.md
+    assert 50 < committed["entry_ms"] < 200 and committed["chunk_tokens"] == 256
 
 
-@pytest.mark.parametrize("text", ["", "length,method\n4096,full\n", "\x00\xff binary"])
-def test_a_gpu_table_that_is_not_kvf_benchs_is_one_line_naming_the_flag(tmp_path, text):
-    from kvf.scripts.bench_scale import gpu_full_prefill_rate
-    table = tmp_path / "ttft.csv"
+@pytest.mark.parametrize("text", ["", "compute_dtype,entry_ms\nbfloat16,1\n", "\x00\xff binary"])
+def test_a_gpu_build_table_that_is_not_bench_gpu_builds_is_one_line_naming_the_flag(tmp_path, text):
+    from kvf.scripts.bench_scale import gpu_build_cost
+    table = tmp_path / "build.csv"
     table.write_bytes(text.encode("latin-1"))
-    with pytest.raises(SystemExit, match=f"--gpu-table {table}: not a `kvf bench` table"):
-        gpu_full_prefill_rate(table)
+    with pytest.raises(SystemExit, match=f"--gpu-build {table}: not bench_gpu_build's table"):
+        gpu_build_cost(table)
+
+
+def test_the_gpu_build_bench_writes_the_table_the_projection_reads(tmp_path):
+    """scripts/bench_gpu_build on the CPU (tiny shape): one row per compute dtype, each entry the bytes of
+    a float16 KV of the chunk's tokens and its separator (2 layers x K,V x 2 heads x 16 dims x 2 bytes)."""
+    from kvf.scripts import bench_gpu_build
+    from kvf.scripts.bench_scale import gpu_build_cost
+    out = tmp_path / "build.md"
+    assert bench_gpu_build.main(["--device", "cpu", "--random-weights", "tiny", "--chunks", "2", "--chunk-tokens", "32",
+                                 "--out", str(out)]) == 0
+    import pandas as pd
+    rows = pd.read_csv(out.with_suffix(".csv"))
+    assert list(rows["compute_dtype"]) == ["bfloat16", "float32"]
+    per_token = 2 * 2 * 2 * 16 * 2
+    tokens = rows["entry_mb"] * 1e6 / per_token
+    assert (tokens == tokens.round()).all() and (tokens > 32).all() and (tokens < 40).all()
+    assert gpu_build_cost(out.with_suffix(".csv"))["chunk_tokens"] == 32
+    assert "Made by `python -m kvf.scripts.bench_gpu_build" in out.read_text()
+
+
+def test_rerendering_the_committed_numbers_gives_the_committed_report(tmp_path):
+    """results/scale.md is its numbers (scale.json) rendered: --rerender writes it again, word for word but the
+    commit, from scale.json and results/gpu/build.csv."""
+    from kvf.scripts.bench_scale import ROOT, parse_args, rerender
+    committed = ROOT / "results" / "scale.md"
+    args = parse_args(["--rerender", str(ROOT / "results" / "scale.json"), "--out", str(tmp_path / "scale.md")])
+    rendered_by = json.loads((ROOT / "results" / "scale.json").read_text())["rendered_by"]
+    rerender(args, rendered_by)
+    commit = re.compile(r"at commit [0-9a-f]{7,}")
+    assert commit.sub("", (tmp_path / "scale.md").read_text()) == commit.sub("", committed.read_text())
+
+
+def test_rerender_of_a_file_that_is_not_bench_scales_numbers_is_one_line(tmp_path):
+    from kvf.scripts.bench_scale import parse_args, rerender
+    bad = tmp_path / "scale.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match=f"--rerender {bad}: not a bench_scale .json"):
+        rerender(parse_args(["--rerender", str(bad)]), "x")
 
 
 def test_recompute_cost_counts_the_flops_torch_counts(monkeypatch):

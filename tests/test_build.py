@@ -291,6 +291,33 @@ def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys,
         build_cache(replace(built.opts, model=str(retok), workspace=tmp_path / "ws2", store=built.summary.store), QUIET)
 
 
+def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
+    """--compute-dtype (default float32 on the CPU, bfloat16 on CUDA, as kvf run's --dtype) is the dtype the
+    model computes KVs in: a bfloat16 build stores bfloat16 arithmetic (off the float32 build's values by
+    bfloat16's rounding, not more), records it in the manifest, and Ray workers are handed it too."""
+    from transformers import AutoModelForCausalLM
+    from kvf.pipeline.workflows.distributed import KVWorkerImpl
+    tiny = tmp_path / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
+    built.model_ref.tokenizer.save_pretrained(tiny)
+    stores = {}
+    for name in ("float32", "bfloat16"):
+        ws = tmp_path / name
+        build_cache(opts_for(tmp_path, built.corpus, workspace=ws, model=str(tiny), dtype="float32",
+                             compute_dtype=None if name == "float32" else name), QUIET)
+        assert json.loads((ws / "manifest.json").read_text())["compute_dtype"] == name
+        stores[name] = open_store(str(ws / "kv.zarr"))
+    keys = chunk_keys(stores["float32"])
+    assert sorted(keys) == sorted(chunk_keys(stores["bfloat16"])) and keys
+    for key in keys:
+        full, half = stores["float32"].get(key), stores["bfloat16"].get(key)
+        assert not torch.equal(full, half)
+        assert (half - full).abs().max() <= 0.05 * full.abs().max()
+    worker = KVWorkerImpl(str(tiny), str(tmp_path / "bfloat16" / "kv.zarr"), "float32", "cpu", (), 1, "bfloat16")
+    assert worker.builder.engine.model.dtype == torch.bfloat16
+
+
 def copy_build(built, dest: Path) -> BuildOptions:
     """A private copy of the module's workspace and store."""
     shutil.copytree(built.ws.root, dest / "ws")

@@ -169,6 +169,8 @@ CASES = {
     "build-cache --neighbours past the model": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws",
                                                               "--variant", "fusion", "--neighbours", "40"],
                                                  ["--neighbours 40", "8,192 positions", "at most 30 neighbours"]),
+    "build-cache --compute-dtype bogus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--compute-dtype", "bf15"],
+                                          ["--compute-dtype bf15", "float32, bfloat16, float16"]),
     "build-cache --rebuild nope": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--rebuild", "nope"], ["--rebuild nope"]),
     "run --workers without --ray": (lambda d, t: run_args(d, t / "o.jsonl", "--workers", "2"), ["--workers", "--ray"]),
     "run --threads without --ray": (lambda d, t: run_args(d, t / "o.jsonl", "--threads", "2"), ["--threads 2 needs --ray"]),

@@ -3,7 +3,7 @@
 tests/test_ray.py checks the distributed contract with CPU actors. Here the actors ask Ray for a GPU
 each and compute on it, with a random-weight model of the embedded model's real shape (SmolLM2-135M:
 30 layers, 9 query and 3 KV heads of 64 dims) and a byte-level BPE tokenizer trained on the corpus
-(a GPU machine has no model files):
+(kvf.pipeline.workflows.bench.train_bpe_tokenizer: a GPU machine has no model files):
 - a Ray build equals a one-process build on the same GPU: same keys, same bytes; and those bytes are
   the GPU's (a CPU build of the same weights differs), so the actors did compute on it;
 - a GPU actor killed with SIGKILL mid-batch is restarted on the GPU, and the store ends the same;
@@ -31,31 +31,20 @@ from test_ray import QUIET, answers, build_killing_a_worker  # noqa: E402  (afte
 BUILD = dict(chunk_tokens=32, variants=("prefix",), bm25=False, dense=False, batch=4)
 
 
-def train_tokenizer(texts: list[str]):
-    """A 2,000-token byte-level BPE of the corpus: any tokenizer serves random weights."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A synthetic corpus, a random-weight SmolLM2-shaped model directory, and a one-process build on
     the GPU (the reference)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     from kvf.pipeline.data.synthetic import make_synthetic
+    from kvf.pipeline.workflows.bench import train_bpe_tokenizer
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
     root = tmp_path_factory.mktemp("gpu-ray")
     make_synthetic(root / "data", n_questions=6, passages_per_question=3, seed=1)
     passages = [json.loads(line)["text"] for line in (root / "data" / "corpus" / "passages.jsonl").read_text().splitlines()]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_SHAPE)).save_pretrained(root / "model")
-    train_tokenizer(passages).save_pretrained(root / "model")
+    train_bpe_tokenizer(passages).save_pretrained(root / "model")
     build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "one", model=str(root / "model"),
                              device="cuda", **BUILD), QUIET)
     return root

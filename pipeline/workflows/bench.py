@@ -49,7 +49,7 @@ RANDOM_CONFIGS = {
                                        "original_max_position_embeddings": 8192}),
     # a tiny shape, so the random-weights path runs in tests on CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, head_dim=16),
+                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, head_dim=16),
 }
 
 
@@ -77,6 +77,18 @@ class BenchOptions:
 
 
 # ---- model and prompts --------------------------------------------------------------------------
+def train_bpe_tokenizer(texts: list[str], vocab_size: int = 2000):
+    """A byte-level BPE trained on `texts`: a tokenizer for random weights, where no model files exist."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+
+
 def load_transformer(opts: BenchOptions):
     """(Transformer, tokenizer or None). Random weights: real shapes, no download, timing only."""
     if opts.random_weights:

@@ -26,6 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
+from kvf.pipeline.workflows.devices import compute_dtype
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
@@ -52,6 +53,7 @@ class BuildOptions:
     bm25: bool = True
     dense: bool = True
     device: str = "cpu"
+    compute_dtype: str | None = None     # the model's dtype while computing KVs (None: float32 on cpu, bfloat16 on cuda)
     rebuild: tuple[str, ...] = ()        # stages to rebuild whatever the manifest says (a damaged index)
     ray: str | None = None               # Ray address for the KV stage ("local": start one here); None: this process
     workers: int | None = None           # Ray actors (default: one per CPU, or per GPU with --device cuda)
@@ -220,10 +222,11 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
 class EntryBuilder:
     """Computes and stores the KVs a set of chunks needs; loads the model only if something is missing."""
 
-    def __init__(self, model_ref: ModelRef, store, device: str = "cpu", extras_for: tuple[str, ...] = (), engine=None):
+    def __init__(self, model_ref: ModelRef, store, device: str = "cpu", extras_for: tuple[str, ...] = (), engine=None,
+                 dtype: torch.dtype = torch.float32):
         self.model_ref = model_ref
         self.store = store
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.extras_methods = [METHODS[name] for name in extras_methods(extras_for)]
         self.extras_names = {n for m in self.extras_methods for n in m.extras_names}
         self.template = make_template(model_ref.tokenizer)
@@ -239,7 +242,7 @@ class EntryBuilder:
         if self._engine is None:
             from kvf.pipeline.fusion.engine import FusionEngine
             from kvf.pipeline.model.forward import Transformer
-            self._engine = FusionEngine(Transformer(self.model_ref.load(self.device).model))
+            self._engine = FusionEngine(Transformer(self.model_ref.load(self.device, self.dtype).model))
         return self._engine
 
     def key(self, variant: str, chunk: Chunk, neighbours: dict[str, list[str]] | None) -> str:
@@ -374,6 +377,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
             raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
+    model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     validate_chunking(opts.chunk_tokens, opts.overlap)
     if opts.batch < 1 or opts.threads < 1:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
@@ -402,7 +406,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
-    builder = EntryBuilder(model_ref, store, opts.device, extras_for)
+    builder = EntryBuilder(model_ref, store, opts.device, extras_for, dtype=model_dtype)
     with store.shared_lock():  # gc refuses while a build writes
         if opts.ray is not None:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray
@@ -428,6 +432,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "store": ws.relative_store(store_location(ws, opts.store, store.format)), "format": store.format,
                            "model_arg": opts.model,
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
+                           "compute_dtype": str(compute_dtype(opts.device, opts.compute_dtype)).removeprefix("torch."),
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "extras_for": list(extras_for)})
 

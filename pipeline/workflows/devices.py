@@ -22,10 +22,11 @@ def check_device(device: str) -> None:
     raise KvfError(f"--device {device}: kvf runs on cpu or cuda (cuda:N)")
 
 
-def compute_dtype(device: str, name: str | None) -> torch.dtype:
-    """--dtype, default float32 on the CPU (bf16 matmul is far slower there) and bfloat16 on CUDA."""
+def compute_dtype(device: str, name: str | None, flag: str = "--dtype") -> torch.dtype:
+    """--dtype (build-cache's --compute-dtype), default float32 on the CPU (bf16 matmul is far slower
+    there) and bfloat16 on CUDA."""
     if name is None:
         return torch.float32 if device == "cpu" else torch.bfloat16
     if name not in COMPUTE_DTYPES:
-        raise KvfError(f"--dtype {name}: use one of {', '.join(COMPUTE_DTYPES)}")
+        raise KvfError(f"{flag} {name}: use one of {', '.join(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[name]

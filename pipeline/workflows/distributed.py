@@ -128,15 +128,17 @@ def clear_pid_marker() -> None:
 class KVWorkerImpl:
     """One model and one store writer; builds the KV entries of batches of chunks."""
 
-    def __init__(self, model: str | None, store: str, dtype: str, device: str, extras_for: tuple, threads: int):
+    def __init__(self, model: str | None, store: str, dtype: str, device: str, extras_for: tuple, threads: int,
+                 model_dtype: str | None = None):
         import torch
         from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
+        from kvf.pipeline.workflows.devices import compute_dtype
         from kvf.pipeline.workflows.weights import open_model
         from kvf.pipeline.workflows.workspace import Workspace
         torch.set_num_threads(threads)
         model_ref = open_model(model)
         opened = open_workspace_store(Workspace("."), model_ref, store, None, dtype, create=False)
-        self.builder = EntryBuilder(model_ref, opened, device, extras_for)
+        self.builder = EntryBuilder(model_ref, opened, device, extras_for, dtype=compute_dtype(device, model_dtype))
 
     def build(self, variant: str, chunks: list, neighbours: dict | None, by_id: dict) -> dict:
         import time
@@ -164,7 +166,8 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     n_workers = worker_count(ray, opts.workers, opts.device, opts.threads)
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
-                                                           opts.device, tuple(m.name for m in builder.extras_methods), opts.threads)
+                                                           opts.device, tuple(m.name for m in builder.extras_methods), opts.threads,
+                                                           opts.compute_dtype)
                for _ in range(n_workers)]
     try:
         stats = build_batches(opts, builder, ActorPool(workers), n_workers, chunks, neighbours, console, summary, ray)

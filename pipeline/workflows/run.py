@@ -450,7 +450,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
         bopts = BuildOptions(**{"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours or DEFAULT_NEIGHBOURS,
                                 **kept}, corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                              variants=VARIANTS, store=opts.store or (ws.store_location() if previous.get("store") else None),
-                             device=opts.device)
+                             device=opts.device, compute_dtype=opts.dtype)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state: dict = {}
