@@ -243,6 +243,18 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, *fragments)
 
 
+@pytest.mark.parametrize("flags,fragments", [(["-m", "reuse", "--dtype", "bf15"], ["--dtype bf15", "float32, bfloat16, float16"]),
+                                             (["-m", "cacheblend:check_layer=99"], ["--check-layer 99", "30 layers"])])
+def test_a_bad_flag_is_refused_before_a_new_workspace_is_chunked_and_indexed(flags, fragments, data, tmp_path, capsys,
+                                                                            monkeypatch):
+    """`kvf run` on a dataset with no workspace yet chunked and indexed its corpus (minutes for a real one: BM25
+    and every chunk's embedding) and only then refused a bad --dtype or a check layer past the model's."""
+    code, _, err = run_cli(["run", "-d", data[0], "-w", tmp_path / "new-ws", *flags, "-o", tmp_path / "o.jsonl"],
+                           capsys, monkeypatch)
+    assert_one_line(code, err, *fragments)
+    assert not (tmp_path / "new-ws").exists()
+
+
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
     """`kvf eval` onto a full disk: the line names the file it could not write and says to free space or
     write elsewhere (it said "No space left on device (check the path and its permissions)")."""

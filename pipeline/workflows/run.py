@@ -185,6 +185,7 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
     if not opts.methods:
         raise KvfError("--method: name at least one method")
+    compute_dtype(opts.device, opts.dtype)   # not after a new workspace's minutes of chunking and indexing
     check_knobs_used([parse_method_spec(m).name for m in opts.methods], opts.knobs or {})
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray
@@ -566,6 +567,9 @@ def run(opts: RunOptions, console: Console) -> Path:
     check_device(opts.device)
     questions, name = load_questions(opts)
     planned = plan_methods(opts)
+    n_layers = open_model(opts.model).config.num_hidden_layers   # its config only: no weights load yet
+    for p in planned:   # before a new workspace's minutes of chunking and indexing
+        p.method.check_model(n_layers)
     setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
     opts = settle_retrieval(opts, setting, why)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
@@ -594,8 +598,6 @@ def run(opts: RunOptions, console: Console) -> Path:
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
                                                q.question)
             max_positions = model_ref.config.max_position_embeddings
-        for p in planned:
-            p.method.check_model(n_layers)
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
