@@ -84,7 +84,9 @@ CASES = {
     "run --check-layer 99": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-n", "1",
                                            "--check-layer", "99", "-o", t / "o.jsonl"], ["--check-layer 99", "30 layers"]),
     "run -m NAME:KNOB=99": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:check_layer=99", "-n", "1",
-                                           "-o", t / "o.jsonl"], ["check", "99", "30 layers"]),
+                                           "-o", t / "o.jsonl"], ["--method cacheblend:check_layer=99: check_layer:", "30 layers"]),
+    "run -m NAME:KNOB=-1": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:check_layer=-1", "-n", "1",
+                                          "-o", t / "o.jsonl"], ["--method cacheblend:check_layer=-1: check_layer: must be >= 1"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",
                                          "-o", t / "o.jsonl"], ["--ratio 0.3", "full, reuse", "take no ratio"]),
     "run --quality-floor without auto": (lambda d, t: run_args(d, t / "o.jsonl", "--quality-floor", "0.3"),
@@ -153,7 +155,11 @@ CASES = {
     "bench --lengths past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "full", "--lengths", "20000",
                                                      "-o", t / "b"], ["--lengths 20000", "4,096 positions", "up to 4,096"]),
     "bench --check-layer past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "cacheblend:check_layer=9",
-                                                         "--lengths", "512", "-o", t / "b"], ["--check-layer 9", "layers; use 1.."]),
+                                                         "--lengths", "512", "-o", t / "b"],
+                                           ["--method cacheblend:check_layer=9: check_layer:", "layers; use 1.."]),
+    "bench --check-layer flag past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "cacheblend",
+                                                              "--check-layer", "9", "--lengths", "512", "-o", t / "b"],
+                                                ["--check-layer 9", "layers; use 1.."]),
     "bench --device cuda": (lambda d, t: ["bench", "--device", "cuda"], ["--device cuda"]),
     "bench -m unknown knob": (lambda d, t: ["bench", "-m", "full,kvfuse:nope=1"], ["--method kvfuse:nope=1", "no knob"]),
     "bench -m bad knob value": (lambda d, t: ["bench", "-m", "kvfuse:propagate=sideways"], ["propagate"]),
@@ -244,7 +250,7 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("flags,fragments", [(["-m", "reuse", "--dtype", "bf15"], ["--dtype bf15", "float32, bfloat16, float16"]),
-                                             (["-m", "cacheblend:check_layer=99"], ["--check-layer 99", "30 layers"])])
+                                             (["-m", "cacheblend:check_layer=99"], ["check_layer=99", "30 layers"])])
 def test_a_bad_flag_is_refused_before_a_new_workspace_is_chunked_and_indexed(flags, fragments, data, tmp_path, capsys,
                                                                             monkeypatch):
     """`kvf run` on a dataset with no workspace yet chunked and indexed its corpus (minutes for a real one: BM25

@@ -335,17 +335,21 @@ def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
     return df
 
 
-def plan(opts: BenchOptions) -> list[tuple]:
+def plan(opts: BenchOptions, n_layers: int | None = None) -> list[tuple]:
     """(method, spec) per --method entry and ratio; methods without a ratio knob run once. An entry may set
     knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None).
-    full prefill is always timed, first unless named: it is what every ratio divides by."""
+    full prefill is always timed, first unless named: it is what every ratio divides by. With n_layers,
+    knobs that depend on the model (cacheblend's check layer) are checked against it too."""
     from kvf.pipeline.workflows.run import parse_method_spec
     entries = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
     planned, seen = [], set()
     for entry in entries:
         spec = parse_method_spec(entry)
         for ratio in opts.ratios:
-            method = build_method(spec.name, ratio, {**opts.knobs, **spec.knobs})
+            with spec.names_its_knobs():
+                method = build_method(spec.name, ratio, {**opts.knobs, **spec.knobs})
+                if n_layers is not None:
+                    method.check_model(n_layers)
             key = (spec.name, str(method.settings()))
             if key not in seen:
                 seen.add(key)
@@ -508,8 +512,9 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     transformer, tokenizer = load_transformer(opts)
     check_lengths(opts.lengths, transformer.max_positions)
     # knobs that depend on the model (cacheblend's --check-layer): out of range, a method would time other work
-    for method, _ in planned + ([(build_method(opts.auto_method, 0.15, opts.knobs), None)] if opts.auto_ratio else []):
-        method.check_model(transformer.n_layers)
+    planned = plan(opts, transformer.n_layers)
+    if opts.auto_ratio:
+        build_method(opts.auto_method, 0.15, opts.knobs).check_model(transformer.n_layers)
     with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
         rows = measure(opts, FusionEngine(transformer), tokenizer, planned, workdir, console)
     df = add_ratios(pd.DataFrame(rows))

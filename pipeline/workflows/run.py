@@ -10,6 +10,7 @@ settings that would change an answer is refused rather than mixed with the old r
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
-from kvf.pipeline.fusion.methods.base import check_knobs_used
+from kvf.pipeline.fusion.methods.base import KnobError, check_knobs_used
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
@@ -120,6 +121,17 @@ class MethodSpec:
     knobs: dict
     variant: str | None
 
+    @contextmanager
+    def names_its_knobs(self):
+        """A knob this entry set and a method refused (-m cacheblend:check_layer=99) is named as the entry,
+        not as the knob's flag (--check-layer), which the user did not type."""
+        try:
+            yield
+        except KnobError as e:
+            if e.knob not in self.knobs:
+                raise
+            raise KvfError(f"--method {self.text}: {e.knob}: {e.problem}") from None
+
     @property
     def label(self) -> str | None:
         """Entries with their own settings are told apart in records and tables by their text."""
@@ -200,15 +212,19 @@ class Planned:
     label: str | None = None     # the run's --label, and the entry's own settings if it has any
 
 
-def plan_methods(opts: RunOptions) -> list[Planned]:
+def plan_methods(opts: RunOptions, n_layers: int | None = None) -> list[Planned]:
     """Every (method, stored variant) to run per question: methods x ratios, duplicates dropped
-    (full, reuse, prefix, ... ignore the ratio, so a sweep runs them once)."""
+    (full, reuse, prefix, ... ignore the ratio, so a sweep runs them once). With n_layers, knobs that
+    depend on the model (cacheblend's check layer) are checked against it too."""
     planned, seen = [], set()
     for entry in opts.methods:
         spec = parse_method_spec(entry)
         label = " ".join(filter(None, (opts.label, spec.label))) or None
         for ratio in opts.ratios:
-            method = build_method(spec.name, ratio, {**(opts.knobs or {}), **spec.knobs})
+            with spec.names_its_knobs():
+                method = build_method(spec.name, ratio, {**(opts.knobs or {}), **spec.knobs})
+                if n_layers is not None:
+                    method.check_model(n_layers)
             variant = spec.variant or opts.variant or method.offline_variant
             key = (spec.name, label, variant, json.dumps(method.settings(), sort_keys=True))
             if key not in seen:
@@ -566,10 +582,9 @@ def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device)
     questions, name = load_questions(opts)
-    planned = plan_methods(opts)
-    n_layers = open_model(opts.model).config.num_hidden_layers   # its config only: no weights load yet
-    for p in planned:   # before a new workspace's minutes of chunking and indexing
-        p.method.check_model(n_layers)
+    # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
+    # minutes of chunking and indexing
+    planned = plan_methods(opts, open_model(opts.model).config.num_hidden_layers)
     setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
     opts = settle_retrieval(opts, setting, why)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
@@ -587,13 +602,13 @@ def run(opts: RunOptions, console: Console) -> Path:
         if opts.ray is None:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
-            model_name, dtype, n_layers = session.model_ref.name, session.dtype, session.n_layers
+            model_name, dtype = session.model_ref.name, session.dtype
             prompt_of = lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever), q.question)  # noqa: E731
             max_positions = session.answerer.transformer.max_positions
         else:  # the driver only plans and writes: its workers load the model
             model_ref = open_model(opts.model)
             check_workspace_model(ws, model_ref)
-            model_name, dtype, n_layers = model_ref.name, compute_dtype(opts.device, opts.dtype), model_ref.config.num_hidden_layers
+            model_name, dtype = model_ref.name, compute_dtype(opts.device, opts.dtype)
             template, chunks_by_id = make_template(model_ref.tokenizer), {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
                                                q.question)
