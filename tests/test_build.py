@@ -318,6 +318,65 @@ def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
     assert worker.builder.engine.model.dtype == torch.bfloat16
 
 
+def stop_kv_stage_after(monkeypatch, n: int) -> None:
+    """The next build stops (KeyboardInterrupt) after its KV stage has committed n entries."""
+    from kvf.pipeline.workflows.build import EntryBuilder
+    compute, calls = EntryBuilder.compute, []
+
+    def stopping(self, *args, **kwargs):
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return compute(self, *args, **kwargs)
+    monkeypatch.setattr(EntryBuilder, "compute", stopping)
+
+
+def stage_names(summary) -> set[str]:
+    return {s.name for s in summary.stages}
+
+
+def test_a_build_stopped_in_its_kv_stage_resumes_without_building_its_indexes_again(tmp_path, short_docs, monkeypatch):
+    """Index digests were recorded only in the manifest, written when a build ends: a build stopped in its KV
+    stage built BM25, the dense index's neighbours and (before the dense slices) its embeddings again on resume.
+    indexes.json records each index as it ends."""
+    corpus = write_corpus(tmp_path, short_docs)
+    opts = opts_for(tmp_path, corpus, bm25=True, dense=True)
+    with monkeypatch.context() as m:
+        stop_kv_stage_after(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            build_cache(opts, QUIET)
+    assert not (tmp_path / "ws" / "manifest.json").exists()
+    resumed = build_cache(opts, QUIET)
+    assert stage_names(resumed) == {"chunk", "kv prefix"}
+    manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
+    chunk_ids = [c.chunk_id for c in read_chunks_table(tmp_path / "ws" / "chunks.parquet")]
+    from kvf.pipeline.workflows.build import index_digests
+    assert manifest["indexes"] == index_digests(manifest, chunk_ids)
+
+
+def test_an_index_rebuilt_by_a_stopped_build_is_not_trusted_for_the_chunks_it_was_not_built_from(tmp_path, short_docs,
+                                                                                                monkeypatch):
+    """A document added, a build stopped in its KV stage (its BM25 index already holds the new chunks, the manifest
+    still names the old set), the document removed again: the manifest's digest matched the chunks table again,
+    and BM25 over the other set was kept and searched. Now it is built again."""
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
+    corpus = write_corpus(tmp_path, short_docs)
+    opts = opts_for(tmp_path, corpus, bm25=True, dense=False)
+    build_cache(opts, QUIET)
+    added = corpus / "added.txt"
+    added.write_text("Vellmora is a harbour town whose lighthouse keepers breed grey falcons.")
+    with monkeypatch.context() as m:
+        stop_kv_stage_after(m, 0)
+        with pytest.raises(KeyboardInterrupt):
+            build_cache(opts, QUIET)
+    added.unlink()
+    again = build_cache(opts, QUIET)
+    assert "bm25 index" in stage_names(again)
+    table = {c.chunk_id for c in read_chunks_table(tmp_path / "ws" / "chunks.parquet")}
+    hits = BM25Searcher(tmp_path / "ws" / "bm25").search("Vellmora lighthouse falcons", 5)
+    assert {chunk_id for chunk_id, _ in hits} <= table   # the removed document's chunk is not found
+
+
 def copy_build(built, dest: Path) -> BuildOptions:
     """A private copy of the module's workspace and store."""
     shutil.copytree(built.ws.root, dest / "ws")

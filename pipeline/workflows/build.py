@@ -181,24 +181,39 @@ def index_digests(manifest: dict, chunk_ids: list[str]) -> dict[str, str]:
                                                    manifest.get("n_neighbours")])}
 
 
+def record_index(ws: Workspace, state: dict, index: str, digest: str | None) -> None:
+    """indexes.json as an index starts (digest None: what is on disk is not to be trusted) and ends: a build
+    stopped after it resumes without building it again, one stopped inside it builds it again."""
+    if digest is None:
+        state.pop(index, None)
+    else:
+        state[index] = digest
+    with _writing(ws):
+        ws.write_index_state(state)
+
+
 def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previous: dict,
                   console: Console | None = None) -> list[StageStat]:
-    """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed."""
+    """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed.
+    previous: what the indexes on disk were built from (updated here, and in indexes.json)."""
     from kvf.pipeline.retrieval.neighbours import save_neighbours, top_neighbours
     stats = []
     chunk_set = ids_digest([c.chunk_id for c in chunks])
     tokens = sum(len(c.token_ids) for c in chunks)
     if opts.bm25 and ("bm25" in opts.rebuild or not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir())):
         from kvf.pipeline.retrieval.bm25 import build_bm25
+        record_index(ws, previous, "bm25", None)
         started = time.perf_counter()
         with stage(console, "BM25 index", len(chunks)) as advance:
             build_bm25(chunks, ws.bm25_dir, on_batch=advance)
+        record_index(ws, previous, "bm25", chunk_set)
         stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
     need_dense = opts.dense or "fusion" in opts.variants
     dense_key = ids_digest([chunk_set, opts.embedder or "default", opts.n_neighbours])
     fresh = previous.get("dense") == dense_key and ws.neighbours_path.is_file() and ws.dense_dir.is_dir()
     if need_dense and (not fresh or {"dense", "neighbours"} & set(opts.rebuild)):
         from kvf.pipeline.retrieval.dense import Embedder, build_dense, known_embeddings
+        record_index(ws, previous, "dense", None)
         started = time.perf_counter()
         embedder = Embedder(opts.embedder, device=opts.device)
         # a chunk embedded before (an earlier build of fewer documents, or one interrupted) is not embedded again
@@ -212,6 +227,7 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
         started = time.perf_counter()
         with stage(console, "neighbours", None):
             save_neighbours(top_neighbours(embeddings, [c.chunk_id for c in chunks], opts.n_neighbours), ws.neighbours_path)
+        record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
     previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
                      "dense": dense_key if need_dense else previous.get("dense")})
@@ -401,7 +417,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs, console)
         summary.chunks, summary.tokens = len(chunks), stat.tokens
         summary.stages.append(stat)
-        index_state = dict(previous.get("indexes", {}))
+        recorded = ws.index_state()   # newer than the manifest's copy when a build stopped after its indexes
+        index_state = dict(previous.get("indexes", {}) if recorded is None else recorded)
         summary.stages += stage_indexes(opts, ws, chunks, index_state, console)
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
     # sticky: once a workspace promises a method's extras, every later entry must carry them

@@ -470,7 +470,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
                              device=opts.device, compute_dtype=opts.dtype)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
-        index_state: dict = {}
+        index_state = ws.index_state() or {}   # indexes an earlier, stopped run finished are kept
         stage_indexes(bopts, ws, chunks, index_state, console)
         store = open_workspace_store(ws, model_ref, bopts.store, bopts.format, bopts.dtype, create=True)
         write_workspace_manifest(ws, bopts, model_ref, store, index_state, variants=[], extras_for=[])

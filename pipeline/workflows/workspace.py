@@ -62,6 +62,7 @@ class Workspace:
     bm25_dir = property(lambda self: self.root / "bm25")
     dense_dir = property(lambda self: self.root / "dense")
     neighbours_path = property(lambda self: self.root / "neighbours.json")
+    index_state_path = property(lambda self: self.root / "indexes.json")
 
     @contextmanager
     def files_lock(self, waiting: Callable[[str], None]):
@@ -138,6 +139,18 @@ class Workspace:
 
     def write_manifest(self, manifest: dict) -> None:
         write_atomic(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
+
+    def index_state(self) -> dict | None:
+        """What each index on disk was built from, written as each one starts and ends (the manifest's copy
+        is written only when a whole build ends); None when there is no such record or it is damaged."""
+        try:
+            state = json.loads(self.index_state_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def write_index_state(self, state: dict) -> None:
+        write_atomic(self.index_state_path, json.dumps(state, sort_keys=True))
 
     def doc_chunks(self) -> dict[str, list[str]]:
         if not self.doc_chunks_path.is_file():
