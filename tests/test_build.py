@@ -318,6 +318,24 @@ def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
     assert worker.builder.engine.model.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_half_precision_on_a_cpu_without_it_is_said_up_front(native, built, tmp_path, capsys, monkeypatch):
+    """bfloat16 matmul on a CPU without native support is 64x float32's time for one SmolLM2 projection here:
+    a build or run asked for it crawled with no word why. One warning line, before any work; none where the
+    CPU has it, and none for float32."""
+    from kvf.pipeline.workflows import devices
+    monkeypatch.setattr(devices, "native_half_matmul", lambda dtype: native)
+    with pytest.raises(KvfError, match="--batch 0"):   # refused after the dtype is settled, before any work
+        build_cache(opts_for(tmp_path, built.corpus, compute_dtype="bfloat16", batch=0), QUIET)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ([] if native else [lines[0]])
+    if not native:
+        assert lines[0].startswith("warning: --compute-dtype bfloat16 on this CPU") and "leave --compute-dtype out" in lines[0]
+    devices.warn_if_slow("cpu", torch.float32)
+    devices.warn_if_slow("cuda", torch.bfloat16)
+    assert capsys.readouterr().err == ""
+
+
 def stop_kv_stage_after(monkeypatch, n: int) -> None:
     """The next build stops (KeyboardInterrupt) after its KV stage has committed n entries."""
     from kvf.pipeline.workflows.build import EntryBuilder

@@ -36,7 +36,7 @@ from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, work_dir, write_atomic
-from kvf.pipeline.workflows.devices import compute_dtype
+from kvf.pipeline.workflows.devices import compute_dtype, warn_if_slow
 from kvf.pipeline.workflows.display import fit_table, progress_bar
 from kvf.pipeline.workflows.workspace import EntryKeys
 
@@ -507,6 +507,7 @@ def check_lengths(lengths: list[int], max_positions: int) -> None:
 
 def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
     planned = plan(opts)
+    warn_if_slow(opts.device, compute_dtype(opts.device, opts.dtype_compute))
     if opts.versus:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)

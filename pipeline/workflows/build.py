@@ -26,7 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.devices import compute_dtype
+from kvf.pipeline.workflows.devices import compute_dtype, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
@@ -394,6 +394,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
+    warn_if_slow(opts.device, model_dtype, "--compute-dtype")
     validate_chunking(opts.chunk_tokens, opts.overlap)
     if opts.batch < 1 or opts.threads < 1:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, warn
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,3 +30,20 @@ def compute_dtype(device: str, name: str | None, flag: str = "--dtype") -> torch
     if name not in COMPUTE_DTYPES:
         raise KvfError(f"{flag} {name}: use one of {', '.join(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[name]
+
+
+def native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies bfloat16 / float16 natively (AVX512-BF16, AMX, AVX512-FP16)."""
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def warn_if_slow(device: str, dtype: torch.dtype, flag: str = "--dtype") -> None:
+    """A half-precision dtype on a CPU without native support runs every matmul tens of times slower than
+    float32 (64x for one SmolLM2 projection on this repository's AVX2 machine): said once, up front."""
+    if device == "cpu" and dtype != torch.float32 and not native_half_matmul(dtype):
+        name = str(dtype).removeprefix("torch.")
+        warn(f"{flag} {name} on this CPU ({torch.backends.cpu.get_cpu_capability()}, no native {name} matmul): the model "
+             f"will run tens of times slower than in float32; leave {flag} out for float32")
+

@@ -30,7 +30,7 @@ from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
 from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
                                           open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
-from kvf.pipeline.workflows.devices import check_device, compute_dtype
+from kvf.pipeline.workflows.devices import check_device, compute_dtype, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
@@ -581,6 +581,7 @@ def settings_for(planned: list[Planned], opts: RunOptions, base: dict) -> dict[i
 def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device)
+    warn_if_slow(opts.device, compute_dtype(opts.device, opts.dtype))
     questions, name = load_questions(opts)
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
     # minutes of chunking and indexing
