@@ -139,6 +139,17 @@ def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, t
     assert "\n" not in message and "Traceback" not in message and "\x1b" not in message
 
 
+def test_a_numbered_gpu_with_ray_is_refused_before_ray_starts(monkeypatch):
+    """With --ray, Ray hands each actor one GPU and makes it the only one the actor sees (cuda:0): --device cuda:1
+    passed the driver's check on a 2-GPU machine and failed in every actor ('invalid device ordinal')."""
+    from types import SimpleNamespace
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows import distributed
+    monkeypatch.setattr(distributed, "start_ray", lambda *a: pytest.fail("Ray started before the flags were checked"))
+    with pytest.raises(KvfError, match=r"^--device cuda:1 with --ray: .*pass --device cuda"):
+        distributed.check_ray(SimpleNamespace(ray="local", device="cuda:1", workers=None, threads=1))
+
+
 def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(ray_local, corpus, tmp_path):
     """Ray starts an actor only when its CPUs (or GPU) are free, and kvf's actors live until the work is done:
     asking for more than fit used to hang the build forever (measured: --workers 3 on 2 cores). Now it is one

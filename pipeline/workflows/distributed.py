@@ -63,6 +63,9 @@ def check_ray(opts) -> None:
     would otherwise wait forever for the rest). Starts Ray; later start_ray calls find it started."""
     check_ray_address(opts.ray)
     check_worker_flags(opts.workers, opts.threads)   # before Ray starts: a bad flag costs no seconds
+    if opts.device.startswith("cuda:"):   # each actor sees only the GPU Ray gave it, as cuda:0
+        raise KvfError(f"--device {opts.device} with --ray: Ray gives each worker a GPU of its own, which it sees as "
+                       "cuda; pass --device cuda (CUDA_VISIBLE_DEVICES on the nodes picks which GPUs Ray uses)")
     worker_count(start_ray(opts.ray, opts.threads), opts.workers, opts.device, opts.threads)
 
 
