@@ -53,8 +53,12 @@ def assert_same_store(a_path, b_path):
     assert b.verify() == []
 
 
-def test_ray_build_equals_one_process_build(ray_local, corpus):
+def test_ray_build_equals_one_process_build(ray_local, corpus, monkeypatch):
+    """...and the driver never loads the model: the actors compute S's entry too (a driver's copy of the model
+    held GPU memory that the actor on that GPU needed)."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    from kvf.pipeline.workflows.weights import ModelRef
+    monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("the driver loaded the model"))
     summary = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=corpus / "ray", ray="local",
                                        workers=2, batch=4, **BUILD), QUIET)
     assert_same_store(corpus / "one" / "kv.zarr", corpus / "ray" / "kv.zarr")

@@ -2,8 +2,8 @@
 
 - build-cache: chunking and indexing stay on the driver; chunk KVs are computed by Ray actors, one
   model per actor, in batches of chunks, each actor writing straight into the shared store (a local
-  path, a shared filesystem or s3://). S's entry is stored by the driver first, and `prefix` entries
-  before `fusion` ones (a fusion entry reads its neighbours' prefix entries), so no two actors ever
+  path, a shared filesystem or s3://). S's entry is stored first, by one actor (the driver never loads
+  the model, so it holds no GPU memory an actor needs), and `prefix` entries before `fusion` ones (a fusion entry reads its neighbours' prefix entries), so no two actors ever
   write the same key at the same time. A local store commits entries atomically anyway; an object
   store commits by marker, so the ordering is what keeps it correct there.
 - run: questions are spread over actors, each with its own model and store reader; every record
@@ -143,6 +143,10 @@ class KVWorkerImpl:
         opened = open_workspace_store(Workspace("."), model_ref, store, None, dtype, create=False)
         self.builder = EntryBuilder(model_ref, opened, device, extras_for, dtype=compute_dtype(device, model_dtype))
 
+    def system(self) -> None:
+        """S's entry, computed and stored unless present: by one actor, before any batch (every chunk attends to it)."""
+        self.builder.system_kv()
+
     def build(self, variant: str, chunks: list, neighbours: dict | None, by_id: dict) -> dict:
         import time
         write_pid_marker()
@@ -165,7 +169,6 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats."""
     from ray.util import ActorPool
     ray = start_ray(opts.ray, opts.threads)
-    builder.system_kv()  # S once, by the driver: actors only read it
     n_workers = worker_count(ray, opts.workers, opts.device, opts.threads)
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
@@ -173,12 +176,12 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
                                                            opts.compute_dtype)
                for _ in range(n_workers)]
     try:
+        with task_errors(ray):
+            ray.get(workers[0].system.remote())   # S once, before any batch: the actors only read it after
         stats = build_batches(opts, builder, ActorPool(workers), n_workers, chunks, neighbours, console, summary, ray)
     finally:
         for w in workers:
             ray.kill(w)
-    summary.entries_written += builder.entries_written  # S, if the driver stored it
-    summary.bytes_written += builder.bytes_written
     return stats
 
 
