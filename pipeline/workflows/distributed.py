@@ -3,8 +3,9 @@
 - build-cache: chunking and indexing stay on the driver; chunk KVs are computed by Ray actors, one
   model per actor, in batches of chunks, each actor writing straight into the shared store (a local
   path, a shared filesystem or s3://). S's entry is stored first, by one actor (the driver never loads
-  the model, so it holds no GPU memory an actor needs), and `prefix` entries before `fusion` ones (a fusion entry reads its neighbours' prefix entries), so no two actors ever
-  write the same key at the same time. A local store commits entries atomically anyway; an object
+  the model, so it holds no GPU memory an actor needs), and `prefix` entries before `fusion` ones (a
+  fusion entry reads its neighbours' prefix entries), so no two actors ever write the same key at the
+  same time. A local store commits entries atomically anyway; an object
   store commits by marker, so the ordering is what keeps it correct there.
 - run: questions are spread over actors, each with its own model and store reader; every record
   comes back to the driver, the only writer of the run file (resumable, no duplicates, no torn lines).
