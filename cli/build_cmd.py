@@ -42,7 +42,7 @@ def build_cache_command(
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
-    check_device(device)  # before any work: a bad device must not leave a half-built workspace
+    check_device(device, workers_only=ray is not None)  # before any work: a bad device must not leave a half-built workspace
     use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers, threads, batch)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,

@@ -395,6 +395,20 @@ def test_an_index_rebuilt_by_a_stopped_build_is_not_trusted_for_the_chunks_it_wa
     assert {chunk_id for chunk_id, _ in hits} <= table   # the removed document's chunk is not found
 
 
+
+def test_a_ray_driver_without_a_gpu_embeds_the_dense_index_on_its_cpu(built, tmp_path, monkeypatch):
+    """With --ray, --device cuda names the workers' device; a driver without a GPU embedded on cuda and failed."""
+    from rich.console import Console
+    from kvf.pipeline.workflows.build import stage_indexes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    opts = opts_for(tmp_path, built.corpus, dense=True, device="cuda", ray="local")
+    console = Console(file=io.StringIO(), width=300)
+    state = {}
+    stage_indexes(opts, Workspace(tmp_path / "ws"), built.chunks, state, console)
+    assert state["dense"] and (tmp_path / "ws" / "neighbours.json").is_file()
+    assert "embeds the dense index on its CPU" in console.file.getvalue()
+
+
 def copy_build(built, dest: Path) -> BuildOptions:
     """A private copy of the module's workspace and store."""
     shutil.copytree(built.ws.root, dest / "ws")

@@ -154,6 +154,27 @@ def test_a_numbered_gpu_with_ray_is_refused_before_ray_starts(monkeypatch):
         distributed.check_ray(SimpleNamespace(ray="local", device="cuda:1", workers=None, threads=1))
 
 
+def test_a_driver_without_a_gpu_leaves_the_gpu_to_the_workers(ray_local, corpus, tmp_path, capsys, monkeypatch):
+    """A Ray cluster's head node often has no GPU. With --ray, --device cuda is the workers' device: the driver
+    refused it ('this torch sees no CUDA GPU') however many GPUs the workers had. Now the driver checks its
+    spelling, the cluster's room decides (here: none), and each worker checks its own GPU."""
+    from kvf.cli.main import main
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows.distributed import KVWorkerImpl
+    from kvf.pipeline.workflows.devices import driver_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["kvf", "build-cache", str(corpus / "data" / "corpus"), "-w", str(tmp_path / "ws"),
+                                      "--ray", "local", "--device", "cuda", "--no-bm25"])
+    with pytest.raises(SystemExit):
+        main()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the Ray cluster has 0 GPUs" in err and "add GPU nodes or pass --device cpu" in err, err
+    assert not (tmp_path / "ws").exists()
+    assert driver_device("cuda", "local") == "cpu" and driver_device("cuda", None) == "cuda"
+    with pytest.raises(KvfError, match="^--device cuda: this torch sees no CUDA GPU"):   # a worker without one
+        KVWorkerImpl(None, str(corpus / "one" / "kv.zarr"), "float32", "cuda", (), 1)
+
+
 def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(ray_local, corpus, tmp_path):
     """Ray starts an actor only when its CPUs (or GPU) are free, and kvf's actors live until the work is done:
     asking for more than fit used to hang the build forever (measured: --workers 3 on 2 cores). Now it is one

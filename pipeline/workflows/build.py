@@ -26,7 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.devices import compute_dtype, warn_if_slow
+from kvf.pipeline.workflows.devices import compute_dtype, driver_device, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
@@ -215,7 +215,11 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
         from kvf.pipeline.retrieval.dense import Embedder, build_dense, known_embeddings
         record_index(ws, previous, "dense", None)
         started = time.perf_counter()
-        embedder = Embedder(opts.embedder, device=opts.device)
+        device = driver_device(opts.device, opts.ray)
+        if device != opts.device and console is not None:
+            console.print(f"note: --device {opts.device} is the Ray workers'; this driver sees no GPU, so it embeds the "
+                          "dense index on its CPU", markup=False, highlight=False, soft_wrap=True)
+        embedder = Embedder(opts.embedder, device=device)
         # a chunk embedded before (an earlier build of fewer documents, or one interrupted) is not embedded again
         known = known_embeddings(ws.dense_dir, embedder.name, embedder.dim, from_index="dense" not in opts.rebuild)
         new = [c for c in chunks if c.chunk_id not in known]

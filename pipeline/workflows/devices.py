@@ -8,11 +8,14 @@ from kvf.errors import KvfError, warn
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_device(device: str) -> None:
-    """cpu, or cuda / cuda:N on a torch that can see a GPU; anything else is a one-line error."""
+def check_device(device: str, workers_only: bool = False) -> None:
+    """cpu, or cuda / cuda:N on a torch that can see a GPU; anything else is a one-line error.
+    workers_only (--ray): the device is the Ray workers', which check it themselves; here only its spelling."""
     if device == "cpu":
         return
     if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if workers_only:
+            return
         if not torch.cuda.is_available():
             raise KvfError(f"--device {device}: this torch sees no CUDA GPU (it is a CPU build, or no GPU is visible); "
                            "install a CUDA build of torch (see README) or use --device cpu")
@@ -20,6 +23,14 @@ def check_device(device: str) -> None:
             raise KvfError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
         return
     raise KvfError(f"--device {device}: kvf runs on cpu or cuda (cuda:N)")
+
+
+def driver_device(device: str, ray: str | None) -> str:
+    """Where this process's own work runs (the dense index's embeddings): --device, except that with --ray
+    --device names the workers' device, and a driver without a GPU (a cluster's CPU head node) uses its CPU."""
+    if ray is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        return "cpu"
+    return device
 
 
 def compute_dtype(device: str, name: str | None, flag: str = "--dtype") -> torch.dtype:

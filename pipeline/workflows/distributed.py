@@ -136,9 +136,10 @@ class KVWorkerImpl:
                  model_dtype: str | None = None):
         import torch
         from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
-        from kvf.pipeline.workflows.devices import compute_dtype
+        from kvf.pipeline.workflows.devices import check_device, compute_dtype
         from kvf.pipeline.workflows.weights import open_model
         from kvf.pipeline.workflows.workspace import Workspace
+        check_device(device)   # this worker's own GPU: the driver (perhaps a CPU head node) did not check it
         torch.set_num_threads(threads)
         model_ref = open_model(model)
         opened = open_workspace_store(Workspace("."), model_ref, store, None, dtype, create=False)

@@ -467,7 +467,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
         bopts = BuildOptions(**{"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours or DEFAULT_NEIGHBOURS,
                                 **kept}, corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                              variants=VARIANTS, store=opts.store or (ws.store_location() if previous.get("store") else None),
-                             device=opts.device, compute_dtype=opts.dtype)
+                             device=opts.device, compute_dtype=opts.dtype, ray=opts.ray)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state = ws.index_state() or {}   # indexes an earlier, stopped run finished are kept
@@ -580,7 +580,7 @@ def settings_for(planned: list[Planned], opts: RunOptions, base: dict) -> dict[i
 
 def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
-    check_device(opts.device)
+    check_device(opts.device, workers_only=opts.ray is not None)
     warn_if_slow(opts.device, compute_dtype(opts.device, opts.dtype))
     questions, name = load_questions(opts)
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
