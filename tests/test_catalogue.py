@@ -261,6 +261,20 @@ def test_a_bad_flag_is_refused_before_a_new_workspace_is_chunked_and_indexed(fla
     assert not (tmp_path / "new-ws").exists()
 
 
+@pytest.mark.parametrize("command", ["bench", "run"])
+def test_a_model_larger_than_the_free_memory_is_one_line_before_it_is_loaded(command, data, tmp_path, capsys, monkeypatch):
+    """`kvf bench --random-weights llama3-8b` on this 24 GB CPU machine allocated 30 GiB of float32 weights and was
+    killed by the kernel without a word; a --model too large for the device went the same way. The weights'
+    size (from the config, on the meta device) is compared with the free memory first."""
+    from kvf.pipeline.workflows import devices
+    monkeypatch.setattr(devices, "free_bytes", lambda device: 2**20)   # 1 MiB free
+    args = (["bench", "--random-weights", "tiny", "-m", "full", "--lengths", "64", "-o", tmp_path / "b"] if command == "bench"
+            else run_args(data, tmp_path / "o.jsonl"))
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    flag = "--random-weights tiny" if command == "bench" else "--model SmolLM2-135M-Instruct"
+    assert_one_line(code, err, f"{flag}: its ", "parameters take", "more than the 0.00 GiB free on cpu")
+
+
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
     """`kvf eval` onto a full disk: the line names the file it could not write and says to free space or
     write elsewhere (it said "No space left on device (check the path and its permissions)")."""

@@ -36,7 +36,7 @@ from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, work_dir, write_atomic
-from kvf.pipeline.workflows.devices import compute_dtype, warn_if_slow
+from kvf.pipeline.workflows.devices import check_model_fits, compute_dtype, warn_if_slow
 from kvf.pipeline.workflows.display import fit_table, progress_bar
 from kvf.pipeline.workflows.workspace import EntryKeys
 
@@ -97,6 +97,7 @@ def load_transformer(opts: BenchOptions):
             raise KvfError(f"--random-weights {opts.random_weights}: known shapes are {', '.join(RANDOM_CONFIGS)}")
         config = LlamaConfig(**RANDOM_CONFIGS[opts.random_weights], tie_word_embeddings=False)
         dtype = compute_dtype(opts.device, opts.dtype_compute)
+        check_model_fits(config, dtype, opts.device, f"--random-weights {opts.random_weights}")
         with torch.device(opts.device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
         return Transformer(model), None

@@ -1,6 +1,8 @@
 """Which device and compute dtype a command runs on, checked before any work starts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvf.errors import KvfError, warn
@@ -57,4 +59,31 @@ def warn_if_slow(device: str, dtype: torch.dtype, flag: str = "--dtype") -> None
         name = str(dtype).removeprefix("torch.")
         warn(f"{flag} {name} on this CPU ({torch.backends.cpu.get_cpu_capability()}, no native {name} matmul): the model "
              f"will run tens of times slower than in float32; leave {flag} out for float32")
+
+
+def free_bytes(device: str) -> int | None:
+    """What a new allocation can take on `device`: the GPU's free memory, or the kernel's MemAvailable
+    (None where neither can be read)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kib = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    return int(kib) * 1024 if kib else None
+
+
+def check_model_fits(config, dtype: torch.dtype, device: str, flag: str) -> None:
+    """A model whose weights alone exceed the free memory is refused in one line, before any is allocated:
+    the kernel's OOM killer would end the process midway without a word (`kvf bench --random-weights
+    llama3-8b` on a 24 GB CPU machine: 32 GB of float32 weights)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):   # shapes only: no memory
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    need, free = params * dtype.itemsize, free_bytes(device)
+    if free is not None and need > free:
+        raise KvfError(f"{flag}: its {params / 1e6:,.0f}M parameters take {need / 2**30:.2f} GiB in "
+                       f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.2f} GiB free on {device}; "
+                       "use a smaller model or a device with more memory, or free some")
 

@@ -160,6 +160,8 @@ class ModelRef:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
+        from kvf.pipeline.workflows.devices import check_model_fits
+        check_model_fits(self.config, dtype, device, f"--model {self.name}")
         try:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError) as e:  # missing or damaged weight files
