@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
-from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, KnobError
+from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
 from kvf.pipeline.workflows.session import Session, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS
@@ -71,7 +70,8 @@ class WorkspaceSession:
                                    f"leave {name} out, or documents out to retrieve")
         top_k, retriever = top_k or DEFAULT_TOP_K, retriever or DEFAULT_RETRIEVER
         check_own_knobs(method, knobs)
-        with knobs_named_as_arguments(knobs):
+        # a knob was an argument here: the same line, naming it check_layer=99 rather than --check-layer 99
+        with knob_errors_named(knobs, lambda knob, problem: f"{knob}={knobs[knob]!r}: {problem}"):
             fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
             fusion.check_model(s.n_layers)
         if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
@@ -129,18 +129,6 @@ def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
     check_argument("max_new_tokens", max_new_tokens, int, low=0, why="must be >= 0 (0: the first token's work only)")
-
-
-@contextmanager
-def knobs_named_as_arguments(knobs: dict):
-    """A method refuses a knob naming its CLI flag (--check-layer 99: the model has 30 layers); from Python the
-    knob was an argument: the same line, naming it check_layer=99."""
-    try:
-        yield
-    except KnobError as e:
-        if e.knob not in knobs:
-            raise
-        raise KvfError(f"{e.knob}={knobs[e.knob]!r}: {e.problem}") from None
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:

@@ -26,7 +26,7 @@ from kvf.pipeline.retrieval.corpus import Document, read_corpus
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.devices import compute_dtype, driver_device, warn_if_slow
+from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
@@ -454,7 +454,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "store": ws.relative_store(store_location(ws, opts.store, store.format)), "format": store.format,
                            "model_arg": opts.model,
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
-                           "compute_dtype": str(compute_dtype(opts.device, opts.compute_dtype)).removeprefix("torch."),
+                           "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "extras_for": list(extras_for)})
 

@@ -35,6 +35,11 @@ def driver_device(device: str, ray: str | None) -> str:
     return device
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as flags, records and manifests spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def compute_dtype(device: str, name: str | None, flag: str = "--dtype") -> torch.dtype:
     """--dtype (build-cache's --compute-dtype), default float32 on the CPU (bf16 matmul is far slower
     there) and bfloat16 on CUDA."""
@@ -56,7 +61,7 @@ def warn_if_slow(device: str, dtype: torch.dtype, flag: str = "--dtype") -> None
     """A half-precision dtype on a CPU without native support runs every matmul tens of times slower than
     float32 (64x for one SmolLM2 projection on this repository's AVX2 machine): said once, up front."""
     if device == "cpu" and dtype != torch.float32 and not native_half_matmul(dtype):
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         warn(f"{flag} {name} on this CPU ({torch.backends.cpu.get_cpu_capability()}, no native {name} matmul): the model "
              f"will run tens of times slower than in float32; leave {flag} out for float32")
 
@@ -84,6 +89,6 @@ def check_model_fits(config, dtype: torch.dtype, device: str, flag: str) -> None
     need, free = params * dtype.itemsize, free_bytes(device)
     if free is not None and need > free:
         raise KvfError(f"{flag}: its {params / 1e6:,.0f}M parameters take {need / 2**30:.2f} GiB in "
-                       f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.2f} GiB free on {device}; "
+                       f"{dtype_name(dtype)}, more than the {free / 2**30:.2f} GiB free on {device}; "
                        "use a smaller model or a device with more memory, or free some")
 

@@ -10,7 +10,6 @@ settings that would change an answer is refused rather than mixed with the old r
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,13 +23,13 @@ from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
-from kvf.pipeline.fusion.methods.base import KnobError, check_knobs_used
+from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import read_chunks_table
 from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
                                           open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
-from kvf.pipeline.workflows.devices import check_device, compute_dtype, warn_if_slow
+from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
@@ -121,16 +120,9 @@ class MethodSpec:
     knobs: dict
     variant: str | None
 
-    @contextmanager
     def names_its_knobs(self):
-        """A knob this entry set and a method refused (-m cacheblend:check_layer=99) is named as the entry,
-        not as the knob's flag (--check-layer), which the user did not type."""
-        try:
-            yield
-        except KnobError as e:
-            if e.knob not in self.knobs:
-                raise
-            raise KvfError(f"--method {self.text}: {e.knob}: {e.problem}") from None
+        """A knob this entry set and a method refused (-m cacheblend:check_layer=99) is named as the entry."""
+        return knob_errors_named(self.knobs, lambda knob, problem: f"--method {self.text}: {knob}: {problem}")
 
     @property
     def label(self) -> str | None:
@@ -197,11 +189,12 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
     if not opts.methods:
         raise KvfError("--method: name at least one method")
-    compute_dtype(opts.device, opts.dtype)   # not after a new workspace's minutes of chunking and indexing
+    dtype = compute_dtype(opts.device, opts.dtype)   # not after a new workspace's minutes of chunking and indexing
     check_knobs_used([parse_method_spec(m).name for m in opts.methods], opts.knobs or {})
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray
         check_ray(opts)
+    warn_if_slow(opts.device, dtype)   # once every flag is accepted
 
 
 # ---- what to run ---------------------------------------------------------------------------------
@@ -569,7 +562,7 @@ def base_settings(opts: RunOptions, setting: str, manifest: dict, model_name: st
     return {"top_k": opts.top_k, "setting": setting, "retriever": opts.retriever if setting == "shared" else None,
             "chunk_tokens": manifest.get("chunk_tokens"), "model": model_name,
             "max_new_tokens": opts.max_new_tokens, "n_neighbours": manifest.get("n_neighbours"),
-            "store_dtype": manifest.get("dtype", "float16"), "compute_dtype": str(dtype).replace("torch.", ""),
+            "store_dtype": manifest.get("dtype", "float16"), "compute_dtype": dtype_name(dtype),
             "pipeline": opts.pipeline}
 
 
@@ -581,7 +574,6 @@ def settings_for(planned: list[Planned], opts: RunOptions, base: dict) -> dict[i
 def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device, workers_only=opts.ray is not None)
-    warn_if_slow(opts.device, compute_dtype(opts.device, opts.dtype))
     questions, name = load_questions(opts)
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
     # minutes of chunking and indexing

@@ -26,6 +26,7 @@ import os
 import pkgutil
 import sys
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,18 @@ class KnobError(KvfError):
     def __init__(self, knob: str, shown: str | None, problem: str):
         self.knob, self.problem = knob, problem
         super().__init__(f"{flag_name(knob)}{'' if shown is None else ' ' + shown}: {problem}")
+
+
+@contextmanager
+def knob_errors_named(knobs: dict, line):
+    """A knob in `knobs` that a method refuses is named the caller's way, line(knob, problem) (a -m entry, a
+    Python argument), not as its CLI flag, which the user did not type; other knobs' lines pass through."""
+    try:
+        yield
+    except KnobError as e:
+        if e.knob not in knobs:
+            raise
+        raise KvfError(line(e.knob, e.problem)) from None
 
 
 def knob_types(knobs_class: type) -> dict[str, type]:
