@@ -29,8 +29,9 @@ from kvf.errors import KvfError
 from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.retrieval.chunking import Chunk
-from kvf.pipeline.workflows.bench import BenchOptions, load_transformer, train_bpe_tokenizer
+from kvf.pipeline.workflows.bench import RANDOM_CONFIGS, BenchOptions, load_transformer, train_bpe_tokenizer
 from kvf.pipeline.workflows.build import EntryBuilder, store_meta
+from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,11 +125,24 @@ def write_report(args, numbers: dict, commit: str | None) -> None:
     print("\n".join(lines))
 
 
+def check_args(args) -> None:
+    """Every flag, before a model is made: a bad one is one line, not a traceback a minute in."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvfError("bench_gpu_build needs a CUDA GPU; run it on a GPU machine (or --device cpu --random-weights tiny)")
+    check_device(args.device)
+    if args.random_weights not in RANDOM_CONFIGS:
+        raise KvfError(f"--random-weights {args.random_weights}: known shapes are {', '.join(RANDOM_CONFIGS)}")
+    for flag, value in (("--chunks", args.chunks), ("--chunk-tokens", args.chunk_tokens)):
+        if value < 1:
+            raise KvfError(f"{flag} {value}: must be >= 1")
+    for name in args.compute_dtypes.split(","):
+        compute_dtype(args.device, name, "--compute-dtypes")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise KvfError("bench_gpu_build needs a CUDA GPU; run it on a GPU machine (or --device cpu --random-weights tiny)")
+        check_args(args)
         from kvf.pipeline.data.synthetic import make_synthetic
         texts = [p.text for q in make_synthetic(None, n_questions=20, passages_per_question=4, seed=7) for p in q.contexts]
         tokenizer = train_bpe_tokenizer(texts)

@@ -103,6 +103,20 @@ def test_the_gpu_build_bench_writes_the_table_the_projection_reads(tmp_path):
     assert "Made by `python -m kvf.scripts.bench_gpu_build" in out.read_text()
 
 
+@pytest.mark.parametrize("flags,fragment", [(["--chunks", "0"], "--chunks 0: must be >= 1"),
+                                            (["--chunk-tokens", "0"], "--chunk-tokens 0: must be >= 1"),
+                                            (["--compute-dtypes", "bfloat16,fp8"], "--compute-dtypes fp8: use one of"),
+                                            (["--random-weights", "llama9"], "--random-weights llama9: known shapes"),
+                                            (["--device", "tpu"], "--device tpu: kvf runs on cpu or cuda")])
+def test_a_bad_gpu_build_bench_flag_is_one_line_before_any_model_is_made(flags, fragment, tmp_path, capsys):
+    from kvf.scripts import bench_gpu_build
+    args = ["--device", "cpu", "--random-weights", "tiny", "--out", str(tmp_path / "build.md"), *flags]
+    assert bench_gpu_build.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvf: error: {fragment}"), err
+    assert not (tmp_path / "build.md").exists()
+
+
 def test_rerendering_the_committed_numbers_gives_the_committed_report(tmp_path):
     """results/scale.md is its numbers (scale.json) rendered: --rerender writes it again, word for word but the
     commit, from scale.json and results/gpu/build.csv."""
@@ -111,7 +125,7 @@ def test_rerendering_the_committed_numbers_gives_the_committed_report(tmp_path):
     args = parse_args(["--rerender", str(ROOT / "results" / "scale.json"), "--out", str(tmp_path / "scale.md")])
     rendered_by = json.loads((ROOT / "results" / "scale.json").read_text())["rendered_by"]
     rerender(args, rendered_by)
-    commit = re.compile(r"at commit [0-9a-f]{7,}")
+    commit = re.compile(r"at commit [0-9a-f]{7,}(-dirty)?")   # a working tree with edits reads -dirty
     assert commit.sub("", (tmp_path / "scale.md").read_text()) == commit.sub("", committed.read_text())
 
 
