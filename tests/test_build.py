@@ -291,31 +291,77 @@ def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys,
         build_cache(replace(built.opts, model=str(retok), workspace=tmp_path / "ws2", store=built.summary.store), QUIET)
 
 
+def by_chunk(store) -> dict[str, torch.Tensor]:
+    """chunk id -> its stored prefix KV"""
+    return {store.attrs(k)["chunk_id"]: store.get(k) for k in chunk_keys(store)}
+
+
 def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
     """--compute-dtype (default float32 on the CPU, bfloat16 on CUDA, as kvf run's --dtype) is the dtype the
     model computes KVs in: a bfloat16 build stores bfloat16 arithmetic (off the float32 build's values by
     bfloat16's rounding, not more), records it in the manifest, and Ray workers are handed it too."""
-    from transformers import AutoModelForCausalLM
     from kvf.pipeline.workflows.distributed import KVWorkerImpl
-    tiny = tmp_path / "tiny"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
-    built.model_ref.tokenizer.save_pretrained(tiny)
+    tiny = save_tiny_llama(tmp_path, built.model_ref)
     stores = {}
     for name in ("float32", "bfloat16"):
         ws = tmp_path / name
         build_cache(opts_for(tmp_path, built.corpus, workspace=ws, model=str(tiny), dtype="float32",
                              compute_dtype=None if name == "float32" else name), QUIET)
         assert json.loads((ws / "manifest.json").read_text())["compute_dtype"] == name
-        stores[name] = open_store(str(ws / "kv.zarr"))
-    keys = chunk_keys(stores["float32"])
-    assert sorted(keys) == sorted(chunk_keys(stores["bfloat16"])) and keys
-    for key in keys:
-        full, half = stores["float32"].get(key), stores["bfloat16"].get(key)
+        stores[name] = by_chunk(open_store(str(ws / "kv.zarr")))
+    assert sorted(stores["float32"]) == sorted(stores["bfloat16"]) and stores["float32"]
+    for chunk_id, full in stores["float32"].items():
+        half = stores["bfloat16"][chunk_id]
         assert not torch.equal(full, half)
         assert (half - full).abs().max() <= 0.05 * full.abs().max()
     worker = KVWorkerImpl(str(tiny), str(tmp_path / "bfloat16" / "kv.zarr"), "float32", "cpu", (), 1, "bfloat16")
     assert worker.builder.engine.model.dtype == torch.bfloat16
+
+
+def save_tiny_llama(tmp_path: Path, model_ref) -> Path:
+    from transformers import AutoModelForCausalLM
+    tiny = tmp_path / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
+    model_ref.tokenizer.save_pretrained(tiny)
+    return tiny
+
+
+def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, capsys, monkeypatch):
+    """Entries are keyed by the dtype that computed them. A build resumed with another --compute-dtype, or a
+    run on a GPU (bfloat16) over a store built on the CPU, found every float32 entry under its key and used
+    it: the manifest said bfloat16 over float32 bytes, and entries computed later mixed the two. Now each
+    dtype's entries are its own, equal to a store built in that dtype alone; a run in another dtype than the
+    build's says in one line that it computes its own; gc --keep-workspace keeps both."""
+    from kvf.pipeline.workflows.gc import collect
+    tiny = save_tiny_llama(tmp_path, built.model_ref)
+    alone = {}
+    for name in ("float32", "bfloat16"):
+        build_cache(opts_for(tmp_path, built.corpus, workspace=tmp_path / f"alone-{name}", model=str(tiny),
+                             dtype="float32", compute_dtype=name), QUIET)
+        alone[name] = open_store(str(tmp_path / f"alone-{name}" / "kv.zarr"))
+    shared = tmp_path / "ws"
+    for name in ("float32", "bfloat16"):   # the same workspace and store, resumed in another dtype
+        build_cache(opts_for(tmp_path, built.corpus, workspace=shared, model=str(tiny), dtype="float32",
+                             compute_dtype=name), QUIET)
+    store = open_store(str(shared / "kv.zarr"))
+    assert sorted(store.keys()) == sorted(set(alone["float32"].keys()) | set(alone["bfloat16"].keys()))
+    assert not set(alone["float32"].keys()) & set(alone["bfloat16"].keys())
+    for one in alone.values():
+        for key in one.keys():
+            assert torch.equal(store.get(key), one.get(key))
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": QUESTION, "passages": ["doc0.txt", "mountains.md"]}) + "\n")
+    for dtype in ("bfloat16", "float32"):   # the manifest's (the last build's), then another
+        code, _, err = run_main(["run", "-w", shared, "-q", questions, "-m", "reuse", "--model", tiny, "--dtype", dtype,
+                                 "--max-new-tokens", 2, "-o", tmp_path / f"{dtype}.jsonl"], capsys, monkeypatch)
+        warnings = [line for line in err.splitlines() if "were built in" in line]
+        assert code == 0 and len(warnings) == (dtype == "float32"), err
+    assert "built in bfloat16; this run computes in float32" in warnings[0] and "--dtype bfloat16" in warnings[0]
+
+    collect(str(shared / "kv.zarr"), None, None, shared, True, QUIET)
+    assert sorted(open_store(str(shared / "kv.zarr")).keys()) == sorted(store.keys())
 
 
 @pytest.mark.parametrize("native", [False, True])

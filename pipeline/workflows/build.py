@@ -246,11 +246,12 @@ class EntryBuilder:
                  dtype: torch.dtype = torch.float32):
         self.model_ref = model_ref
         self.store = store
-        self.device, self.dtype = device, dtype
+        # given an engine, its model's dtype is the one entries are computed in
+        self.device, self.dtype = device, engine.model.dtype if engine is not None else dtype
         self.extras_methods = [METHODS[name] for name in extras_methods(extras_for)]
         self.extras_names = {n for m in self.extras_methods for n in m.extras_names}
         self.template = make_template(model_ref.tokenizer)
-        self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids)
+        self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids, dtype_name(self.dtype))
         self._engine = engine
         self._system_kv: torch.Tensor | None = None
         self.model_seconds = 0.0

@@ -4,7 +4,7 @@
 - A keep list must name at least one entry of the store (store keys are 64-hex entry keys, not
   the chunk ids users see in chunks.parquet and run records), else it is refused.
 - --keep-workspace WS keeps every entry that workspace's chunks can use (S, and each chunk's
-  prefix and fusion entries), which is what users mean.
+  prefix and fusion entries, in any compute dtype), which is what users mean.
 - It holds the store's exclusive lock: while a run or a build reads or writes it, gc refuses.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rich.console import Console
 from kvf.cachestore import open_store
 from kvf.errors import KvfError, warn
 from kvf.pipeline.files import read_listed
-from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
+from kvf.pipeline.workflows.workspace import COMPUTE_DTYPES, EntryKeys, Workspace
 
 
 def workspace_keys(path: Path) -> set[str]:
@@ -29,17 +29,20 @@ def workspace_keys(path: Path) -> set[str]:
     model_ref = open_model(manifest.get("model_arg", None if manifest.get("model") == "SmolLM2-135M-Instruct"
                                         else manifest.get("model")))
     template = make_template(model_ref.tokenizer)
-    keys = EntryKeys(model_ref.fingerprint, template.prefix_ids)
     neighbours = {}
     if ws.neighbours_path.is_file():
         from kvf.pipeline.retrieval.neighbours import load_neighbours
         neighbours = load_neighbours(ws.neighbours_path)
-    wanted = {keys.system()}
-    for chunk in read_chunks_table(ws.chunks_path):
-        segment = template.chunk_segment(chunk.token_ids)
-        wanted.add(keys.chunk("prefix", segment))
-        if chunk.chunk_id in neighbours:
-            wanted.add(keys.chunk("fusion", segment, neighbours[chunk.chunk_id]))
+    chunks = read_chunks_table(ws.chunks_path)
+    wanted = set()
+    for dtype in COMPUTE_DTYPES:   # a build on the CPU and a run on a GPU (bfloat16) may share one store
+        keys = EntryKeys(model_ref.fingerprint, template.prefix_ids, dtype)
+        wanted.add(keys.system())
+        for chunk in chunks:
+            segment = template.chunk_segment(chunk.token_ids)
+            wanted.add(keys.chunk("prefix", segment))
+            if chunk.chunk_id in neighbours:
+                wanted.add(keys.chunk("fusion", segment, neighbours[chunk.chunk_id]))
     return wanted
 
 

@@ -32,7 +32,7 @@ from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, chec
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
-from kvf.pipeline.workflows.session import Session, check_workspace_model, workspace_path
+from kvf.pipeline.workflows.session import Session, check_entries_dtype, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, Workspace
 
@@ -592,6 +592,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_neighbours(opts, ws)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
+        check_entries_dtype(ws, dtype_name(compute_dtype(opts.device, opts.dtype)))
         if opts.ray is None:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))

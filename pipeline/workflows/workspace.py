@@ -9,8 +9,8 @@
       neighbours.json    chunk id -> top-n similar chunk ids (FusionRAG's offline input)
       kv.zarr            the KV store, unless --store points elsewhere
 
-It also names store entries: the key of a chunk's KV says which model computed it, which offline
-variant, what it attended to (S, and for `fusion` its neighbours), and its token ids.
+It also names store entries: the key of a chunk's KV says which model computed it and in which dtype,
+which offline variant, what it attended to (S, and for `fusion` its neighbours), and its token ids.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from kvf.cachestore import entry_key
 from kvf.pipeline.files import write_atomic
 
 VARIANTS = ("prefix", "fusion")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # what a model may compute KVs in
 SYSTEM_VARIANT = "system"  # the entry holding S's own KV
 
 
@@ -36,19 +37,28 @@ def ids_digest(ids: list) -> str:
 
 @dataclass
 class EntryKeys:
-    """Store keys of S and of chunks, for one model and one system prefix."""
+    """Store keys of S and of chunks, for one model computing in one dtype, and one system prefix."""
     model_fingerprint: str
     prefix_ids: list[int]
+    compute_dtype: str = "float32"
+
+    @property
+    def computed_by(self) -> str:
+        """The model, and the dtype its weights computed in: bfloat16 arithmetic gives other bytes than
+        float32's, so its entries are others (float32's keys are those of stores built before dtypes)."""
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {self.compute_dtype!r}: not one of {COMPUTE_DTYPES}")
+        return self.model_fingerprint + ("" if self.compute_dtype == "float32" else f"@{self.compute_dtype}")
 
     def system(self) -> str:
-        return entry_key(self.model_fingerprint, SYSTEM_VARIANT, "", self.prefix_ids)
+        return entry_key(self.computed_by, SYSTEM_VARIANT, "", self.prefix_ids)
 
     def chunk(self, variant: str, segment_ids: list[int], neighbour_ids: list[str] = ()) -> str:
         """prefix: attended to S. fusion: attended to S then the neighbours (by chunk id, in order)."""
         if variant not in VARIANTS:
             raise KvfError(f"--variant {variant}: unknown; use one of {', '.join(VARIANTS)}")
         context = [ids_digest(self.prefix_ids)] + (list(neighbour_ids) if variant == "fusion" else [])
-        return entry_key(self.model_fingerprint, variant, ids_digest(context), segment_ids)
+        return entry_key(self.computed_by, variant, ids_digest(context), segment_ids)
 
 
 class Workspace:
