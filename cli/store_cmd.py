@@ -55,7 +55,7 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         store = unfinished_workspace_store(workspace)
     if store is None:
         from kvf.pipeline.workflows.workspace import Workspace
-        store = Workspace(workspace).store_location()
+        store = Workspace(workspace).reach_store()
     use_s3_endpoint(endpoint, store)
     return store
 

@@ -147,10 +147,18 @@ def test_build_cache_and_run_on_s3_equal_a_local_build(s3, tmp_path, short_docs)
     for key in local.keys():
         assert np.array_equal(local.get(key).numpy(), remote.get(key).numpy())
     assert json.loads((tmp_path / "remote" / "manifest.json").read_text())["store"] == "s3://kvf/build"
-    proc = subprocess.run([sys.executable, "-m", "kvf", "store", "verify", "-w", str(tmp_path / "remote"),
-                           "--s3-endpoint", s3], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0 and "entries OK" in proc.stdout, proc.stderr
+    # the workspace remembers where its store is reached: a later command needs neither --store nor the
+    # endpoint (before, it went to AWS itself: "cannot reach the object store ... s3.amazonaws.com")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "Where was he born?", "passages": ["doc0.txt"]}) + "\n")
+    no_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"} | {"HF_HUB_OFFLINE": "1"}
+    for command in (["store", "verify", "-w", str(tmp_path / "remote")],
+                    ["run", "-w", str(tmp_path / "remote"), "-q", str(questions), "-m", "reuse", "--max-new-tokens", "2",
+                     "-o", str(tmp_path / "run.jsonl")]):
+        proc = subprocess.run([sys.executable, "-m", "kvf", *command], capture_output=True, text=True, env=no_endpoint)
+        assert proc.returncode == 0, proc.stderr
+    assert "entries OK" in subprocess.run([sys.executable, "-m", "kvf", "store", "verify", "-w", str(tmp_path / "remote"),
+                                           "--s3-endpoint", s3], capture_output=True, text=True, env=no_endpoint).stdout
 
 
 def test_s3_without_s3fs_names_the_extra(monkeypatch):

@@ -6,6 +6,7 @@ killed build resumes where it stopped and an unchanged corpus costs no model wor
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -137,7 +138,7 @@ def keep_workspace_store(opts: BuildOptions, ws: Workspace, previous: dict, cons
         return opts, False
     current, current_format = ws.store_location(), previous.get("format")
     if opts.store is None and opts.format in (None, current_format):
-        return replace(opts, store=current, format=current_format), True
+        return replace(opts, store=ws.reach_store(), format=current_format), True
     wanted = store_location(ws, opts.store, opts.format)
     if wanted == current:
         return opts, True
@@ -448,11 +449,13 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                              variants: list[str], extras_for: list[str]) -> None:
     """The one writer of manifest.json: build-cache, and `kvf run` on a dataset that has no workspace yet.
     variants lists the offline variants whose KVs were built ahead (a run builds them as questions need them)."""
+    location = store_location(ws, opts.store, store.format)
     with _writing(ws):
         ws.write_manifest({"model": model_ref.name, "model_fingerprint": model_ref.fingerprint,
                            "tokenizer_fingerprint": tokenizer_fingerprint(model_ref.tokenizer),
                            "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap,
-                           "store": ws.relative_store(store_location(ws, opts.store, store.format)), "format": store.format,
+                           "store": ws.relative_store(location), "format": store.format,
+                           "s3_endpoint": os.environ.get("AWS_ENDPOINT_URL") if location.startswith("s3://") else None,
                            "model_arg": opts.model,
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
                            "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),

@@ -459,7 +459,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
         model_ref = open_model(opts.model)
         bopts = BuildOptions(**{"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours or DEFAULT_NEIGHBOURS,
                                 **kept}, corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                             variants=VARIANTS, store=opts.store or (ws.store_location() if previous.get("store") else None),
+                             variants=VARIANTS, store=opts.store or (ws.reach_store() if previous.get("store") else None),
                              device=opts.device, compute_dtype=opts.dtype, ray=opts.ray)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)

@@ -41,7 +41,7 @@ class Session:
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
         # a store this process cannot write (a shared read-only copy) is read: only a missing entry needs writing
-        self.store = open_workspace_store(ws, self.model_ref, store or ws.store_location(), None,
+        self.store = open_workspace_store(ws, self.model_ref, store or ws.reach_store(), None,
                                           self.manifest.get("dtype", "float16"), create=True, readonly=None)
         if self.store.created:   # a mistyped --store, or a deleted kv.zarr: everything is recomputed, untimed
             warn(f"no store at {self.store.path} yet: created it; every KV this run needs is computed into it "

@@ -1,7 +1,7 @@
 """A workspace: what `kvf build-cache` writes for one corpus and model, and `kvf run` reads.
 
     workspace/
-      manifest.json      model, fingerprints, chunking, store location and format
+      manifest.json      model, fingerprints, chunking, store location (and S3 endpoint) and format
       chunks.parquet     every chunk: id, doc, title, text, token ids
       doc_chunks.json    doc id -> its chunk ids in order (per-question contexts)
       bm25/              Lucene index (pyserini)
@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,15 @@ class Workspace:
         if "://" in location or Path(location).is_absolute():
             return location
         return str((self.root / location).resolve())
+
+    def reach_store(self) -> str:
+        """store_location(), for opening: an s3:// store is reached at the endpoint its build used (the
+        manifest's s3_endpoint), unless --s3-endpoint or AWS_ENDPOINT_URL names one; botocore, s3fs and
+        Ray workers all read that variable."""
+        location, endpoint = self.store_location(), self.manifest().get("s3_endpoint")
+        if location.startswith("s3://") and endpoint and not os.environ.get("AWS_ENDPOINT_URL"):
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+        return location
 
     def relative_store(self, location: str) -> str:
         """What the manifest records for a store: relative to the workspace when it lies inside it."""
