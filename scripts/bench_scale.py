@@ -23,6 +23,10 @@ process computing with one torch thread:
 4. a written projection of the cost of a 1M-chunk store (bytes measured per token here; GPU hours
    from build-cache's own cost of one entry measured on an H100, results/gpu/build.csv from
    scripts/bench_gpu_build, and from FLOPs under stated assumptions).
+4b. the driver's share (chunking and indexing stay on the driver, whatever the number of GPUs): its
+   cost per chunk of embedding for the dense index, and of the exact neighbour search (all pairs, so
+   it grows as chunks squared), measured at one thread and projected to the corpus. `--rerender JSON
+   --measure-driver` measures only these and adds them to the numbers.
 5. with --real DIR (a prepared dataset, e.g. work/musique: ~6K tokens a question), part 3's sweep again
    on its first --real-questions questions, v1 against shared work: what sharing saves at a real
    prompt length. Each code answers from its own copy of DIR (its own workspace and store), filled by
@@ -54,7 +58,7 @@ from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.methods import METHODS, method_names
 from kvf.pipeline.records import read_records
-from kvf.pipeline.workflows.build import BuildOptions, build_cache
+from kvf.pipeline.workflows.build import DEFAULT_NEIGHBOURS, BuildOptions, build_cache
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
 from kvf.pipeline.workflows.display import output_console
@@ -99,11 +103,20 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--real-questions", type=int, default=3, help="questions of part 5 (the first is not counted)")
     p.add_argument("--gpu-build", type=Path, default=ROOT / "results" / "gpu" / "build.csv",
                    help="scripts/bench_gpu_build's table (one chunk's entry built on a GPU) for the projection")
+    p.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS, help="neighbours per chunk in the projection")
+    p.add_argument("--knn-vectors", type=int, default=20_000, help="vectors of the timed exact neighbour search")
+    p.add_argument("--measure-driver", action="store_true",
+                   help="with --rerender: measure the driver's per-chunk costs (part 4b) and add them to the numbers")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
     p.add_argument("--rerender", type=Path, default=None, metavar="JSON",
                    help="measure nothing: write --out again from an earlier run's numbers (its .json) and the "
                         "current --gpu-build, with the flags that run was given")
     args = p.parse_args(argv)
+    if args.measure_driver and args.rerender is None:
+        raise SystemExit("bench_scale: --measure-driver: only with --rerender JSON (a full run measures the driver anyway)")
+    if not 1 <= args.neighbours < args.knn_vectors:
+        raise SystemExit(f"bench_scale: --neighbours {args.neighbours} --knn-vectors {args.knn_vectors}: need "
+                         "1 <= neighbours < vectors")
     if args.rerender is not None:
         return args
     # steady-state rates leave out each worker's first question (2 Ray workers) or the first question
@@ -317,6 +330,39 @@ def question_ends(seen: list[tuple[float, int]], total: int, n: int, out: Path) 
 
 
 # ---- 4. projection ----------------------------------------------------------------------------------
+def chunk_texts(text: str, tokenizer, tokens: int, n: int) -> list[str]:
+    """n windows of `tokens` of the tokenizer's tokens, cut from text (cycled when it is short)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = ids * (1 + tokens * n // len(ids))
+    return [tokenizer.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(n)]
+
+
+def measure_driver(text: str, chunk_tokens: int, n_neighbours: int, knn_vectors: int, n_chunks: int = 128) -> dict:
+    """The driver's cost per chunk at one thread: embedding it for the dense index (the default embedder,
+    on the CPU), and the exact neighbour search over knn_vectors unit vectors (kvf's top_neighbours)."""
+    import faiss
+    import numpy as np
+    from kvf.pipeline.retrieval.dense import DEFAULT_EMBEDDER, Embedder
+    from kvf.pipeline.retrieval.neighbours import top_neighbours
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    embedder = Embedder()
+    tokens = min(chunk_tokens, embedder.model.max_seq_length - 2)   # the embedder reads no further
+    texts = chunk_texts(text, embedder.model.tokenizer, tokens, n_chunks)
+    embedder.encode(texts[:8])                                       # warm-up
+    started = time.perf_counter()
+    embedder.encode(texts)
+    embed_seconds = time.perf_counter() - started
+    vectors = np.random.default_rng(0).standard_normal((knn_vectors, embedder.dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    started = time.perf_counter()
+    top_neighbours(vectors, [str(i) for i in range(knn_vectors)], n_neighbours)
+    knn_seconds = time.perf_counter() - started
+    return {"embedder": DEFAULT_EMBEDDER, "embedder_tokens": tokens, "embed_chunks_per_s": n_chunks / embed_seconds,
+            "knn_vectors": knn_vectors, "knn_seconds": knn_seconds, "n_neighbours": n_neighbours,
+            "dim": embedder.dim, "threads": 1}
+
+
 def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
     return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * dtype_bytes
 
@@ -347,8 +393,13 @@ def gpu_build_cost(table: Path) -> dict | None:
             "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table)}
 
 
-def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_cost: dict | None = None) -> dict:
+def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_cost: dict | None = None,
+               driver: dict | None = None) -> dict:
     tokens = chunks * chunk_tokens
+    # the driver's: embedding is per chunk; the exact neighbour search compares every pair
+    driver_hours = {} if driver is None else {
+        "driver_embed_core_hours": chunks / driver["embed_chunks_per_s"] / 3600,
+        "driver_knn_core_hours": driver["knn_seconds"] * (chunks / driver["knn_vectors"]) ** 2 / 3600}
     llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
     flops_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
     # measured: a whole entry (prefill, copy to the host, local write) per chunk, in proportion to its tokens
@@ -362,7 +413,8 @@ def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_
             "llama_wall_hours": gpu_seconds / 3600 / gpus,
             "llama_dollars": gpu_seconds / 3600 * ASSUMED_GPU_DOLLARS_PER_HOUR,
             "llama_storage_dollars_month": llama_bytes / 1e9 * ASSUMED_S3_DOLLARS_PER_GB_MONTH,
-            "llama_write_hours": llama_bytes / 1e9 / (ASSUMED_WRITE_GB_PER_S * max(1, gpus // 8)) / 3600}
+            "llama_write_hours": llama_bytes / 1e9 / (ASSUMED_WRITE_GB_PER_S * max(1, gpus // 8)) / 3600,
+            **driver_hours}
 
 
 def store_or_compute(proj: dict) -> str:
@@ -414,6 +466,17 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def driver_rows(proj: dict, driver: dict) -> list[list]:
+    return [
+        ["any (driver)", "dense index embeddings, CPU core-hours", f"{proj['driver_embed_core_hours']:,.1f}",
+         f"measured {driver['embed_chunks_per_s']:.1f} chunks/s per core ({driver['embedder']}, "
+         f"{driver['embedder_tokens']} tokens a chunk, one thread)"],
+        ["any (driver)", f"exact {driver['n_neighbours']} neighbours, CPU core-hours", f"{proj['driver_knn_core_hours']:,.1f}",
+         f"measured {driver['knn_seconds']:.1f} s for {driver['knn_vectors']:,} chunks (faiss flat, one thread), "
+         "x (chunks / that)²"],
+    ]
+
+
 def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int) -> list[list]:
     gpu_from = (f"measured: build-cache's entry of a {gpu_cost['chunk_tokens']}-token chunk on an H100, "
                 f"{gpu_cost['entry_ms']:.0f} ms (random weights, bfloat16)" if gpu_cost else
@@ -434,6 +497,19 @@ def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int
         ["Llama-3-8B", "storage dollars per month", f"${proj['llama_storage_dollars_month']:,.0f}",
          f"assumed ${ASSUMED_S3_DOLLARS_PER_GB_MONTH} per GB-month (S3 standard)"],
     ]
+
+
+def driver_note(proj: dict, driver: dict, measured_by: str | None) -> str:
+    """What the driver rows mean: chunking and indexing stay on the driver, so they do not shrink with GPUs."""
+    cores = 64
+    hours = proj["driver_embed_core_hours"] + proj["driver_knn_core_hours"]
+    return ("The driver rows are the part that more GPUs do not shorten: in a Ray build, chunking and indexing stay on "
+            "the driver. They are measured on this CPU at one thread" +
+            (f" (by `{measured_by}`, on top of the numbers above)" if measured_by else "") +
+            f" and projected: embedding is per chunk, the exact neighbour search compares every pair. On a "
+            f"{cores}-core CPU head node they take about {hours / cores:,.1f} h, if they scale with cores; with "
+            "`--device cuda` and a GPU on the driver the embedder runs there instead (not measured); the neighbour "
+            "search stays on its CPU. BM25 indexing (Lucene, on the driver too) is not in these rows.\n")
 
 
 def real_section(real: dict, note: str) -> list[str]:
@@ -477,7 +553,17 @@ def rerender(args, rendered_by: str) -> None:
                          "beside a scale.md it wrote") from None
     measured = parse_args([*measured_argv, "--rerender", str(args.rerender)])
     measured.out, measured.gpu_build = args.out, args.gpu_build
+    if args.measure_driver:
+        numbers["driver"] = measure_driver(synthetic_text(), measured.chunk_tokens, args.neighbours, args.knn_vectors)
+        numbers["driver_measured_by"] = rendered_by
     report(measured, numbers, output_console(140), rendered_by=rendered_by)
+
+
+def synthetic_text() -> str:
+    """The synthetic corpus's passages, one text: what the driver's embedder reads in part 4b."""
+    with work_dir(None, "kvf-bench-scale-text-") as work:
+        make_synthetic(work, n_questions=16, passages_per_question=4, seed=0)
+        return "\n".join(path.read_text() for path in sorted((work / "corpus").rglob("*")) if path.is_file())
 
 
 def bench_scale(args, work: Path, console) -> None:
@@ -534,12 +620,14 @@ def bench_scale(args, work: Path, console) -> None:
     share_equal = all(a == share_answers[0] for a in share_answers[1:])
 
     real = real_sweep(work, args.real, args.real_questions, v1, console) if args.real is not None else None
+    console.print("the driver's per-chunk costs (embedding, exact neighbours) ...")
+    driver = measure_driver(synthetic_text(), args.chunk_tokens, args.neighbours, args.knn_vectors)
     one = build["one process"]
     numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
                "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},
                "own_prefills_per_question": own_prefill_seconds(share["shared work (default)"]["records"]),
                "v1_at_6k": v1_split_at_6k(ROOT / "results" / "methods" / "runs" / "musique.jsonl.gz"), "real": real,
-               "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal,
+               "builds_equal": builds_equal, "sweeps_equal": sweeps_equal, "share_equal": share_equal, "driver": driver,
                "conditions": (f"model SmolLM2-135M-Instruct (embedded GGUF, float32 on CPU), {os.cpu_count()} CPU cores, "
                               f"one torch thread per process; synthetic corpus (kvf.pipeline.data.synthetic, seed 0) of "
                               f"{args.questions} questions x {args.passages} passages = {one['chunks']} chunks, "
@@ -557,7 +645,8 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
     one = build["one process"]
     measured = {"bytes_per_token": one["bytes"] / one["tokens"], "tokens_per_core_s": one["tokens"] / one["seconds"]}
     gpu_cost = gpu_build_cost(args.gpu_build)
-    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured, gpu_cost)
+    driver = numbers.get("driver")
+    proj = projection(args.corpus_chunks, args.chunk_tokens, args.gpus, measured, gpu_cost, driver)
 
     build_rows = throughput_rows(build, "chunks_per_s")
     sweep_rows = throughput_rows(sweep, "answers_per_s", "wall_answers_per_s")
@@ -621,7 +710,8 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
            else "") + "\n",
           *(real_section(real, args.share_note) if real else []),
           f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",
-          markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_cost, args.gpus)),
+          markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_cost, args.gpus) +
+                         (driver_rows(proj, driver) if driver else [])),
           "\nThe SmolLM2 rows are measured in this run. " + (
               f"The Llama-3-8B GPU-hours come from build-cache's own cost of one entry, measured on an H100 with random "
               f"weights of Llama-3-8B's shape ({gpu_cost['table']}: {gpu_cost['entry_ms']:.0f} ms per "
@@ -633,6 +723,7 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
               f"{args.gpu_build}). ") +
           "The other Llama-3-8B rows are arithmetic on the stated assumptions. The fusion variant doubles bytes "
           f"and compute. {store_or_compute(proj)}\n",
+          *([driver_note(proj, driver, numbers.get("driver_measured_by"))] if driver else []),
           f"![throughput]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
     numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,

@@ -162,3 +162,27 @@ def test_recompute_cost_counts_the_flops_torch_counts(monkeypatch):
             hidden = hidden + T.attend(0, q, cache.keys(0), cache.values(0), T.causal_mask(rows, n), False, rows)
             T.mlp(0, hidden)
     assert counter.get_total_flops() == linear_flops_per_row(T) * len(rows) + attention_flops(T, keys_read(rows))
+
+
+def test_the_drivers_costs_are_measured_and_projected_per_chunk_and_per_pair():
+    """Part 4b: chunking and indexing stay on a Ray build's driver, so the projection counts its embedding (per
+    chunk) and its exact neighbour search (every pair) apart from the GPUs'. Measured here on a small scale:
+    twice the corpus is twice the embedding and four times the search."""
+    from kvf.scripts.bench_scale import driver_rows, measure_driver, projection
+    driver = measure_driver("The Kettar mountains lie north of the Ossel sea. " * 40, 64, 3, 2_000, n_chunks=8)
+    assert driver["embed_chunks_per_s"] > 0 and driver["knn_seconds"] > 0 and driver["embedder_tokens"] == 64
+    measured = {"bytes_per_token": 1.0, "tokens_per_core_s": 1.0}
+    one, two = (projection(n, 64, 8, measured, None, driver) for n in (1e6, 2e6))
+    assert two["driver_embed_core_hours"] == pytest.approx(2 * one["driver_embed_core_hours"])
+    assert two["driver_knn_core_hours"] == pytest.approx(4 * one["driver_knn_core_hours"])
+    assert one["driver_embed_core_hours"] == pytest.approx(1e6 / driver["embed_chunks_per_s"] / 3600)
+    assert [row[0] for row in driver_rows(one, driver)] == ["any (driver)"] * 2
+    assert "driver_embed_core_hours" not in projection(1e6, 64, 8, measured)   # numbers measured before part 4b
+
+
+@pytest.mark.parametrize("flags,fragment", [(["--measure-driver"], "--measure-driver: only with --rerender"),
+                                            (["--neighbours", "10", "--knn-vectors", "5"], "need 1 <= neighbours")])
+def test_bad_driver_flags_are_one_line(flags, fragment):
+    from kvf.scripts.bench_scale import parse_args
+    with pytest.raises(SystemExit, match=fragment):
+        parse_args(flags)
