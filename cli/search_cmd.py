@@ -56,13 +56,13 @@ def search_command(
 ):
     """Search the workspace's chunks and print the top hits."""
     import json
-    from kvf.pipeline.retrieval.chunking import read_chunks_table
+    from kvf.pipeline.retrieval.chunking import ChunkTable
     if not workspace.is_dir():
         raise KvfError(f"--workspace {workspace} does not exist; "
                        f"build it with `kvf build-cache CORPUS --workspace {workspace}`")
     mode = SearchMode(mode)
     hits = search_workspace(query, workspace, k, mode)
-    chunks_by_id = {c.chunk_id: c for c in read_chunks_table(workspace / "chunks.parquet")}
+    chunks_by_id = ChunkTable(workspace / "chunks.parquet")
     unknown = [cid for cid, _ in hits if cid not in chunks_by_id]
     if unknown:
         raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "

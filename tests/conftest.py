@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded model (loaded once per session) and tiny random models."""
+"""Shared fixtures: the embedded model (loaded once per session) and tiny random models; the CLI in-process."""
 import os
+import sys
 
 import pytest
 import torch
@@ -113,3 +114,14 @@ def built(tmp_path_factory):
     build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
                              variants=("prefix",), n_neighbours=2), Console(file=io.StringIO()))
     return root  # session-wide: pytest removes it at the end of a passing session (tmp_path_retention_policy)
+
+
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """The real `kvf` entry point (main() and its error wrapper), in-process -> (exit code, stdout, stderr)."""
+    from kvf.cli.main import main
+    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (0 if code is None else code), out, err

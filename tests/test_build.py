@@ -19,11 +19,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import tiny_config
+from conftest import run_cli, tiny_config
 from kvf.errors import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
-from kvf.cli.main import main
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.workflows.build import BuildOptions, build_cache, in_shard, store_meta
 from kvf.pipeline.retrieval.chunking import chunk_id_for, read_chunks_table, tokenizer_fingerprint
@@ -87,16 +86,6 @@ def expected_keys(model_ref, chunks, variant="prefix") -> set[str]:
     return {keys.chunk(variant, template.chunk_segment(c.token_ids)) for c in chunks}
 
 
-def run_main(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    """The real `kvf` entry point (main() and its error wrapper), in-process."""
-    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (0 if code is None else code), out, err
-
-
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
     assert code not in (0, None)
     assert "Traceback" not in err
@@ -126,6 +115,30 @@ def built(tmp_path_factory, short_docs):
     yield SimpleNamespace(root=root, corpus=corpus, opts=opts, summary=summary, ws=ws,
                           chunks=read_chunks_table(ws.chunks_path), model_ref=open_model(None))
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built, monkeypatch):
+    """kvf run (each Ray worker, each API session) held every chunk of the workspace as Python objects, a
+    Python int per token: 1.3 GB for 100K chunks of 256 tokens, 13 GB for a million. The table now stays
+    columnar and a chunk becomes a Chunk when a question asks for it; gc reads the table a batch at a time."""
+    from kvf.pipeline.retrieval import chunking
+    from kvf.pipeline.workflows.session import Session
+    path, chunks = built.ws.chunks_path, built.chunks
+    table = chunking.ChunkTable(path)
+    assert list(table) == chunking.read_chunk_ids(path) == [c.chunk_id for c in chunks] and len(table) == len(chunks)
+    assert all(table[c.chunk_id] == c for c in chunks) and "f" * 64 not in table
+    with pytest.raises(KeyError):
+        table["f" * 64]
+    assert list(chunking.iter_chunk_tokens(path, rows=2)) == [(c.chunk_id, c.token_ids) for c in chunks]
+    made, real_chunk = [], chunking.Chunk
+
+    def counted(**row):
+        made.append(row["chunk_id"])
+        return real_chunk(**row)
+    monkeypatch.setattr(chunking, "Chunk", counted)
+    session = Session(built.ws)
+    assert made == []
+    assert session.chunks([chunks[1].chunk_id]) == [chunks[1]] and made == [chunks[1].chunk_id]
 
 
 def test_build_writes_chunks_indexes_store_and_summary(built):
@@ -162,7 +175,7 @@ def test_build_writes_chunks_indexes_store_and_summary(built):
 
 
 def test_search_finds_the_chunk_in_the_bm25_index(built, capsys, monkeypatch):
-    code, out, _ = run_main(["search", "shepherd families flocks", "--workspace", built.ws.root, "-k", "1"],
+    code, out, _ = run_cli(["search", "shepherd families flocks", "--workspace", built.ws.root, "-k", "1"],
                             capsys, monkeypatch)
     assert code == 0
     [top] = [c for c in built.chunks if "shepherd" in c.text]
@@ -275,7 +288,7 @@ def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys,
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
     built.model_ref.tokenizer.save_pretrained(tiny)
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
                              "--model", tiny, "--dtype", "float32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
     assert_one_line_error(code, err, "holds model=", "rebuild the store")
     # the same weights with another tokenizer (one added token)
@@ -354,7 +367,7 @@ def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, caps
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question": QUESTION, "passages": ["doc0.txt", "mountains.md"]}) + "\n")
     for dtype in ("bfloat16", "float32"):   # the manifest's (the last build's), then another
-        code, _, err = run_main(["run", "-w", shared, "-q", questions, "-m", "reuse", "--model", tiny, "--dtype", dtype,
+        code, _, err = run_cli(["run", "-w", shared, "-q", questions, "-m", "reuse", "--model", tiny, "--dtype", dtype,
                                  "--max-new-tokens", 2, "-o", tmp_path / f"{dtype}.jsonl"], capsys, monkeypatch)
         warnings = [line for line in err.splitlines() if "were built in" in line]
         assert code == 0 and len(warnings) == (dtype == "float32"), err
@@ -476,7 +489,7 @@ def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answ
     assert {k: p for k, p in fresh.verify()} == {flipped: "layer 3 checksum mismatch",
                                                  truncated: f"layer 0 truncated (50 of {fresh.header(truncated).layer_nbytes} bytes)"}
     # `kvf store verify` names both and exits 1
-    code, out, _ = run_main(["store", "verify", "--store", opts.store], capsys, monkeypatch)
+    code, out, _ = run_cli(["store", "verify", "--store", opts.store], capsys, monkeypatch)
     assert code == 1 and flipped in out and truncated in out and "2 of" in out
     # a fusion never uses them silently: the source raises, pipelined or not
     chunk = {c.chunk_id: c for c in built.chunks}[fresh.attrs(flipped)["chunk_id"]]
@@ -489,7 +502,7 @@ def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answ
     with pytest.raises(CorruptEntry, match="truncated"):
         fresh.get_layer(truncated, 0)
     # --delete-bad, then a rebuild recomputes exactly those two
-    code, _, _ = run_main(["store", "verify", "--store", opts.store, "--delete-bad"], capsys, monkeypatch)
+    code, _, _ = run_cli(["store", "verify", "--store", opts.store, "--delete-bad"], capsys, monkeypatch)
     assert code == 1
     summary = build_cache(opts, QUIET)
     assert summary.entries_written == 2
@@ -549,7 +562,7 @@ def test_disk_full_mid_build_keeps_committed_entries(built, tmp_path, capsys, mo
 
     monkeypatch.setattr(LocalFS, "write_file", write_file)
     ws = tmp_path / "ws"
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--chunk-tokens", CHUNK_TOKENS,
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", ws, "--chunk-tokens", CHUNK_TOKENS,
                              "--no-bm25", "--no-dense"], capsys, monkeypatch)
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("kvf: error: disk full while writing entry")
@@ -590,10 +603,10 @@ def test_entries_do_not_depend_on_which_run_computed_s(tmp_path, short_docs):
 def test_rerun_without_format_uses_the_workspace_hdf5_store(tmp_path, short_docs, capsys, monkeypatch):
     args = ["build-cache", small_corpus(tmp_path, short_docs), "--workspace", tmp_path / "ws",
             "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]
-    code, _, err = run_main([*args, "--format", "hdf5"], capsys, monkeypatch)
+    code, _, err = run_cli([*args, "--format", "hdf5"], capsys, monkeypatch)
     assert code == 0, err
     monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("model loaded"))
-    code, _, err = run_main(args, capsys, monkeypatch)
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     assert re.search(r"entries written 0 .*already present 2", err)
     assert not (tmp_path / "ws" / "kv.zarr").exists()
@@ -605,17 +618,17 @@ def test_rerun_without_store_keeps_building_into_the_workspace_store_elsewhere(t
     # an empty WORKSPACE/kv.zarr and recompute every entry there
     corpus, shared, ws = small_corpus(tmp_path, short_docs), tmp_path / "shared.zarr", tmp_path / "ws"
     args = ["build-cache", corpus, "--workspace", ws, "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]
-    code, _, err = run_main([*args, "--store", shared], capsys, monkeypatch)
+    code, _, err = run_cli([*args, "--store", shared], capsys, monkeypatch)
     assert code == 0, err
     (Path(corpus) / "added.txt").write_text("Added later: the lighthouse keeper was Ada Vole.")
-    code, _, err = run_main(args, capsys, monkeypatch)
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     assert re.search(r"entries written 1 .*already present 2", err)
     assert not (ws / "kv.zarr").exists()
     assert Workspace(ws).store_location() == str(shared)
     # another --format is a switch, said once on stderr; the store left behind is untouched
     before = sorted(p.name for p in shared.rglob("*"))
-    code, _, err = run_main([*args, "--format", "hdf5"], capsys, monkeypatch)
+    code, _, err = run_cli([*args, "--format", "hdf5"], capsys, monkeypatch)
     assert code == 0, err
     assert f"switches from its store {shared} to {ws / 'kv.h5'}" in " ".join(err.split())
     assert re.search(r"entries written 3 .*already present 0", err)
@@ -629,7 +642,7 @@ def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built,
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
     monkeypatch.setattr("kvf.pipeline.workflows.build.write_chunks_table", full)
     ws = tmp_path / "ws"
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
                             capsys, monkeypatch)
     assert_one_line_error(code, err, f"--workspace {ws}", "disk full")
     # no chunks table, no half-written temp file (the build's lock file stays, empty, for the next build)
@@ -745,7 +758,7 @@ def bad_corpus(tmp_path: Path, kind: str) -> Path:
                                            ("unsupported", "has no supported files")])
 def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys, monkeypatch, kind, fragment):
     corpus = bad_corpus(tmp_path, kind)
-    code, _, err = run_main(["build-cache", corpus, "--workspace", tmp_path / "ws"], capsys, monkeypatch)
+    code, _, err = run_cli(["build-cache", corpus, "--workspace", tmp_path / "ws"], capsys, monkeypatch)
     assert_one_line_error(code, err, fragment, str(corpus))
     assert not (tmp_path / "ws").exists()
 
@@ -755,7 +768,7 @@ def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys,
     (["--dtype", "float64"], "--dtype float64"), (["--chunk-tokens", "0"], "--chunk-tokens"),
     (["--chunk-tokens", "32", "--overlap", "40"], "--overlap"), (["--format", "parquet"], "unknown store format")])
 def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, flags, fragment):
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
                              *flags], capsys, monkeypatch)
     assert_one_line_error(code, err, fragment)
 
@@ -763,10 +776,10 @@ def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, fla
 def test_store_path_not_writable_is_one_line(built, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
                              "--store", blocker / "kv.zarr"], capsys, monkeypatch)
     assert_one_line_error(code, err, "cannot create store", "writable --store")
-    code, _, err = run_main(["build-cache", built.corpus, "--workspace", blocker / "ws"], capsys, monkeypatch)
+    code, _, err = run_cli(["build-cache", built.corpus, "--workspace", blocker / "ws"], capsys, monkeypatch)
     assert_one_line_error(code, err, "--workspace", "not writable")
 
 
@@ -776,7 +789,7 @@ def test_store_dir_without_write_permission_is_one_line(built, tmp_path, capsys,
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        code, _, err = run_main(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25",
+        code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25",
                                  "--no-dense", "--store", locked / "kv.zarr"], capsys, monkeypatch)
     finally:
         locked.chmod(0o700)
@@ -792,7 +805,7 @@ def test_binary_non_utf8_and_tokenless_documents_are_skipped_with_a_warning(buil
     (corpus / "blank.md").write_text("  \n\t\n")
     (corpus / "rows.jsonl").write_text('{"id": "r1", "text": ""}\n{"id": "r2", "text": "Goats live on the Kettar slopes."}\n')
     ws = tmp_path / "ws"
-    code, _, err = run_main(["build-cache", corpus, "--workspace", ws, "--no-bm25", "--no-dense"], capsys, monkeypatch)
+    code, _, err = run_cli(["build-cache", corpus, "--workspace", ws, "--no-bm25", "--no-dense"], capsys, monkeypatch)
     assert code == 0, err
     for name in ("image.txt", "latin1.md", "blank.md", "'r1'"):
         assert re.search(r"warning: skipped.*" + re.escape(name), err), name

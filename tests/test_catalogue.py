@@ -13,19 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvf.cli.main import main
+from conftest import run_cli
 
 NOWHERE = "/proc/self/kvf-no-write"   # a place no user, root included, can create files in
 SUB_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["kvf", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (0 if code is None else code), out, err
 
 
 def assert_one_line(code: int, err: str, *fragments: str) -> str:

@@ -2,6 +2,7 @@
 import hashlib
 import json
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,15 +126,61 @@ def write_chunks_table(chunks: list[Chunk], path: str | Path):
 
 def read_chunks_table(path: str | Path) -> list[Chunk]:
     """Load chunks written by write_chunks_table, in the same order."""
+    return [Chunk(**row) for row in _checked_table(path).to_pylist()]
+
+
+def iter_chunk_tokens(path: str | Path, rows: int = 4096):
+    """(chunk id, token ids) of every chunk in table order, read a batch of rows at a time."""
+    _checked_table(path, ["chunk_id"])   # a missing or damaged table is one line
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=rows, columns=["chunk_id", "token_ids"]):
+        yield from zip(batch.column("chunk_id").to_pylist(), batch.column("token_ids").to_pylist())
+
+
+def read_chunk_ids(path: str | Path) -> list[str]:
+    """The chunks' ids only, in table order (no token ids or texts as Python objects)."""
+    return _checked_table(path, ["chunk_id"]).column("chunk_id").to_pylist()
+
+
+class ChunkTable(Mapping):
+    """chunks.parquet as a read-only map chunk id -> Chunk, for answering questions.
+
+    The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: a
+    million 256-token chunks as Python lists hold a Python int per token, ~13 GB; columnar, about
+    a quarter of that, and a run or a Ray worker asks for a few chunks per question.
+    """
+
+    def __init__(self, path: str | Path):
+        self._table = _checked_table(path)
+        self._row = {cid: i for i, cid in enumerate(self._table.column("chunk_id").to_pylist())}  # id -> row
+        pa.default_memory_pool().release_unused()   # the reader's decompression buffers: half again the table
+
+    def __getitem__(self, chunk_id: str) -> Chunk:
+        return Chunk(**self._table.slice(self._row[chunk_id], 1).to_pylist()[0])
+
+    def __contains__(self, chunk_id) -> bool:
+        return chunk_id in self._row
+
+    def __iter__(self):
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+
+def _checked_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """The chunks table's columns (all of CHUNKS_SCHEMA by default); a missing or damaged file is one line."""
     path = Path(path)
     if not path.exists():
         raise KvfError(f"chunks table {path} does not exist; "
                        f"build it with `kvf build-cache CORPUS --workspace {path.parent}`")
     try:
-        table = pq.read_table(path)
+        names = pq.read_schema(path).names
     except (pa.ArrowInvalid, OSError) as e:
         raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e
-    missing = [name for name in CHUNKS_SCHEMA.names if name not in table.column_names]
+    missing = [name for name in CHUNKS_SCHEMA.names if name not in names]
     if missing:
         raise KvfError(f"chunks table {path} lacks columns {missing}; rebuild the workspace")
-    return [Chunk(**row) for row in table.select(CHUNKS_SCHEMA.names).to_pylist()]
+    try:
+        return pq.read_table(path, columns=columns or CHUNKS_SCHEMA.names)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e

@@ -22,7 +22,7 @@ from kvf.pipeline.workflows.workspace import COMPUTE_DTYPES, EntryKeys, Workspac
 def workspace_keys(path: Path) -> set[str]:
     """Every store key the workspace's chunks can use: S's entry, and each chunk's prefix and fusion entries."""
     from kvf.pipeline.model.prompt import make_template
-    from kvf.pipeline.retrieval.chunking import read_chunks_table
+    from kvf.pipeline.retrieval.chunking import iter_chunk_tokens
     from kvf.pipeline.workflows.weights import open_model
     ws = Workspace(path)
     manifest = ws.manifest()
@@ -33,16 +33,15 @@ def workspace_keys(path: Path) -> set[str]:
     if ws.neighbours_path.is_file():
         from kvf.pipeline.retrieval.neighbours import load_neighbours
         neighbours = load_neighbours(ws.neighbours_path)
-    chunks = read_chunks_table(ws.chunks_path)
-    wanted = set()
-    for dtype in COMPUTE_DTYPES:   # a build on the CPU and a run on a GPU (bfloat16) may share one store
-        keys = EntryKeys(model_ref.fingerprint, template.prefix_ids, dtype)
-        wanted.add(keys.system())
-        for chunk in chunks:
-            segment = template.chunk_segment(chunk.token_ids)
+    # a build on the CPU and a run on a GPU (bfloat16) may share one store
+    every_dtype = [EntryKeys(model_ref.fingerprint, template.prefix_ids, dtype) for dtype in COMPUTE_DTYPES]
+    wanted = {keys.system() for keys in every_dtype}
+    for chunk_id, token_ids in iter_chunk_tokens(ws.chunks_path):   # a batch at a time: a big table fits
+        segment = template.chunk_segment(token_ids)
+        for keys in every_dtype:
             wanted.add(keys.chunk("prefix", segment))
-            if chunk.chunk_id in neighbours:
-                wanted.add(keys.chunk("fusion", segment, neighbours[chunk.chunk_id]))
+            if chunk_id in neighbours:
+                wanted.add(keys.chunk("fusion", segment, neighbours[chunk_id]))
     return wanted
 
 

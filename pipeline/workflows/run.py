@@ -26,7 +26,7 @@ from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_sett
 from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
-from kvf.pipeline.retrieval.chunking import read_chunks_table
+from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
 from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
                                           open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
@@ -404,7 +404,7 @@ def stale_indexes(ws: Workspace, manifest: dict) -> list[str]:
     """The indexes the manifest says were built from another chunks table than the workspace's (an index
     built before indexes recorded their chunk set is taken as fresh)."""
     built_from = manifest.get("indexes") or {}
-    fresh = index_digests(manifest, [c.chunk_id for c in read_chunks_table(ws.chunks_path)])
+    fresh = index_digests(manifest, read_chunk_ids(ws.chunks_path))
     return [name for name, digest in built_from.items() if name in fresh and digest not in (None, fresh[name])]
 
 
@@ -603,7 +603,7 @@ def run(opts: RunOptions, console: Console) -> Path:
             model_ref = open_model(opts.model)
             check_workspace_model(ws, model_ref)
             model_name, dtype = model_ref.name, compute_dtype(opts.device, opts.dtype)
-            template, chunks_by_id = make_template(model_ref.tokenizer), {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
+            template, chunks_by_id = make_template(model_ref.tokenizer), ChunkTable(ws.chunks_path)
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
                                                q.question)
             max_positions = model_ref.config.max_position_embeddings

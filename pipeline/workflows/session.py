@@ -16,7 +16,7 @@ from kvf.pipeline.fusion.answer import Answer, Answerer
 from kvf.pipeline.fusion.methods import FusionMethod
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.model.prompt import FusedPrompt
-from kvf.pipeline.retrieval.chunking import Chunk, read_chunks_table
+from kvf.pipeline.retrieval.chunking import Chunk, ChunkTable
 from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store, workspace_extras
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
 from kvf.pipeline.workflows.weights import open_model
@@ -51,7 +51,7 @@ class Session:
         self.extras_for = tuple(sorted(set(extras_for) | set(workspace_extras(self.manifest))))
         self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
         self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
-        self.chunks_by_id = {c.chunk_id: c for c in read_chunks_table(ws.chunks_path)}
+        self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
         self._neighbours = None
 
     @property

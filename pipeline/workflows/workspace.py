@@ -92,8 +92,8 @@ class Workspace:
     def check_chunks_are(self, chunk_ids: list[str]) -> None:
         """Before a build writes the manifest: the chunks table must still be the one it built, not one
         that a build with other settings wrote while this one computed KVs."""
-        from kvf.pipeline.retrieval.chunking import read_chunks_table
-        on_disk = [c.chunk_id for c in read_chunks_table(self.chunks_path)]
+        from kvf.pipeline.retrieval.chunking import read_chunk_ids
+        on_disk = read_chunk_ids(self.chunks_path)
         if on_disk != chunk_ids:
             raise KvfError(f"--workspace {self.root}: another build-cache with other settings rewrote its chunks "
                            f"while this one ran ({len(on_disk)} chunks there, {len(chunk_ids)} here); its KVs are "
