@@ -186,3 +186,14 @@ def test_bad_driver_flags_are_one_line(flags, fragment):
     from kvf.scripts.bench_scale import parse_args
     with pytest.raises(SystemExit, match=fragment):
         parse_args(flags)
+
+
+def test_chunk_table_bench_opens_the_same_table_both_ways(capsys):
+    """scripts/bench_chunk_table: each way holds every chunk of the table it wrote, measured in its own process."""
+    from kvf.scripts.bench_chunk_table import main
+    results = main(["--chunks", "300", "--tokens", "8"])
+    assert [r["chunks"] for r in results.values()] == [300, 300]
+    out = capsys.readouterr().out
+    assert "300 chunks x 8 tokens" in out and "chunk objects" in out and "ChunkTable" in out
+    with pytest.raises(SystemExit, match="--chunks and --tokens must be at least 1"):
+        main(["--chunks", "0"])
