@@ -53,9 +53,10 @@ def assert_same_store(a_path, b_path):
     assert b.verify() == []
 
 
-def test_ray_build_equals_one_process_build(ray_local, corpus, monkeypatch):
+def test_ray_build_equals_one_process_build(ray_local, corpus, tmp_path, monkeypatch):
     """...and the driver never loads the model: the actors compute S's entry too (a driver's copy of the model
-    held GPU memory that the actor on that GPU needed)."""
+    held GPU memory that the actor on that GPU needed). Actors start only for missing work: a resumed build
+    started every actor, each loading the model (a minute for Llama-3-8B on 8 GPUs), to find nothing to do."""
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
     from kvf.pipeline.workflows.weights import ModelRef
     monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("the driver loaded the model"))
@@ -65,9 +66,20 @@ def test_ray_build_equals_one_process_build(ray_local, corpus, monkeypatch):
     assert any("ray ×2" in s.name for s in summary.stages)
     manifest = json.loads((corpus / "ray" / "manifest.json").read_text())
     assert manifest["variants"] == ["fusion", "prefix"]
-    again = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=corpus / "ray", ray="local",
-                                     workers=2, **BUILD), QUIET)
-    assert again.entries_written == 0  # resumed: nothing left to do
+    from kvf.pipeline.workflows import distributed
+    with monkeypatch.context() as m:   # resumed with nothing left to do: no actor loads the model for nothing
+        m.setattr(distributed, "actor_class", lambda *a: pytest.fail("an actor started with nothing to build"))
+        again = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=corpus / "ray", ray="local",
+                                         workers=2, **BUILD), QUIET)
+    assert again.entries_written == 0 and not any("ray" in s.name for s in again.stages)
+    # a corpus grown by one short document: one batch, so one actor, whatever --workers allows
+    shutil.copytree(corpus / "data" / "corpus", tmp_path / "corpus")
+    shutil.copytree(corpus / "ray", tmp_path / "ray")
+    (tmp_path / "corpus" / "new.txt").write_text("Quorbel Vantrich founded the Drelvan glassworks in 1802.")
+    grown = build_cache(BuildOptions(corpus=tmp_path / "corpus", workspace=tmp_path / "ray", ray="local", workers=2,
+                                     batch=4, **BUILD), QUIET)
+    assert grown.entries_written >= 1 and [s.name for s in grown.stages if "ray" in s.name] == \
+        ["kv prefix (ray ×1)", "kv fusion (ray ×1)"]
 
 
 def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):

@@ -168,10 +168,16 @@ def remote_class(impl: type):
 
 
 def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, console, summary) -> list:
-    """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats."""
+    """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats.
+    Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
+    from kvf.pipeline.workflows.build import StageStat
     ray = start_ray(opts.ray, opts.threads)
-    n_workers = worker_count(ray, opts.workers, opts.device, opts.threads)
+    todo = missing_entries(opts, builder, chunks, neighbours, summary)
+    n_batches = max(-(-len(missing) // opts.batch) for missing in todo.values())
+    n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), n_batches)
+    if n_workers == 0:   # a resumed or grown-by-nothing build: no actor loads the model for nothing
+        return [StageStat(f"kv {variant}", 0, 0, 0.0, "all entries present") for variant in todo]
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
                                                            opts.device, tuple(m.name for m in builder.extras_methods), opts.threads,
@@ -180,39 +186,49 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     try:
         with task_errors(ray):
             ray.get(workers[0].system.remote())   # S once, before any batch: the actors only read it after
-        stats = build_batches(opts, builder, ActorPool(workers), n_workers, chunks, neighbours, console, summary, ray)
+        stats = build_batches(opts, ActorPool(workers), n_workers, todo, chunks, neighbours, console, summary, ray)
     finally:
         for w in workers:
             ray.kill(w)
     return stats
 
 
-def build_batches(opts, builder, pool, n_workers: int, chunks: list, neighbours: dict | None, console, summary,
-                  ray) -> list:
-    """Each variant's missing entries, in batches of --batch chunks, over the actor pool."""
-    import time
-    from kvf.pipeline.workflows.build import StageStat, in_shard, stage
+def missing_entries(opts, builder, chunks: list, neighbours: dict | None, summary) -> dict[str, list]:
+    """variant -> the chunks (of this shard) whose entries are missing, in build order. The fusion entries'
+    neighbours' prefix entries count as prefix work even when prefix is not a variant asked for."""
+    from kvf.pipeline.workflows.build import in_shard
     by_id = {c.chunk_id: c for c in chunks}
     mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
-    stats = []
+    todo = {}
     for variant in build_order(opts.variants):
         wanted = mine if variant in opts.variants else neighbour_chunks(mine, neighbours, by_id)
-        todo = builder.missing(variant, wanted, neighbours)
-        summary.entries_skipped += len(wanted) - len(todo) if variant in opts.variants else 0
-        stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(todo), sum(len(c.token_ids) for c in todo))
+        todo[variant] = builder.missing(variant, wanted, neighbours)
+        summary.entries_skipped += len(wanted) - len(todo[variant]) if variant in opts.variants else 0
+    return todo
+
+
+def build_batches(opts, pool, n_workers: int, todo: dict[str, list], chunks: list, neighbours: dict | None, console,
+                  summary, ray) -> list:
+    """Each variant's missing entries, in batches of --batch chunks, over the actor pool."""
+    import time
+    from kvf.pipeline.workflows.build import StageStat, stage
+    by_id = {c.chunk_id: c for c in chunks}
+    stats = []
+    for variant, missing in todo.items():
+        stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(missing), sum(len(c.token_ids) for c in missing))
         started = time.perf_counter()
-        batches = [todo[i: i + opts.batch] for i in range(0, len(todo), opts.batch)]
+        batches = [missing[i: i + opts.batch] for i in range(0, len(missing), opts.batch)]
 
         def submit(worker, batch, variant=variant):
             return worker.build.remote(variant, batch, *fusion_context(variant, batch, neighbours, by_id))
 
-        with stage(console, f"KV {variant} on {n_workers} Ray workers", len(todo)) as advance, task_errors(ray):
+        with stage(console, f"KV {variant} on {n_workers} Ray workers", len(missing)) as advance, task_errors(ray):
             for result in pool.map_unordered(submit, batches):
                 advance(result["chunks"])
                 summary.entries_written += result["entries_written"]
                 summary.bytes_written += result["bytes_written"]
         stat.seconds = time.perf_counter() - started
-        stat.note = "" if todo else "all entries present"
+        stat.note = "" if missing else "all entries present"
         stats.append(stat)
     return stats
 
