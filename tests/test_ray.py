@@ -123,7 +123,8 @@ def answers(path):
             for r in rows}, len(rows)
 
 
-def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus):
+def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkeypatch):
+    from kvf.pipeline.workflows import distributed
     from kvf.pipeline.workflows.run import RunOptions, run
     common = dict(methods=["full", "reuse", "cacheblend"], ratios=[0.15], dataset=corpus / "data",
                   workspace=corpus / "one", max_new_tokens=4, warmup=False)
@@ -137,6 +138,10 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus):
     run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
     resumed, n_resumed = answers(corpus / "ray.jsonl")
     assert n_resumed == 9 and resumed == one  # the missing five added, none twice
+    with monkeypatch.context() as m:          # finished: resumed again, no actor loads the model for nothing
+        m.setattr(distributed, "actor_class", lambda *a: pytest.fail("an actor started with nothing to answer"))
+        run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
+    assert answers(corpus / "ray.jsonl") == (one, 9)
 
 
 def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, tmp_path):

@@ -285,8 +285,10 @@ def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, wri
     """Answer (question, planned indices) jobs on Ray actors; write(record dict) runs on the driver,
     the only writer of the run file."""
     from ray.util import ActorPool
+    if not jobs:   # a finished run resumed: no actor loads the model for nothing
+        return
     ray = start_ray(opts.ray, opts.threads)
-    n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), max(1, len(jobs)))
+    n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), len(jobs))
     worker_opts = replace(opts, ray=None, **{f: absolute(getattr(opts, f)) for f in ("dataset", "questions", "workspace", "out")})
     workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()))
                for _ in range(n_workers)]
