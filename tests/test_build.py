@@ -271,13 +271,43 @@ def test_a_new_document_embeds_only_its_own_chunks(built, tmp_path, monkeypatch)
     np.testing.assert_allclose(vectors, fresh, rtol=0, atol=1e-5)
 
 
-def test_store_of_another_dtype_is_refused(built):
-    with pytest.raises(StoreMismatch) as err:
+def test_store_of_another_dtype_is_refused(built, tmp_path):
+    with pytest.raises(KvfError) as err:   # the workspace's own store: named by the flag, with the fix
         build_cache(replace(built.opts, dtype="float16"), QUIET)
     message = str(err.value)
-    assert "\n" not in message and "dtype='float32'" in message and "dtype='float16'" in message
+    assert "\n" not in message and message.startswith("--dtype float16: workspace") and "holds float32 KVs" in message
+    assert "leave --dtype out" in message
+    with pytest.raises(StoreMismatch) as err:   # another workspace naming that store
+        build_cache(replace(built.opts, dtype="float16", workspace=tmp_path / "ws", store=built.summary.store), QUIET)
+    assert "dtype='float32'" in str(err.value) and "dtype='float16'" in str(err.value)
     with pytest.raises(StoreMismatch, match="dtype"):
         open_store(built.summary.store, meta=store_meta(built.model_ref, "float16"))
+
+
+def test_a_later_build_keeps_the_workspaces_settings_unless_told(built, tmp_path, capsys, monkeypatch):
+    """`kvf build-cache CORPUS -w WS` on a grown corpus, without repeating the first build's flags, cut every
+    document again at the default 256 tokens (every KV computed again, without a word) and, on a float32
+    store, was refused for the default float16. A flag left out now keeps the workspace's setting; one that
+    changes it is said in one line."""
+    root = tmp_path / "grown"
+    shutil.copytree(built.root, root)
+    (root / "corpus" / "owls.txt").write_text("Owls hunt at night and find mice by sound alone, even under snow.")
+    ws = root / "ws"
+    before = json.loads((ws / "manifest.json").read_text())
+    code, _, err = run_cli(["build-cache", root / "corpus", "-w", ws, "--no-bm25"], capsys, monkeypatch)
+    assert code == 0 and "warning" not in err, err
+    after = json.loads((ws / "manifest.json").read_text())
+    for name in ("chunk_tokens", "overlap", "dtype", "n_neighbours", "embedder"):
+        assert after[name] == before[name], name
+    new = [c for c in read_chunks_table(ws / "chunks.parquet") if c.doc_id == "owls.txt"]
+    assert len(read_chunks_table(ws / "chunks.parquet")) == len(built.chunks) + len(new)
+    assert len(open_store(str(ws / "kv.zarr")).keys()) == len(built.chunks) + len(new) + 1   # + S: nothing recut
+    code, _, err = run_cli(["build-cache", root / "corpus", "-w", ws, "--no-bm25", "--chunk-tokens", 16],
+                           capsys, monkeypatch)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 1 and f"--chunk-tokens 16: workspace {ws} was built with {CHUNK_TOKENS}" in \
+        warnings[0] and f"leave --chunk-tokens out to keep {CHUNK_TOKENS}" in warnings[0], err
+    assert json.loads((ws / "manifest.json").read_text())["chunk_tokens"] == 16
 
 
 def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys, monkeypatch):

@@ -42,11 +42,12 @@ class BuildOptions:
     workspace: Path
     store: str | None = None           # path or fsspec URL; default workspace/kv.zarr (or kv.h5)
     format: str | None = None          # zarr or hdf5; None: the workspace's existing store, else zarr
-    dtype: str = "float16"
-    chunk_tokens: int = 256
-    overlap: int = 0
+    # None (a flag left out): the workspace's own setting, else WORKSPACE_SETTINGS' default (settle_settings)
+    dtype: str | None = None
+    chunk_tokens: int | None = None
+    overlap: int | None = None
     variants: tuple[str, ...] = ("prefix",)
-    n_neighbours: int = DEFAULT_NEIGHBOURS
+    n_neighbours: int | None = None
     embedder: str | None = None
     model: str | None = None
     shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I
@@ -60,6 +61,40 @@ class BuildOptions:
     workers: int | None = None           # Ray actors (default: one per CPU, or per GPU with --device cuda)
     threads: int = 1                     # torch threads per Ray actor
     batch: int = 16                      # chunks per Ray task
+
+
+# field: (flag, default for a new workspace, what giving another value than the workspace's costs)
+WORKSPACE_SETTINGS = {
+    "chunk_tokens": ("--chunk-tokens", 256, "every document is cut anew, and each new chunk's KV computed"),
+    "overlap": ("--overlap", 0, "every document is cut anew, and each new chunk's KV computed"),
+    "n_neighbours": ("--neighbours", DEFAULT_NEIGHBOURS, "neighbours are searched again, and fusion KVs computed again"),
+    "embedder": ("--embedder", None, "every chunk is embedded again"),
+    "dtype": ("--dtype", "float16", None),   # a store holds one dtype: another one is another store
+}
+
+
+def settle_settings(opts: BuildOptions, previous: dict, console: Console) -> BuildOptions:
+    """A flag left out keeps the workspace's setting, so a grown corpus is chunked, embedded and stored as
+    before (it was cut at the defaults instead: every KV computed again, without a word). A flag that
+    changes one is said in one line with what it costs; --dtype cannot change under a kept store."""
+    settled = {}
+    for name, (flag, default, cost) in WORKSPACE_SETTINGS.items():
+        given, before = getattr(opts, name), previous.get(name)
+        if given is None:
+            settled[name] = before if before is not None else default
+        elif before is not None and given != before and cost is not None:
+            console.print(f"warning: {flag} {given}: workspace {opts.workspace} was built with {before}; {cost} "
+                          f"(leave {flag} out to keep {before})", style="yellow", markup=False, highlight=False,
+                          soft_wrap=True)
+    return replace(opts, **settled)
+
+
+def check_store_dtype(opts: BuildOptions, previous: dict, same_store: bool) -> None:
+    """The workspace's store holds one dtype; --dtype naming another would be refused by the store, naming no flag."""
+    before = previous.get("dtype")
+    if same_store and before is not None and opts.dtype != before:
+        raise KvfError(f"--dtype {opts.dtype}: workspace {opts.workspace}'s store holds {before} KVs; leave --dtype "
+                       f"out to keep adding {before} ones, or pass another --store for {opts.dtype}")
 
 
 @dataclass
@@ -397,7 +432,12 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     for v in opts.variants:
         if v not in VARIANTS:
             raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
-    if opts.dtype not in STORE_DTYPES:
+    if opts.dtype is not None and opts.dtype not in STORE_DTYPES:
+        raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
+    ws = Workspace(opts.workspace)
+    previous = previous_manifest(ws, console)
+    opts = settle_settings(opts, previous, console)
+    if opts.dtype not in STORE_DTYPES:   # a hand-edited manifest
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     warn_if_slow(opts.device, model_dtype, "--compute-dtype")
@@ -413,10 +453,9 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     docs = read_corpus(opts.corpus)
     model_ref = open_model(opts.model)
     check_chunk_fits(opts, model_ref)
-    ws = Workspace(opts.workspace)
     check_writable_dir(ws.root, "--workspace")
-    previous = previous_manifest(ws, console)
     opts, same_store = keep_workspace_store(opts, ws, previous, console)
+    check_store_dtype(opts, previous, same_store)
     store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     waiting = notice(console)

@@ -27,8 +27,8 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
-from kvf.pipeline.workflows.build import (DEFAULT_NEIGHBOURS, BuildOptions, check_chunk_fits, index_digests,
-                                          open_workspace_store, stage_chunks, stage_indexes, write_workspace_manifest)
+from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
+                                          settle_settings, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
@@ -454,13 +454,13 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
         console.print(f"{why}: chunking and indexing {opts.dataset / 'corpus'} (KVs are computed as questions need "
                       "them)", markup=False)
         previous = previous or {}
-        kept = {name: previous[name] for name in ("chunk_tokens", "overlap", "dtype", "embedder", "n_neighbours", "format")
-                if previous.get(name) is not None}   # a workspace chunked again keeps its own settings, and its store
+        # a workspace chunked again keeps its own settings, and its store; a new one takes run's flags
         model_ref = open_model(opts.model)
-        bopts = BuildOptions(**{"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours or DEFAULT_NEIGHBOURS,
-                                **kept}, corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
-                             variants=VARIANTS, store=opts.store or (ws.reach_store() if previous.get("store") else None),
-                             device=opts.device, compute_dtype=opts.dtype, ray=opts.ray)
+        own = {} if previous else {"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours}
+        bopts = settle_settings(BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
+                                             variants=VARIANTS, format=previous.get("format"), device=opts.device,
+                                             store=opts.store or (ws.reach_store() if previous.get("store") else None),
+                                             compute_dtype=opts.dtype, ray=opts.ray, **own), previous, console)
         check_chunk_fits(bopts, model_ref)
         chunks, _ = stage_chunks(bopts, ws, model_ref.tokenizer)
         index_state = ws.index_state() or {}   # indexes an earlier, stopped run finished are kept
