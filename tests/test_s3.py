@@ -170,3 +170,28 @@ def test_s3_without_s3fs_names_the_extra(monkeypatch):
         monkeypatch.delitem(registry._registry, protocol, raising=False)
     with pytest.raises(KvfError, match=r"s3://bucket/prefix: S3 stores need s3fs; pip install 'kvf\[s3\]'"):
         open_store("s3://bucket/prefix", create=True, meta=META)
+
+
+def test_a_ray_build_reaches_the_s3_store_at_the_workspaces_endpoint(s3, tmp_path, short_docs):
+    """A workspace remembers its store's endpoint, and so must the Ray workers a later build starts: they got
+    the driver's environment as Ray started, before the driver read the endpoint from the manifest, and
+    went to AWS itself."""
+    from kvf.cachestore import open_store
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "doc0.txt").write_text(short_docs[0])
+    torch.set_num_threads(1)
+    common = dict(corpus=corpus, chunk_tokens=32, bm25=False, dense=False, dtype="float32")
+    build_cache(BuildOptions(workspace=tmp_path / "ws", store="s3://kvf/ray-build", **common), QUIET)
+    before = set(open_store("s3://kvf/ray-build").keys())
+    (corpus / "doc1.txt").write_text(short_docs[1])
+    no_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"} | {"HF_HUB_OFFLINE": "1",
+                                                                                     "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "kvf", "build-cache", str(corpus), "-w", str(tmp_path / "ws"),
+                           "--chunk-tokens", "32", "--no-bm25", "--no-dense", "--ray", "local", "--workers", "1"],
+                          capture_output=True, text=True, env=no_endpoint)
+    assert proc.returncode == 0, proc.stderr
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()   # this process's listing of the bucket predates the build
+    assert len(set(open_store("s3://kvf/ray-build").keys()) - before) >= 1

@@ -133,8 +133,10 @@ class KVWorkerImpl:
     """One model and one store writer; builds the KV entries of batches of chunks."""
 
     def __init__(self, model: str | None, store: str, dtype: str, device: str, extras_for: tuple, threads: int,
-                 model_dtype: str | None = None):
+                 model_dtype: str | None = None, s3_endpoint: str | None = None):
         import torch
+        if s3_endpoint:   # the driver's, which it may have read from the workspace after Ray took its environment
+            os.environ["AWS_ENDPOINT_URL"] = s3_endpoint
         from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store
         from kvf.pipeline.workflows.devices import check_device, compute_dtype
         from kvf.pipeline.workflows.weights import open_model
@@ -181,7 +183,7 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
                                                            opts.device, tuple(m.name for m in builder.extras_methods), opts.threads,
-                                                           opts.compute_dtype)
+                                                           opts.compute_dtype, os.environ.get("AWS_ENDPOINT_URL"))
                for _ in range(n_workers)]
     try:
         with task_errors(ray):
