@@ -432,12 +432,10 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     for v in opts.variants:
         if v not in VARIANTS:
             raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
-    if opts.dtype is not None and opts.dtype not in STORE_DTYPES:
-        raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     ws = Workspace(opts.workspace)
     previous = previous_manifest(ws, console)
     opts = settle_settings(opts, previous, console)
-    if opts.dtype not in STORE_DTYPES:   # a hand-edited manifest
+    if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     warn_if_slow(opts.device, model_dtype, "--compute-dtype")
