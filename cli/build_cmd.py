@@ -22,7 +22,7 @@ def build_cache_command(
     compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="The model's dtype while computing KVs: float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda]."),
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", min=1, help="Chunk length in model tokens [default: the workspace's, else 256]."),
     overlap: Optional[int] = typer.Option(None, "--overlap", min=0, help="Tokens shared by consecutive chunks of a document [default: the workspace's, else 0]."),
-    variant: str = typer.Option("prefix", "--variant", help="Offline variants to build, comma-separated: prefix, fusion."),
+    variant: Optional[str] = typer.Option(None, "--variant", help="Offline variants to build, comma-separated: prefix, fusion [default: the workspace's, else prefix]."),
     neighbours: Optional[int] = typer.Option(None, "--neighbours", min=1, help="Top-n similar chunks per chunk (FusionRAG's n) [default: the workspace's, else 10]."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="Local embedding model dir (sentence-transformers) [default: the workspace's, else all-MiniLM-L6-v2]."),
     model: ModelOption = None,
@@ -47,7 +47,7 @@ def build_cache_command(
     check_ray_flags(ray, workers, threads, batch)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,
-                        variants=tuple(v.strip() for v in variant.split(",") if v.strip()),
+                        variants=tuple(v.strip() for v in variant.split(",") if v.strip()) if variant else None,
                         n_neighbours=neighbours, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
                         device=device, compute_dtype=compute_dtype, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),

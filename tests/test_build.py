@@ -310,6 +310,24 @@ def test_a_later_build_keeps_the_workspaces_settings_unless_told(built, tmp_path
     assert json.loads((ws / "manifest.json").read_text())["chunk_tokens"] == 16
 
 
+def test_a_later_build_keeps_the_workspaces_variants_unless_told(built, tmp_path, capsys, monkeypatch):
+    """--variant left out built only prefix entries for a grown corpus's new chunks, though the workspace had
+    its fusion entries built ahead (and its manifest still said so); now it keeps the workspace's variants."""
+    root = tmp_path / "grown"
+    shutil.copytree(built.root, root)
+    ws = root / "ws"
+    build_cache(replace(built.opts, corpus=root / "corpus", workspace=ws, store=None, variants=("prefix", "fusion")), QUIET)
+    (root / "corpus" / "owls.txt").write_text("Owls hunt at night and find mice by sound alone, even under snow.")
+    code, _, err = run_cli(["build-cache", root / "corpus", "-w", ws, "--no-bm25"], capsys, monkeypatch)
+    assert code == 0, err
+    store = open_store(str(ws / "kv.zarr"))
+    chunk_ids = {c.chunk_id for c in read_chunks_table(ws / "chunks.parquet")}
+    for variant in ("prefix", "fusion"):
+        assert {store.attrs(k)["chunk_id"] for k in chunk_keys(store) if store.attrs(k)["variant"] == variant} >= \
+            chunk_ids, variant
+    assert json.loads((ws / "manifest.json").read_text())["variants"] == ["fusion", "prefix"]
+
+
 def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model_dir = built.model_ref.model_dir

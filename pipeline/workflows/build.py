@@ -46,7 +46,7 @@ class BuildOptions:
     dtype: str | None = None
     chunk_tokens: int | None = None
     overlap: int | None = None
-    variants: tuple[str, ...] = ("prefix",)
+    variants: tuple[str, ...] | None = None
     n_neighbours: int | None = None
     embedder: str | None = None
     model: str | None = None
@@ -70,6 +70,7 @@ WORKSPACE_SETTINGS = {
     "n_neighbours": ("--neighbours", DEFAULT_NEIGHBOURS, "neighbours are searched again, and fusion KVs computed again"),
     "embedder": ("--embedder", None, "every chunk is embedded again"),
     "dtype": ("--dtype", "float16", None),   # a store holds one dtype: another one is another store
+    "variants": ("--variant", ("prefix",), None),   # another one adds its entries; none is recomputed
 }
 
 
@@ -80,6 +81,8 @@ def settle_settings(opts: BuildOptions, previous: dict, console: Console) -> Bui
     settled = {}
     for name, (flag, default, cost) in WORKSPACE_SETTINGS.items():
         given, before = getattr(opts, name), previous.get(name)
+        if isinstance(before, list):   # the variants built ahead: none when a run made the workspace
+            before = tuple(before) or None
         if given is None:
             settled[name] = before if before is not None else default
         elif before is not None and given != before and cost is not None:
@@ -429,12 +432,12 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # cheap checks first: bad flags, a bad corpus or a store that cannot be used fail in seconds,
     # before the workspace is touched or minutes go into indexes
-    for v in opts.variants:
-        if v not in VARIANTS:
-            raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
     ws = Workspace(opts.workspace)
     previous = previous_manifest(ws, console)
     opts = settle_settings(opts, previous, console)
+    for v in opts.variants:
+        if v not in VARIANTS:
+            raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
