@@ -13,10 +13,11 @@ from kvf.errors import KvfError  # noqa: F401
 from kvf.version import __version__  # noqa: F401
 
 
-def open_workspace(path, model: str | None = None, device: str = "cpu"):
-    """A built workspace, ready to answer questions by fusing its stored chunk KVs (see kvf.pipeline.workflows.api)."""
+def open_workspace(path, model: str | None = None, device: str = "cpu", dtype: str | None = None):
+    """A built workspace, ready to answer questions by fusing its stored chunk KVs (see kvf.pipeline.workflows.api).
+    dtype: the model's compute dtype (default float32 on cpu, bfloat16 on cuda), as `kvf run --dtype`."""
     from kvf.pipeline.workflows.api import WorkspaceSession
-    return WorkspaceSession(path, model=model, device=device)
+    return WorkspaceSession(path, model=model, device=device, dtype=dtype)
 
 
 def evaluate(run_files, out=None, complete_only: bool = False):

@@ -420,6 +420,12 @@ def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, caps
         warnings = [line for line in err.splitlines() if "were built in" in line]
         assert code == 0 and len(warnings) == (dtype == "float32"), err
     assert "built in bfloat16; this run computes in float32" in warnings[0] and "--dtype bfloat16" in warnings[0]
+    import kvf   # the Python API takes the dtype too, and says the same
+    for dtype in ("bfloat16", "float32"):
+        kvf.open_workspace(shared, model=str(tiny), dtype=dtype)
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "were built in" in line]
+        assert len(warnings) == (dtype == "float32")
+    assert 'pass open_workspace(..., dtype="bfloat16") to use the built ones' in warnings[0]
 
     collect(str(shared / "kv.zarr"), None, None, shared, True, QUIET)
     assert sorted(open_store(str(shared / "kv.zarr")).keys()) == sorted(store.keys())

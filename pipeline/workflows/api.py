@@ -10,7 +10,8 @@ from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
 from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
-from kvf.pipeline.workflows.session import Session, workspace_path
+from kvf.pipeline.workflows.devices import dtype_name
+from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS
 
 
@@ -28,13 +29,14 @@ class WorkspaceAnswer:
 class WorkspaceSession:
     """kvf.open_workspace(path): `answer()` retrieves (or takes) chunks and fuses their stored KVs."""
 
-    def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu"):
+    def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu", dtype: str | None = None):
         if not isinstance(path, (str, Path)):
             raise KvfError(f"open_workspace({path!r}): pass the workspace's folder, e.g. open_workspace(\"workspace\")")
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
             raise ws.not_built(named="")
-        self.session = Session(ws, model, device)
+        self.session = Session(ws, model, device, dtype)
+        check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
 
     def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = DEFAULT_RETRIEVER) -> list[tuple[str, float]]:

@@ -139,14 +139,15 @@ def check_workspace_model(ws: Workspace, model_ref) -> None:
                        "or use another --workspace")
 
 
-def check_entries_dtype(ws: Workspace, dtype: str) -> None:
+def check_entries_dtype(ws: Workspace, dtype: str, fix: str = "pass --dtype {built}") -> None:
     """Entries are keyed by the dtype they were computed in: a run in another dtype than the build's
-    reads none of the built ones. Say so before it computes them all again."""
+    reads none of the built ones. Say so before it computes them all again. fix: how the caller picks
+    the build's dtype ({built} is filled in)."""
     manifest = ws.manifest()
     built = manifest.get("compute_dtype", "float32") if manifest.get("model_fingerprint") else dtype
     if built != dtype:
         warn(f"--workspace {ws.root}'s KVs were built in {built}; this run computes in {dtype}, so it computes its "
-             f"own {dtype} entries into the store first (untimed); pass --dtype {built} to use the built ones")
+             f"own {dtype} entries into the store first (untimed); {fix.format(built=built)} to use the built ones")
 
 
 def workspace_path(path: str | Path) -> Workspace:
