@@ -144,9 +144,9 @@ def read_chunk_ids(path: str | Path) -> list[str]:
 class ChunkTable(Mapping):
     """chunks.parquet as a read-only map chunk id -> Chunk, for answering questions.
 
-    The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: a
-    million 256-token chunks as Python lists hold a Python int per token, ~13 GB; columnar, about
-    a quarter of that, and a run or a Ray worker asks for a few chunks per question.
+    The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: 100K
+    256-token chunks as Python lists hold a Python int per token, 1.8 GB; columnar, 0.3 GB
+    (scripts/bench_chunk_table.py), and a run or a Ray worker asks for a few chunks per question.
     """
 
     def __init__(self, path: str | Path):
