@@ -131,7 +131,7 @@ def read_chunks_table(path: str | Path) -> list[Chunk]:
 
 def iter_chunk_tokens(path: str | Path, rows: int = 4096):
     """(chunk id, token ids) of every chunk in table order, read a batch of rows at a time."""
-    _checked_table(path, ["chunk_id"])   # a missing or damaged table is one line
+    _check_table(path)
     for batch in pq.ParquetFile(path).iter_batches(batch_size=rows, columns=["chunk_id", "token_ids"]):
         yield from zip(batch.column("chunk_id").to_pylist(), batch.column("token_ids").to_pylist())
 
@@ -168,7 +168,17 @@ class ChunkTable(Mapping):
 
 
 def _checked_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
-    """The chunks table's columns (all of CHUNKS_SCHEMA by default); a missing or damaged file is one line."""
+    """The chunks table's columns (all of CHUNKS_SCHEMA by default), checked first."""
+    _check_table(path)
+    try:
+        return pq.read_table(path, columns=columns or CHUNKS_SCHEMA.names)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e
+
+
+def _check_table(path: str | Path) -> None:
+    """A missing chunks table, a damaged one or one without CHUNKS_SCHEMA's columns is one line (its schema
+    only is read)."""
     path = Path(path)
     if not path.exists():
         raise KvfError(f"chunks table {path} does not exist; "
@@ -180,7 +190,3 @@ def _checked_table(path: str | Path, columns: list[str] | None = None) -> pa.Tab
     missing = [name for name in CHUNKS_SCHEMA.names if name not in names]
     if missing:
         raise KvfError(f"chunks table {path} lacks columns {missing}; rebuild the workspace")
-    try:
-        return pq.read_table(path, columns=columns or CHUNKS_SCHEMA.names)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e

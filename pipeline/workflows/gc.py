@@ -16,7 +16,8 @@ from rich.console import Console
 from kvf.cachestore import open_store
 from kvf.errors import KvfError, warn
 from kvf.pipeline.files import read_listed
-from kvf.pipeline.workflows.workspace import COMPUTE_DTYPES, EntryKeys, Workspace
+from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
+from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
 
 
 def workspace_keys(path: Path) -> set[str]:

@@ -592,17 +592,18 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_neighbours(opts, ws)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
-        check_entries_dtype(ws, dtype_name(compute_dtype(opts.device, opts.dtype)))
+        dtype = compute_dtype(opts.device, opts.dtype)
+        check_entries_dtype(ws, dtype_name(dtype))
         if opts.ray is None:
             extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
-            model_name, dtype = session.model_ref.name, session.dtype
+            model_name = session.model_ref.name
             prompt_of = lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever), q.question)  # noqa: E731
             max_positions = session.answerer.transformer.max_positions
         else:  # the driver only plans and writes: its workers load the model
             model_ref = open_model(opts.model)
             check_workspace_model(ws, model_ref)
-            model_name, dtype = model_ref.name, compute_dtype(opts.device, opts.dtype)
+            model_name = model_ref.name
             template, chunks_by_id = make_template(model_ref.tokenizer), ChunkTable(ws.chunks_path)
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731
                                                q.question)

@@ -26,9 +26,9 @@ from typing import Callable
 from kvf.errors import KvfError
 from kvf.cachestore import entry_key
 from kvf.pipeline.files import write_atomic
+from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 
 VARIANTS = ("prefix", "fusion")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # what a model may compute KVs in
 SYSTEM_VARIANT = "system"  # the entry holding S's own KV
 
 
@@ -48,7 +48,7 @@ class EntryKeys:
         """The model, and the dtype its weights computed in: bfloat16 arithmetic gives other bytes than
         float32's, so its entries are others (float32's keys are those of stores built before dtypes)."""
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute dtype {self.compute_dtype!r}: not one of {COMPUTE_DTYPES}")
+            raise ValueError(f"compute dtype {self.compute_dtype!r}: not one of {', '.join(COMPUTE_DTYPES)}")
         return self.model_fingerprint + ("" if self.compute_dtype == "float32" else f"@{self.compute_dtype}")
 
     def system(self) -> str:
