@@ -561,9 +561,8 @@ def rerender(args, rendered_by: str) -> None:
 
 def synthetic_text() -> str:
     """The synthetic corpus's passages, one text: what the driver's embedder reads in part 4b."""
-    with work_dir(None, "kvf-bench-scale-text-") as work:
-        make_synthetic(work, n_questions=16, passages_per_question=4, seed=0)
-        return "\n".join(path.read_text() for path in sorted((work / "corpus").rglob("*")) if path.is_file())
+    questions = make_synthetic(None, n_questions=16, passages_per_question=4, seed=0)   # in memory, no files
+    return "\n".join(passage.text for q in questions for passage in q.contexts)
 
 
 def bench_scale(args, work: Path, console) -> None:
