@@ -18,7 +18,7 @@ FORMATS = {"zarr": ZarrKVStore, "hdf5": HDF5KVStore}
 _ABSENT = "<absent>"
 
 
-def open_store(path: str, format: str | None = None, *, meta: dict | None = None, create: bool = False,
+def open_store(path: str | os.PathLike, format: str | None = None, *, meta: dict | None = None, create: bool = False,
                readonly: bool | None = False, compressor: str | None = None) -> KVStore:
     """Open the store at path (local path or fsspec URL such as file:///data/kv or s3://bucket/kv).
 
@@ -29,6 +29,7 @@ def open_store(path: str, format: str | None = None, *, meta: dict | None = None
       where this process cannot write the store (a shared copy on a read-only mount), else writable.
     compressor: None (default: fastest reads), or zarr "zstd"/"gzip", hdf5 "gzip"/"lzf". Applies to new entries.
     """
+    path = os.fspath(path)   # a pathlib.Path too
     if format not in (None, *FORMATS):
         raise KvfError(f"unknown store format {format!r} for {path}; use --format zarr or --format hdf5")
     fs, root = _resolve(path)

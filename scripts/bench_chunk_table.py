@@ -1,11 +1,20 @@
-"""What holding a workspace's chunks table costs a run: every chunk as Python objects (how kvf run read
-it before ChunkTable) against ChunkTable (columnar; a Chunk only for the chunks asked for).
+"""What holding a workspace's chunks costs: every chunk as Python objects against ChunkTable (columnar; a
+Chunk only for the chunks asked for).
 
     python -m kvf.scripts.bench_chunk_table [--chunks 100000 --tokens 256]
+    python -m kvf.scripts.bench_chunk_table --driver [--chunks 100000]
 
-Writes a chunks.parquet of random token ids (and ~4 characters of text per token) into a temp dir,
-then opens it each way in a fresh process, side by side, and prints the seconds to open it and the
-memory it added (resident set, after the open). Nothing is asserted: the ratios are the result.
+Default (a run, each Ray worker): writes a chunks.parquet of random token ids (and ~4 characters of
+text per token) into a temp dir, then opens it each way in a fresh process, side by side, and prints
+the seconds to open it and the memory it added (resident set, after the open).
+
+--driver (build-cache's driver, stage 1 and what stages 2-3 hold): writes a JSONL corpus of random
+words, 4 chunks of 256 tokens a document, and chunks it each way in a fresh process: reading every
+document, then every chunk, as Python objects and keeping both (how build-cache did it before), against
+stage_chunks (a document at a time into chunks.parquet, then a ChunkTable). Prints the seconds and the
+peak memory it added (the process's peak resident set over its resident set before).
+
+Nothing is asserted: the ratios are the result.
 """
 from __future__ import annotations
 
@@ -24,6 +33,31 @@ OPEN = {  # how each way opens the table: (label, code run in the child with `pa
                      "held = {c.chunk_id: c for c in read_chunks_table(path)}",
     "ChunkTable": "from kvf.pipeline.retrieval.chunking import ChunkTable\nheld = ChunkTable(path)",
 }
+DRIVER = {  # how each way chunks a corpus and holds the result: (label, code run with corpus, ws, tokenizer set)
+    "chunk objects": "from kvf.pipeline.retrieval.chunking import chunk_documents, write_chunks_table\n"
+                     "from kvf.pipeline.retrieval.corpus import read_corpus\n"
+                     "docs = read_corpus(corpus)\n"
+                     "held = chunk_documents(docs, tokenizer, 256)\n"
+                     "write_chunks_table(held, ws / 'chunks.parquet')",
+    "streamed, ChunkTable": "from kvf.pipeline.workflows.build import BuildOptions, stage_chunks\n"
+                            "from kvf.pipeline.workflows.workspace import Workspace\n"
+                            "held, _ = stage_chunks(BuildOptions(corpus=corpus, workspace=ws, chunk_tokens=256, overlap=0), "
+                            "Workspace(ws), tokenizer)",
+}
+CHILD_DRIVER = """
+import json, pathlib, resource, sys, time
+from kvf.pipeline.workflows.weights import open_model
+import kvf.pipeline.workflows.build, pyarrow.parquet  # imported before the baseline, as the library is in both ways
+tokenizer = open_model(None).tokenizer
+tokenizer.encode("warm up", add_special_tokens=False)
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+corpus, ws = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+before, started = rss_mb(), time.perf_counter()
+{code}
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"seconds": time.perf_counter() - started, "mb": peak - before, "chunks": len(held)}}))
+"""
 CHILD = """
 import json, sys, time
 import pyarrow.parquet  # imported before the baseline, as the library is in both ways
@@ -46,24 +80,47 @@ def write_table(path, n: int, tokens: int) -> None:
                               index_in_doc=i % 4) for i in range(n)], path)
 
 
+def write_corpus(path, chunks: int) -> None:
+    """A JSONL corpus of random lower-case words, about 4 chunks of 256 tokens a document."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocabulary = ["".join(rng.choice(letters, rng.integers(3, 9))) for _ in range(5000)]
+    with open(path, "w") as f:
+        for doc in range(-(-chunks // 4)):
+            words = rng.choice(vocabulary, 270)   # ~3.6 tokens a random word: ~970 tokens, 4 chunks
+            f.write(json.dumps({"id": f"doc{doc}", "title": f"Document {doc}", "text": " ".join(words)}) + "\n")
+
+
+def in_child(child: str, code: str, *args) -> dict:
+    out = subprocess.run([sys.executable, "-c", child.format(code=code), *map(str, args)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=100_000)
     p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
+    p.add_argument("--driver", action="store_true", help="build-cache's driver: chunk a corpus each way")
     args = p.parse_args(argv)
     if args.chunks < 1 or args.tokens < 1:
         raise SystemExit("bench_chunk_table: --chunks and --tokens must be at least 1")
     console = output_console(100)
     with work_dir(None, "kvf-bench-chunk-table-") as work:
-        path = work / "chunks.parquet"
-        write_table(path, args.chunks, args.tokens)
-        results = {}
-        for label, code in OPEN.items():
-            out = subprocess.run([sys.executable, "-c", CHILD.format(code=code), str(path)], capture_output=True,
-                                 text=True, check=True)
-            results[label] = json.loads(out.stdout.splitlines()[-1])
-    table = Table(title=f"opening a chunks table of {args.chunks:,} chunks x {args.tokens} tokens (one process each)")
-    for column in ("held as", "seconds", "memory added (MB)", "vs chunk objects"):
+        if args.driver:
+            write_corpus(work / "corpus.jsonl", args.chunks)
+            results = {label: in_child(CHILD_DRIVER, code, work / "corpus.jsonl", work / label.replace(" ", "-"))
+                       for label, code in DRIVER.items()}
+        else:
+            write_table(work / "chunks.parquet", args.chunks, args.tokens)
+            results = {label: in_child(CHILD, code, work / "chunks.parquet") for label, code in OPEN.items()}
+    n = results["chunk objects"]["chunks"]
+    title = (f"build-cache's driver chunking a corpus into {n:,} chunks of up to 256 tokens (one process each)"
+             if args.driver else f"opening a chunks table of {args.chunks:,} chunks x {args.tokens} tokens (one process each)")
+    memory = "peak memory added (MB)" if args.driver else "memory added (MB)"
+    table = Table(title=title)
+    for column in ("held as", "seconds", memory, "vs chunk objects"):
         table.add_column(column, justify="left" if column == "held as" else "right")
     base = results["chunk objects"]
     for label, r in results.items():

@@ -197,3 +197,12 @@ def test_chunk_table_bench_opens_the_same_table_both_ways(capsys):
     assert "300 chunks x 8 tokens" in out and "chunk objects" in out and "ChunkTable" in out
     with pytest.raises(SystemExit, match="--chunks and --tokens must be at least 1"):
         main(["--chunks", "0"])
+
+
+def test_chunk_table_driver_bench_chunks_the_same_corpus_both_ways(capsys):
+    """bench_chunk_table --driver: both ways chunk the corpus it wrote into the same number of chunks."""
+    from kvf.scripts.bench_chunk_table import main
+    results = main(["--driver", "--chunks", "40"])
+    chunks = [r["chunks"] for r in results.values()]
+    assert chunks[0] == chunks[1] >= 40
+    assert f"into {chunks[0]:,} chunks" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.workflows.build import BuildOptions, build_cache, in_shard, store_meta
-from kvf.pipeline.retrieval.chunking import chunk_id_for, read_chunks_table, tokenizer_fingerprint
+from kvf.pipeline.retrieval.chunking import ChunkTable, chunk_id_for, read_chunks_table, tokenizer_fingerprint
 from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.workflows.weights import ModelRef, open_model
@@ -117,6 +117,45 @@ def built(tmp_path_factory, short_docs):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeypatch):
+    """build-cache read every document, then every chunk, as Python objects and kept both through its three
+    stages: about 9 KB a 256-token chunk, 9 GB for a million (`bench_chunk_table --driver`). Stage 1 now
+    streams documents into chunks.parquet, and the indexes and the KV stage read a ChunkTable, making Chunk
+    objects a batch at a time (and one per neighbour a fusion entry reads). The store is the same."""
+    from kvf.pipeline.retrieval import chunking
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with open(corpus / "passages.jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"id": f"p{i}", "title": f"Place {i}",
+                                "text": f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 2}) + "\n")
+    one_go = build_cache(opts_for(tmp_path / "one-go", corpus, dtype="float32", variants=["prefix", "fusion"]), QUIET)
+    live = {"now": 0, "peak": 0}
+    real_init = chunking.Chunk.__init__
+
+    def counting_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        live["now"] += 1
+        live["peak"] = max(live["peak"], live["now"])
+
+    def counting_del(self):
+        live["now"] -= 1
+    monkeypatch.setattr(chunking.Chunk, "__init__", counting_init)
+    monkeypatch.setattr(chunking.Chunk, "__del__", counting_del, raising=False)
+    monkeypatch.setattr(chunking, "WRITE_ROWS", 4)
+    monkeypatch.setattr(chunking, "OBJECT_ROWS", 4)
+    opts = opts_for(tmp_path, corpus, dtype="float32", variants=["prefix", "fusion"], bm25=True)
+    summary = build_cache(opts, QUIET)
+    assert summary.chunks == one_go.chunks >= 40
+    assert live["peak"] <= 16   # a batch written, a batch read, a document's chunks, a fusion entry's neighbours
+    monkeypatch.undo()
+    batched, whole = (open_store(root / "ws" / "kv.zarr", readonly=True) for root in (tmp_path, tmp_path / "one-go"))
+    assert sorted(chunk_keys(batched)) == sorted(chunk_keys(whole))   # batches of 4 chunks change nothing stored
+    assert all(torch.equal(batched.get(k), whole.get(k)) for k in chunk_keys(whole))
+    assert read_chunks_table(tmp_path / "ws" / "chunks.parquet") == read_chunks_table(
+        tmp_path / "one-go" / "ws" / "chunks.parquet")
+
+
 def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built, monkeypatch):
     """kvf run (each Ray worker, each API session) held every chunk of the workspace as Python objects, a
     Python int per token: 1.3 GB for 100K chunks of 256 tokens, 13 GB for a million. The table now stays
@@ -130,6 +169,12 @@ def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built
     with pytest.raises(KeyError):
         table["f" * 64]
     assert list(chunking.iter_chunk_tokens(path, rows=2)) == [(c.chunk_id, c.token_ids) for c in chunks]
+    monkeypatch.setattr(chunking, "OBJECT_ROWS", 2)
+    backwards = [c.chunk_id for c in reversed(chunks)]
+    assert list(table.chunks()) == chunks and list(table.chunks(backwards)) == chunks[::-1]
+    assert table.tokens() == sum(len(c.token_ids) for c in chunks) and table.tokens(backwards[:2]) == sum(
+        len(c.token_ids) for c in chunks[-2:]) and table.tokens([]) == 0
+    assert list(table.texts) == [c.text for c in chunks]
     made, real_chunk = [], chunking.Chunk
 
     def counted(**row):
@@ -517,7 +562,7 @@ def test_a_ray_driver_without_a_gpu_embeds_the_dense_index_on_its_cpu(built, tmp
     opts = opts_for(tmp_path, built.corpus, dense=True, device="cuda", ray="local")
     console = Console(file=io.StringIO(), width=300)
     state = {}
-    stage_indexes(opts, Workspace(tmp_path / "ws"), built.chunks, state, console)
+    stage_indexes(opts, Workspace(tmp_path / "ws"), ChunkTable(built.ws.chunks_path), state, console)
     assert state["dense"] and (tmp_path / "ws" / "neighbours.json").is_file()
     assert "embeds the dense index on its CPU" in console.file.getvalue()
 
@@ -526,6 +571,23 @@ def copy_build(built, dest: Path) -> BuildOptions:
     """A private copy of the module's workspace and store."""
     shutil.copytree(built.ws.root, dest / "ws")
     return replace(built.opts, workspace=dest / "ws", store=str(dest / "ws" / "kv.zarr"))
+
+
+def test_a_bad_row_late_in_a_grown_corpus_is_one_line_and_leaves_the_workspace_as_it_was(built, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Stage 1 reads the corpus as it chunks it (it need not fit in memory), so a bad JSONL row is found after
+    earlier documents were chunked: it is one line naming the file and line, and the workspace's files are
+    the last build's, byte for byte, with no temp file beside them."""
+    opts = copy_build(built, tmp_path)
+    corpus = tmp_path / "corpus"
+    shutil.copytree(built.corpus, corpus)
+    (corpus / "zz-more.jsonl").write_text(json.dumps({"id": "new1", "text": "Orvath Lenn keeps bees."}) + "\n"
+                                          + '{"id": "new2", "text": unquoted}\n')
+    ws = Path(opts.workspace)
+    before = {p.name: p.read_bytes() for p in ws.iterdir() if p.is_file()}
+    code, _, err = run_cli(["build-cache", corpus, "--workspace", ws], capsys, monkeypatch)
+    assert_one_line_error(code, err, "zz-more.jsonl:2", "not valid JSON")
+    assert {p.name: p.read_bytes() for p in ws.iterdir() if p.is_file()} == before
 
 
 def test_corrupt_or_truncated_entry_is_detected_reported_and_rebuilt(built, answerer, tmp_path, capsys, monkeypatch):
@@ -691,10 +753,9 @@ def test_rerun_without_store_keeps_building_into_the_workspace_store_elsewhere(t
 
 
 def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built, tmp_path, capsys, monkeypatch):
-    def full(chunks, path):
-        Path(path).write_bytes(b"PAR1")  # a few bytes made it, then the disk filled
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr("kvf.pipeline.workflows.build.write_chunks_table", full)
+    def full(writer):   # the writer has opened its file and written Parquet's magic bytes: then the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr("kvf.pipeline.retrieval.chunking.ChunkTableWriter._flush", full)
     ws = tmp_path / "ws"
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
                             capsys, monkeypatch)
@@ -887,7 +948,7 @@ def test_a_build_whose_chunks_another_build_rewrote_leaves_the_workspace_to_the_
 
     def other_build_meanwhile(opts, builder, chunks, *args):   # what a build of other settings leaves
         stats = real_stage_kv(opts, builder, chunks, *args)
-        write_chunks_table(chunks[1:], Workspace(opts.workspace).chunks_path)
+        write_chunks_table(list(chunks.chunks())[1:], Workspace(opts.workspace).chunks_path)
         return stats
     monkeypatch.setattr(build_module, "stage_kv", other_build_meanwhile)
     with pytest.raises(KvfError, match="another build-cache with other settings rewrote its chunks"):

@@ -47,6 +47,32 @@ def test_reads_txt_md_and_jsonl_recursively(tmp_path):
     assert docs["q1"].source_file.endswith("rows.jsonl:1")
 
 
+def test_a_jsonl_corpus_is_read_a_line_at_a_time_with_the_same_checks(tmp_path, capsys):
+    """A JSONL corpus is streamed (it may be larger than memory) with read_text_file's checks, made a block
+    at a time: a character split across two blocks is fine, a bad byte anywhere skips the whole file before
+    any of its rows is read (with its offset), and a BOM or CRLF line ends change nothing."""
+    from kvf.pipeline.retrieval.corpus import check_text_file, iter_corpus, read_text_file
+    rows = [{"id": f"r{i}", "text": f"caf\u00e9 number {i} \u2014 ok"} for i in range(50)]
+    text = "\ufeff" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"
+    good = tmp_path / "good" / "rows.jsonl"
+    good.parent.mkdir()
+    good.write_bytes(text.encode("utf-8"))
+    assert all(check_text_file(good, block=size) for size in (1, 2, 3, 7, 64))   # blocks split characters
+    assert [(d.doc_id, d.text) for d in iter_corpus(good.parent)] == [(r["id"], r["text"]) for r in rows]
+    read = []
+    list(iter_corpus(good.parent, on_bytes=read.append))
+    assert sum(read) == good.stat().st_size
+    bad = tmp_path / "bad" / "rows.jsonl"
+    bad.parent.mkdir()
+    bad.write_bytes(text.encode("utf-8")[:1000] + b"\xff" + text.encode("utf-8")[1000:])
+    assert read_text_file(bad) is None
+    whole = capsys.readouterr().err
+    assert not check_text_file(bad, block=64)
+    assert capsys.readouterr().err == whole and "byte 1000" in whole   # the same warning, the same offset
+    (bad.parent / "other.txt").write_text("still read")
+    assert [d.doc_id for d in iter_corpus(bad.parent)] == ["other.txt"]
+
+
 def test_binary_and_non_utf8_and_empty_are_skipped_with_warning(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("fine")
     (tmp_path / "blob.txt").write_bytes(b"\x89PNG\x00\x00\x01binary")

@@ -1,5 +1,6 @@
 """Lucene BM25 over chunks, built and searched in-process with pyserini (local indexes only, no downloads)."""
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvf.errors import KvfError
@@ -13,26 +14,37 @@ def chunk_contents(chunk: Chunk) -> str:
     return f"{chunk.title}\n{chunk.text}" if chunk.title else chunk.text
 
 
-def build_bm25(chunks: list[Chunk], index_dir: str | Path, threads: int | None = None, on_batch=None,
+def build_bm25(chunks: Iterable[Chunk], index_dir: str | Path, threads: int | None = None, on_batch=None,
                batch: int = 2000):
-    """(Re)build a Lucene index at index_dir with one document per chunk, id = chunk_id."""
-    if not chunks:
-        raise KvfError("no chunks to index for BM25; check the corpus produced documents")
+    """(Re)build a Lucene index at index_dir with one document per chunk, id = chunk_id. chunks may be a
+    stream (ChunkTable.chunks()): they are sent to Lucene a batch at a time."""
     ensure_java(str(Path(index_dir).parent))
     from pyserini.index.lucene import LuceneIndexer
     threads = threads or min(4, os.cpu_count() or 1)
     with atomic_dir(index_dir) as tmp:  # a stale index with other chunk ids must never mix in, nor half a new one
         # Anserini's SimpleIndexer: JsonCollection docs, default English analyzer (Porter stemming, stopwords)
         indexer = LuceneIndexer(str(tmp), threads=threads)
+        n_chunks, part = 0, []
         try:
-            for start in range(0, len(chunks), batch):  # in batches, so a long build shows progress
-                part = chunks[start: start + batch]
-                indexer.add_batch_dict([{"id": c.chunk_id, "contents": chunk_contents(c)} for c in part])
-                if on_batch is not None:
-                    on_batch(len(part))
+            for chunk in chunks:   # in batches, so a long build shows progress
+                part.append({"id": chunk.chunk_id, "contents": chunk_contents(chunk)})
+                if len(part) == batch:
+                    n_chunks += add_batch(indexer, part, on_batch)
+                    part = []
+            n_chunks += add_batch(indexer, part, on_batch)
         finally:
             indexer.close()  # commits to disk
-        check_written(tmp, index_dir, len(chunks))
+        if not n_chunks:
+            raise KvfError("no chunks to index for BM25; check the corpus produced documents")
+        check_written(tmp, index_dir, n_chunks)
+
+
+def add_batch(indexer, documents: list[dict], on_batch) -> int:
+    if documents:
+        indexer.add_batch_dict(documents)
+        if on_batch is not None:
+            on_batch(len(documents))
+    return len(documents)
 
 
 def check_written(tmp: Path, index_dir: str | Path, n_chunks: int) -> None:

@@ -2,12 +2,13 @@
 import hashlib
 import json
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvf.errors import KvfError, warn
@@ -32,6 +33,9 @@ CHUNKS_SCHEMA = pa.schema([
     ("token_ids", pa.list_(pa.int32())),
     ("index_in_doc", pa.int32()),
 ])
+
+WRITE_ROWS = 4096    # chunks a ChunkTableWriter holds before it writes them as one row group
+OBJECT_ROWS = 1024   # chunks ChunkTable.chunks makes Python objects of at a time
 
 _fingerprints = weakref.WeakKeyDictionary()  # tokenizer -> fingerprint; hashing a 50k vocab is not free
 
@@ -80,23 +84,28 @@ def validate_chunking(chunk_tokens: int, overlap: int):
         raise KvfError(f"--overlap must be in [0, --chunk-tokens) = [0, {chunk_tokens}) (got {overlap})")
 
 
+def split_document(doc: Document, tokenizer, chunk_tokens: int, overlap: int, fingerprint: str) -> list[Chunk]:
+    """All windows of one document in order, duplicates included; [] (with a warning) when it has no tokens."""
+    ids = tokenize_document(doc.text, tokenizer)  # once per document; windows cut the id list
+    if not ids:
+        warn(f"skipped document {doc.doc_id!r} in {doc.source_file}: it has no tokens")
+        return []
+    windows = [ids[start:start + chunk_tokens] for start in window_starts(len(ids), chunk_tokens, overlap)]
+    return [Chunk(chunk_id=chunk_id_for(fingerprint, window), doc_id=doc.doc_id, title=doc.title,
+                  text=tokenizer.decode(window), token_ids=window, index_in_doc=index)
+            for index, window in enumerate(windows)]
+
+
 def split_documents(docs: list[Document], tokenizer, chunk_tokens: int = 256,
-                    overlap: int = 0, on_document=None) -> dict[str, list[Chunk]]:
+                    overlap: int = 0) -> dict[str, list[Chunk]]:
     """doc_id -> all its windows in order, duplicates included (what a per-document context needs)."""
     validate_chunking(chunk_tokens, overlap)
     fingerprint = tokenizer_fingerprint(tokenizer)
     per_doc = {}
     for doc in docs:
-        if on_document is not None:
-            on_document()
-        ids = tokenize_document(doc.text, tokenizer)  # once per document; windows cut the id list
-        if not ids:
-            warn(f"skipped document {doc.doc_id!r} in {doc.source_file}: it has no tokens")
-            continue
-        windows = [ids[start:start + chunk_tokens] for start in window_starts(len(ids), chunk_tokens, overlap)]
-        per_doc[doc.doc_id] = [Chunk(chunk_id=chunk_id_for(fingerprint, window), doc_id=doc.doc_id, title=doc.title,
-                                     text=tokenizer.decode(window), token_ids=window, index_in_doc=index)
-                               for index, window in enumerate(windows)]
+        chunks = split_document(doc, tokenizer, chunk_tokens, overlap, fingerprint)
+        if chunks:
+            per_doc[doc.doc_id] = chunks
     return per_doc
 
 
@@ -116,12 +125,42 @@ def chunk_documents(docs: list[Document], tokenizer, chunk_tokens: int = 256, ov
     return unique_chunks(split_documents(docs, tokenizer, chunk_tokens, overlap))
 
 
+class ChunkTableWriter:
+    """chunks.parquet written a batch of rows at a time, so a corpus's chunks are never all in memory."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = pq.ParquetWriter(path, CHUNKS_SCHEMA)
+        self._pending = []
+        self.chunks = self.tokens = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self._pending.append(chunk)
+        self.chunks += 1
+        self.tokens += len(chunk.token_ids)
+        if len(self._pending) >= WRITE_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        columns = {name: [getattr(c, name) for c in self._pending] for name in CHUNKS_SCHEMA.names}
+        self._writer.write_table(pa.table(columns, schema=CHUNKS_SCHEMA))
+        self._pending = []
+
+    def __enter__(self) -> "ChunkTableWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pending and exc[0] is None:
+            self._flush()
+        self._writer.close()
+
+
 def write_chunks_table(chunks: list[Chunk], path: str | Path):
     """Save chunks as one Parquet table, token ids as an int32 list column."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    columns = {name: [getattr(c, name) for c in chunks] for name in CHUNKS_SCHEMA.names}
-    pq.write_table(pa.table(columns, schema=CHUNKS_SCHEMA), path)
+    with ChunkTableWriter(path) as writer:
+        for chunk in chunks:
+            writer.add(chunk)
 
 
 def read_chunks_table(path: str | Path) -> list[Chunk]:
@@ -142,16 +181,19 @@ def read_chunk_ids(path: str | Path) -> list[str]:
 
 
 class ChunkTable(Mapping):
-    """chunks.parquet as a read-only map chunk id -> Chunk, for answering questions.
+    """chunks.parquet as a read-only map chunk id -> Chunk, for building entries and answering questions.
 
     The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: 100K
-    256-token chunks as Python lists hold a Python int per token, 1.8 GB; columnar, 0.3 GB
+    256-token chunks as Python lists hold a Python int per token, 1.6 GB; columnar, 0.3 GB
     (scripts/bench_chunk_table.py), and a run or a Ray worker asks for a few chunks per question.
     """
 
     def __init__(self, path: str | Path):
         self._table = _checked_table(path)
-        self._row = {cid: i for i, cid in enumerate(self._table.column("chunk_id").to_pylist())}  # id -> row
+        self.ids = self._table.column("chunk_id").to_pylist()                       # table order
+        self._row = {cid: i for i, cid in enumerate(self.ids)}                      # id -> row
+        self._lengths = pc.list_value_length(self._table.column("token_ids")).to_numpy()   # [chunks] tokens each
+        self.texts = _TextColumn(self._table.column("text"))
         pa.default_memory_pool().release_unused()   # the reader's decompression buffers: half again the table
 
     def __getitem__(self, chunk_id: str) -> Chunk:
@@ -161,17 +203,46 @@ class ChunkTable(Mapping):
         return chunk_id in self._row
 
     def __iter__(self):
-        return iter(self._row)
+        return iter(self.ids)
 
     def __len__(self) -> int:
-        return len(self._row)
+        return len(self.ids)
+
+    def chunks(self, ids: list[str] | None = None) -> Iterator[Chunk]:
+        """Chunk objects of `ids` (every chunk by default) in that order, made OBJECT_ROWS at a time."""
+        ids = self.ids if ids is None else ids
+        for start in range(0, len(ids), OBJECT_ROWS):
+            batch = self._table.take([self._row[cid] for cid in ids[start:start + OBJECT_ROWS]])
+            yield from (Chunk(**row) for row in batch.to_pylist())
+
+    def tokens(self, ids: list[str] | None = None) -> int:
+        """How many tokens `ids` (every chunk by default) hold."""
+        if ids is None:
+            return int(self._lengths.sum())
+        return int(self._lengths[[self._row[cid] for cid in ids]].sum())
+
+
+class _TextColumn(Sequence):
+    """The text column as a sequence of str, a row made a str only when it is read."""
+
+    def __init__(self, column: pa.ChunkedArray):
+        self._column = column
+
+    def __getitem__(self, row: int) -> str:
+        return self._column[row].as_py()
+
+    def __len__(self) -> int:
+        return len(self._column)
 
 
 def _checked_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
     """The chunks table's columns (all of CHUNKS_SCHEMA by default), checked first."""
     _check_table(path)
-    try:
-        return pq.read_table(path, columns=columns or CHUNKS_SCHEMA.names)
+    columns = columns or CHUNKS_SCHEMA.names
+    try:   # a row group at a time, one thread, no read-ahead: read_table's buffers cost as much again as the table
+        table = pq.ParquetFile(path, pre_buffer=False)
+        schema = pa.schema([table.schema_arrow.field(name) for name in columns])
+        return pa.Table.from_batches(table.iter_batches(columns=columns, use_threads=False), schema=schema)
     except (pa.ArrowInvalid, OSError) as e:
         raise KvfError(f"chunks table {path} is not a readable Parquet file ({e}); rebuild the workspace") from e
 

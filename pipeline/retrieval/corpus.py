@@ -1,6 +1,8 @@
 """Read a corpus of documents from a folder of .txt, .md and .jsonl files."""
+import codecs
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +47,49 @@ def list_corpus_files(root: Path) -> list[Path]:
 def read_text_file(path: Path) -> str | None:
     """UTF-8 text of a file, or None (with a warning) when it is binary or another encoding."""
     data = path.read_bytes()
-    if b"\x00" in data[:8192]:
-        warn(f"skipped {path}: looks binary (contains NUL bytes)")
+    if not _is_text(path, data[:8192]):
         return None
     try:
-        return data.decode("utf-8-sig")  # -sig: drop a leading BOM rather than keep it as text
-    except UnicodeDecodeError as e:
-        warn(f"skipped {path}: not valid UTF-8 (byte {e.start}); convert it to UTF-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a leading BOM is not text (decoded with it, so
+    except UnicodeDecodeError as e:                          # a bad byte's offset is the file's)
+        _not_utf8(path, e.start)
         return None
+
+
+def check_text_file(path: Path, block: int = 1 << 24) -> bool:
+    """read_text_file's checks, a block at a time (a JSONL corpus may be larger than memory): True when
+    the whole file is UTF-8 text, else False with read_text_file's warning."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as f:
+        data = f.read(8192)
+        if not _is_text(path, data):
+            return False
+        while data:
+            try:
+                decoder.decode(data)
+            except UnicodeDecodeError as e:
+                _not_utf8(path, offset + e.start)
+                return False
+            offset += len(data)
+            data = f.read(block)
+    try:
+        decoder.decode(b"", final=True)   # a file that ends inside a character
+    except UnicodeDecodeError:
+        _not_utf8(path, offset)
+        return False
+    return True
+
+
+def _is_text(path: Path, head: bytes) -> bool:
+    if b"\x00" in head:
+        warn(f"skipped {path}: looks binary (contains NUL bytes)")
+        return False
+    return True
+
+
+def _not_utf8(path: Path, byte: int) -> None:
+    warn(f"skipped {path}: not valid UTF-8 (byte {byte}); convert it to UTF-8")
 
 
 def markdown_title(text: str, fallback: str) -> str:
@@ -86,24 +123,34 @@ def parse_jsonl_row(line: str, where: str) -> Document:
     return Document(doc_id=str(row["id"]), title=str(title), text=row["text"], source_file=where)
 
 
-def read_jsonl_documents(path: Path) -> list[Document]:
-    """Each non-blank line of a .jsonl file is one document."""
-    text = read_text_file(path)
-    if text is None:
-        return []
-    return [parse_jsonl_row(line, f"{path}:{line_no}")
-            for line_no, line in enumerate(text.splitlines(), start=1) if line.strip()]
+def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
+    """Each non-blank line of a .jsonl file is one document, read a line at a time."""
+    if not check_text_file(path):
+        return
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if on_bytes is not None:
+                on_bytes(len(raw))
+            line = raw.decode("utf-8")
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")   # a leading BOM is not part of the first row
+            if line.strip():
+                yield parse_jsonl_row(line, f"{path}:{line_no}")
 
 
-def read_corpus(path: str | Path) -> list[Document]:
-    """All documents under `path`, in sorted file order; unreadable files and empty docs are skipped with a warning."""
+def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None) -> Iterator[Document]:
+    """Every document under `path`, in sorted file order, one at a time (a corpus need not fit in memory);
+    unreadable files and empty docs are skipped with a warning. files: list_corpus_files(path), when the
+    caller has it; on_bytes(n): n more bytes of those files read."""
     root = Path(path)
-    docs, first_seen = [], {}
-    for file in list_corpus_files(root):
+    first_seen = {}   # doc id -> where it was first read
+    for file in list_corpus_files(root) if files is None else files:
         if file.suffix.lower() == ".jsonl":
-            file_docs = read_jsonl_documents(file)
+            file_docs = iter_jsonl_documents(file, on_bytes)
         else:
             file_docs = [d for d in [read_plain_document(file, root)] if d is not None]
+            if on_bytes is not None:
+                on_bytes(file.stat().st_size)
         for doc in file_docs:
             if not doc.text.strip():
                 warn(f"skipped empty document {doc.doc_id!r} in {doc.source_file}")
@@ -113,7 +160,12 @@ def read_corpus(path: str | Path) -> list[Document]:
                 raise KvfError(f"{doc.source_file}: document id {doc.doc_id!r} already used in "
                                f"{first_seen[doc.doc_id]}; give every document a unique id")
             first_seen[doc.doc_id] = doc.source_file
-            docs.append(doc)
-    if not docs:
+            yield doc
+    if not first_seen:
         raise KvfError(f"corpus {root} has no readable non-empty documents; see the warnings above")
-    return docs
+
+
+def read_corpus(path: str | Path) -> list[Document]:
+    """All documents under `path` (iter_corpus), as a list."""
+    return list(iter_corpus(path))
+

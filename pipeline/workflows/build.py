@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,9 +22,9 @@ from rich.text import Text
 from kvf.errors import KvfError, disk_full
 from kvf.cachestore import open_store
 from kvf.cachestore.dtypes import STORE_DTYPES
-from kvf.pipeline.retrieval.chunking import (Chunk, split_documents, tokenizer_fingerprint, unique_chunks, validate_chunking,
-                                   write_chunks_table)
-from kvf.pipeline.retrieval.corpus import Document, read_corpus
+from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenizer_fingerprint,
+                                             validate_chunking)
+from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
@@ -193,20 +194,31 @@ def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, 
 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------
-def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, docs: list[Document] | None = None,
-                 console: Console | None = None) -> tuple[list[Chunk], StageStat]:
+def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console | None = None,
+                 files: list[Path] | None = None) -> tuple[ChunkTable, StageStat]:
+    """Documents to chunks.parquet (each distinct chunk once, first occurrence wins) and doc_chunks.json, a
+    document at a time: the corpus and its chunks are never all in memory as Python objects."""
     started = time.perf_counter()
-    docs = read_corpus(opts.corpus) if docs is None else docs
-    with stage(console, "chunking", len(docs)) as advance:
-        per_doc = split_documents(docs, tokenizer, opts.chunk_tokens, opts.overlap, advance)  # duplicates kept per doc
-    chunks = unique_chunks(per_doc)                                              # each stored once
-    if not chunks:
-        raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
-    with atomic_path(ws.chunks_path) as tmp:  # a unique temp name: shards may share a workspace
-        write_chunks_table(chunks, tmp)
-    ws.write_doc_chunks({doc: [c.chunk_id for c in cs] for doc, cs in per_doc.items()})
-    tokens = sum(len(c.token_ids) for c in chunks)
-    return chunks, StageStat("chunk", len(chunks), tokens, time.perf_counter() - started, f"{len(docs)} documents")
+    files = list_corpus_files(Path(opts.corpus)) if files is None else files
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    seen, doc_chunks, n_docs = set(), {}, 0
+    megabytes = max(1, -(-sum(f.stat().st_size for f in files) // 2**20))
+    with stage(console, "chunking (MiB read)", megabytes) as advance, \
+            atomic_path(ws.chunks_path) as tmp, ChunkTableWriter(tmp) as table:   # temp: shards may share a workspace
+        for doc in iter_corpus(opts.corpus, files, on_bytes=lambda n: advance(n / 2**20)):
+            n_docs += 1
+            chunks = split_document(doc, tokenizer, opts.chunk_tokens, opts.overlap, fingerprint)  # duplicates kept
+            if chunks:
+                doc_chunks[doc.doc_id] = [c.chunk_id for c in chunks]
+            for chunk in chunks:
+                if chunk.chunk_id not in seen:   # identical token ids share one stored KV
+                    seen.add(chunk.chunk_id)
+                    table.add(chunk)
+        if not table.chunks:
+            raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
+    ws.write_doc_chunks(doc_chunks)
+    return ChunkTable(ws.chunks_path), StageStat("chunk", table.chunks, table.tokens, time.perf_counter() - started,
+                                                 f"{n_docs} documents")
 
 
 # ---- stage 2: indexes and neighbours ----------------------------------------------------------
@@ -231,20 +243,20 @@ def record_index(ws: Workspace, state: dict, index: str, digest: str | None) -> 
         ws.write_index_state(state)
 
 
-def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previous: dict,
+def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previous: dict,
                   console: Console | None = None) -> list[StageStat]:
     """BM25, dense and neighbours, each rebuilt only when the chunk set (or its settings) changed.
     previous: what the indexes on disk were built from (updated here, and in indexes.json)."""
     from kvf.pipeline.retrieval.neighbours import save_neighbours, top_neighbours
     stats = []
-    chunk_set = ids_digest([c.chunk_id for c in chunks])
-    tokens = sum(len(c.token_ids) for c in chunks)
+    chunk_set = ids_digest(chunks.ids)
+    tokens = chunks.tokens()
     if opts.bm25 and ("bm25" in opts.rebuild or not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir())):
         from kvf.pipeline.retrieval.bm25 import build_bm25
         record_index(ws, previous, "bm25", None)
         started = time.perf_counter()
         with stage(console, "BM25 index", len(chunks)) as advance:
-            build_bm25(chunks, ws.bm25_dir, on_batch=advance)
+            build_bm25(chunks.chunks(), ws.bm25_dir, on_batch=advance)
         record_index(ws, previous, "bm25", chunk_set)
         stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
     need_dense = opts.dense or "fusion" in opts.variants
@@ -261,15 +273,14 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: list[Chunk], previo
         embedder = Embedder(opts.embedder, device=device)
         # a chunk embedded before (an earlier build of fewer documents, or one interrupted) is not embedded again
         known = known_embeddings(ws.dense_dir, embedder.name, embedder.dim, from_index="dense" not in opts.rebuild)
-        new = [c for c in chunks if c.chunk_id not in known]
+        new = [cid for cid in chunks.ids if cid not in known]
         with stage(console, "dense index", len(chunks)) as advance:
-            embeddings = build_dense([c.text for c in chunks], [c.chunk_id for c in chunks], ws.dense_dir,
-                                     embedder, on_batch=advance, known=known)
-        stats.append(StageStat("dense index", len(new), sum(len(c.token_ids) for c in new),
+            embeddings = build_dense(chunks.texts, chunks.ids, ws.dense_dir, embedder, on_batch=advance, known=known)
+        stats.append(StageStat("dense index", len(new), chunks.tokens(new),
                                time.perf_counter() - started, f"{len(chunks) - len(new)} reused" if len(new) < len(chunks) else ""))
         started = time.perf_counter()
         with stage(console, "neighbours", None):
-            save_neighbours(top_neighbours(embeddings, [c.chunk_id for c in chunks], opts.n_neighbours), ws.neighbours_path)
+            save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours), ws.neighbours_path)
         record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
     previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
@@ -330,11 +341,15 @@ class EntryBuilder:
         # an entry built without a method's build-time extras does not serve that method
         return not self.extras_names <= set(self.store.header(key).extras)
 
-    def missing(self, variant: str, chunks: list[Chunk], neighbours) -> list[Chunk]:
+    def missing(self, variant: str, chunks: Iterable[Chunk], neighbours) -> list[Chunk]:
         return [c for c in chunks if self.needs(self.key(variant, c, neighbours))]
 
+    def missing_ids(self, variant: str, chunks: ChunkTable, ids: list[str], neighbours) -> list[str]:
+        """The ids among `ids` whose entries are missing, the chunks made objects a batch at a time."""
+        return [c.chunk_id for c in chunks.chunks(ids) if self.needs(self.key(variant, c, neighbours))]
+
     @torch.inference_mode()
-    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: dict[str, Chunk]) -> int:
+    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: Mapping[str, Chunk]) -> int:
         """Compute one chunk's KV for this variant and store it. Returns bytes written."""
         started = time.perf_counter()
         engine, template = self.engine, self.template
@@ -368,7 +383,7 @@ class EntryBuilder:
         self.bytes_written += nbytes
         return nbytes
 
-    def prefix_kv_of(self, chunk: Chunk, by_id: dict[str, Chunk]) -> torch.Tensor:
+    def prefix_kv_of(self, chunk: Chunk, by_id: Mapping[str, Chunk]) -> torch.Tensor:
         key = self.key("prefix", chunk, None)
         if not self.store.has(key):  # another shard's chunk not built yet: build it here (idempotent)
             self.compute("prefix", chunk, None, by_id)
@@ -378,23 +393,22 @@ class EntryBuilder:
         return {"float16": 2, "bfloat16": 2, "float32": 4}[self.store.dtype]
 
 
-def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: list[Chunk], neighbours, console: Console,
+def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours, console: Console,
              summary: BuildSummary) -> list[StageStat]:
     stats = []
-    by_id = {c.chunk_id: c for c in chunks}
-    mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
+    mine = [cid for cid in chunks.ids if in_shard(cid, opts.shard)]
     for variant in opts.variants:
-        todo = builder.missing(variant, mine, neighbours)
+        todo = builder.missing_ids(variant, chunks, mine, neighbours)
         summary.entries_skipped += len(mine) - len(todo)
-        stat = StageStat(f"kv {variant}", len(todo), sum(len(c.token_ids) for c in todo))
+        stat = StageStat(f"kv {variant}", len(todo), chunks.tokens(todo))
         if todo:
             builder.system_kv()
             started = time.perf_counter()
             with build_progress(console) as progress:
                 task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
                 done_tokens = 0
-                for chunk in todo:
-                    builder.compute(variant, chunk, neighbours, by_id)
+                for chunk in chunks.chunks(todo):
+                    builder.compute(variant, chunk, neighbours, chunks)
                     done_tokens += len(chunk.token_ids)
                     rate = done_tokens / max(1e-9, time.perf_counter() - started)
                     progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
@@ -430,8 +444,9 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
 
 # ---- the whole build --------------------------------------------------------------------------
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
-    # cheap checks first: bad flags, a bad corpus or a store that cannot be used fail in seconds,
-    # before the workspace is touched or minutes go into indexes
+    # cheap checks first: bad flags, a missing corpus or a store that cannot be used fail in seconds,
+    # before the workspace is touched or minutes go into indexes (a bad corpus row fails in stage 1, which
+    # replaces nothing until the whole corpus is read)
     ws = Workspace(opts.workspace)
     previous = previous_manifest(ws, console)
     opts = settle_settings(opts, previous, console)
@@ -451,7 +466,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray
         check_ray(opts)
-    docs = read_corpus(opts.corpus)
+    files = list_corpus_files(Path(opts.corpus))   # its documents are read (and checked) a file at a time, in stage 1
     model_ref = open_model(opts.model)
     check_chunk_fits(opts, model_ref)
     check_writable_dir(ws.root, "--workspace")
@@ -461,7 +476,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     waiting = notice(console)
     with ws.files_lock(waiting), _writing(ws):
-        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, docs, console)
+        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, console, files)
         summary.chunks, summary.tokens = len(chunks), stat.tokens
         summary.stages.append(stat)
         recorded = ws.index_state()   # newer than the manifest's copy when a build stopped after its indexes
@@ -478,7 +493,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         else:
             summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
     with ws.files_lock(waiting):
-        ws.check_chunks_are([c.chunk_id for c in chunks])
+        ws.check_chunks_are(chunks.ids)
         write_workspace_manifest(ws, opts, model_ref, store, index_state,
                                  variants=sorted(set(opts.variants) | set(previous.get("variants", []) if same_store else ())),
                                  extras_for=extras_for)

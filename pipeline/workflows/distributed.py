@@ -169,7 +169,7 @@ def remote_class(impl: type):
     return ray.remote(max_restarts=3, max_task_retries=3)(impl)
 
 
-def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, console, summary) -> list:
+def build_kv_with_ray(opts, builder, chunks, neighbours: dict | None, console, summary) -> list:
     """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats.
     Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
@@ -195,34 +195,35 @@ def build_kv_with_ray(opts, builder, chunks: list, neighbours: dict | None, cons
     return stats
 
 
-def missing_entries(opts, builder, chunks: list, neighbours: dict | None, summary) -> dict[str, list]:
-    """variant -> the chunks (of this shard) whose entries are missing, in build order. The fusion entries'
-    neighbours' prefix entries count as prefix work even when prefix is not a variant asked for."""
+def missing_entries(opts, builder, chunks, neighbours: dict | None, summary) -> dict[str, list[str]]:
+    """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
+    entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for.
+    chunks: the workspace's ChunkTable."""
     from kvf.pipeline.workflows.build import in_shard
-    by_id = {c.chunk_id: c for c in chunks}
-    mine = [c for c in chunks if in_shard(c.chunk_id, opts.shard)]
+    mine = [cid for cid in chunks.ids if in_shard(cid, opts.shard)]
     todo = {}
     for variant in build_order(opts.variants):
-        wanted = mine if variant in opts.variants else neighbour_chunks(mine, neighbours, by_id)
-        todo[variant] = builder.missing(variant, wanted, neighbours)
+        wanted = mine if variant in opts.variants else neighbour_ids(mine, neighbours, chunks)
+        todo[variant] = builder.missing_ids(variant, chunks, wanted, neighbours)
         summary.entries_skipped += len(wanted) - len(todo[variant]) if variant in opts.variants else 0
     return todo
 
 
-def build_batches(opts, pool, n_workers: int, todo: dict[str, list], chunks: list, neighbours: dict | None, console,
+def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks, neighbours: dict | None, console,
                   summary, ray) -> list:
-    """Each variant's missing entries, in batches of --batch chunks, over the actor pool."""
+    """Each variant's missing entries, in batches of --batch chunks, over the actor pool. A batch's chunks
+    become Chunk objects as it is sent."""
     import time
     from kvf.pipeline.workflows.build import StageStat, stage
-    by_id = {c.chunk_id: c for c in chunks}
     stats = []
     for variant, missing in todo.items():
-        stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(missing), sum(len(c.token_ids) for c in missing))
+        stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(missing), chunks.tokens(missing))
         started = time.perf_counter()
         batches = [missing[i: i + opts.batch] for i in range(0, len(missing), opts.batch)]
 
-        def submit(worker, batch, variant=variant):
-            return worker.build.remote(variant, batch, *fusion_context(variant, batch, neighbours, by_id))
+        def submit(worker, ids, variant=variant):
+            batch = list(chunks.chunks(ids))
+            return worker.build.remote(variant, batch, *fusion_context(variant, batch, neighbours, chunks))
 
         with stage(console, f"KV {variant} on {n_workers} Ray workers", len(missing)) as advance, task_errors(ray):
             for result in pool.map_unordered(submit, batches):
@@ -240,14 +241,14 @@ def build_order(variants) -> list[str]:
     return ["prefix"] + [v for v in variants if v != "prefix"] if "fusion" in variants else list(variants)
 
 
-def neighbour_chunks(chunks: list, neighbours: dict | None, by_id: dict) -> list:
-    """The chunks whose prefix entries the fusion entries of `chunks` read (what a one-process build
+def neighbour_ids(ids: list[str], neighbours: dict | None, chunks) -> list[str]:
+    """The chunks whose prefix entries the fusion entries of `ids` read (what a one-process build
     computes on demand)."""
-    wanted = {nid for c in chunks for nid in (neighbours or {}).get(c.chunk_id, [])}
-    return [by_id[nid] for nid in sorted(wanted) if nid in by_id]
+    wanted = {nid for cid in ids for nid in (neighbours or {}).get(cid, [])}
+    return [nid for nid in sorted(wanted) if nid in chunks]
 
 
-def fusion_context(variant: str, batch: list, neighbours: dict | None, by_id: dict) -> tuple[dict | None, dict]:
+def fusion_context(variant: str, batch: list, neighbours: dict | None, by_id) -> tuple[dict | None, dict]:
     """(neighbours, chunks by id) of just this batch: what its fusion entries attend to. A task carries
     these, not the corpus-wide tables."""
     if variant != "fusion":
