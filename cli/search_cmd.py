@@ -57,10 +57,15 @@ def search_command(
     """Search the workspace's chunks and print the top hits."""
     import json
     from kvf.pipeline.retrieval.chunking import ChunkTable
+    from kvf.pipeline.workflows.run import check_index_fresh
+    from kvf.pipeline.workflows.workspace import Workspace
     if not workspace.is_dir():
         raise KvfError(f"--workspace {workspace} does not exist; "
                        f"build it with `kvf build-cache CORPUS --workspace {workspace}`")
     mode = SearchMode(mode)
+    ws = Workspace(workspace)
+    if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
+        check_index_fresh(ws, mode.value)
     hits = search_workspace(query, workspace, k, mode)
     chunks_by_id = ChunkTable(workspace / "chunks.parquet")
     unknown = [cid for cid, _ in hits if cid not in chunks_by_id]

@@ -227,6 +227,30 @@ def test_search_finds_the_chunk_in_the_bm25_index(built, capsys, monkeypatch):
     assert top.chunk_id[:12] in out
 
 
+def test_a_workspace_keeps_its_bm25_choice_and_search_refuses_an_index_of_older_chunks(built, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Two defects found growing a corpus. `--no-bm25` was not kept: the next build-cache without it started
+    Java and indexed every chunk, as --variant or --chunk-tokens are kept. And after a --no-bm25 build of a
+    grown corpus, `kvf search` served the BM25 index of the older chunks, missing every new document without
+    a word (`kvf run` refused it). Now the choice is kept, and search refuses the stale index in one line."""
+    opts = copy_build(built, tmp_path)
+    ws, corpus = Path(opts.workspace), tmp_path / "corpus"
+    shutil.copytree(built.corpus, corpus)
+    (corpus / "owls.txt").write_text("Snowy owls nest on the tundra of Vellmora island every spring.")
+    code, _, summary = run_cli(["build-cache", corpus, "-w", ws, "--no-bm25"], capsys, monkeypatch)
+    assert code == 0 and "dense index" in summary and "bm25 index" not in summary   # the build's summary table
+    code, _, err = run_cli(["search", "snowy owls tundra", "-w", ws], capsys, monkeypatch)
+    assert_one_line_error(code, err, "bm25 index", "another set of chunks", f"--workspace {ws} --rebuild bm25")
+    (corpus / "bees.txt").write_text("Orvath Lenn keeps bees in the hills above Quillmarsh.")
+    code, _, summary = run_cli(["build-cache", corpus, "-w", ws], capsys, monkeypatch)
+    assert code == 0 and "dense index" in summary and "bm25 index" not in summary
+    assert json.loads((ws / "manifest.json").read_text())["bm25"] is False
+    code, _, summary = run_cli(["build-cache", corpus, "-w", ws, "--bm25"], capsys, monkeypatch)
+    assert code == 0 and "bm25 index" in summary
+    code, out, _ = run_cli(["search", "snowy owls tundra", "-w", ws, "-k", "1", "--json"], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)[0]["doc_id"] == "owls.txt"
+
+
 @pytest.mark.parametrize("method", ["reuse", "cacheblend"])
 def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
     """float32 store: loading from it (pipelined or not) gives the in-memory fused result."""

@@ -53,8 +53,8 @@ class BuildOptions:
     model: str | None = None
     shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I
     extras_for: tuple[str, ...] = ()   # methods whose build-time hook adds extras to every entry
-    bm25: bool = True
-    dense: bool = True
+    bm25: bool | None = None
+    dense: bool | None = None
     device: str = "cpu"
     compute_dtype: str | None = None     # the model's dtype while computing KVs (None: float32 on cpu, bfloat16 on cuda)
     rebuild: tuple[str, ...] = ()        # stages to rebuild whatever the manifest says (a damaged index)
@@ -72,6 +72,8 @@ WORKSPACE_SETTINGS = {
     "embedder": ("--embedder", None, "every chunk is embedded again"),
     "dtype": ("--dtype", "float16", None),   # a store holds one dtype: another one is another store
     "variants": ("--variant", ("prefix",), None),   # another one adds its entries; none is recomputed
+    "bm25": ("--bm25", True, None),                 # --no-bm25 once: a grown corpus does not start one
+    "dense": ("--dense", True, None),
 }
 
 
@@ -515,6 +517,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
                            "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
+                           "bm25": opts.bm25, "dense": opts.dense,
                            "extras_for": list(extras_for)})
 
 
