@@ -3,6 +3,7 @@ Chunk only for the chunks asked for).
 
     python -m kvf.scripts.bench_chunk_table [--chunks 100000 --tokens 256]
     python -m kvf.scripts.bench_chunk_table --driver [--chunks 100000]
+    python -m kvf.scripts.bench_chunk_table --neighbours 10 [--chunks 100000]
 
 Default (a run, each Ray worker): writes a chunks.parquet of random token ids (and ~4 characters of
 text per token) into a temp dir, then opens it each way in a fresh process, side by side, and prints
@@ -13,6 +14,10 @@ words, 4 chunks of 256 tokens a document, and chunks it each way in a fresh proc
 document, then every chunk, as Python objects and keeping both (how build-cache did it before), against
 stage_chunks (a document at a time into chunks.parquet, then a ChunkTable). Prints the seconds and the
 peak memory it added (the process's peak resident set over its resident set before).
+
+--neighbours N (the fusion variant's neighbours file): writes N random neighbours of every chunk as the
+JSON an older kvf wrote and as kvf's neighbours.npz, and loads each way in a fresh process (file size,
+seconds, memory added).
 
 Nothing is asserted: the ratios are the result.
 """
@@ -44,6 +49,21 @@ DRIVER = {  # how each way chunks a corpus and holds the result: (label, code ru
                             "held, _ = stage_chunks(BuildOptions(corpus=corpus, workspace=ws, chunk_tokens=256, overlap=0), "
                             "Workspace(ws), tokenizer)",
 }
+NEIGHBOURS = {  # how each way loads the neighbours file: (label, file name, code run with `path` set)
+    "JSON (older kvf)": ("neighbours.json", "held = load_neighbours(path) if False else json.load(open(path))"),
+    "neighbours.npz": ("neighbours.npz", "held = load_neighbours(path)"),
+}
+CHILD_NEIGHBOURS = """
+import json, sys, time
+import numpy as np
+from kvf.pipeline.retrieval.neighbours import load_neighbours
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+path = sys.argv[1]
+before, started = rss_mb(), time.perf_counter()
+{code}
+print(json.dumps({{"seconds": time.perf_counter() - started, "mb": rss_mb() - before, "chunks": len(held)}}))
+"""
 CHILD_DRIVER = """
 import json, pathlib, resource, sys, time
 from kvf.pipeline.workflows.weights import open_model
@@ -98,34 +118,56 @@ def in_child(child: str, code: str, *args) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def write_neighbours(work, chunks: int, n: int) -> None:
+    """Random neighbours of every chunk, each way NEIGHBOURS loads."""
+    import numpy as np
+    from kvf.pipeline.retrieval.neighbours import Neighbours, save_neighbours
+    ids = [f"{i:064x}" for i in range(chunks)]
+    rows = np.random.default_rng(0).integers(0, chunks, (chunks, n)).astype(np.int32)   # [chunks, n]
+    (work / "neighbours.json").write_text(json.dumps({cid: [ids[j] for j in row] for cid, row in zip(ids, rows.tolist())}))
+    save_neighbours(Neighbours(ids, rows), work / "neighbours.npz")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=100_000)
     p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--driver", action="store_true", help="build-cache's driver: chunk a corpus each way")
+    p.add_argument("--neighbours", type=int, default=None, metavar="N", help="load N neighbours of every chunk each way")
     args = p.parse_args(argv)
-    if args.chunks < 1 or args.tokens < 1:
-        raise SystemExit("bench_chunk_table: --chunks and --tokens must be at least 1")
+    if args.chunks < 1 or args.tokens < 1 or (args.neighbours is not None and args.neighbours < 1):
+        raise SystemExit("bench_chunk_table: --chunks, --tokens and --neighbours must be at least 1")
     console = output_console(100)
+    sizes = {}
     with work_dir(None, "kvf-bench-chunk-table-") as work:
         if args.driver:
             write_corpus(work / "corpus.jsonl", args.chunks)
             results = {label: in_child(CHILD_DRIVER, code, work / "corpus.jsonl", work / label.replace(" ", "-"))
                        for label, code in DRIVER.items()}
+        elif args.neighbours is not None:
+            write_neighbours(work, args.chunks, args.neighbours)
+            results = {label: in_child(CHILD_NEIGHBOURS, code, work / name) for label, (name, code) in NEIGHBOURS.items()}
+            sizes = {label: (work / name).stat().st_size / 1e6 for label, (name, _) in NEIGHBOURS.items()}
         else:
             write_table(work / "chunks.parquet", args.chunks, args.tokens)
             results = {label: in_child(CHILD, code, work / "chunks.parquet") for label, code in OPEN.items()}
-    n = results["chunk objects"]["chunks"]
-    title = (f"build-cache's driver chunking a corpus into {n:,} chunks of up to 256 tokens (one process each)"
-             if args.driver else f"opening a chunks table of {args.chunks:,} chunks x {args.tokens} tokens (one process each)")
-    memory = "peak memory added (MB)" if args.driver else "memory added (MB)"
+    base_label = next(iter(results))
+    n = results[base_label]["chunks"]
+    if args.driver:
+        title = f"build-cache's driver chunking a corpus into {n:,} chunks of up to 256 tokens (one process each)"
+    elif args.neighbours is not None:
+        title = f"loading {args.neighbours} neighbours of each of {n:,} chunks (one process each)"
+    else:
+        title = f"opening a chunks table of {args.chunks:,} chunks x {args.tokens} tokens (one process each)"
     table = Table(title=title)
-    for column in ("held as", "seconds", memory, "vs chunk objects"):
+    columns = ["held as", "seconds", "peak memory added (MB)" if args.driver else "memory added (MB)",
+               *(["file (MB)"] if sizes else []), f"vs {base_label}"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "held as" else "right")
-    base = results["chunk objects"]
+    base = results[base_label]
     for label, r in results.items():
-        table.add_row(label, f"{r['seconds']:.2f}", f"{r['mb']:,.0f}", f"{r['mb'] / base['mb']:.2f}x memory, "
-                      f"{r['seconds'] / base['seconds']:.2f}x time")
+        table.add_row(label, f"{r['seconds']:.2f}", f"{r['mb']:,.0f}", *([f"{sizes[label]:,.0f}"] if sizes else []),
+                      f"{r['mb'] / base['mb']:.2f}x memory, {r['seconds'] / base['seconds']:.2f}x time")
     console.print(table)
     return results
 

@@ -195,7 +195,7 @@ def test_chunk_table_bench_opens_the_same_table_both_ways(capsys):
     assert [r["chunks"] for r in results.values()] == [300, 300]
     out = capsys.readouterr().out
     assert "300 chunks x 8 tokens" in out and "chunk objects" in out and "ChunkTable" in out
-    with pytest.raises(SystemExit, match="--chunks and --tokens must be at least 1"):
+    with pytest.raises(SystemExit, match="--chunks, --tokens and --neighbours must be at least 1"):
         main(["--chunks", "0"])
 
 
@@ -206,3 +206,13 @@ def test_chunk_table_driver_bench_chunks_the_same_corpus_both_ways(capsys):
     chunks = [r["chunks"] for r in results.values()]
     assert chunks[0] == chunks[1] >= 40
     assert f"into {chunks[0]:,} chunks" in capsys.readouterr().out
+
+
+def test_neighbours_bench_loads_the_same_neighbours_both_ways(capsys):
+    """bench_chunk_table --neighbours: the older JSON and neighbours.npz hold every chunk, loaded in their own processes."""
+    from kvf.scripts.bench_chunk_table import main
+    results = main(["--neighbours", "3", "--chunks", "50"])
+    assert [r["chunks"] for r in results.values()] == [50, 50]
+    assert "3 neighbours of each of 50 chunks" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--neighbours must be at least 1"):
+        main(["--neighbours", "0"])

@@ -27,6 +27,7 @@ from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.workflows.build import BuildOptions, build_cache, in_shard, store_meta
 from kvf.pipeline.retrieval.chunking import ChunkTable, chunk_id_for, read_chunks_table, tokenizer_fingerprint
 from kvf.pipeline.fusion.sources import InMemoryKV
+from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.fusion.sources import StoreKVSource
@@ -214,7 +215,7 @@ def test_build_writes_chunks_indexes_store_and_summary(built):
     # the manifest names the store by absolute path, so `kvf run` finds it from any directory
     manifest = ws.manifest()
     assert manifest["store"] == "kv.zarr"  # relative to the workspace, so a moved workspace keeps its store
-    neighbours = json.loads(ws.neighbours_path.read_text())
+    neighbours = load_neighbours(ws.neighbours_path)
     assert set(neighbours) == {c.chunk_id for c in chunks}
     assert all(len(n) == 2 and cid not in n for cid, n in neighbours.items())
 
@@ -587,7 +588,7 @@ def test_a_ray_driver_without_a_gpu_embeds_the_dense_index_on_its_cpu(built, tmp
     console = Console(file=io.StringIO(), width=300)
     state = {}
     stage_indexes(opts, Workspace(tmp_path / "ws"), ChunkTable(built.ws.chunks_path), state, console)
-    assert state["dense"] and (tmp_path / "ws" / "neighbours.json").is_file()
+    assert state["dense"] and (tmp_path / "ws" / "neighbours.npz").is_file()
     assert "embeds the dense index on its CPU" in console.file.getvalue()
 
 
@@ -862,7 +863,7 @@ def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_doc
     for text in ("kv prefix", "kv fusion", "dense index", "tokens/s", "items/s", "entries written"):
         assert text in result.stderr, text
     chunks = read_chunks_table(ws / "chunks.parquet")
-    neighbours = json.loads((ws / "neighbours.json").read_text())
+    neighbours = load_neighbours(ws / "neighbours.npz")
     store = open_store(str(ws / "kv.zarr"), readonly=True)
     variants = [store.attrs(k)["variant"] for k in store.keys()]
     assert sorted(variants) == sorted(["system"] + ["prefix"] * len(chunks) + ["fusion"] * len(chunks))

@@ -604,14 +604,46 @@ def test_a_stale_bm25_index_is_refused(ws_copy, tmp_path, capsys, monkeypatch):
 
 def test_foreign_neighbours_are_one_line(ws_copy, tmp_path, capsys, monkeypatch):
     data, ws = ws_copy
-    (ws / "neighbours.json").write_text(json.dumps({"a" * 64: ["b" * 64]}))
+    from kvf.pipeline.retrieval.neighbours import save_neighbours
+    save_neighbours({"a" * 64: ["b" * 64], "b" * 64: []}, ws / "neighbours.npz")
     code, _, err = run_cli([*run_args((data, ws), tmp_path / "o.jsonl")[:5], "-m", "fusionrag", "-n", "1",
                             "--no-show-answers", "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)
     assert_one_line(code, err, "neighbours", "not in this workspace", "kvf build-cache")
 
 
+def test_a_workspace_with_an_older_kvfs_neighbours_json_runs_and_a_build_converts_it(ws_copy, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """kvf wrote neighbours.json before neighbours.npz. Such a workspace still answers FusionRAG questions
+    (the same answer), gc still keeps their fusion entries, and the next build-cache writes the .npz in
+    its place: the same neighbours, so the same fusion entries serve on."""
+    from kvf.cachestore import open_store
+    from kvf.pipeline.retrieval.neighbours import load_neighbours
+    data, ws = ws_copy
+    args = [*run_args((data, ws), tmp_path / "o.jsonl")[:5], "-m", "fusionrag", "-n", "1", "--max-new-tokens", "4",
+            "--no-show-answers"]
+    code, _, _ = run_cli([*args, "-o", tmp_path / "npz.jsonl"], capsys, monkeypatch)
+    neighbours = load_neighbours(ws / "neighbours.npz")
+    (ws / "neighbours.json").write_text(json.dumps(dict(neighbours.items())))   # as an older kvf left it
+    (ws / "neighbours.npz").unlink()
+    code, _, _ = run_cli([*args, "-o", tmp_path / "json.jsonl"], capsys, monkeypatch)
+    answers = [[json.loads(line)["answer"] for line in (tmp_path / name).read_text().splitlines()]
+               for name in ("npz.jsonl", "json.jsonl")]
+    assert code == 0 and answers[0] == answers[1] and answers[0]
+    keys = set(open_store(ws / "kv.zarr", readonly=True).keys())
+    assert any(open_store(ws / "kv.zarr", readonly=True).attrs(k).get("variant") == "fusion" for k in keys)
+    code, _, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
+    assert code == 0 and set(open_store(ws / "kv.zarr", readonly=True).keys()) == keys
+    code, _, _ = run_cli(["build-cache", data / "corpus", "-w", ws], capsys, monkeypatch)
+    assert code == 0 and not (ws / "neighbours.json").exists()
+    assert load_neighbours(ws / "neighbours.npz") == neighbours
+    code, _, _ = run_cli([*args, "-o", tmp_path / "converted.jsonl"], capsys, monkeypatch)
+    assert code == 0 and [json.loads(line)["answer"] for line in (tmp_path / "converted.jsonl").read_text().splitlines()
+                          ] == answers[0]
+    assert set(open_store(ws / "kv.zarr", readonly=True).keys()) == keys   # the same fusion keys: none computed again
+
+
 def test_workspace_files_follow_the_umask(built):
-    for name in ("chunks.parquet", "manifest.json", "doc_chunks.json", "neighbours.json"):
+    for name in ("chunks.parquet", "manifest.json", "doc_chunks.json", "neighbours.npz"):
         mode = (built / "ws" / name).stat().st_mode & 0o777
         assert mode == 0o666 & ~current_umask(), (name, oct(mode))
 

@@ -215,8 +215,16 @@ def test_neighbours_round_trip_and_small_sets(tmp_path):
     vectors = np.eye(3, dtype=np.float32)
     neighbours = top_neighbours(vectors, ["a", "b", "c"], n_neighbours=10)  # asks for more than exist
     assert {k: sorted(v) for k, v in neighbours.items()} == {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}
-    save_neighbours(neighbours, tmp_path / "neighbours.json")
-    assert load_neighbours(tmp_path / "neighbours.json") == neighbours
+    save_neighbours(neighbours, tmp_path / "neighbours.npz")
+    assert load_neighbours(tmp_path / "neighbours.npz") == neighbours
+    uneven = {"a": ["b", "c"], "b": [], "c": ["a"]}   # -1 pads the rows of chunks with fewer neighbours
+    save_neighbours(uneven, tmp_path / "uneven.npz")
+    assert dict(load_neighbours(tmp_path / "uneven.npz").items()) == uneven
+    (tmp_path / "old.json").write_text(json.dumps(uneven))   # what kvf wrote before the .npz
+    assert load_neighbours(tmp_path / "old.json") == uneven
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "uneven.npz").read_bytes()[:100])
+    with pytest.raises(KvfError, match="cut.npz is damaged"):
+        load_neighbours(tmp_path / "cut.npz")
 
 # ---------------------------------------------------------------- kvf search
 

@@ -1,11 +1,13 @@
 """Each chunk's most similar other chunks: the input of FusionRAG's offline stage."""
 import json
+import zipfile
+from collections.abc import Container, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from kvf.errors import KvfError
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import atomic_path
 
 
 def search_rows(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -16,7 +18,44 @@ def search_rows(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np
     return index.search(queries, k)
 
 
-def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10) -> dict[str, list[str]]:
+class Neighbours(Mapping):
+    """Each chunk's most similar other chunks, as a map chunk id -> [neighbour ids, best first].
+
+    Held as one int32 matrix of rows into chunk_ids (-1: no more neighbours), lists made only when a chunk
+    is asked for: as JSON lists of strings, a million chunks' 10 neighbours were a 750 MB file and about
+    a GB of Python strings.
+    """
+
+    def __init__(self, chunk_ids: list[str], rows: np.ndarray):
+        self.chunk_ids = chunk_ids
+        self.rows = rows                                          # [chunks, n] int32, -1 padded
+        self._row = {cid: i for i, cid in enumerate(chunk_ids)}   # id -> row
+
+    @classmethod
+    def from_dict(cls, neighbours: Mapping[str, list[str]]) -> "Neighbours":
+        if isinstance(neighbours, Neighbours):
+            return neighbours
+        chunk_ids = list(neighbours)
+        row = {cid: i for i, cid in enumerate(chunk_ids)}
+        rows = np.full((len(chunk_ids), max((len(v) for v in neighbours.values()), default=0)), -1, dtype=np.int32)
+        for i, found in enumerate(neighbours.values()):
+            rows[i, :len(found)] = [row[nid] for nid in found]
+        return cls(chunk_ids, rows)
+
+    def __getitem__(self, chunk_id: str) -> list[str]:
+        return [self.chunk_ids[j] for j in self.rows[self._row[chunk_id]].tolist() if j >= 0]
+
+    def __contains__(self, chunk_id) -> bool:
+        return chunk_id in self._row
+
+    def __iter__(self):
+        return iter(self.chunk_ids)
+
+    def __len__(self) -> int:
+        return len(self.chunk_ids)
+
+
+def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10) -> Neighbours:
     """For every chunk, its n most similar other chunks (not itself, not exact duplicates of it), best first."""
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     n = len(chunk_ids)
@@ -24,8 +63,8 @@ def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: i
         raise ValueError(f"embeddings shape {embeddings.shape} does not match {n} chunk ids")
     if n_neighbours < 1:
         raise KvfError(f"--neighbours must be at least 1 (got {n_neighbours})")
-    result, pending = {}, np.arange(n)
-    k = min(n, n_neighbours + 1)  # +1: a chunk finds itself first
+    result = np.full((n, min(n_neighbours, max(0, n - 1))), -1, dtype=np.int32)   # [chunks, n]
+    pending, k = np.arange(n), min(n, n_neighbours + 1)  # +1: a chunk finds itself first
     while len(pending):
         _, rows = search_rows(embeddings, embeddings[pending], k)
         short = []
@@ -34,23 +73,50 @@ def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: i
             others = [j for j in found if j >= 0 and j != i and not np.array_equal(embeddings[j], embeddings[i])]
             if len(others) < n_neighbours and k < n:
                 short.append(i)  # duplicates ate some of the k slots; look further for this chunk
-            result[chunk_ids[i]] = [chunk_ids[j] for j in others[:n_neighbours]]
+            others = others[:result.shape[1]]
+            result[i, :len(others)] = others
+            result[i, len(others):] = -1
         pending, k = np.array(short, dtype=np.int64), min(n, 2 * k)
-    return {cid: result[cid] for cid in chunk_ids}
+    return Neighbours(list(chunk_ids), result)
 
 
-def save_neighbours(neighbours: dict[str, list[str]], path: str | Path):
-    """JSON {chunk_id: [neighbour chunk ids, best first]}."""
-    write_atomic(path, json.dumps(neighbours))
+def save_neighbours(neighbours: Mapping[str, list[str]], path: str | Path):
+    """An .npz of chunk_ids (bytes) and rows [chunks, n] (int32 rows into chunk_ids, -1 padded)."""
+    neighbours = Neighbours.from_dict(neighbours)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, chunk_ids=np.array([cid.encode("utf-8") for cid in neighbours.chunk_ids], dtype=bytes),
+                 rows=neighbours.rows)
 
 
-def load_neighbours(path: str | Path, known_ids: set[str] | None = None) -> dict[str, list[str]]:
-    """The neighbours file, checked: a damaged one, or one naming chunks the workspace does not
-    have (another corpus's), is a one-line error with the fix."""
+def load_neighbours(path: str | Path, known_ids: Container[str] | None = None) -> Mapping[str, list[str]]:
+    """The neighbours file, checked: a damaged one, or one naming chunks the workspace does not have
+    (another corpus's), is a one-line error with the fix. A .json one is an older kvf's."""
     path = Path(path)
     fix = f"rebuild the workspace's neighbours with `kvf build-cache CORPUS --workspace {path.parent} --variant fusion`"
     if not path.exists():
         raise KvfError(f"neighbours file {path} does not exist; {fix}")
+    neighbours = _read_json(path, fix) if path.suffix == ".json" else _read_npz(path, fix)
+    if known_ids is not None:
+        foreign = next((x for x in neighbours.chunk_ids if x not in known_ids), None)
+        if foreign is not None:
+            raise KvfError(f"neighbours file {path} names chunk {foreign[:12]}, which is not in this workspace; {fix}")
+    return neighbours
+
+
+def _read_npz(path: Path, fix: str) -> Neighbours:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            raw_ids, rows = f["chunk_ids"], f["rows"]
+        chunk_ids = [cid.decode("utf-8") for cid in raw_ids.tolist()]
+    except (OSError, ValueError, KeyError, EOFError, AttributeError, UnicodeDecodeError, zipfile.BadZipFile):
+        raise KvfError(f"neighbours file {path} is damaged (not a neighbours .npz); {fix}") from None
+    if rows.ndim != 2 or rows.shape[0] != len(chunk_ids) or rows.dtype.kind != "i" or (
+            rows.size and not -1 <= rows.min() <= rows.max() < len(chunk_ids)):
+        raise KvfError(f"neighbours file {path} is damaged (its rows do not index its chunk ids); {fix}")
+    return Neighbours(chunk_ids, rows.astype(np.int32, copy=False))
+
+
+def _read_json(path: Path, fix: str) -> Neighbours:
     try:
         neighbours = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -58,8 +124,7 @@ def load_neighbours(path: str | Path, known_ids: set[str] | None = None) -> dict
     if not isinstance(neighbours, dict) or not all(
             isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v) for k, v in neighbours.items()):
         raise KvfError(f"neighbours file {path} is damaged (expected chunk id -> list of chunk ids); {fix}")
-    if known_ids is not None:
-        foreign = next((x for k, v in neighbours.items() for x in [k, *v] if x not in known_ids), None)
-        if foreign is not None:
-            raise KvfError(f"neighbours file {path} names chunk {foreign[:12]}, which is not in this workspace; {fix}")
-    return neighbours
+    foreign = next((x for v in neighbours.values() for x in v if x not in neighbours), None)
+    if foreign is not None:   # every neighbour is a chunk of the same table
+        raise KvfError(f"neighbours file {path} names chunk {foreign[:12]}, which is not in this workspace; {fix}")
+    return Neighbours.from_dict(neighbours)

@@ -283,6 +283,7 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
         started = time.perf_counter()
         with stage(console, "neighbours", None):
             save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours), ws.neighbours_path)
+            ws.legacy_neighbours_path.unlink(missing_ok=True)
         record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
     previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
@@ -570,7 +571,7 @@ def workspace_extras(manifest: dict) -> list[str]:
 
 def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
     from kvf.pipeline.retrieval.neighbours import load_neighbours
-    return load_neighbours(ws.neighbours_path)
+    return load_neighbours(ws.neighbours_file)
 
 
 def summary_table(summary: BuildSummary) -> Table:

@@ -31,9 +31,9 @@ def workspace_keys(path: Path) -> set[str]:
                                         else manifest.get("model")))
     template = make_template(model_ref.tokenizer)
     neighbours = {}
-    if ws.neighbours_path.is_file():
+    if ws.neighbours_file.is_file():
         from kvf.pipeline.retrieval.neighbours import load_neighbours
-        neighbours = load_neighbours(ws.neighbours_path)
+        neighbours = load_neighbours(ws.neighbours_file)
     # a build on the CPU and a run on a GPU (bfloat16) may share one store
     every_dtype = [EntryKeys(model_ref.fingerprint, template.prefix_ids, dtype) for dtype in COMPUTE_DTYPES]
     wanted = {keys.system() for keys in every_dtype}

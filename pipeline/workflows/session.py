@@ -6,6 +6,7 @@ methods that need them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,11 +59,11 @@ class Session:
     def n_layers(self) -> int:
         return self.answerer.transformer.n_layers
 
-    def neighbours(self) -> dict[str, list[str]]:
+    def neighbours(self) -> Mapping[str, list[str]]:
         """The fusion variant's neighbours, checked against this workspace's chunks (loaded once)."""
         if self._neighbours is None:
             from kvf.pipeline.retrieval.neighbours import load_neighbours
-            self._neighbours = load_neighbours(self.ws.neighbours_path, set(self.chunks_by_id))
+            self._neighbours = load_neighbours(self.ws.neighbours_file, self.chunks_by_id)
         return self._neighbours
 
     def chunks(self, chunk_ids: list[str], index: str = "retrieval") -> list[Chunk]:

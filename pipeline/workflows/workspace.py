@@ -6,7 +6,7 @@
       doc_chunks.json    doc id -> its chunk ids in order (per-question contexts)
       bm25/              Lucene index (pyserini)
       dense/             faiss index + embeddings
-      neighbours.json    chunk id -> top-n similar chunk ids (FusionRAG's offline input)
+      neighbours.npz     each chunk's top-n similar chunks (FusionRAG's offline input; .json before)
       kv.zarr            the KV store, unless --store points elsewhere
 
 It also names store entries: the key of a chunk's KV says which model computed it and in which dtype,
@@ -72,7 +72,14 @@ class Workspace:
     doc_chunks_path = property(lambda self: self.root / "doc_chunks.json")
     bm25_dir = property(lambda self: self.root / "bm25")
     dense_dir = property(lambda self: self.root / "dense")
-    neighbours_path = property(lambda self: self.root / "neighbours.json")
+    neighbours_path = property(lambda self: self.root / "neighbours.npz")          # what a build writes
+    legacy_neighbours_path = property(lambda self: self.root / "neighbours.json")  # what kvf wrote before
+
+    @property
+    def neighbours_file(self) -> Path:
+        """The neighbours a reader uses: the .npz, else an older kvf's .json (until a build replaces it)."""
+        legacy = self.legacy_neighbours_path
+        return legacy if legacy.is_file() and not self.neighbours_path.is_file() else self.neighbours_path
     index_state_path = property(lambda self: self.root / "indexes.json")
 
     @contextmanager
