@@ -48,6 +48,18 @@ def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
     assert all(r["kl_full"] < 1e-6 for r in records if r["method"] == "full")
 
 
+def test_full_is_one_request_whatever_the_variant(built, tmp_path):
+    """`full` reads no stored entry, but a run with --variant fusion recorded it as a fusion record: resuming
+    the same file without --variant prefilled every question in full again, and the tables showed two
+    `full` rows. It is recorded under its own variant (prefix, as every earlier run recorded it)."""
+    out = tmp_path / "runs.jsonl"
+    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], limit=1, variant="fusion"), QUIET)
+    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], limit=1), QUIET)
+    records = read_records(out)
+    assert sorted((r["method"], r["settings"]["variant"]) for r in records) == [
+        ("full", "prefix"), ("reuse", "fusion"), ("reuse", "prefix")]
+
+
 def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, monkeypatch):
     """With --compare-full, the `full` record is the comparison's own prefill: one per question
     (plus one untimed warm-up, when there is one), not two."""

@@ -219,6 +219,8 @@ def plan_methods(opts: RunOptions, n_layers: int | None = None) -> list[Planned]
                 if n_layers is not None:
                     method.check_model(n_layers)
             variant = spec.variant or opts.variant or method.offline_variant
+            if not method.uses_store:   # full reads no stored entry: the same request under any --variant
+                variant = method.offline_variant
             key = (spec.name, label, variant, json.dumps(method.settings(), sort_keys=True))
             if key not in seen:
                 seen.add(key)
