@@ -50,44 +50,26 @@ DRIVER = {  # how each way chunks a corpus and holds the result: (label, code ru
                             "Workspace(ws), tokenizer)",
 }
 NEIGHBOURS = {  # how each way loads the neighbours file: (label, file name, code run with `path` set)
-    "JSON (older kvf)": ("neighbours.json", "held = load_neighbours(path) if False else json.load(open(path))"),
+    "JSON (older kvf)": ("neighbours.json", "held = json.loads(open(path, encoding='utf-8').read())"),
     "neighbours.npz": ("neighbours.npz", "held = load_neighbours(path)"),
 }
-CHILD_NEIGHBOURS = """
-import json, sys, time
-import numpy as np
-from kvf.pipeline.retrieval.neighbours import load_neighbours
-def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-path = sys.argv[1]
-before, started = rss_mb(), time.perf_counter()
-{code}
-print(json.dumps({{"seconds": time.perf_counter() - started, "mb": rss_mb() - before, "chunks": len(held)}}))
-"""
-CHILD_DRIVER = """
-import json, pathlib, resource, sys, time
-from kvf.pipeline.workflows.weights import open_model
-import kvf.pipeline.workflows.build, pyarrow.parquet  # imported before the baseline, as the library is in both ways
-tokenizer = open_model(None).tokenizer
-tokenizer.encode("warm up", add_special_tokens=False)
-def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-corpus, ws = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-before, started = rss_mb(), time.perf_counter()
-{code}
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({{"seconds": time.perf_counter() - started, "mb": peak - before, "chunks": len(held)}}))
-"""
+# what each mode imports (before the baseline, as the library is there in both ways) and names from argv
+SETUP = {
+    "table": "import pyarrow.parquet\nimport kvf.pipeline.retrieval.chunking\npath = sys.argv[1]",
+    "neighbours": "from kvf.pipeline.retrieval.neighbours import load_neighbours\npath = sys.argv[1]",
+    "driver": "import pathlib\nfrom kvf.pipeline.workflows.weights import open_model\nimport kvf.pipeline.workflows.build, pyarrow.parquet\n"
+              "tokenizer = open_model(None).tokenizer\ntokenizer.encode('warm up', add_special_tokens=False)\n"
+              "corpus, ws = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])",
+}
 CHILD = """
-import json, sys, time
-import pyarrow.parquet  # imported before the baseline, as the library is in both ways
-import kvf.pipeline.retrieval.chunking
+import json, resource, sys, time
+{setup}
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-path = sys.argv[1]
 before, started = rss_mb(), time.perf_counter()
 {code}
-print(json.dumps({{"seconds": time.perf_counter() - started, "mb": rss_mb() - before, "chunks": len(held)}}))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if {peak} else rss_mb()   # peak or now
+print(json.dumps({{"seconds": time.perf_counter() - started, "mb": after - before, "chunks": len(held)}}))
 """
 
 
@@ -112,9 +94,9 @@ def write_corpus(path, chunks: int) -> None:
             f.write(json.dumps({"id": f"doc{doc}", "title": f"Document {doc}", "text": " ".join(words)}) + "\n")
 
 
-def in_child(child: str, code: str, *args) -> dict:
-    out = subprocess.run([sys.executable, "-c", child.format(code=code), *map(str, args)], capture_output=True,
-                         text=True, check=True)
+def in_child(mode: str, code: str, *args) -> dict:
+    child = CHILD.format(setup=SETUP[mode], code=code, peak=mode == "driver")
+    out = subprocess.run([sys.executable, "-c", child, *map(str, args)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -142,15 +124,15 @@ def main(argv: list[str] | None = None) -> dict:
     with work_dir(None, "kvf-bench-chunk-table-") as work:
         if args.driver:
             write_corpus(work / "corpus.jsonl", args.chunks)
-            results = {label: in_child(CHILD_DRIVER, code, work / "corpus.jsonl", work / label.replace(" ", "-"))
+            results = {label: in_child("driver", code, work / "corpus.jsonl", work / label.replace(" ", "-"))
                        for label, code in DRIVER.items()}
         elif args.neighbours is not None:
             write_neighbours(work, args.chunks, args.neighbours)
-            results = {label: in_child(CHILD_NEIGHBOURS, code, work / name) for label, (name, code) in NEIGHBOURS.items()}
+            results = {label: in_child("neighbours", code, work / name) for label, (name, code) in NEIGHBOURS.items()}
             sizes = {label: (work / name).stat().st_size / 1e6 for label, (name, _) in NEIGHBOURS.items()}
         else:
             write_table(work / "chunks.parquet", args.chunks, args.tokens)
-            results = {label: in_child(CHILD, code, work / "chunks.parquet") for label, code in OPEN.items()}
+            results = {label: in_child("table", code, work / "chunks.parquet") for label, code in OPEN.items()}
     base_label = next(iter(results))
     n = results[base_label]["chunks"]
     if args.driver:
