@@ -2,6 +2,7 @@
 would, run through the real CLI entry point. Each must end with exit != 0, exactly one line on
 stderr that says what is wrong and names the flag or file, and no traceback. Add new cases here as
 they are found. (Cases that need signals or two processes run as subprocesses further down.)"""
+import gzip
 import json
 import os
 import shutil
@@ -171,6 +172,9 @@ CASES = {
     "build-cache --dtype against the workspace's store": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", d[1], "--dtype",
                                                                        "float32"],
                                                          ["--dtype float32: workspace", "holds float16 KVs", "leave --dtype out"]),
+    "build-cache truncated .jsonl.gz corpus": (lambda d, t: ["build-cache", write(t / "p.jsonl.gz", gzip.compress(
+        b'{"id": "1", "text": "Quorbel Vantrich"}\n' * 40)[:30]), "-w", t / "ws"],
+        ["p.jsonl.gz", "not a readable gzip file", "gzip -t"]),
     "build-cache --rebuild nope": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--rebuild", "nope"], ["--rebuild nope"]),
     "run --workers without --ray": (lambda d, t: run_args(d, t / "o.jsonl", "--workers", "2"), ["--workers", "--ray"]),
     "run --threads without --ray": (lambda d, t: run_args(d, t / "o.jsonl", "--threads", "2"), ["--threads 2 needs --ray"]),

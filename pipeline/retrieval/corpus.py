@@ -1,20 +1,24 @@
-"""Read a corpus of documents from a folder of .txt, .md and .jsonl files."""
+"""Read a corpus of documents from a folder of .txt, .md, .jsonl and .jsonl.gz files."""
 import codecs
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvf.errors import KvfError, warn
 
-SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl")
+SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl", ".jsonl.gz")
+JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 
 
 @dataclass
 class Document:
-    doc_id: str       # relative path for .txt/.md, the row's "id" for .jsonl
+    doc_id: str       # relative path for .txt/.md, the row's "id" for .jsonl(.gz)
     title: str
     text: str
     source_file: str  # the file it came from, for messages
@@ -25,7 +29,7 @@ def list_corpus_files(root: Path) -> list[Path]:
     if not root.exists():
         raise KvfError(f"corpus path {root} does not exist; pass a folder of {', '.join(SUPPORTED_EXTENSIONS)} files")
     if root.is_file():
-        if root.suffix.lower() not in SUPPORTED_EXTENSIONS:
+        if not is_supported(root):
             raise KvfError(f"corpus file {root} is not a supported type; use one of {', '.join(SUPPORTED_EXTENSIONS)}")
         return [root]
     # hidden files and folders (.git, .DS_Store) are never corpus content
@@ -33,15 +37,40 @@ def list_corpus_files(root: Path) -> list[Path]:
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
         raise KvfError(f"corpus folder {root} is empty; put {', '.join(SUPPORTED_EXTENSIONS)} files in it")
-    supported = [p for p in files if p.suffix.lower() in SUPPORTED_EXTENSIONS]
+    supported = [p for p in files if is_supported(p)]
     if not supported:
         raise KvfError(f"corpus folder {root} has no supported files; "
                        f"supported extensions are {', '.join(SUPPORTED_EXTENSIONS)}")
     if len(supported) < len(files):
-        skipped = [p for p in files if p.suffix.lower() not in SUPPORTED_EXTENSIONS]
+        skipped = [p for p in files if not is_supported(p)]
         warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]} "
              f"(kvf reads {', '.join(SUPPORTED_EXTENSIONS)} files; convert the others to text)")
     return supported
+
+
+def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS) -> bool:
+    return path.name.lower().endswith(extensions)
+
+
+@contextmanager
+def open_lines(path: Path, on_bytes=None):
+    """A binary stream of the file's bytes (decompressed for .gz) and progress(): on_bytes(n) for the n bytes
+    of the file read since the last call. A damaged .gz is one line naming it."""
+    with path.open("rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
+        done = 0
+
+        def progress():
+            nonlocal done
+            if on_bytes is not None:
+                position = raw.tell()
+                on_bytes(position - done)
+                done = position
+        try:
+            yield stream, progress
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise KvfError(f"corpus file {path}: not a readable gzip file ({e or 'it ends early'}); check it with "
+                           "`gzip -t` and fetch or compress it again") from None
 
 
 def read_text_file(path: Path) -> str | None:
@@ -57,11 +86,12 @@ def read_text_file(path: Path) -> str | None:
 
 
 def check_text_file(path: Path, block: int = 1 << 24) -> bool:
-    """read_text_file's checks, a block at a time (a JSONL corpus may be larger than memory): True when
-    the whole file is UTF-8 text, else False with read_text_file's warning."""
+    """read_text_file's checks, a block at a time (a JSONL corpus may be larger than memory; a .gz one is
+    checked as it decompresses): True when the whole file is UTF-8 text, else False with read_text_file's
+    warning."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with path.open("rb") as f:
+    with open_lines(path) as (f, _):
         data = f.read(8192)
         if not _is_text(path, data):
             return False
@@ -124,18 +154,18 @@ def parse_jsonl_row(line: str, where: str) -> Document:
 
 
 def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
-    """Each non-blank line of a .jsonl file is one document, read a line at a time."""
+    """Each non-blank line of a .jsonl (or .jsonl.gz) file is one document, read a line at a time."""
     if not check_text_file(path):
         return
-    with path.open("rb") as f:
+    with open_lines(path, on_bytes) as (f, progress):
         for line_no, raw in enumerate(f, start=1):
-            if on_bytes is not None:
-                on_bytes(len(raw))
+            progress()
             line = raw.decode("utf-8")
             if line_no == 1:
                 line = line.removeprefix("\ufeff")   # a leading BOM is not part of the first row
             if line.strip():
                 yield parse_jsonl_row(line, f"{path}:{line_no}")
+        progress()
 
 
 def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None) -> Iterator[Document]:
@@ -145,7 +175,7 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     root = Path(path)
     first_seen = {}   # doc id -> where it was first read
     for file in list_corpus_files(root) if files is None else files:
-        if file.suffix.lower() == ".jsonl":
+        if is_supported(file, JSONL_EXTENSIONS):
             file_docs = iter_jsonl_documents(file, on_bytes)
         else:
             file_docs = [d for d in [read_plain_document(file, root)] if d is not None]
