@@ -252,6 +252,27 @@ def test_a_workspace_keeps_its_bm25_choice_and_search_refuses_an_index_of_older_
     assert code == 0 and json.loads(out)[0]["doc_id"] == "owls.txt"
 
 
+def test_the_fix_a_missing_index_names_builds_it_in_a_workspace_built_without_it(tmp_path, short_docs, capsys,
+                                                                                monkeypatch):
+    """`kvf search` on a workspace built with --no-bm25 (or --no-dense) said "build it with `kvf build-cache
+    CORPUS --workspace WS`"; since a left-out flag keeps --no-bm25, that command built nothing. The command
+    it names now builds the index, and search then finds the chunk."""
+    corpus = write_corpus(tmp_path, short_docs)
+    ws = tmp_path / "ws"
+    code, _, _ = run_cli(["build-cache", corpus, "-w", ws, "--no-bm25", "--no-dense", "--chunk-tokens", CHUNK_TOKENS],
+                         capsys, monkeypatch)
+    assert code == 0
+    for retriever in ("bm25", "dense"):
+        code, _, err = run_cli(["search", "Quillmarsh glass", "-w", ws, "--retriever", retriever], capsys, monkeypatch)
+        fix = re.search(r"`kvf build-cache CORPUS (.*?)`", err)
+        assert code != 0 and fix and len(err.strip().splitlines()) == 1, err
+        code, _, _ = run_cli(["build-cache", corpus, *fix.group(1).split()], capsys, monkeypatch)
+        assert code == 0
+        code, out, _ = run_cli(["search", "Quillmarsh glass", "-w", ws, "--retriever", retriever, "-k", "1", "--json"],
+                               capsys, monkeypatch)
+        assert code == 0 and json.loads(out)[0]["doc_id"] in ("doc0.txt", "doc1.txt", "copy_of_doc0.txt")
+
+
 @pytest.mark.parametrize("method", ["reuse", "cacheblend"])
 def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
     """float32 store: loading from it (pipelined or not) gives the in-memory fused result."""

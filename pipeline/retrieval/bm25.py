@@ -66,7 +66,7 @@ class BM25Searcher:
         index_dir = Path(index_dir)
         if not index_dir.is_dir() or not any(index_dir.glob("segments_*")):
             raise KvfError(f"BM25 index {index_dir} does not exist or is incomplete; build it with "
-                           f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+                           f"`kvf build-cache CORPUS --workspace {index_dir.parent} --bm25 --rebuild bm25`")
         ensure_java(str(index_dir.parent))
         from pyserini.search.lucene import LuceneSearcher
         try:

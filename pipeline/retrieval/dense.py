@@ -170,7 +170,7 @@ def read_dense_meta(index_dir: Path) -> dict:
     missing = [f for f in (INDEX_FILE, IDS_FILE, META_FILE) if not (index_dir / f).exists()]
     if missing:
         raise KvfError(f"dense index {index_dir} is missing {', '.join(missing)}; build it with "
-                       f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent} --dense --rebuild dense`")
     try:
         return json.loads((index_dir / META_FILE).read_text())
     except (ValueError, UnicodeDecodeError):
@@ -184,7 +184,7 @@ def load_embeddings(index_dir: str | Path) -> tuple[np.ndarray, list[str]]:
     read_dense_meta(index_dir)
     if not (index_dir / EMBEDDINGS_FILE).exists():
         raise KvfError(f"dense index {index_dir} is missing {EMBEDDINGS_FILE}; rebuild it with "
-                       f"`kvf build-cache CORPUS --workspace {index_dir.parent}`")
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent} --dense --rebuild dense`")
     return np.load(index_dir / EMBEDDINGS_FILE), json.loads((index_dir / IDS_FILE).read_text())
 
 
