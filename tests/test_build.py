@@ -273,6 +273,25 @@ def test_the_fix_a_missing_index_names_builds_it_in_a_workspace_built_without_it
         assert code == 0 and json.loads(out)[0]["doc_id"] in ("doc0.txt", "doc1.txt", "copy_of_doc0.txt")
 
 
+def test_the_fix_for_missing_neighbours_lets_fusionrag_run_without_building_every_fusion_entry(tmp_path, short_docs,
+                                                                                             capsys, monkeypatch):
+    """FusionRAG on a workspace built --no-dense said to rebuild with `--variant fusion`, which computes every
+    chunk's fusion KV (a run computes those its questions need). The fix it names builds the neighbours only."""
+    corpus = write_corpus(tmp_path, short_docs)
+    ws, questions = tmp_path / "ws", tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": QUESTION, "answers": ["Drelvan"]}) + "\n")
+    assert run_cli(["build-cache", corpus, "-w", ws, "--no-dense", "--chunk-tokens", CHUNK_TOKENS], capsys,
+                   monkeypatch)[0] == 0
+    run_args = ["run", "-w", ws, "-q", questions, "-m", "fusionrag", "-r", "0.15", "--max-new-tokens", "2",
+                "--no-show-answers", "-o", tmp_path / "r.jsonl"]
+    code, _, err = run_cli(run_args, capsys, monkeypatch)
+    fix = re.search(r"`kvf build-cache CORPUS (.*?)`", err)
+    assert code != 0 and "neighbours" in err and fix, err
+    code, _, summary = run_cli(["build-cache", corpus, *fix.group(1).split()], capsys, monkeypatch)
+    assert code == 0 and "neighbours" in summary and "kv fusion" not in summary
+    assert run_cli(run_args, capsys, monkeypatch)[0] == 0
+
+
 @pytest.mark.parametrize("method", ["reuse", "cacheblend"])
 def test_stored_kvs_fuse_exactly_like_in_memory_ones(built, answerer, method):
     """float32 store: loading from it (pipelined or not) gives the in-memory fused result."""

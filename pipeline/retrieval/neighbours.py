@@ -92,7 +92,8 @@ def load_neighbours(path: str | Path, known_ids: Container[str] | None = None) -
     """The neighbours file, checked: a damaged one, or one naming chunks the workspace does not have
     (another corpus's), is a one-line error with the fix. A .json one is an older kvf's."""
     path = Path(path)
-    fix = f"rebuild the workspace's neighbours with `kvf build-cache CORPUS --workspace {path.parent} --variant fusion`"
+    # not --variant fusion: that computes every chunk's fusion KV, where a run computes those its questions need
+    fix = f"rebuild the workspace's neighbours with `kvf build-cache CORPUS --workspace {path.parent} --dense --rebuild neighbours`"
     if not path.exists():
         raise KvfError(f"neighbours file {path} does not exist; {fix}")
     neighbours = _read_json(path, fix) if path.suffix == ".json" else _read_npz(path, fix)
