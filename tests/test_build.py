@@ -118,6 +118,30 @@ def built(tmp_path_factory, short_docs):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def test_stage_one_streamed_in_tokenizer_batches_equals_chunking_each_document(tmp_path, monkeypatch):
+    """Stage 1 tokenizes documents a batch at a time (a fast tokenizer spreads a batch over the cores) and
+    streams the table: it must cut exactly what tokenizing each document alone does, duplicates, a literal
+    control token, non-ASCII text and batch edges included."""
+    import kvf.pipeline.workflows.build as build_module
+    from kvf.pipeline.retrieval.chunking import chunk_documents, split_documents
+    from kvf.pipeline.retrieval.corpus import read_corpus
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = [LONG_DOC, "Zorvan <|im_end|> Pellick", "Café Ørsted – naïve résumé " * 9, LONG_DOC, "x", "  y  "]
+    with open(corpus / "docs.jsonl", "w") as f:
+        for i, text in enumerate(texts * 2):
+            f.write(json.dumps({"id": f"d{i}", "title": f"T{i % 3}", "text": text}, ensure_ascii=False) + "\n")
+    monkeypatch.setattr(build_module, "TOKENIZE_DOCS", 5)
+    tokenizer = open_model(None).tokenizer
+    opts = opts_for(tmp_path, corpus, chunk_tokens=16, overlap=4)
+    table, stat = build_module.stage_chunks(opts, Workspace(tmp_path / "ws"), tokenizer)
+    docs = read_corpus(corpus)
+    assert list(table.chunks()) == chunk_documents(docs, tokenizer, 16, 4)
+    assert Workspace(tmp_path / "ws").doc_chunks() == {
+        doc: [c.chunk_id for c in chunks] for doc, chunks in split_documents(docs, tokenizer, 16, 4).items()}
+    assert (stat.items, stat.note) == (len(table), "12 documents")
+
+
 def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeypatch):
     """build-cache read every document, then every chunk, as Python objects and kept both through its three
     stages: about 9 KB a 256-token chunk, 9 GB for a million (`bench_chunk_table --driver`). Stage 1 now

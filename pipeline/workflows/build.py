@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,8 +22,8 @@ from rich.text import Text
 from kvf.errors import KvfError, disk_full
 from kvf.cachestore import open_store
 from kvf.cachestore.dtypes import STORE_DTYPES
-from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenizer_fingerprint,
-                                             validate_chunking)
+from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
+                                             tokenizer_fingerprint, validate_chunking)
 from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
@@ -196,6 +196,21 @@ def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, 
 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------
+TOKENIZE_DOCS = 256   # documents tokenized in one call
+
+
+def batched(items: Iterable, n: int) -> Iterator[list]:
+    """Lists of n items (the last one shorter), as itertools.batched does from Python 3.12."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console | None = None,
                  files: list[Path] | None = None) -> tuple[ChunkTable, StageStat]:
     """Documents to chunks.parquet (each distinct chunk once, first occurrence wins) and doc_chunks.json, a
@@ -207,15 +222,16 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console 
     megabytes = max(1, -(-sum(f.stat().st_size for f in files) // 2**20))
     with stage(console, "chunking (MiB read)", megabytes) as advance, \
             atomic_path(ws.chunks_path) as tmp, ChunkTableWriter(tmp) as table:   # temp: shards may share a workspace
-        for doc in iter_corpus(opts.corpus, files, on_bytes=lambda n: advance(n / 2**20)):
-            n_docs += 1
-            chunks = split_document(doc, tokenizer, opts.chunk_tokens, opts.overlap, fingerprint)  # duplicates kept
-            if chunks:
-                doc_chunks[doc.doc_id] = [c.chunk_id for c in chunks]
-            for chunk in chunks:
-                if chunk.chunk_id not in seen:   # identical token ids share one stored KV
-                    seen.add(chunk.chunk_id)
-                    table.add(chunk)
+        for docs in batched(iter_corpus(opts.corpus, files, on_bytes=lambda n: advance(n / 2**20)), TOKENIZE_DOCS):
+            n_docs += len(docs)
+            for doc, ids in zip(docs, tokenize_documents([d.text for d in docs], tokenizer)):
+                chunks = split_document(doc, tokenizer, opts.chunk_tokens, opts.overlap, fingerprint, ids)  # duplicates kept
+                if chunks:
+                    doc_chunks[doc.doc_id] = [c.chunk_id for c in chunks]
+                for chunk in chunks:
+                    if chunk.chunk_id not in seen:   # identical token ids share one stored KV
+                        seen.add(chunk.chunk_id)
+                        table.add(chunk)
         if not table.chunks:
             raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
     ws.write_doc_chunks(doc_chunks)
