@@ -84,8 +84,14 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
         raise ValueError(f"{len(chunk_texts)} texts but {len(chunk_ids)} chunk ids")
     if not chunk_ids:
         raise KvfError("no chunks to embed for the dense index; check the corpus produced documents")
-    known = dict(known or {})
-    todo = [i for i, chunk_id in enumerate(chunk_ids) if chunk_id not in known]
+    known = known or {}
+    embeddings = np.empty((len(chunk_ids), embedder.dim), dtype=np.float32)   # [chunks, dim], filled in place
+    todo = []
+    for i, chunk_id in enumerate(chunk_ids):
+        if chunk_id in known:
+            embeddings[i] = known[chunk_id]
+        else:
+            todo.append(i)
     if on_batch is not None and len(todo) < len(chunk_ids):
         on_batch(len(chunk_ids) - len(todo))
     checkpoint = checkpoint_dir(index_dir)
@@ -93,10 +99,9 @@ def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | P
         rows = todo[start: start + 16 * batch_size]
         vectors = embedder.encode([chunk_texts[i] for i in rows], batch_size=batch_size)   # [slice, dim]
         save_slice(checkpoint, embedder.name, [chunk_ids[i] for i in rows], vectors)
-        known.update(zip((chunk_ids[i] for i in rows), vectors))
+        embeddings[rows] = vectors
         if on_batch is not None:
             on_batch(len(rows))
-    embeddings = np.stack([known[chunk_id] for chunk_id in chunk_ids]).astype(np.float32)   # [chunks, dim]
     index, kind = make_index(embedder.dim, len(chunk_ids), approx_threshold)
     index.add(embeddings)
     with atomic_dir(index_dir) as tmp:  # never mix files of two builds, never leave half an index
