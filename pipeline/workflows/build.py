@@ -335,7 +335,7 @@ class EntryBuilder:
             self._engine = FusionEngine(Transformer(self.model_ref.load(self.device, self.dtype).model))
         return self._engine
 
-    def key(self, variant: str, chunk: Chunk, neighbours: dict[str, list[str]] | None) -> str:
+    def key(self, variant: str, chunk: Chunk, neighbours: Mapping[str, list[str]] | None) -> str:
         segment = self.template.chunk_segment(chunk.token_ids)
         return self.keys.chunk(variant, segment, neighbours.get(chunk.chunk_id, []) if variant == "fusion" else ())
 
@@ -585,7 +585,7 @@ def workspace_extras(manifest: dict) -> list[str]:
     return list(manifest.get("extras_for") or (["cachecraft"] if manifest.get("cachecraft_meta") else []))
 
 
-def _load_neighbours(ws: Workspace) -> dict[str, list[str]]:
+def _load_neighbours(ws: Workspace) -> Mapping[str, list[str]]:
     from kvf.pipeline.retrieval.neighbours import load_neighbours
     return load_neighbours(ws.neighbours_file)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -169,7 +170,7 @@ def remote_class(impl: type):
     return ray.remote(max_restarts=3, max_task_retries=3)(impl)
 
 
-def build_kv_with_ray(opts, builder, chunks, neighbours: dict | None, console, summary) -> list:
+def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console, summary) -> list:
     """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats.
     Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
@@ -195,7 +196,7 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: dict | None, console, s
     return stats
 
 
-def missing_entries(opts, builder, chunks, neighbours: dict | None, summary) -> dict[str, list[str]]:
+def missing_entries(opts, builder, chunks, neighbours: Mapping | None, summary) -> dict[str, list[str]]:
     """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
     entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for.
     chunks: the workspace's ChunkTable."""
@@ -209,7 +210,7 @@ def missing_entries(opts, builder, chunks, neighbours: dict | None, summary) -> 
     return todo
 
 
-def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks, neighbours: dict | None, console,
+def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks, neighbours: Mapping | None, console,
                   summary, ray) -> list:
     """Each variant's missing entries, in batches of --batch chunks, over the actor pool. A batch's chunks
     become Chunk objects as it is sent."""
@@ -241,14 +242,14 @@ def build_order(variants) -> list[str]:
     return ["prefix"] + [v for v in variants if v != "prefix"] if "fusion" in variants else list(variants)
 
 
-def neighbour_ids(ids: list[str], neighbours: dict | None, chunks) -> list[str]:
+def neighbour_ids(ids: list[str], neighbours: Mapping | None, chunks) -> list[str]:
     """The chunks whose prefix entries the fusion entries of `ids` read (what a one-process build
     computes on demand)."""
     wanted = {nid for cid in ids for nid in (neighbours or {}).get(cid, [])}
     return [nid for nid in sorted(wanted) if nid in chunks]
 
 
-def fusion_context(variant: str, batch: list, neighbours: dict | None, by_id) -> tuple[dict | None, dict]:
+def fusion_context(variant: str, batch: list, neighbours: Mapping | None, by_id) -> tuple[dict | None, dict]:
     """(neighbours, chunks by id) of just this batch: what its fusion entries attend to. A task carries
     these, not the corpus-wide tables."""
     if variant != "fusion":
