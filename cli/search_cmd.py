@@ -67,7 +67,7 @@ def search_command(
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)
     hits = search_workspace(query, workspace, k, mode)
-    chunks_by_id = ChunkTable(workspace / "chunks.parquet")
+    chunks_by_id = ChunkTable(ws.chunks_path)
     unknown = [cid for cid, _ in hits if cid not in chunks_by_id]
     if unknown:
         raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "

@@ -198,4 +198,3 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
 def read_corpus(path: str | Path) -> list[Document]:
     """All documents under `path` (iter_corpus), as a list."""
     return list(iter_corpus(path))
-

@@ -35,12 +35,11 @@ class Neighbours(Mapping):
     def from_dict(cls, neighbours: Mapping[str, list[str]]) -> "Neighbours":
         if isinstance(neighbours, Neighbours):
             return neighbours
-        chunk_ids = list(neighbours)
-        row = {cid: i for i, cid in enumerate(chunk_ids)}
-        rows = np.full((len(chunk_ids), max((len(v) for v in neighbours.values()), default=0)), -1, dtype=np.int32)
+        width = max((len(v) for v in neighbours.values()), default=0)
+        table = cls(list(neighbours), np.full((len(neighbours), width), -1, dtype=np.int32))
         for i, found in enumerate(neighbours.values()):
-            rows[i, :len(found)] = [row[nid] for nid in found]
-        return cls(chunk_ids, rows)
+            table.rows[i, :len(found)] = [table._row[nid] for nid in found]
+        return table
 
     def __getitem__(self, chunk_id: str) -> list[str]:
         return [self.chunk_ids[j] for j in self.rows[self._row[chunk_id]].tolist() if j >= 0]

@@ -139,6 +139,11 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
     return int(chunk_id[:8], 16) % shard[1] == shard[0]
 
 
+def shard_ids(chunks: ChunkTable, shard: tuple[int, int]) -> list[str]:
+    """The ids of the chunks this build (--shard I/N) computes, in table order."""
+    return [cid for cid in chunks.ids if in_shard(cid, shard)]
+
+
 def build_progress(console: Console) -> Progress:
     return progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
@@ -415,7 +420,7 @@ class EntryBuilder:
 def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours, console: Console,
              summary: BuildSummary) -> list[StageStat]:
     stats = []
-    mine = [cid for cid in chunks.ids if in_shard(cid, opts.shard)]
+    mine = shard_ids(chunks, opts.shard)
     for variant in opts.variants:
         todo = builder.missing_ids(variant, chunks, mine, neighbours)
         summary.entries_skipped += len(mine) - len(todo)

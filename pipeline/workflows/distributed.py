@@ -200,8 +200,8 @@ def missing_entries(opts, builder, chunks, neighbours: Mapping | None, summary) 
     """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
     entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for.
     chunks: the workspace's ChunkTable."""
-    from kvf.pipeline.workflows.build import in_shard
-    mine = [cid for cid in chunks.ids if in_shard(cid, opts.shard)]
+    from kvf.pipeline.workflows.build import shard_ids
+    mine = shard_ids(chunks, opts.shard)
     todo = {}
     for variant in build_order(opts.variants):
         wanted = mine if variant in opts.variants else neighbour_ids(mine, neighbours, chunks)

@@ -74,13 +74,13 @@ class Workspace:
     dense_dir = property(lambda self: self.root / "dense")
     neighbours_path = property(lambda self: self.root / "neighbours.npz")          # what a build writes
     legacy_neighbours_path = property(lambda self: self.root / "neighbours.json")  # what kvf wrote before
+    index_state_path = property(lambda self: self.root / "indexes.json")
 
     @property
     def neighbours_file(self) -> Path:
         """The neighbours a reader uses: the .npz, else an older kvf's .json (until a build replaces it)."""
         legacy = self.legacy_neighbours_path
         return legacy if legacy.is_file() and not self.neighbours_path.is_file() else self.neighbours_path
-    index_state_path = property(lambda self: self.root / "indexes.json")
 
     @contextmanager
     def files_lock(self, waiting: Callable[[str], None]):
