@@ -189,24 +189,12 @@ def read_chunk_ids(path: str | Path) -> list[str]:
     return _checked_table(path, ["chunk_id"]).column("chunk_id").to_pylist()
 
 
-class ChunkTable(Mapping):
-    """chunks.parquet as a read-only map chunk id -> Chunk, for building entries and answering questions.
+class ChunkRows(Mapping):
+    """A map keyed by chunk id over rows kept in table order: `ids` (that order) and each id's row."""
 
-    The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: 100K
-    256-token chunks as Python lists hold a Python int per token, 1.6 GB; columnar, 0.3 GB
-    (scripts/bench_chunk_table.py), and a run or a Ray worker asks for a few chunks per question.
-    """
-
-    def __init__(self, path: str | Path):
-        self._table = _checked_table(path)
-        self.ids = self._table.column("chunk_id").to_pylist()                       # table order
-        self._row = {cid: i for i, cid in enumerate(self.ids)}                      # id -> row
-        self._lengths = pc.list_value_length(self._table.column("token_ids")).to_numpy()   # [chunks] tokens each
-        self.texts = _TextColumn(self._table.column("text"))
-        pa.default_memory_pool().release_unused()   # the reader's decompression buffers: half again the table
-
-    def __getitem__(self, chunk_id: str) -> Chunk:
-        return Chunk(**self._table.slice(self._row[chunk_id], 1).to_pylist()[0])
+    def __init__(self, ids: list[str]):
+        self.ids = ids                                        # table order
+        self._row = {cid: i for i, cid in enumerate(ids)}     # id -> row
 
     def __contains__(self, chunk_id) -> bool:
         return chunk_id in self._row
@@ -216,6 +204,25 @@ class ChunkTable(Mapping):
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+class ChunkTable(ChunkRows):
+    """chunks.parquet as a read-only map chunk id -> Chunk, for building entries and answering questions.
+
+    The table stays columnar (Arrow) and only the chunks asked for become Chunk objects: 100K
+    256-token chunks as Python lists hold a Python int per token, 1.6 GB; columnar, 0.3 GB
+    (scripts/bench_chunk_table.py), and a run or a Ray worker asks for a few chunks per question.
+    """
+
+    def __init__(self, path: str | Path):
+        self._table = _checked_table(path)
+        super().__init__(self._table.column("chunk_id").to_pylist())
+        self._lengths = pc.list_value_length(self._table.column("token_ids")).to_numpy()   # [chunks] tokens each
+        self.texts = _TextColumn(self._table.column("text"))
+        pa.default_memory_pool().release_unused()   # the reader's decompression buffers: half again the table
+
+    def __getitem__(self, chunk_id: str) -> Chunk:
+        return Chunk(**self._table.slice(self._row[chunk_id], 1).to_pylist()[0])
 
     def chunks(self, ids: list[str] | None = None) -> Iterator[Chunk]:
         """Chunk objects of `ids` (every chunk by default) in that order, made OBJECT_ROWS at a time."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from kvf.errors import KvfError
 from kvf.pipeline.files import atomic_path
+from kvf.pipeline.retrieval.chunking import ChunkRows
 
 
 def search_rows(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -18,18 +19,17 @@ def search_rows(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np
     return index.search(queries, k)
 
 
-class Neighbours(Mapping):
+class Neighbours(ChunkRows):
     """Each chunk's most similar other chunks, as a map chunk id -> [neighbour ids, best first].
 
-    Held as one int32 matrix of rows into chunk_ids (-1: no more neighbours), lists made only when a chunk
-    is asked for: as JSON lists of strings, a million chunks' 10 neighbours were a 750 MB file and about
-    a GB of Python strings.
+    Held as one int32 matrix of rows into ids (-1: no more neighbours), lists made only when a chunk is
+    asked for: as JSON lists of strings, a million chunks' 10 neighbours were a 750 MB file and about a
+    GB of Python strings.
     """
 
-    def __init__(self, chunk_ids: list[str], rows: np.ndarray):
-        self.chunk_ids = chunk_ids
+    def __init__(self, ids: list[str], rows: np.ndarray):
+        super().__init__(ids)
         self.rows = rows                                          # [chunks, n] int32, -1 padded
-        self._row = {cid: i for i, cid in enumerate(chunk_ids)}   # id -> row
 
     @classmethod
     def from_dict(cls, neighbours: Mapping[str, list[str]]) -> "Neighbours":
@@ -42,16 +42,7 @@ class Neighbours(Mapping):
         return table
 
     def __getitem__(self, chunk_id: str) -> list[str]:
-        return [self.chunk_ids[j] for j in self.rows[self._row[chunk_id]].tolist() if j >= 0]
-
-    def __contains__(self, chunk_id) -> bool:
-        return chunk_id in self._row
-
-    def __iter__(self):
-        return iter(self.chunk_ids)
-
-    def __len__(self) -> int:
-        return len(self.chunk_ids)
+        return [self.ids[j] for j in self.rows[self._row[chunk_id]].tolist() if j >= 0]
 
 
 def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10) -> Neighbours:
@@ -83,7 +74,7 @@ def save_neighbours(neighbours: Mapping[str, list[str]], path: str | Path):
     """An .npz of chunk_ids (bytes) and rows [chunks, n] (int32 rows into chunk_ids, -1 padded)."""
     neighbours = Neighbours.from_dict(neighbours)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, chunk_ids=np.array([cid.encode("utf-8") for cid in neighbours.chunk_ids], dtype=bytes),
+        np.savez(f, chunk_ids=np.array([cid.encode("utf-8") for cid in neighbours.ids], dtype=bytes),
                  rows=neighbours.rows)
 
 
@@ -97,7 +88,7 @@ def load_neighbours(path: str | Path, known_ids: Container[str] | None = None) -
         raise KvfError(f"neighbours file {path} does not exist; {fix}")
     neighbours = _read_json(path, fix) if path.suffix == ".json" else _read_npz(path, fix)
     if known_ids is not None:
-        foreign = next((x for x in neighbours.chunk_ids if x not in known_ids), None)
+        foreign = next((x for x in neighbours.ids if x not in known_ids), None)
         if foreign is not None:
             raise KvfError(f"neighbours file {path} names chunk {foreign[:12]}, which is not in this workspace; {fix}")
     return neighbours
