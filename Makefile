@@ -10,6 +10,7 @@
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
 #   make bench-scale  Ray workers vs one process, shared vs lone sweep work (synthetic and MuSiQue), 1M-chunk cost projection
+#   make bench-s3  a store on S3 (moto on localhost, RTT 0 and 20 ms added): requests one after another vs side by side
 #   make recompute-cost  full prefill vs recomputing a fraction of the rows at 6K tokens: seconds and GFLOP/s of each
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
@@ -30,7 +31,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -296,6 +297,10 @@ TTFT_OUT ?= results
 ttft: setup
 	$(KVF) bench --repeats $(REPEATS) --out $(TTFT_OUT)
 	@echo "results in $(TTFT_OUT)/ (ttft.csv, rounds.csv, ttft.md, ttft_vs_context.png)"
+
+BENCH_S3_OUT ?= results/s3.md
+bench-s3: setup
+	$(PY) -m kvf.scripts.bench_s3 --out $(BENCH_S3_OUT)
 
 BENCH_BUILD_OUT ?= results/build_bench.md
 bench-build: setup

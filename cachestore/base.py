@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -200,6 +201,26 @@ class KVStore:
         """Shape, dtype, checksums and attrs of an entry, without reading its data."""
         return self._header(key)
 
+    def headers(self, keys: Iterable[str]) -> dict[str, EntryHeader]:
+        """key -> header of those of `keys` that are committed (the others are left out), each checked as
+        header() checks it. On an object store the requests go out side by side: planning a build asks
+        about every chunk's entry, and asked one after another each costs a network round trip."""
+        keys = [check_key(key) for key in keys]
+        with self._lock:
+            found = {key: self._headers[key] for key in keys if key in self._headers}
+        unknown = [key for key in keys if key not in found]
+        for key, header in zip(unknown, self._read_headers(unknown)):
+            if header is not None:
+                self._check_header(key, header)
+                found[key] = header
+                self._remember(key, header)
+        return found
+
+    @property
+    def remote(self) -> bool:
+        """Whether every read is a network request (an object store): readers then ask side by side."""
+        return not self.fs.local
+
     def keys(self) -> list[str]:
         """Committed keys, sorted."""
         return sorted(self._committed_keys())
@@ -302,11 +323,14 @@ class KVStore:
         header = self._read_header(key)  # MissingEntry / CorruptEntry
         self._check_header(key, header)  # before anything is allocated or read from it
         if cache:
-            with self._lock:
-                self._headers[key] = header
-                while len(self._headers) > HEADER_CACHE:
-                    self._headers.popitem(last=False)
+            self._remember(key, header)
         return header
+
+    def _remember(self, key: str, header: EntryHeader) -> None:
+        with self._lock:
+            self._headers[key] = header
+            while len(self._headers) > HEADER_CACHE:
+                self._headers.popitem(last=False)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -453,6 +477,16 @@ class KVStore:
 
     def _read_header(self, key: str) -> EntryHeader:
         raise NotImplementedError
+
+    def _read_headers(self, keys: list[str]) -> list[EntryHeader | None]:
+        """Each key's header as stored, None where no entry is committed. Formats on object stores ask side by side."""
+        headers = []
+        for key in keys:
+            try:
+                headers.append(self._read_header(key))
+            except MissingEntry:
+                headers.append(None)
+        return headers
 
     def _read_layers_into(self, header: EntryHeader, layers: list[int], rows: np.ndarray) -> None:
         """Fill rows[i] (uint8, layer_nbytes) with layer layers[i]'s raw stored bytes; raise Unreadable."""

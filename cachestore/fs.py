@@ -8,6 +8,20 @@ import errno
 import os
 import posixpath
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+ASK_THREADS = 16   # requests an object store is asked side by side where fsspec has no batched call
+
+
+def read_each(fs, paths: list[str]) -> list[bytes | None]:
+    """Each file's bytes, one read after another; None where there is no such file."""
+    found = []
+    for path in paths:
+        try:
+            found.append(fs.read_file(path))
+        except FileNotFoundError:
+            found.append(None)
+    return found
 
 
 class LocalFS:
@@ -31,6 +45,10 @@ class LocalFS:
         with open(path, "rb") as f:
             return f.read()
 
+    def read_many(self, paths: list[str]) -> list[bytes | None]:
+        """Each file's bytes, None where there is no such file."""
+        return read_each(self, paths)
+
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         """Read len(out) bytes at offset into out; returns how many were there (short = truncated file)."""
         fd = os.open(path, os.O_RDONLY)
@@ -47,6 +65,9 @@ class LocalFS:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def exists_many(self, paths: list[str]) -> list[bool]:
+        return [os.path.exists(path) for path in paths]
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
@@ -155,6 +176,24 @@ class FsspecFS:
     def read_file(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    def read_many(self, paths: list[str]) -> list[bytes | None]:
+        """Each file's bytes, None where there is no such file. An async filesystem (s3fs) sends the requests
+        side by side (fsspec's cat of a list); a failure other than a missing file is raised."""
+        if not paths:
+            return []
+        if any(c in path for path in paths for c in "*?["):  # cat would read these as glob patterns
+            return read_each(self, paths)
+        answers = self.fs.cat(list(paths), on_error="return")  # stripped path -> bytes or the exception
+        found = []
+        for path in paths:
+            answer = answers[self.fs._strip_protocol(path)]
+            if isinstance(answer, FileNotFoundError):
+                answer = None
+            elif isinstance(answer, BaseException):
+                raise answer
+            found.append(answer)
+        return found
+
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         data = self.fs.cat_file(path, start=offset, end=offset + len(out))
         out[: len(data)] = data
@@ -168,6 +207,12 @@ class FsspecFS:
             return True
         except FileNotFoundError:
             return False
+
+    def exists_many(self, paths: list[str]) -> list[bool]:
+        """Whether each file exists: one HEAD each, ASK_THREADS side by side (s3fs runs every call on its
+        own event loop, so calls from several threads overlap on the network)."""
+        with ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="kvf-exists") as pool:
+            return list(pool.map(self.exists, paths))
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path)

@@ -216,3 +216,21 @@ def test_neighbours_bench_loads_the_same_neighbours_both_ways(capsys):
     assert "3 neighbours of each of 50 chunks" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--neighbours must be at least 1"):
         main(["--neighbours", "0"])
+
+
+def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch):
+    """scripts/bench_s3 on a tiny store, straight to moto and through the latency proxy: the requests one after
+    another and side by side plan, list and load the same (the bench exits when they differ)."""
+    pytest.importorskip("moto")
+    from kvf.scripts.bench_s3 import main
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)   # the bench sets them; restored after
+    results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2"])
+    assert list(results) == [0.0, 5.0] and all(len(medians) == 6 for medians in results.values())
+    out = capsys.readouterr().out
+    assert "s per 8 entries" in out and "s per 4 entries" in out and "s per prompt of 2 chunks" in out
+    for flags, fragment in ((["--rtt-ms", "x"], "--rtt-ms x: give milliseconds"),
+                            (["--entries", "1"], "--entries at least 2")):
+        with pytest.raises(SystemExit):
+            main(flags)
+        assert fragment in capsys.readouterr().err

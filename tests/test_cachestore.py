@@ -1,6 +1,7 @@
 """kvf.cachestore: round trips, on-disk validity, atomic commits, integrity, concurrency, CLI."""
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -683,3 +684,30 @@ def test_a_store_url_whose_server_cannot_be_reached_is_one_line():
     'kvf: error:: Connection refused' with no flag or fix."""
     with pytest.raises(KvfError, match=r"--store ftp://127.0.0.1:9/kv: cannot reach its server .*check the URL"):
         open_store("ftp://127.0.0.1:9/kv")
+
+
+@pytest.mark.parametrize("where", ["zarr", "hdf5", "memory"])
+def test_headers_of_many_keys_equal_header_of_each(tmp_path, where):
+    """headers(keys) is what has() and header() give key by key: committed entries only (an interrupted write,
+    an absent key are left out), each header checked, so a misplaced copy is still called corrupt."""
+    if where == "memory":   # an fsspec store, which asks for every marker in one cat of a list
+        store = open_store(f"memory://kvf-test-{uuid.uuid4().hex}/store", meta={**META}, create=True)
+    else:
+        store = new_store(tmp_path, where)
+    for i in range(3):
+        store.put(key_of(i), rand_kv(seed=i), extras={"s": np.arange(3.0)} if i == 1 else None)
+    if where != "hdf5":   # an in-place write cut short: data, no marker
+        partial = store.fs.join(store.root, key_of(7)[:2], key_of(7))
+        store.fs.makedirs(store.fs.join(partial, "kv"))
+        store.fs.write_file(store.fs.join(partial, "kv", "c.0.0.0.0.0"), b"\0" * 64)
+    asked = [key_of(i) for i in (2, 9, 0, 7, 1)]
+    fresh = open_store(store.path)
+    found = fresh.headers(asked)
+    assert list(found) == [key_of(2), key_of(0), key_of(1)]
+    assert found == {key: open_store(store.path).header(key) for key in found}
+    assert set(found[key_of(1)].extras) == {"s"} and fresh.headers([]) == {}
+    if where == "zarr":   # entry 0's marker copied under entry 2's key
+        shutil.copy(os.path.join(store.root, key_of(0)[:2], key_of(0), "zarr.json"),
+                    os.path.join(store.root, key_of(2)[:2], key_of(2), "zarr.json"))
+        with pytest.raises(CorruptEntry, match="misplaced copy"):
+            open_store(store.path).headers([key_of(0), key_of(2)])

@@ -6,13 +6,9 @@ credentials are one-line errors."""
 import io
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -20,37 +16,17 @@ import torch
 from rich.console import Console
 
 from kvf.errors import KvfError
+from kvf.scripts.s3_local import free_port, start_moto as launch_moto
 
 QUIET = Console(file=io.StringIO())
 META = {"model": "m", "dtype": "float16", "layers": 2, "kv_heads": 2, "head_dim": 4}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_moto(extra_env=None):
-    binary = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(binary):
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **(extra_env or {})})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return proc, url
-        except urllib.error.HTTPError:   # it answers (403 when it checks credentials): it is up
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.2)
-    proc.kill()
-    pytest.skip("moto_server did not start on localhost")
+    try:
+        return launch_moto(extra_env)
+    except RuntimeError as e:   # not installed, or it would not start here
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +171,85 @@ def test_a_ray_build_reaches_the_s3_store_at_the_workspaces_endpoint(s3, tmp_pat
     import s3fs
     s3fs.S3FileSystem.clear_instance_cache()   # this process's listing of the bucket predates the build
     assert len(set(open_store("s3://kvf/ray-build").keys()) - before) >= 1
+
+
+def test_resuming_a_build_on_s3_asks_about_its_entries_side_by_side(s3, tmp_path, short_docs, monkeypatch):
+    """Planning a build asks the store about every chunk's entry. On S3 each question asked alone is a network
+    round trip (~10-30 ms on AWS: hours per million chunks), so the entries already there are asked about in one
+    cat of a list per batch, never one request each. Before, each took a HEAD (has) and a GET (header), and
+    listing the store a HEAD per entry."""
+    from kvf.cachestore import open_store
+    from kvf.cachestore.fs import FsspecFS
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(short_docs[:2]):
+        (corpus / f"doc{i}.txt").write_text(text)
+    torch.set_num_threads(1)
+    opts = BuildOptions(workspace=tmp_path / "ws", store="s3://kvf/plan", corpus=corpus, chunk_tokens=16, bm25=False,
+                        dense=False, dtype="float32")
+    build_cache(opts, QUIET)
+    before = set(open_store("s3://kvf/plan").keys())
+    (corpus / "doc2.txt").write_text(short_docs[2])
+    alone, batches, batching = [], [], [0]   # entry markers asked about alone; sizes of lists asked at once
+    for name in ("exists", "read_file"):
+        original = getattr(FsspecFS, name)
+
+        def one(self, path, *a, original=original, **kw):
+            if not batching[0] and path.endswith("/zarr.json") and len(path.split("/")[-2]) == 64:
+                alone.append(path.split("/")[-2])
+            return original(self, path, *a, **kw)
+        monkeypatch.setattr(FsspecFS, name, one)
+    for name in ("read_many", "exists_many"):
+        original = getattr(FsspecFS, name)
+
+        def many(self, paths, original=original):
+            batches.append(len(paths))
+            batching[0] += 1
+            try:
+                return original(self, paths)
+            finally:
+                batching[0] -= 1
+        monkeypatch.setattr(FsspecFS, name, many)
+    build_cache(opts, QUIET)
+    after = set(open_store("s3://kvf/plan").keys())   # listing the store (kvf store info, gc) asks the same way
+    monkeypatch.undo()
+    assert len(before) >= 4 and after > before
+    system = {key for key in before if open_store("s3://kvf/plan").attrs(key)["variant"] == "system"}
+    assert len(system) == 1
+    assert set(alone) & before == system       # S's entry is read alone, once; no chunk entry already there
+    assert sum(batches) >= len(before - system)  # every chunk entry asked about in a list
+
+
+def test_reading_a_prompt_from_s3_asks_side_by_side(s3, tmp_path):
+    """On an object store a prompt's chunk KVs are read side by side (each read is a request that waits on the
+    network; before, one after another), and the same values arrive; a local store keeps one reader."""
+    import threading
+    from kvf.cachestore import open_store
+    from kvf.pipeline.fusion.sources import StoreKVSource
+    keys = [("%064x" % (100 + i)) for i in range(3)]
+    for where in ("s3://kvf/readers", str(tmp_path / "local")):
+        store = open_store(where, meta=META, create=True)
+        for i, key in enumerate(keys):
+            store.put(key, kv(i, tokens=4 + i))
+        reader, lock, in_flight = open_store(where), threading.Lock(), [0, 0]   # now, most at once
+        get_layer = reader.get_layer
+
+        def slow_get_layer(*a, **kw):   # a read that waits, as on a network: overlapping reads show
+            with lock:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight)
+            time.sleep(0.05)
+            try:
+                return get_layer(*a, **kw)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+        reader.get_layer = slow_get_layer
+        source = StoreKVSource(reader, keys, n_layers=2)
+        source.start([0, 1, 2])
+        layers = [source.layer(layer, [0, 1, 2]) for layer in range(2)]
+        source.close()
+        assert source.token_counts == [4, 5, 6]
+        assert all(torch.equal(layers[n][i], kv(i, tokens=4 + i)[n].half()) for n in range(2) for i in range(3))
+        assert in_flight[1] == (3 if where.startswith("s3://") else 1), where

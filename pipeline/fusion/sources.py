@@ -9,7 +9,8 @@ side by side) into pinned host memory and copied on a side CUDA stream, so the e
 device tensors and neither the read nor the copy runs on the compute stream. On an H100 (Llama-3-8B
 shape, 16K tokens, 2.1 GB of KV; results/gpu.md) one reader and a pageable copy on the compute
 stream made reuse 2.8x slower than full prefill; this path makes it 0.9x. On the CPU nothing
-changes: one reader, tensors handed over as read.
+changes: one reader, tensors handed over as read. On an object store (S3) every read is a request that
+mostly waits on the network, so REMOTE_READERS threads ask side by side (results/s3.md).
 
 `load_seconds` is the time the engine actually waited for data (exposed load); `read_seconds` is
 the total time spent reading. hidden fraction = 1 - load_seconds / read_seconds.
@@ -23,6 +24,7 @@ import torch
 
 PREFETCH_LAYERS = 2  # how many layers ahead the reader may run (L_p)
 GPU_READERS = 2      # chunk reads side by side on a GPU: more contend with the engine's thread for the GIL
+REMOTE_READERS = 8   # on an object store each read is a network round trip: threads mostly wait, so ask side by side
 
 
 class InMemoryKV:
@@ -42,13 +44,15 @@ class InMemoryKV:
 
 
 class StoreKVSource:
-    """The store is duck-typed (get_layer, header): this module never imports kvf.cachestore."""
+    """The store is duck-typed (get_layer, header, headers): this module never imports kvf.cachestore."""
 
     def __init__(self, store, keys: list[str], n_layers: int, pipeline: bool = True,
                  chunk_extras: list[dict] | None = None, readers: int | None = None):
         self.store = store
         self.keys = keys                      # store key of each chunk, in prompt order
-        self.token_counts = [store.header(key).tokens for key in keys]  # checked against the chunks
+        headers = store.headers(keys)          # one round of requests on an object store, not one per chunk
+        # checked against the chunks; header() of an absent key raises the store's one-line MissingEntry
+        self.token_counts = [(headers[key] if key in headers else store.header(key)).tokens for key in keys]
         self.n_layers = n_layers
         self.pipeline = pipeline
         self.chunk_extras = chunk_extras
@@ -108,7 +112,8 @@ class StoreKVSource:
         if on_gpu:
             self._copy_stream = torch.cuda.Stream(device)
             self._compute_stream = torch.cuda.current_stream(device)  # the engine's (this is its thread)
-        readers = self.readers or (GPU_READERS if on_gpu else 1)
+        readers = self.readers or (REMOTE_READERS if getattr(self.store, "remote", False) else
+                                   GPU_READERS if on_gpu else 1)
         if readers > 1 and self._chunk_pool is None:
             self._chunk_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="kv-chunk-reader")
 

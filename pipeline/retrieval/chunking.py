@@ -226,10 +226,15 @@ class ChunkTable(ChunkRows):
 
     def chunks(self, ids: list[str] | None = None) -> Iterator[Chunk]:
         """Chunk objects of `ids` (every chunk by default) in that order, made OBJECT_ROWS at a time."""
+        for batch in self.batches(ids):
+            yield from batch
+
+    def batches(self, ids: list[str] | None = None) -> Iterator[list[Chunk]]:
+        """Lists of at most OBJECT_ROWS Chunk objects of `ids` (every chunk by default), in that order."""
         ids = self.ids if ids is None else ids
         for start in range(0, len(ids), OBJECT_ROWS):
-            batch = self._table.take([self._row[cid] for cid in ids[start:start + OBJECT_ROWS]])
-            yield from (Chunk(**row) for row in batch.to_pylist())
+            rows = self._table.take([self._row[cid] for cid in ids[start:start + OBJECT_ROWS]])
+            yield [Chunk(**row) for row in rows.to_pylist()]
 
     def tokens(self, ids: list[str] | None = None) -> int:
         """How many tokens `ids` (every chunk by default) hold."""

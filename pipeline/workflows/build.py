@@ -360,17 +360,23 @@ class EntryBuilder:
         return self._system_kv
 
     def needs(self, key: str) -> bool:
-        if not self.store.has(key):
-            return True
-        # an entry built without a method's build-time extras does not serve that method
-        return not self.extras_names <= set(self.store.header(key).extras)
+        return self.unserved([key]) == [key]
+
+    def unserved(self, keys: list[str]) -> list[str]:
+        """The keys with no entry, or with one built without a method's build-time extras (which does not serve
+        that method). The store is asked about all of them at once: on S3, side by side."""
+        held = self.store.headers(keys)
+        return [key for key in keys if key not in held or not self.extras_names <= set(held[key].extras)]
 
     def missing(self, variant: str, chunks: Iterable[Chunk], neighbours) -> list[Chunk]:
-        return [c for c in chunks if self.needs(self.key(variant, c, neighbours))]
+        chunks = list(chunks)
+        keys = [self.key(variant, c, neighbours) for c in chunks]
+        unserved = set(self.unserved(keys))
+        return [c for c, key in zip(chunks, keys) if key in unserved]
 
     def missing_ids(self, variant: str, chunks: ChunkTable, ids: list[str], neighbours) -> list[str]:
-        """The ids among `ids` whose entries are missing, the chunks made objects a batch at a time."""
-        return [c.chunk_id for c in chunks.chunks(ids) if self.needs(self.key(variant, c, neighbours))]
+        """The ids among `ids` whose entries are missing; the chunks are made objects, and the store asked, a batch at a time."""
+        return [c.chunk_id for batch in chunks.batches(ids) for c in self.missing(variant, batch, neighbours)]
 
     @torch.inference_mode()
     def compute(self, variant: str, chunk: Chunk, neighbours, by_id: Mapping[str, Chunk]) -> int:

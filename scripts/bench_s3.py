@@ -1,0 +1,217 @@
+"""What a store on S3 costs in round trips: planning a build (is each chunk's entry there?) and loading a
+prompt's chunk KVs, with the requests sent one after another (kvf before) and side by side (now).
+
+    python -m kvf.scripts.bench_s3 [--rtt-ms 0,20] [--repeats 3] [--entries 1000] [--chunks 20] [--out results/s3.md]
+
+The endpoint is moto's S3 server on localhost, reached directly (RTT 0: what moto itself costs, on the
+same 2 cores as the client) and through a proxy that adds a fixed round trip to every request (in-region
+S3 answers a small GET in roughly 10-30 ms; a store across regions, more). Both ways ask the same store
+the same questions and get the same answers (checked here); each is timed --repeats times, in alternation,
+and the median is reported.
+
+- planning: --entries chunk entries asked about, half of them present (a build resumed halfway). Before, each
+  was one HEAD (has) and, when present, one GET of its header; now the store's headers() asks for every
+  entry's header in one fsspec cat of a list.
+- listing (`kvf store info`, `verify`, `gc`): the committed entries of that store. Before, after the
+  listings, one HEAD of each entry's commit marker; now MARKER_BATCH markers asked for in one cat.
+- loading: one prompt's --chunks chunks of 256 tokens in SmolLM2-135M's shape (30 layers, 3 KV heads of 64,
+  float16: 5.9 MB an entry), every layer read through StoreKVSource with the engine doing nothing
+  else: the load a request would wait for if compute were free. Before, one reader thread; now
+  REMOTE_READERS.
+
+Nothing is asserted: the ratios are the result.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from rich.table import Table
+
+from kvf.pipeline.workflows.display import output_console
+
+META = {"model": "bench-s3", "dtype": "float16", "layers": 30, "kv_heads": 3, "head_dim": 64}
+CHUNK_TOKENS = 256
+
+
+def key_of(i: int) -> str:
+    return "%064x" % (i * 7919 + 1)   # spread over the fan-out prefixes as content hashes are
+
+
+@contextmanager
+def endpoint(url: str):
+    """s3fs clients made from here on go to url (s3fs caches one client per process: drop it)."""
+    import s3fs
+    before = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = url
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        if before is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = before
+
+
+def fill(url: str, entries: int, chunks: int, console) -> None:
+    """The two stores, written straight to moto (no proxy): tiny entries to plan over, a prompt's to load."""
+    from kvf.cachestore import open_store
+    with endpoint(url):
+        import s3fs
+        s3fs.S3FileSystem().mkdir("bench")
+        plan = open_store("s3://bench/plan", meta=META, create=True)
+        load = open_store("s3://bench/load", meta=META, create=True)
+        with console.status("writing the stores to moto"):
+            for i in range(entries // 2):   # 2 tokens: the header is the same size whatever the entry holds
+                plan.put(key_of(i), torch.zeros(30, 2, 3, 2, 64))
+            for i in range(chunks):
+                load.put(key_of(i), torch.randn(30, 2, 3, CHUNK_TOKENS, 64, generator=torch.Generator().manual_seed(i)))
+
+
+def plan_one_by_one(store, keys) -> dict:
+    return {key: store.header(key) for key in keys if store.has(key)}
+
+
+def plan_side_by_side(store, keys) -> dict:
+    return store.headers(keys)
+
+
+def list_one_by_one(store) -> list[str]:
+    return sorted(key for key, entry_dir in store._entry_dirs() if store.fs.exists(store.fs.join(entry_dir, "zarr.json")))
+
+
+def load(store, chunks: list[int], readers: int | None) -> list:
+    from kvf.pipeline.fusion.sources import StoreKVSource
+    source = StoreKVSource(store, [key_of(i) for i in chunks], META["layers"], pipeline=True, readers=readers)
+    source.start(chunks)
+    try:
+        return [source.layer(layer, chunks) for layer in range(META["layers"])]
+    finally:
+        source.close()
+
+
+def timed(url: str, store_path: str, work) -> tuple[float, object]:
+    """Seconds of work(store) on a fresh client and store (no header cached), and what it returned."""
+    from kvf.cachestore import open_store
+    with endpoint(url):
+        store = open_store(store_path)
+        started = time.perf_counter()
+        result = work(store)
+        return time.perf_counter() - started, result
+
+
+def measure(url: str, entries: int, chunks: int, repeats: int) -> dict:
+    """way -> median seconds, each way run `repeats` times in alternation; the answers must agree."""
+    from kvf.pipeline.fusion.sources import REMOTE_READERS
+    keys, prompt = [key_of(i) for i in range(entries)], list(range(chunks))
+    ways = {
+        ("planning", "one by one"): ("s3://bench/plan", lambda s: plan_one_by_one(s, keys)),
+        ("planning", "side by side"): ("s3://bench/plan", lambda s: plan_side_by_side(s, keys)),
+        ("listing", "one by one"): ("s3://bench/plan", list_one_by_one),
+        ("listing", "side by side"): ("s3://bench/plan", lambda s: s.keys()),
+        ("loading", "one reader"): ("s3://bench/load", lambda s: load(s, prompt, 1)),
+        ("loading", f"{REMOTE_READERS} readers"): ("s3://bench/load", lambda s: load(s, prompt, None)),
+    }
+    seconds: dict = {way: [] for way in ways}
+    answers: dict = {}
+    for _ in range(repeats):
+        for way, (path, work) in ways.items():
+            took, answer = timed(url, path, work)
+            seconds[way].append(took)
+            answers.setdefault(way[0], []).append(answer)
+    for part, got in answers.items():   # both ways read the same thing
+        same = (all(a == got[0] for a in got) if part != "loading"
+                else all(torch.equal(x, y) for a in got for la, lb in zip(a, got[0]) for x, y in zip(la, lb)))
+        if not same:
+            raise SystemExit(f"bench_s3: the two ways of {part} read different things")
+    return {way: statistics.median(s) for way, s in seconds.items()}
+
+
+def rows(results: dict[float, dict], args) -> list[dict]:
+    """One row per (work, RTT): the median seconds each way and their ratio."""
+    units = {"planning": f"s per {args.entries:,} entries", "listing": f"s per {args.entries // 2:,} entries",
+             "loading": f"s per prompt of {args.chunks} chunks"}
+    out = []
+    for rtt, medians in results.items():
+        for part, unit in units.items():
+            (before_way, before), (now_way, now) = [(way[1], s) for way, s in medians.items() if way[0] == part]
+            out.append({"work": part, "unit": unit, "rtt_ms": rtt, "before": before_way, "before_s": before,
+                        "now": now_way, "now_s": now, "now_over_before": now / before})
+    return out
+
+
+def report(table_rows: list[dict]) -> tuple[Table, list[str]]:
+    table = Table(title="S3 round trips: one after another (before) vs side by side (now), median seconds")
+    header = ["work", "RTT added", "before", "now", "now / before"]
+    for column in header:
+        table.add_column(column)
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---|---|"]
+    for r in table_rows:
+        cells = [f"{r['work']} ({r['unit']})", f"{r['rtt_ms']:g} ms", f"{r['before_s']:.2f} ({r['before']})",
+                 f"{r['now_s']:.2f} ({r['now']})", f"{r['now_over_before']:.2f}"]
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    return table, lines
+
+
+def write(out: str, args, table_rows: list[dict], lines: list[str]) -> None:
+    """OUT (markdown, with the command and commit that made it) and its numbers beside it as OUT's .csv."""
+    import pandas as pd
+    from kvf.pipeline.workflows.provenance import git_commit
+    command = (f"python -m kvf.scripts.bench_s3 --rtt-ms {args.rtt_ms} --repeats {args.repeats} --entries {args.entries} "
+               f"--chunks {args.chunks}")
+    intro = (f"Made by `{command}` at commit {git_commit() or 'unknown'}: moto's S3 server on localhost, sharing "
+             f"this machine's {os.cpu_count()} cores with the client, reached directly and through a proxy that adds "
+             f"the RTT to every request. Each way ran {args.repeats} times, in alternation; medians.")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("# A store on S3: requests one after another vs side by side\n\n" + intro + "\n\n" + "\n".join(lines) + "\n")
+    pd.DataFrame(table_rows).to_csv(os.path.splitext(out)[0] + ".csv", index=False, float_format="%.4f")
+
+
+def main(argv=None) -> None:
+    from kvf.scripts.s3_local import LatencyProxy, start_moto
+    p = argparse.ArgumentParser(prog="python -m kvf.scripts.bench_s3", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rtt-ms", default="0,20", help="round trips to add to every request, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--entries", type=int, default=1000, help="entries planning asks about (half of them present)")
+    p.add_argument("--chunks", type=int, default=20, help="chunks of the prompt loaded")
+    p.add_argument("--out", help="write the table here as markdown, and its numbers beside it as .csv")
+    args = p.parse_args(argv)
+    console = output_console(110)
+    try:
+        rtts = [float(x) for x in args.rtt_ms.split(",")]
+        if any(r < 0 for r in rtts):
+            raise ValueError
+    except ValueError:
+        p.error(f"--rtt-ms {args.rtt_ms}: give milliseconds, comma-separated, e.g. 0,20")
+    if min(args.repeats, args.entries // 2, args.chunks) < 1:
+        p.error("--repeats, --chunks must be at least 1 and --entries at least 2")
+    try:
+        proc, url = start_moto()
+    except RuntimeError as e:
+        p.error(f"{e}; install the test extra: pip install -e '.[test]'")
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        fill(url, args.entries, args.chunks, console)
+        results = {}
+        for rtt in rtts:
+            with LatencyProxy(url, rtt) as proxied, console.status(f"timing with {rtt:g} ms added"):
+                results[rtt] = measure(proxied if rtt else url, args.entries, args.chunks, args.repeats)
+    finally:
+        proc.kill()
+    table_rows = rows(results, args)
+    table, lines = report(table_rows)
+    console.print(table)
+    if args.out:
+        write(args.out, args, table_rows, lines)
+    return results
+
+
+if __name__ == "__main__":
+    main()

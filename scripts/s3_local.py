@@ -1,0 +1,108 @@
+"""An S3 endpoint on localhost for tests and benchmarks: moto's standalone server, and a proxy in front of it
+that adds a fixed round-trip time to every request (an object store is rarely on the same host: in-region
+S3 answers a small GET in roughly 10-30 ms).
+
+    proc, url = start_moto()                 # RuntimeError with the reason when it cannot start
+    with LatencyProxy(url, rtt_ms=20) as proxied_url: ...
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """(process, endpoint URL) of a moto_server on a free localhost port, up and answering."""
+    binary = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(binary):
+        raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
+    port = free_port()
+    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(extra_env or {})})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return proc, url
+        except urllib.error.HTTPError:   # it answers (403 when it checks credentials): it is up
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("moto_server did not start on localhost")
+
+
+class LatencyProxy:
+    """A TCP proxy on localhost that delivers every byte the client sends `rtt_ms` later (latency, not
+    bandwidth: bytes are queued with their due time, so a long body is not slowed by more than one delay).
+    Each request/response exchange therefore takes one round trip more, as over a network."""
+
+    def __init__(self, target_url: str, rtt_ms: float):
+        host, port = target_url.split("//", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.delay_s = rtt_ms / 1000
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+        self._server = started.result(timeout=10)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    async def _serve(self):
+        return await asyncio.start_server(self._connect, "127.0.0.1", self.port)
+
+    async def _connect(self, client_reader, client_writer):
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(self._pump(client_reader, server_writer, self.delay_s),
+                             self._pump(server_reader, client_writer, 0.0), return_exceptions=True)
+
+    @staticmethod
+    async def _pump(reader, writer, delay_s: float):
+        """Copy reader -> writer, each block delivered delay_s after it arrived, in order."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver():
+            while (item := await queue.get()) is not None:
+                due, data = item
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        delivering = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(1 << 16):
+                queue.put_nowait((time.monotonic() + delay_s, data))
+        finally:
+            queue.put_nowait(None)
+            await delivering
