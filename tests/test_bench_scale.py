@@ -4,6 +4,7 @@ own layer-loop seconds that no exact sharing removes."""
 import json
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -218,17 +219,22 @@ def test_neighbours_bench_loads_the_same_neighbours_both_ways(capsys):
         main(["--neighbours", "0"])
 
 
-def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch):
+def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
     """scripts/bench_s3 on a tiny store, straight to moto and through the latency proxy: the requests one after
     another and side by side plan, list and load the same (the bench exits when they differ)."""
     pytest.importorskip("moto")
     from kvf.scripts.bench_s3 import main
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)   # the bench sets them; restored after
-    results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2"])
+    results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2", "--out", str(tmp_path / "s3.md")])
     assert list(results) == [0.0, 5.0] and all(len(medians) == 6 for medians in results.values())
     out = capsys.readouterr().out
     assert "s per 8 entries" in out and "s per 4 entries" in out and "s per prompt of 2 chunks" in out
+    table = pd.read_csv(tmp_path / "s3.csv")
+    assert len(table) == 6 and set(table.work) == {"planning", "listing", "loading"}
+    assert (table.now_over_before - table.now_s / table.before_s).abs().max() < 1e-3
+    assert "Made by `python -m kvf.scripts.bench_s3 --rtt-ms 0,5 --repeats 1 --entries 8 --chunks 2`" in (
+        tmp_path / "s3.md").read_text()
     for flags, fragment in ((["--rtt-ms", "x"], "--rtt-ms x: give milliseconds"),
                             (["--entries", "1"], "--entries at least 2")):
         with pytest.raises(SystemExit):
