@@ -9,6 +9,7 @@ header (shape, dtype, per-layer crc32, user attrs). Entries are immutable once c
 import dataclasses
 import errno
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ STAGING = ".kvf-tmp"
 LOCK_FILE = ".kvf-lock"  # readers hold it shared, gc exclusively (local stores)  # temp area inside the store root: same filesystem, so the commit rename is atomic
 GRACE_S = 3600.0  # gc leaves younger garbage alone when it cannot tell whether its writer is alive
 HEADER_CACHE = 4096  # headers kept in memory; entries are immutable, so caching them is safe
+INFO_BATCH = 256     # entries info() asks about at once
 _HOST = socket.gethostname().replace("~", "-").replace("/", "-")
 
 
@@ -201,18 +203,29 @@ class KVStore:
         """Shape, dtype, checksums and attrs of an entry, without reading its data."""
         return self._header(key)
 
-    def headers(self, keys: Iterable[str]) -> dict[str, EntryHeader]:
+    def headers(self, keys: Iterable[str], unreadable: list[str] | None = None, cache: bool = True) -> dict[str, EntryHeader]:
         """key -> header of those of `keys` that are committed (the others are left out), each checked as
         header() checks it. On an object store the requests go out side by side: planning a build asks
-        about every chunk's entry, and asked one after another each costs a network round trip."""
+        about every chunk's entry, and asked one after another each costs a network round trip.
+        unreadable: where given, the keys of damaged headers are added to it instead of raising CorruptEntry."""
         keys = [check_key(key) for key in keys]
         with self._lock:
             found = {key: self._headers[key] for key in keys if key in self._headers}
         unknown = [key for key in keys if key not in found]
         for key, header in zip(unknown, self._read_headers(unknown)):
-            if header is not None:
+            if header is None:
+                continue
+            try:
+                if isinstance(header, CorruptEntry):
+                    raise header
                 self._check_header(key, header)
-                found[key] = header
+            except CorruptEntry:
+                if unreadable is None:
+                    raise
+                unreadable.append(key)
+                continue
+            found[key] = header
+            if cache:
                 self._remember(key, header)
         return found
 
@@ -235,24 +248,22 @@ class KVStore:
         track: wraps the list of keys, as a progress bar does (each entry's header is one read, on S3 a request)."""
         entries = tokens = disk = payload = 0
         variants: dict[str, int] = {}
-        unreadable = 0
-        for key in track(sorted(self._committed_keys())):
-            try:
-                h = self._header(key, cache=False)
-            except KvfError:
-                unreadable += 1
-                continue
-            entries += 1
-            tokens += h.tokens
-            payload += h.layers * h.layer_nbytes
-            disk += self._entry_bytes(key)
-            variant = h.attrs.get("variant")
-            if variant is not None:
-                variants[str(variant)] = variants.get(str(variant), 0) + 1
+        unreadable: list[str] = []
+        keys = iter(track(sorted(self._committed_keys())))
+        while batch := list(itertools.islice(keys, INFO_BATCH)):   # asked side by side on an object store
+            found = self.headers(batch, unreadable=unreadable, cache=False)
+            disk += sum(self._entries_bytes(list(found)))
+            for h in found.values():
+                entries += 1
+                tokens += h.tokens
+                payload += h.layers * h.layer_nbytes
+                variant = h.attrs.get("variant")
+                if variant is not None:
+                    variants[str(variant)] = variants.get(str(variant), 0) + 1
         temp = self._garbage(grace_s=0.0, include_live=True)  # in-progress writes and crash leftovers
         return {
             "path": self.path, "format": self.format, "dtype": self.dtype, "compressor": self.compressor,
-            "meta": dict(self.meta), "entries": entries, "unreadable_entries": unreadable, "tokens": tokens,
+            "meta": dict(self.meta), "entries": entries, "unreadable_entries": len(unreadable), "tokens": tokens,
             "bytes": disk, "payload_bytes": payload,
             "bytes_per_token": disk / tokens if tokens else None,
             "payload_bytes_per_token": payload / tokens if tokens else None,
@@ -478,15 +489,22 @@ class KVStore:
     def _read_header(self, key: str) -> EntryHeader:
         raise NotImplementedError
 
-    def _read_headers(self, keys: list[str]) -> list[EntryHeader | None]:
-        """Each key's header as stored, None where no entry is committed. Formats on object stores ask side by side."""
+    def _read_headers(self, keys: list[str]) -> list[EntryHeader | CorruptEntry | None]:
+        """Each key's header as stored: None where no entry is committed, the CorruptEntry where it cannot be
+        parsed. Formats on object stores ask side by side."""
         headers = []
         for key in keys:
             try:
                 headers.append(self._read_header(key))
             except MissingEntry:
                 headers.append(None)
+            except CorruptEntry as e:
+                headers.append(e)
         return headers
+
+    def _entries_bytes(self, keys: list[str]) -> list[int]:
+        """Bytes of each entry (asked side by side on an object store)."""
+        return [self._entry_bytes(key) for key in keys]
 
     def _read_layers_into(self, header: EntryHeader, layers: list[int], rows: np.ndarray) -> None:
         """Fill rows[i] (uint8, layer_nbytes) with layer layers[i]'s raw stored bytes; raise Unreadable."""

@@ -26,7 +26,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from kvf.cachestore.base import STAGING, EntryHeader, KVStore, Unreadable, _younger_than, group_json, write_once
-from kvf.cachestore.errors import MissingEntry
+from kvf.cachestore.errors import CorruptEntry, MissingEntry
 from kvf.cachestore.keys import fanout
 
 # compressor name -> (zarr v3 codec for the metadata, numcodecs codec that writes the same bytes)
@@ -188,7 +188,13 @@ class ZarrKVStore(KVStore):
 
     def _read_headers(self, keys: list[str]) -> list[EntryHeader | None]:
         markers = self.fs.read_many([self.fs.join(self._entry_dir(key), "zarr.json") for key in keys])
-        return [None if raw is None else self._parse_header(key, raw) for key, raw in zip(keys, markers)]
+        return [None if raw is None else self._parsed_or_corrupt(key, raw) for key, raw in zip(keys, markers)]
+
+    def _parsed_or_corrupt(self, key: str, raw: bytes) -> EntryHeader | CorruptEntry:
+        try:
+            return self._parse_header(key, raw)
+        except CorruptEntry as e:
+            return e
 
     def _parse_header(self, key: str, raw: bytes) -> EntryHeader:
         try:
@@ -233,6 +239,9 @@ class ZarrKVStore(KVStore):
 
     def _entry_bytes(self, key: str) -> int:
         return self.fs.size(self._entry_dir(key))
+
+    def _entries_bytes(self, keys: list[str]) -> list[int]:
+        return self.fs.size_many([self._entry_dir(key) for key in keys])
 
     def _delete_entry(self, key: str) -> bool:
         entry_dir = self._entry_dir(key)

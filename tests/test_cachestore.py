@@ -711,3 +711,32 @@ def test_headers_of_many_keys_equal_header_of_each(tmp_path, where):
                     os.path.join(store.root, key_of(2)[:2], key_of(2), "zarr.json"))
         with pytest.raises(CorruptEntry, match="misplaced copy"):
             open_store(store.path).headers([key_of(0), key_of(2)])
+
+
+@pytest.mark.parametrize("where", ["zarr", "hdf5", "memory"])
+def test_info_counts_a_damaged_header_as_unreadable_and_sums_the_rest(tmp_path, where, monkeypatch):
+    """info asks for headers and sizes a batch at a time (side by side on an object store); an entry whose header
+    cannot be read is counted, not fatal, and the totals are those of the readable entries one by one."""
+    import kvf.cachestore.base as base
+    monkeypatch.setattr(base, "INFO_BATCH", 2)   # batches that split the damaged entry from some good ones
+    if where == "memory":
+        store = open_store(f"memory://kvf-test-{uuid.uuid4().hex}/store", meta={**META}, create=True)
+    else:
+        store = new_store(tmp_path, where)
+    for i in range(5):
+        store.put(key_of(i), rand_kv(tokens=3 + i, seed=i), attrs={"variant": "prefix" if i % 2 else "fusion"})
+    damaged = key_of(2)
+    if where == "hdf5":
+        store.fs.write_file(store._entry_path(damaged), b"garbage!" * 600)
+    else:
+        store.fs.write_file(store.fs.join(store._entry_dir(damaged), "zarr.json"), b"{not json")
+    good = [key_of(i) for i in (0, 1, 3, 4)]
+    info = open_store(store.path).info()
+    assert info["entries"] == 4 and info["unreadable_entries"] == 1
+    assert info["tokens"] == 3 + 4 + 6 + 7 and info["variants"] == {"fusion": 2, "prefix": 2}
+    assert info["bytes"] == sum(store._entry_bytes(key) for key in good) > 0
+    with pytest.raises(CorruptEntry):
+        open_store(store.path).headers([key_of(0), damaged])
+    unreadable = []
+    assert list(open_store(store.path).headers([key_of(0), damaged], unreadable=unreadable)) == [key_of(0)]
+    assert unreadable == [damaged]

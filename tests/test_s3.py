@@ -177,7 +177,7 @@ def test_resuming_a_build_on_s3_asks_about_its_entries_side_by_side(s3, tmp_path
     """Planning a build asks the store about every chunk's entry. On S3 each question asked alone is a network
     round trip (~10-30 ms on AWS: hours per million chunks), so the entries already there are asked about in one
     cat of a list per batch, never one request each. Before, each took a HEAD (has) and a GET (header), and
-    listing the store a HEAD per entry."""
+    listing the store a HEAD per entry; `kvf store info` a GET and a size per entry."""
     from kvf.cachestore import open_store
     from kvf.cachestore.fs import FsspecFS
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
@@ -200,7 +200,7 @@ def test_resuming_a_build_on_s3_asks_about_its_entries_side_by_side(s3, tmp_path
                 alone.append(path.split("/")[-2])
             return original(self, path, *a, **kw)
         monkeypatch.setattr(FsspecFS, name, one)
-    for name in ("read_many", "exists_many"):
+    for name in ("read_many", "exists_many", "size_many"):
         original = getattr(FsspecFS, name)
 
         def many(self, paths, original=original):
@@ -213,7 +213,10 @@ def test_resuming_a_build_on_s3_asks_about_its_entries_side_by_side(s3, tmp_path
         monkeypatch.setattr(FsspecFS, name, many)
     build_cache(opts, QUIET)
     after = set(open_store("s3://kvf/plan").keys())   # listing the store (kvf store info, gc) asks the same way
+    info = open_store("s3://kvf/plan").info()          # and so does kvf store info, for headers and sizes
     monkeypatch.undo()
+    assert info["entries"] == len(after) and info["unreadable_entries"] == 0
+    assert info["bytes"] == sum(open_store("s3://kvf/plan")._entry_bytes(key) for key in after)
     assert len(before) >= 4 and after > before
     system = {key for key in before if open_store("s3://kvf/plan").attrs(key)["variant"] == "system"}
     assert len(system) == 1
