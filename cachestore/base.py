@@ -38,6 +38,7 @@ LOCK_FILE = ".kvf-lock"  # readers hold it shared, gc exclusively (local stores)
 GRACE_S = 3600.0  # gc leaves younger garbage alone when it cannot tell whether its writer is alive
 HEADER_CACHE = 4096  # headers kept in memory; entries are immutable, so caching them is safe
 INFO_BATCH = 256     # entries info() asks about at once
+VERIFY_BATCH = 64    # entries verify() reads at once
 _HOST = socket.gethostname().replace("~", "-").replace("/", "-")
 
 
@@ -283,18 +284,24 @@ class KVStore:
         problems = [(name, "entry directory without its metadata (an interrupted copy or write): "
                            "`kvf build-cache` rebuilds the entry, `kvf store gc --yes` removes it")
                     for name in self._unfinished_entries()]
-        for key in track(self.keys()):
-            self._forget(key)  # verify what is on disk now, not a cached header
-            try:
-                header = self._header(key, cache=False)
-                for layer in range(header.layers):  # one layer buffer, not the whole entry
-                    self.get_layer(key, layer)
-                self.get_extras(key)
-            except MissingEntry:
-                continue  # deleted while we were verifying: nothing wrong with it
-            except CorruptEntry as e:
-                problems.append((key, e.problem))
+        keys = iter(track(self.keys()))
+        while batch := list(itertools.islice(keys, VERIFY_BATCH)):   # entries side by side on an object store
+            problems += [(key, problem) for key, problem in zip(batch, self.fs.each(self._verify_entry, batch)) if problem]
         return problems
+
+    def _verify_entry(self, key: str) -> str | None:
+        """What is wrong with this entry as stored now, or None."""
+        self._forget(key)  # verify what is on disk now, not a cached header
+        try:
+            header = self._header(key, cache=False)
+            for layer in range(header.layers):  # one layer buffer, not the whole entry
+                self.get_layer(key, layer)
+            self.get_extras(key)
+        except MissingEntry:
+            return None  # deleted while we were verifying: nothing wrong with it
+        except CorruptEntry as e:
+            return e.problem
+        return None
 
     def gc(self, keep: set[str] | None = None, grace_s: float = GRACE_S) -> dict:
         """Remove crashed/abandoned writes, and when keep is given, every committed entry not in keep.

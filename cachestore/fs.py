@@ -24,14 +24,27 @@ def read_each(fs, paths: list[str]) -> list[bytes | None]:
     return found
 
 
-def side_by_side(ask, paths: list[str]) -> list:
-    """ask(path) for every path from ASK_THREADS threads, in order: where fsspec has no batched call. s3fs runs
-    every call on its own event loop, so calls from several threads overlap on the network."""
-    with ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="kvf-ask") as pool:
-        return list(pool.map(ask, paths))
+class ManyPaths:
+    """Questions about many paths (or entries) at once, through each(): one after another on a local disk, side by
+    side from ASK_THREADS threads on an object store, where fsspec has no batched call (s3fs runs every call on
+    its own event loop, so calls from several threads overlap on the network)."""
+    local: bool
+
+    def each(self, ask, items: list) -> list:
+        """[ask(item) for item in items], in order."""
+        if self.local:
+            return [ask(item) for item in items]
+        with ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="kvf-ask") as pool:
+            return list(pool.map(ask, items))
+
+    def exists_many(self, paths: list[str]) -> list[bool]:
+        return self.each(self.exists, paths)
+
+    def size_many(self, paths: list[str]) -> list[int]:
+        return self.each(self.size, paths)
 
 
-class LocalFS:
+class LocalFS(ManyPaths):
     """`root`: removals outside it (through a symlink, say) are refused, so no store operation ever
     deletes anything that is not the store's."""
     local = True
@@ -73,11 +86,6 @@ class LocalFS:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
-    def exists_many(self, paths: list[str]) -> list[bool]:
-        return [os.path.exists(path) for path in paths]
-
-    def size_many(self, paths: list[str]) -> list[int]:
-        return [self.size(path) for path in paths]
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
@@ -165,7 +173,7 @@ class LocalFS:
         return True
 
 
-class FsspecFS:
+class FsspecFS(ManyPaths):
     """Any fsspec filesystem (s3://, gs://, memory://, ...). No atomic rename: stores commit by marker."""
 
     local = False
@@ -218,12 +226,6 @@ class FsspecFS:
         except FileNotFoundError:
             return False
 
-    def exists_many(self, paths: list[str]) -> list[bool]:
-        """Whether each file exists: one HEAD each, side by side."""
-        return side_by_side(self.exists, paths)
-
-    def size_many(self, paths: list[str]) -> list[int]:
-        return side_by_side(self.size, paths)
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path)
