@@ -13,17 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 ASK_THREADS = 16   # requests an object store is asked side by side where fsspec has no batched call
 
 
-def read_each(fs, paths: list[str]) -> list[bytes | None]:
-    """Each file's bytes, one read after another; None where there is no such file."""
-    found = []
-    for path in paths:
-        try:
-            found.append(fs.read_file(path))
-        except FileNotFoundError:
-            found.append(None)
-    return found
-
-
 class ManyPaths:
     """Questions about many paths (or entries) at once, through each(): one after another on a local disk, side by
     side from ASK_THREADS threads on an object store, where fsspec has no batched call (s3fs runs every call on
@@ -36,6 +25,16 @@ class ManyPaths:
             return [ask(item) for item in items]
         with ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="kvf-ask") as pool:
             return list(pool.map(ask, items))
+
+    def read_many(self, paths: list[str]) -> list[bytes | None]:
+        """Each file's bytes, one read after another; None where there is no such file."""
+        found = []
+        for path in paths:
+            try:
+                found.append(self.read_file(path))
+            except FileNotFoundError:
+                found.append(None)
+        return found
 
     def exists_many(self, paths: list[str]) -> list[bool]:
         return self.each(self.exists, paths)
@@ -65,10 +64,6 @@ class LocalFS(ManyPaths):
         with open(path, "rb") as f:
             return f.read()
 
-    def read_many(self, paths: list[str]) -> list[bytes | None]:
-        """Each file's bytes, None where there is no such file."""
-        return read_each(self, paths)
-
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         """Read len(out) bytes at offset into out; returns how many were there (short = truncated file)."""
         fd = os.open(path, os.O_RDONLY)
@@ -85,7 +80,6 @@ class LocalFS(ManyPaths):
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
-
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
@@ -200,7 +194,7 @@ class FsspecFS(ManyPaths):
         if not paths:
             return []
         if any(c in path for path in paths for c in "*?["):  # cat would read these as glob patterns
-            return read_each(self, paths)
+            return super().read_many(paths)
         answers = self.fs.cat(list(paths), on_error="return")  # stripped path -> bytes or the exception
         found = []
         for path in paths:
@@ -225,7 +219,6 @@ class FsspecFS(ManyPaths):
             return True
         except FileNotFoundError:
             return False
-
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path)

@@ -186,7 +186,7 @@ class ZarrKVStore(KVStore):
             raise MissingEntry(f"no entry {key} in store {self.path}") from None
         return self._parse_header(key, raw)
 
-    def _read_headers(self, keys: list[str]) -> list[EntryHeader | None]:
+    def _read_headers(self, keys: list[str]) -> list[EntryHeader | CorruptEntry | None]:
         markers = self.fs.read_many([self.fs.join(self._entry_dir(key), "zarr.json") for key in keys])
         return [None if raw is None else self._parsed_or_corrupt(key, raw) for key, raw in zip(keys, markers)]
 
