@@ -198,7 +198,7 @@ def write(out: str, args, table_rows: list[dict], lines: list[str]) -> None:
     with open(out, "w", encoding="utf-8") as f:
         f.write("# A store on S3: requests one after another vs side by side\n\n" + intro + "\n\n" + "\n".join(lines) +
                 "\n\n" + legend(table_rows))
-    pd.DataFrame(table_rows).to_csv(os.path.splitext(out)[0] + ".csv", index=False, float_format="%.4f")
+    pd.DataFrame(table_rows).to_csv(os.path.splitext(out)[0] + ".csv", index=False, float_format="%.6g")
 
 
 def main(argv=None) -> None:
