@@ -197,6 +197,10 @@ class KVStore:
                 raise self._corrupt(key, f"extra {name!r} checksum mismatch")
         return arrays
 
+    def get_extras_many(self, keys: list[str]) -> list[dict[str, np.ndarray]]:
+        """get_extras of each key, in order: side by side on an object store (a prompt's chunks at once)."""
+        return self.fs.each(self.get_extras, list(keys))
+
     def attrs(self, key: str) -> dict:
         return json.loads(json.dumps(self._header(key).attrs))  # a copy: cached headers stay untouched
 

@@ -224,23 +224,23 @@ def test_resuming_a_build_on_s3_asks_about_its_entries_side_by_side(s3, tmp_path
     assert sum(batches) >= len(before - system)  # every chunk entry asked about in a list
 
 
-def slowed_reads(store) -> list[int]:
-    """Make each of store's get_layer calls wait 50 ms, as a network request does, so reads that overlap show:
-    returns [reads now, most at once]."""
+def slowed(store, method: str = "get_layer") -> list[int]:
+    """Make each call of store.<method> wait 50 ms, as a network request does, so calls that overlap show:
+    returns [calls now, most at once]."""
     import threading
-    lock, in_flight, get_layer = threading.Lock(), [0, 0], store.get_layer
+    lock, in_flight, original = threading.Lock(), [0, 0], getattr(store, method)
 
-    def slow_get_layer(*a, **kw):
+    def slow(*a, **kw):
         with lock:
             in_flight[0] += 1
             in_flight[1] = max(in_flight)
         time.sleep(0.05)
         try:
-            return get_layer(*a, **kw)
+            return original(*a, **kw)
         finally:
             with lock:
                 in_flight[0] -= 1
-    store.get_layer = slow_get_layer
+    setattr(store, method, slow)
     return in_flight
 
 
@@ -255,7 +255,7 @@ def test_reading_a_prompt_from_s3_asks_side_by_side(s3, tmp_path):
         for i, key in enumerate(keys):
             store.put(key, kv(i, tokens=4 + i))
         reader = open_store(where)
-        in_flight = slowed_reads(reader)
+        in_flight = slowed(reader)
         source = StoreKVSource(reader, keys, n_layers=2)
         source.start([0, 1, 2])
         layers = [source.layer(layer, [0, 1, 2]) for layer in range(2)]
@@ -280,7 +280,23 @@ def test_verify_reads_entries_side_by_side_on_s3_and_finds_the_same(s3, tmp_path
         data[3] ^= 0xFF
         store.fs.write_file(layer_file, bytes(data))
         checker = open_store(where)
-        in_flight = slowed_reads(checker)
+        in_flight = slowed(checker)
         bad = checker.verify()
         assert [key for key, _ in bad] == [keys[3]] and "checksum" in bad[0][1], where
+        assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
+
+
+def test_a_prompts_extras_are_read_side_by_side_on_s3(s3, tmp_path):
+    """Cache-Craft's build-time extras are read for every chunk of a prompt before it is answered: on S3 side by
+    side (before, one request after another), locally one after another; the same arrays either way."""
+    from kvf.cachestore import open_store
+    keys = [("%064x" % (300 + i)) for i in range(4)]
+    for where in ("s3://kvf/extras", str(tmp_path / "local")):
+        store = open_store(where, meta=META, create=True)
+        for i, key in enumerate(keys):
+            store.put(key, kv(i), extras={"score": np.arange(3.0) + i})
+        reader = open_store(where)
+        in_flight = slowed(reader, "get_extras")
+        got = reader.get_extras_many(keys)
+        assert all(np.array_equal(g["score"], np.arange(3.0) + i) for i, g in enumerate(got))
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)

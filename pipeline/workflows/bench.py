@@ -403,7 +403,7 @@ def prepare_length(opts: BenchOptions, engine: FusionEngine, tokenizer, methods:
                        meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
                              "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
     keys = store_chunk_kvs(engine, prompt, store, methods)
-    extras = [store.get_extras(k) for k in keys]  # Cache-Craft's, read before timing like any index
+    extras = store.get_extras_many(keys)  # Cache-Craft's, read before timing like any index
     fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
         * torch.empty(0, dtype=transformer.dtype).element_size()
     auto = None

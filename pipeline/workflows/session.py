@@ -92,7 +92,7 @@ class Session:
     def source(self, method: FusionMethod, keys: list[str] | None, pipeline: bool = True) -> StoreKVSource | None:
         if not method.uses_store:
             return None
-        extras = [self.store.get_extras(k) for k in keys] if method.extras_names else None
+        extras = self.store.get_extras_many(keys) if method.extras_names else None
         return StoreKVSource(self.store, keys, self.n_layers, pipeline, extras)
 
     @torch.inference_mode()
