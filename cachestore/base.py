@@ -297,7 +297,7 @@ class KVStore:
         """What is wrong with this entry as stored now, or None."""
         self._forget(key)  # verify what is on disk now, not a cached header
         try:
-            header = self._header(key, cache=False)
+            header = self._header(key)  # cached: each get_layer below reads it again otherwise (a request on S3)
             for layer in range(header.layers):  # one layer buffer, not the whole entry
                 self.get_layer(key, layer)
             self.get_extras(key)
