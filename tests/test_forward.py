@@ -44,3 +44,38 @@ def test_embedded_model_matches_hf(answerer):
     logits, _ = answerer.transformer.prefill(ids, cache)
     ref = hf_last_logits(answerer.transformer.hf_model, ids)[-1]
     assert (logits - ref).abs().max().item() <= 1e-4
+
+
+def test_a_pass_places_its_rows_and_rope_tables_once_not_once_per_layer(monkeypatch):
+    """On a GPU, a CPU index or position tensor handed to a kernel is first copied, and the copy waits for
+    every kernel queued before it: done per layer, the host could never run ahead of the GPU. So a prefill,
+    a decoding step and a fusion pass each make their RoPE tables once (not once per layer), a prefill's
+    rows go into the cache as a slice, and a fusion pass's scattered rows as one index tensor, reused by
+    every layer."""
+    from kvf.pipeline.fusion.engine import FusionEngine, FusionPlan
+    from kvf.pipeline.model.forward import KVCache
+    from kvf.pipeline.model.prompt import FusedPrompt
+    T = Transformer(tiny_model("llama"))
+    assert T.n_layers > 1
+    tables, indexes = [], []
+    real_cos_sin, real_write = T.rope.cos_sin, KVCache.write
+    monkeypatch.setattr(T.rope, "cos_sin", lambda *a, **k: tables.append(1) or real_cos_sin(*a, **k))
+    monkeypatch.setattr(KVCache, "write", lambda self, layer, index, k, v:
+                        indexes.append(index) or real_write(self, layer, index, k, v))
+    ids = torch.randint(0, 128, (20,))
+    cache = T.new_cache(24)
+    T.prefill(ids[:12], cache)
+    T.prefill(ids[12:], cache, start=12)
+    T.decode_step(5, 20, cache)
+    assert len(tables) == 3
+    assert indexes and all(isinstance(index, slice) for index in indexes)
+
+    engine, prompt = FusionEngine(T), FusedPrompt(ids[:4].tolist(), [ids[4:12].tolist(), ids[12:18].tolist()],
+                                                  ids[18:].tolist())
+    state = engine.start(prompt, None, FusionPlan(torch.tensor([5, 6, 13]), loaded_chunks=[]))  # rows 5, 6, 13 and Q
+    tables.clear(), indexes.clear()
+    for layer in range(T.n_layers):
+        engine.step(state, layer)
+    assert len(tables) == 1                               # the pass's rows: once, for every layer
+    scattered = [index for index in indexes if not isinstance(index, slice)]
+    assert len(scattered) == T.n_layers and all(index is scattered[0] for index in scattered)

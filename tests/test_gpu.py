@@ -162,3 +162,21 @@ def test_kvfuse_keeps_a_device_copy_on_the_gpu_and_shifts_as_the_cpu_does(cases,
     assert on_cuda.after_first_token is not None                  # the shift waits for decoding on the GPU too
     got, want = on_cuda.cache.kv[:, :, :, :n].float().cpu(), on_cpu.cache.kv[:, :, :, :n]
     assert max_diff(got, want) <= 1e-3 and reads == []
+
+
+def test_a_prefill_and_a_fusion_pass_wait_for_the_gpu_a_few_times_not_once_per_layer(cases, prompts):
+    """A CPU index or position tensor handed to a kernel is a copy that waits for every kernel queued
+    before it. Placed once per pass (ActiveRows), the host waits for the GPU a few times per prefill,
+    however many layers the model has; before, it waited three times per layer (the RoPE positions and
+    the cache rows of K and V), so the host could never run ahead and launch the next layer's kernels
+    while the GPU ran this one's."""
+    from kvf.scripts.bench_gpu_build import host_waits
+    case, prompt = cases["cuda32"], prompts["many"]
+    engine, layers = case.engine, case.engine.model.n_layers
+    chunk = prompt.chunk_segments[0]
+    waits = {
+        "full prefill": host_waits(lambda: get_method("full").prefill(engine, prompt)),
+        "chunk_kv": host_waits(lambda: engine.chunk_kv(chunk, prompt.prefix_ids, None)),
+        "epic@0.15": host_waits(lambda: get_method("epic", RATIO).prefill(engine, prompt, case.sources["many"])),
+    }
+    assert all(n < layers for n in waits.values()), (waits, layers)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from kvf.errors import KvfError
-from kvf.pipeline.model.forward import KVCache, SpanCalibration, Transformer
+from kvf.pipeline.model.forward import ActiveRows, KVCache, SpanCalibration, Transformer
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import apply_rope, reposition_keys
 
@@ -93,6 +93,7 @@ class FusionState:
     key_keep: torch.Tensor | None = None   # [n] bool, False = row dropped from the context
     loaded_layers: set = field(default_factory=set)
     mask: torch.Tensor | None = None       # [a, n] cached until rows change
+    active: ActiveRows | None = None       # the rows placed for every layer, cached until rows or positions change
     # accounting
     chunk_rows_recomputed: int = 0         # chunk rows active at the last layer (what a method "recomputes")
     token_layers: int = 0                  # sum over layers of active chunk rows (real compute spent)
@@ -415,7 +416,7 @@ class FusionEngine:
         where = torch.searchsorted(state.rows, new_rows)
         if not torch.equal(state.rows[where.clamp(max=len(state.rows) - 1)], new_rows):
             raise ValueError("a method tried to recompute rows that are not active (no hidden state for them)")
-        state.rows, state.hidden, state.mask = new_rows, state.hidden[where], None
+        state.rows, state.hidden, state.mask, state.active = new_rows, state.hidden[where], None, None
 
     def drop_rows_from_context(self, state: FusionState, rows: torch.Tensor) -> None:
         """Mask rows out of every later attention (pruned chunks)."""
@@ -450,11 +451,13 @@ class FusionEngine:
         self.load_layer(state, layer)
         if state.mask is None:
             state.mask = self.model.causal_mask(state.rows, state.n, state.key_keep)
+        if state.active is None:
+            state.active = self.model.active_rows(state.rows, state.positions[state.rows])
         question = slice(len(state.rows) - len(state.prompt.question_ids), None)  # Q's rows are the last active rows
         attention = [] if record_query_attention else None
-        state.hidden = self.model.layer_step(layer, state.hidden, state.rows, state.positions[state.rows],
-                                             state.cache, state.mask, attention_out=attention,
-                                             attention_rows=question, calibration=state.calibration)
+        state.hidden = self.model.layer_step(layer, state.hidden, state.active, state.cache, state.mask,
+                                             attention_out=attention, attention_rows=question,
+                                             calibration=state.calibration)
         n_chunk_active = int(state.chunk_row_mask()[state.rows].sum())
         state.token_layers += n_chunk_active
         if n_chunk_active or state.pass_index == 0:   # a later pass of Q alone keeps the count of the pass before
@@ -474,7 +477,8 @@ class FusionEngine:
         and rows not restarted still hold their stored KV (pass 1 wrote only Q's rows).
         """
         rows = torch.unique(torch.cat([recompute_chunk_rows.long(), state.prompt.question_rows()]))  # sorted
-        state.rows, state.hidden, state.mask = rows, self.model.embed(state.prompt.all_ids()[rows]), None
+        state.rows, state.hidden = rows, self.model.embed(state.prompt.all_ids()[rows])
+        state.mask, state.active = None, None
         state.query_attention, state.pass_index = [], pass_index
 
     @torch.inference_mode()
@@ -491,7 +495,7 @@ class FusionEngine:
             for layer in sorted(state.loaded_layers):
                 keys = state.cache.kv[layer, 0][:, moved]                   # [KV, m, d], rotated at `old`
                 state.cache.kv[layer, 0][:, moved] = reposition_keys(keys, self.model.rope, old, new)
-        state.positions = positions.clone()
+        state.positions, state.active = positions.clone(), None
         state.cos, state.sin = self.model.rope.cos_sin(state.positions, self.model.dtype)
 
     def finish(self, state: FusionState, load_seconds: float, started: float) -> FusionResult:

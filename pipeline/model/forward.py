@@ -36,6 +36,22 @@ class SpanCalibration:
     scale: float
 
 
+@dataclass(frozen=True)
+class ActiveRows:
+    """The cache rows a pass computes, placed once for all of its layers (Transformer.active_rows).
+
+    On a GPU, a kernel given a CPU index tensor first copies it to the device, and that copy waits
+    for every kernel queued before it. Per layer, that stops the host from running ahead of the GPU,
+    and each layer costs its launch time plus its GPU time. So the rows' cache index and their RoPE
+    tables go to the device once per pass. `rows` itself stays on the CPU: attention's block
+    bounds are read on the host.
+    """
+    rows: torch.Tensor            # [t] sorted cache rows, on the CPU
+    index: torch.Tensor | slice   # the same rows where the cache lives: a slice when they are contiguous
+    cos: torch.Tensor             # [t, d] RoPE tables at the rows' positions, on the model's device
+    sin: torch.Tensor             # [t, d]
+
+
 MLP_BLOCK_ROWS = 1024  # rows per MLP call in long prefills (bounds the [rows, intermediate] transient)
 ATTN_BLOCK_ROWS = 256   # query rows per masked attention call (bounds scores; lets blocks skip later keys)
 
@@ -179,6 +195,14 @@ class Transformer:
         return self.hf_model.lm_head(self.decoder.norm(hidden))
 
     # ---- composite steps ------------------------------------------------------------------
+    def active_rows(self, rows: torch.Tensor, positions: torch.Tensor) -> ActiveRows:
+        """Sorted cache rows [t] and their RoPE positions [t] -> ActiveRows for every layer of a pass."""
+        cos, sin = self.rope.cos_sin(positions, self.dtype)                      # [t, d] each
+        first = int(rows[0]) if len(rows) else 0
+        contiguous = torch.equal(rows, torch.arange(first, first + len(rows)))
+        index = slice(first, first + len(rows)) if contiguous else rows.to(self.device)
+        return ActiveRows(rows, index, cos, sin)
+
     def causal_mask(self, query_index: torch.Tensor, n_keys: int, key_keep: torch.Tensor | None = None) -> torch.Tensor:
         """query_index [t] = each query's row in the cache -> mask [t, n_keys] (key j visible iff j <= row)."""
         query_index = query_index.to(self.device)
@@ -190,11 +214,11 @@ class Transformer:
             mask &= key_keep.to(self.device)[None, :]
         return mask
 
-    def layer_step(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+    def layer_step(self, layer: int, hidden: torch.Tensor, active: ActiveRows,
                    cache: KVCache, mask: torch.Tensor | None, is_causal: bool = False,
                    keys_out: list | None = None, attention_out: list | None = None,
                    attention_rows: slice = slice(None), calibration: SpanCalibration | None = None) -> torch.Tensor:
-        """Recompute one layer for the tokens at cache rows `rows` [t] with RoPE positions [t].
+        """Recompute one layer for the tokens at cache rows `active.rows` [t], at their RoPE positions.
 
         Their K/V overwrite the cache rows, then they attend over the whole cache: with `mask`
         [t, n], or causally when is_causal (only valid when rows are all n cache rows), or to
@@ -204,15 +228,15 @@ class Transformer:
         and costs one explicit [H, t', n] score matrix.
         """
         q, k, v = self.project_qkv(layer, hidden)
-        cos, sin = self.rope.cos_sin(positions, q.dtype)
         if keys_out is not None:
             keys_out.append(k)  # pre-RoPE keys, what the store keeps
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, rows, k, v)
+        q, k = apply_rope(q, active.cos, active.sin), apply_rope(k, active.cos, active.sin)
+        cache.write(layer, active.index, k, v)
         if attention_out is not None:
             probs = self.attention_probs(q[:, attention_rows], cache.keys(layer), mask[attention_rows])  # [H, t', n]
             attention_out.append(probs.mean(dim=0))                                                   # [t', n]
-        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, rows, calibration)
+        hidden = hidden + self.attend(layer, q, cache.keys(layer), cache.values(layer), mask, is_causal, active.rows,
+                                      calibration)
         return self.mlp(layer, hidden)
 
     @torch.inference_mode()
@@ -231,10 +255,10 @@ class Transformer:
         plain_causal = start == 0 and not self.sliding_window and attention_out is None  # SDPA's fast causal kernel
         mask = None if plain_causal else self.causal_mask(rows, start + t)
         hidden = self.embed(token_ids)
+        active = self.active_rows(rows, positions)
         pre_rope_keys = [] if keep_pre_rope_keys else None
         for layer in range(self.n_layers):
-            hidden = self.layer_step(layer, hidden, rows, positions, cache, mask, plain_causal, pre_rope_keys,
-                                     attention_out)
+            hidden = self.layer_step(layer, hidden, active, cache, mask, plain_causal, pre_rope_keys, attention_out)
         return self.logits(hidden[-1:])[0], pre_rope_keys
 
     @torch.inference_mode()
@@ -244,11 +268,11 @@ class Transformer:
         row = torch.tensor([cache.length])
         cache.length += 1
         hidden = self.embed(row.new_tensor([token_id]))
-        pos = row.new_tensor([position])
+        active = self.active_rows(row, row.new_tensor([position]))
         # The newest token sees the whole cache, so no mask unless a sliding window cuts it.
         mask = self.causal_mask(row, cache.length) if self.sliding_window else None
         for layer in range(self.n_layers):
-            hidden = self.layer_step(layer, hidden, row, pos, cache, mask, calibration=calibration)
+            hidden = self.layer_step(layer, hidden, active, cache, mask, calibration=calibration)
         return self.logits(hidden)[0]
 
     def new_cache(self, capacity: int) -> KVCache:
