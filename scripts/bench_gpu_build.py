@@ -8,7 +8,14 @@ process, with random weights of a real shape on CUDA (no download) and random 25
 (`build-cache --compute-dtype`): one EntryBuilder writing float16 entries into a fresh local zarr
 store; one chunk untimed, then --chunks chunks timed one by one with the GPU synchronised:
 - the whole entry (prefill, copy to the host, encode, crc32, write and commit);
-- the prefill alone (engine.chunk_kv on the same chunks, not stored), to split the two.
+- the prefill alone (engine.chunk_kv on the same chunks, not stored), to split the two;
+- entries built in a row, --chunks at a time, with the store's writes inline (each entry stored before the
+  next chunk is computed) and behind (EntryBuilder.writing_behind: stored on a background thread while the
+  next chunk is computed; build-cache's way on a GPU), in alternation, ROUNDS times each: ms per entry.
+  The same chunks built both ways into two more stores must give the same keys and bytes (checked);
+- for one more chunk, how often the whole entry makes the host wait for the GPU (torch's sync debug
+  mode warns at each wait), and the GPU's own kernel time of its prefill (the profiler's device time):
+  a prefill whose wall time is far above its kernel time is bound by the host launching kernels.
 Needs a CUDA GPU (CI has none); --device cpu --random-weights tiny tries the script itself. Writes --out
 (markdown), its table beside it as .csv (what results/scale.md's projection reads) and its numbers as .json.
 """
@@ -70,8 +77,34 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - started
 
 
-def random_chunks(n: int, tokens: int, vocab: int) -> list[Chunk]:
-    g = torch.Generator().manual_seed(0)
+def host_waits(fn) -> int:
+    """How many times fn makes the host wait for the GPU: torch's sync debug mode warns at each wait
+    (a blocking copy between host and device, a CPU index handed to a kernel, .item(), ...)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def kernel_ms(fn) -> float:
+    """Milliseconds the GPU spends in kernels during fn (the profiler's self device time, summed)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+
+
+ROUNDS = 3   # rounds of entries built in a row, per way of writing
+
+
+def random_chunks(n: int, tokens: int, vocab: int, seed: int = 0) -> list[Chunk]:
+    g = torch.Generator().manual_seed(seed)
     return [Chunk(f"bench-{i:05d}", "bench", "", "", torch.randint(0, vocab, (tokens,), generator=g).tolist(), i)
             for i in range(n)]
 
@@ -84,15 +117,48 @@ def measure_dtype(args, dtype_name: str, tokenizer, workdir: Path) -> dict:
     model_ref = InMemoryModelRef(args.random_weights, f"random-{args.random_weights}", tokenizer, transformer.config)
     store = open_store(str(workdir / f"{dtype_name}.zarr"), "zarr", create=True, meta=store_meta(model_ref, "float16"))
     builder = EntryBuilder(model_ref, store, args.device, engine=engine)
-    chunks = random_chunks(args.chunks + 1, args.chunk_tokens, transformer.config.vocab_size)
+    chunks = random_chunks(args.chunks + 2, args.chunk_tokens, transformer.config.vocab_size)
     builder.compute("prefix", chunks[0], None, {})          # warm-up: S stored, kernels chosen
-    entry = [timed(lambda c=c: builder.compute("prefix", c, None, {}), args.device) for c in chunks[1:]]
+    timed_chunks, extra = chunks[1:-1], chunks[-1]
+    entry = [timed(lambda c=c: builder.compute("prefix", c, None, {}), args.device) for c in timed_chunks]
     context = (list(builder.template.prefix_ids), [builder.system_kv()])
     prefill = [timed(lambda c=c: engine.chunk_kv(builder.template.chunk_segment(c.token_ids), *context), args.device)
-               for c in chunks[1:]]
+               for c in timed_chunks]
     entry_bytes = builder.bytes_written / builder.entries_written
-    return {"entry_ms": 1000 * statistics.median(entry), "prefill_ms": 1000 * statistics.median(prefill),
-            "entry_mb": entry_bytes / 1e6, "chunks": args.chunks}
+    numbers = {"entry_ms": 1000 * statistics.median(entry), "prefill_ms": 1000 * statistics.median(prefill),
+               "entry_mb": entry_bytes / 1e6, "chunks": args.chunks}
+    in_a_row = {"inline": [], "behind": []}      # ms per entry, one value per round
+    for round_ in range(ROUNDS):
+        for mode, behind in (("inline", False), ("behind", True)):
+            fresh = random_chunks(args.chunks, args.chunk_tokens, transformer.config.vocab_size, seed=1 + 2 * round_ + behind)
+            seconds = timed(lambda: build_in_a_row(builder, fresh, behind), args.device)
+            in_a_row[mode].append(1000 * seconds / args.chunks)
+    numbers.update({f"row_{mode}_ms": statistics.median(ms) for mode, ms in in_a_row.items()})
+    check_same_entries(model_ref, engine, args, chunks[1:5], workdir / f"{dtype_name}-check")
+    if args.device.startswith("cuda"):
+        numbers["host_waits"] = host_waits(lambda: builder.compute("prefix", extra, None, {}))
+        numbers["kernel_ms"] = kernel_ms(lambda: engine.chunk_kv(builder.template.chunk_segment(extra.token_ids),
+                                                                 *context))
+    return numbers
+
+
+def check_same_entries(model_ref, engine, args, chunks: list[Chunk], where: Path) -> None:
+    """The chunks built with writes inline and with writes behind, each into a fresh store: the same keys and
+    the same stored bytes, or KvfError."""
+    stored = []
+    for behind in (False, True):
+        store = open_store(str(where / f"behind-{behind}.zarr"), "zarr", create=True, meta=store_meta(model_ref, "float16"))
+        build_in_a_row(EntryBuilder(model_ref, store, args.device, engine=engine), chunks, behind)
+        stored.append({key: store.get(key).numpy().tobytes() for key in store.keys()})
+    if stored[0] != stored[1]:
+        raise KvfError("entries built with writes behind differ from those written inline")
+
+
+def build_in_a_row(builder: EntryBuilder, chunks: list[Chunk], behind: bool) -> None:
+    """stage_kv's loop: every chunk's entry computed and stored, writes inline or behind."""
+    with builder.writing_behind(behind):
+        for chunk in chunks:
+            builder.compute("prefix", chunk, None, {})
 
 
 def table_rows(numbers: dict, chunk_tokens: int) -> list[dict]:
@@ -100,7 +166,15 @@ def table_rows(numbers: dict, chunk_tokens: int) -> list[dict]:
     return [{"compute_dtype": name, "chunk_tokens": chunk_tokens, "entry_ms": n["entry_ms"], "prefill_ms": n["prefill_ms"],
              "rest_ms": n["entry_ms"] - n["prefill_ms"], "chunks_per_s": 1000 / n["entry_ms"],
              "tokens_per_s": chunk_tokens * 1000 / n["entry_ms"], "entry_mb": n["entry_mb"],
+             "host_waits": n.get("host_waits"), "kernel_ms": n.get("kernel_ms"),
+             "row_inline_ms": n["row_inline_ms"], "row_behind_ms": n["row_behind_ms"],
+             "behind_over_inline": n["row_behind_ms"] / n["row_inline_ms"],
              "model": numbers["model"], "device": numbers["device"]} for name, n in numbers["dtypes"].items()]
+
+
+def shown(value, spec: str) -> str:
+    """A number in a table cell, or a dash where it was not measured (on a CPU)."""
+    return "–" if value is None else format(value, spec)
 
 
 def write_report(args, numbers: dict, commit: str | None) -> None:
@@ -112,11 +186,20 @@ def write_report(args, numbers: dict, commit: str | None) -> None:
              f"Made by `{command}` at commit {commit or 'unknown'}: {args.random_weights} shape with random weights, "
              f"{args.chunk_tokens}-token chunks after S (prefix variant), float16 entries written to a fresh local zarr "
              f"store through EntryBuilder (build-cache's own path); medians over {args.chunks} chunks after one "
-             "untimed, the GPU synchronised around each.", "",
+             "untimed, the GPU synchronised around each. Host waits: the times one more entry made the host wait "
+             "for the GPU (torch's sync debug mode). GPU kernel ms: the GPU's time in kernels during one more "
+             "prefill (the profiler); a prefill far slower than that is bound by the host launching kernels. In a row: "
+             f"{args.chunks} entries built one after another as build-cache builds them, the store's writes inline or "
+             f"behind (on a background thread while the next chunk is computed), alternating, median of {ROUNDS} rounds "
+             "each.", "",
              "| compute dtype | ms per entry (all) | ms prefill alone | ms the rest (copy, encode, write) | chunks/s | "
-             "tokens/s | MB per entry |", "|---|---|---|---|---|---|---|"]
+             "tokens/s | MB per entry | host waits per entry | GPU kernel ms per prefill | ms per entry in a row, "
+             "writes inline | in a row, writes behind | behind / inline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['compute_dtype']} | {r['entry_ms']:.1f} | {r['prefill_ms']:.1f} | {r['rest_ms']:.1f} | "
-              f"{r['chunks_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['entry_mb']:.1f} |" for r in rows]
+              f"{r['chunks_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['entry_mb']:.1f} | {shown(r['host_waits'], 'd')} | "
+              f"{shown(r['kernel_ms'], '.1f')} | {r['row_inline_ms']:.1f} | {r['row_behind_ms']:.1f} | "
+              f"{r['behind_over_inline']:.2f} |" for r in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, "\n".join(lines) + "\n")
     write_atomic(args.out.with_suffix(".csv"), pd.DataFrame(rows).to_csv(index=False))

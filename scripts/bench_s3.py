@@ -1,7 +1,8 @@
 """What a store on S3 costs in round trips: planning a build (is each chunk's entry there?) and loading a
 prompt's chunk KVs, with the requests sent one after another (kvf before) and side by side (now).
 
-    python -m kvf.scripts.bench_s3 [--rtt-ms 0,20] [--repeats 3] [--entries 1000] [--chunks 20] [--out results/s3.md]
+    python -m kvf.scripts.bench_s3 [--rtt-ms 0,20] [--repeats 3] [--entries 1000] [--chunks 20] [--build-chunks 8]
+                                   [--out results/s3.md]
 
 The endpoint is moto's S3 server on localhost, reached directly (RTT 0: what moto itself costs, on the
 same 2 cores as the client) and through a proxy that adds a fixed round trip to every request (in-region
@@ -18,6 +19,10 @@ and the median is reported.
   float16: 5.9 MB an entry), every layer read through StoreKVSource with the engine doing nothing
   else: the load a request would wait for if compute were free. Before, one reader thread; now
   REMOTE_READERS.
+- building: build-cache's KV stage, --build-chunks chunks of 256 random tokens whose entries the embedded model
+  (SmolLM2-135M, float32 on this CPU) computes into a fresh store each run. Before, each entry was written before
+  the next chunk was computed; now EntryBuilder.writing_behind writes it on a background thread meanwhile. Both
+  ways must store the same keys and bytes (checked).
 
 Nothing is asserted: the ratios are the result.
 """
@@ -96,6 +101,48 @@ def load(store, chunks: list[int], readers: int | None) -> list:
         source.close()
 
 
+class Building:
+    """build-cache's KV stage on S3, through EntryBuilder: the embedded model and the chunks, made once; each run
+    builds every chunk's entry (and S's) into a fresh store, writes inline or behind."""
+
+    def __init__(self, n_chunks: int):
+        from kvf.pipeline.fusion.engine import FusionEngine
+        from kvf.pipeline.model.forward import Transformer
+        from kvf.pipeline.retrieval.chunking import Chunk
+        from kvf.pipeline.workflows.weights import open_model
+        self.model_ref = open_model(None)
+        self.engine = FusionEngine(Transformer(self.model_ref.load("cpu", torch.float32).model))
+        g, vocab = torch.Generator().manual_seed(0), self.engine.model.config.vocab_size
+        self.chunks = [Chunk(f"bench-{i}", "bench", "", "", torch.randint(0, vocab, (CHUNK_TOKENS,), generator=g).tolist(), i)
+                       for i in range(n_chunks)]
+        self.paths: dict[bool, list[str]] = {False: [], True: []}
+
+    def run(self, url: str, behind: bool) -> float:
+        """Seconds to build every entry into a fresh store on a fresh client."""
+        from kvf.cachestore import open_store
+        from kvf.pipeline.workflows.build import EntryBuilder, store_meta
+        path = f"s3://bench/build-{len(self.paths[False]) + len(self.paths[True])}"
+        self.paths[behind].append(path)
+        with endpoint(url):
+            store = open_store(path, meta=store_meta(self.model_ref, "float16"), create=True)
+            builder = EntryBuilder(self.model_ref, store, "cpu", engine=self.engine)
+            started = time.perf_counter()
+            with builder.writing_behind(behind):
+                builder.system_kv()
+                for chunk in self.chunks:
+                    builder.compute("prefix", chunk, None, {})
+            return time.perf_counter() - started
+
+    def check_same(self, url: str) -> None:
+        """Every store built either way holds the same keys and bytes."""
+        from kvf.cachestore import open_store
+        with endpoint(url):
+            contents = [{key: store.get(key).numpy().tobytes() for key in store.keys()}
+                        for store in (open_store(path) for paths in self.paths.values() for path in paths)]
+        if any(c != contents[0] for c in contents):
+            raise SystemExit("bench_s3: entries built with writes behind differ from those written inline")
+
+
 def timed(url: str, store_path: str, work) -> tuple[float, object]:
     """Seconds of work(store) on a fresh client and store (no header cached), and what it returned."""
     from kvf.cachestore import open_store
@@ -106,7 +153,7 @@ def timed(url: str, store_path: str, work) -> tuple[float, object]:
         return time.perf_counter() - started, result
 
 
-def measure(url: str, entries: int, chunks: int, repeats: int) -> dict:
+def measure(url: str, entries: int, chunks: int, repeats: int, building: "Building | None" = None) -> dict:
     """way -> median seconds, each way run `repeats` times in alternation; the answers must agree."""
     from kvf.pipeline.fusion.sources import REMOTE_READERS
     keys, prompt = [key_of(i) for i in range(entries)], list(range(chunks))
@@ -130,6 +177,11 @@ def measure(url: str, entries: int, chunks: int, repeats: int) -> dict:
                 else all(torch.equal(x, y) for a in got for la, lb in zip(a, got[0]) for x, y in zip(la, lb)))
         if not same:
             raise SystemExit(f"bench_s3: the two ways of {part} read different things")
+    if building is not None:
+        for _ in range(repeats):
+            for way, behind in ((("building", "writes inline"), False), (("building", "writes behind"), True)):
+                seconds.setdefault(way, []).append(building.run(url, behind))
+        building.check_same(url)
     return {way: statistics.median(s) for way, s in seconds.items()}
 
 
@@ -137,10 +189,13 @@ def rows(results: dict[float, dict], args) -> list[dict]:
     """One row per (work, RTT): the median seconds each way and their ratio."""
     units = {"planning": (args.entries, f"s per {args.entries:,} entries"),
              "listing": (args.entries // 2, f"s per {args.entries // 2:,} entries"),
-             "loading": (args.chunks, f"s per prompt of {args.chunks} chunks")}
+             "loading": (args.chunks, f"s per prompt of {args.chunks} chunks"),
+             "building": (args.build_chunks, f"s per {args.build_chunks} entries built")}
     out = []
     for rtt, medians in results.items():
         for part, (count, unit) in units.items():
+            if not any(way[0] == part for way in medians):
+                continue
             (before_way, before), (now_way, now) = [(way[1], s) for way, s in medians.items() if way[0] == part]
             out.append({"work": part, "unit": unit, "count": count, "rtt_ms": rtt, "before": before_way,
                         "before_s": before, "now": now_way, "now_s": now, "now_over_before": now / before})
@@ -183,6 +238,18 @@ def legend(table_rows: list[dict]) -> str:
 - Loading at {rtt:g} ms: {at['loading']['now_s']:.1f} s against {at['loading']['before_s']:.1f} s, with the
   engine doing nothing else. That is what kvf's layer pipeline has to hide behind compute: on this CPU
   ProphetKV at 15% takes about 1.7 s before its first token at 4K tokens (results/kvfuse.md).
+""" + building_legend(at)
+
+
+def building_legend(at: dict) -> str:
+    """The building rows' bullet, when they were measured."""
+    if "building" not in at:
+        return ""
+    b = at["building"]
+    return f"""- Building at the same RTT, {b['count']} entries of 256 tokens computed by the embedded model (SmolLM2-135M,
+  float32 on these 2 cores, beside moto): {b['now_s']:.1f} s with each entry written behind the next chunk's
+  compute, against {b['before_s']:.1f} s writing each before the next chunk ({b['now_over_before']:.2f}). The
+  stores built either way hold the same keys and bytes (the bench checks it).
 """
 
 
@@ -191,10 +258,11 @@ def write(out: str, args, table_rows: list[dict], lines: list[str]) -> None:
     import pandas as pd
     from kvf.pipeline.workflows.provenance import git_commit
     command = (f"python -m kvf.scripts.bench_s3 --rtt-ms {args.rtt_ms} --repeats {args.repeats} --entries {args.entries} "
-               f"--chunks {args.chunks}")
+               f"--chunks {args.chunks} --build-chunks {args.build_chunks}")
     intro = (f"Made by `{command}` at commit {git_commit() or 'unknown'}: moto's S3 server on localhost, sharing "
              f"this machine's {os.cpu_count()} cores with the client, reached directly and through a proxy that adds "
              f"the RTT to every request. Each way ran {args.repeats} times, in alternation; medians.")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         f.write("# A store on S3: requests one after another vs side by side\n\n" + intro + "\n\n" + "\n".join(lines) +
                 "\n\n" + legend(table_rows))
@@ -208,9 +276,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--entries", type=int, default=1000, help="entries planning asks about (half of them present)")
     p.add_argument("--chunks", type=int, default=20, help="chunks of the prompt loaded")
+    p.add_argument("--build-chunks", type=int, default=8, help="chunks whose entries building computes (0: no building)")
     p.add_argument("--out", help="write the table here as markdown, and its numbers beside it as .csv")
     args = p.parse_args(argv)
-    console = output_console(110)
+    console = output_console(130)
     try:
         rtts = [float(x) for x in args.rtt_ms.split(",")]
         if any(r < 0 for r in rtts):
@@ -219,6 +288,8 @@ def main(argv=None) -> None:
         p.error(f"--rtt-ms {args.rtt_ms}: give milliseconds, comma-separated, e.g. 0,20")
     if min(args.repeats, args.entries // 2, args.chunks) < 1:
         p.error("--repeats, --chunks must be at least 1 and --entries at least 2")
+    if args.build_chunks < 0:
+        p.error(f"--build-chunks {args.build_chunks}: give 0 (no building) or more chunks")
     try:
         proc, url = start_moto()
     except RuntimeError as e:
@@ -226,10 +297,11 @@ def main(argv=None) -> None:
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
         fill(url, args.entries, args.chunks, console)
+        building = Building(args.build_chunks) if args.build_chunks else None
         results = {}
         for rtt in rtts:
             with LatencyProxy(url, rtt) as proxied, console.status(f"timing with {rtt:g} ms added"):
-                results[rtt] = measure(proxied if rtt else url, args.entries, args.chunks, args.repeats)
+                results[rtt] = measure(proxied if rtt else url, args.entries, args.chunks, args.repeats, building)
     finally:
         proc.kill()
     table_rows = rows(results, args)

@@ -226,17 +226,21 @@ def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
     from kvf.scripts.bench_s3 import main
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)   # the bench sets them; restored after
-    results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2", "--out", str(tmp_path / "s3.md")])
-    assert list(results) == [0.0, 5.0] and all(len(medians) == 6 for medians in results.values())
+    results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2", "--build-chunks", "1",
+                    "--out", str(tmp_path / "s3.md")])
+    assert list(results) == [0.0, 5.0] and all(len(medians) == 8 for medians in results.values())
     out = capsys.readouterr().out
     assert "s per 8 entries" in out and "s per 4 entries" in out and "s per prompt of 2 chunks" in out
+    assert "s per 1 entries built" in out
     table = pd.read_csv(tmp_path / "s3.csv")
-    assert len(table) == 6 and set(table.work) == {"planning", "listing", "loading"}
+    assert len(table) == 8 and set(table.work) == {"planning", "listing", "loading", "building"}
     assert ((table.now_over_before - table.now_s / table.before_s).abs() / table.now_over_before).max() < 1e-4
-    assert "Made by `python -m kvf.scripts.bench_s3 --rtt-ms 0,5 --repeats 1 --entries 8 --chunks 2`" in (
-        tmp_path / "s3.md").read_text()
+    text = (tmp_path / "s3.md").read_text()
+    assert "Made by `python -m kvf.scripts.bench_s3 --rtt-ms 0,5 --repeats 1 --entries 8 --chunks 2 --build-chunks 1`" in text
+    assert "the same keys and bytes" in text
     for flags, fragment in ((["--rtt-ms", "x"], "--rtt-ms x: give milliseconds"),
-                            (["--entries", "1"], "--entries at least 2")):
+                            (["--entries", "1"], "--entries at least 2"),
+                            (["--build-chunks", "-1"], "--build-chunks -1: give 0")):
         with pytest.raises(SystemExit):
             main(flags)
         assert fragment in capsys.readouterr().err

@@ -754,7 +754,12 @@ def test_two_shards_into_one_file_url_store_equal_one_full_build(built, tmp_path
         assert entry_bytes(sharded, key) == entry_bytes(full, key), key
 
 
-def test_disk_full_mid_build_keeps_committed_entries(built, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("behind", [False, True], ids=["writes-inline", "writes-behind"])
+def test_disk_full_mid_build_keeps_committed_entries(built, tmp_path, capsys, monkeypatch, behind):
+    """Also with the writes behind (a GPU's or an object store's build): the same one line, the same entries
+    committed (the writes queued after the failed one are dropped), and a resumed build completes the store."""
+    from kvf.pipeline.workflows.build import EntryBuilder
+    monkeypatch.setattr(EntryBuilder, "writes_behind", lambda self: behind)
     layer_writes = {"n": 0}
     real_write = LocalFS.write_file
 
@@ -1078,3 +1083,69 @@ def test_a_fusion_entry_past_the_model_positions_is_refused_not_stored(built, tm
     with pytest.raises(KvfError, match=f"chunk {chunk.chunk_id[:12]}: after S and its 3 neighbours .* past the model"):
         builder.compute("fusion", chunk, neighbours, by_id)
     assert builder.key("fusion", chunk, neighbours) not in store.keys()
+
+
+def test_writes_behind_overlap_the_next_chunk_and_store_what_writes_inline_store(built, tmp_path, monkeypatch):
+    """Inside writing_behind() an entry is stored on a background thread while the next chunk is computed (on a
+    GPU, or an object store, what build-cache, Ray workers and `kvf run` do); never more than WRITES_BEHIND
+    entries wait. The store ends with the same keys and bytes as writing each entry before the next chunk. A
+    local store on the CPU writes inline by default: it would share the cores with the compute."""
+    import threading
+    from kvf.pipeline.workflows.build import WRITES_BEHIND, EntryBuilder
+    chunks = list(built.chunks[:5])
+    stores = {}
+    for behind in (False, True):
+        store = open_store(str(tmp_path / f"behind-{behind}.zarr"), meta=store_meta(built.model_ref, "float32"),
+                           create=True)
+        builder = EntryBuilder(built.model_ref, store)
+        assert builder.writes_behind() is False                  # local store, CPU: inline unless told
+        builder.system_kv()
+        events, lock, real_put, real_chunk_kv = [], threading.Lock(), store.put, builder.engine.chunk_kv
+
+        def put(*a, **kw):
+            with lock:
+                events.append("put starts")
+            time.sleep(0.2)                                       # a write slower than a chunk's compute
+            try:
+                return real_put(*a, **kw)
+            finally:
+                with lock:
+                    events.append("put ends")
+
+        def chunk_kv(*a, **kw):
+            with lock:
+                events.append("compute")
+            return real_chunk_kv(*a, **kw)
+        monkeypatch.setattr(store, "put", put)
+        monkeypatch.setattr(builder.engine, "chunk_kv", chunk_kv)
+        with builder.writing_behind(behind):
+            for chunk in chunks:
+                builder.compute("prefix", chunk, None, {})
+        depth, deepest, overlapped = 0, 0, 0
+        for event in events:
+            depth += {"put starts": 1, "put ends": -1}.get(event, 0)
+            deepest = max(deepest, depth)
+            overlapped += event == "compute" and depth > 0
+        assert deepest == 1                                       # one writer
+        assert (overlapped > 0) == behind                         # computes overlap writes only behind
+        assert events.count("put ends") == len(chunks) and builder.entries_written == len(chunks)
+        stores[behind] = open_store(str(tmp_path / f"behind-{behind}.zarr"), readonly=True)
+    assert WRITES_BEHIND >= 2
+    inline, behind = stores[False], stores[True]
+    assert inline.keys() == behind.keys() and len(chunk_keys(inline)) == len(chunks)
+    assert {k: entry_bytes(inline, k) for k in inline.keys()} == {k: entry_bytes(behind, k) for k in behind.keys()}
+
+
+def test_an_error_while_writes_are_behind_stores_what_was_computed_and_is_the_error_raised(built, tmp_path):
+    """The body's own error wins over the pending writes, and the entries computed before it are stored: a
+    resumed build does not compute them again."""
+    from kvf.pipeline.workflows.build import EntryBuilder
+    store = open_store(str(tmp_path / "kv.zarr"), meta=store_meta(built.model_ref, "float32"), create=True)
+    builder = EntryBuilder(built.model_ref, store)
+    chunks = list(built.chunks[:2])
+    with pytest.raises(KeyboardInterrupt):
+        with builder.writing_behind(True):
+            for chunk in chunks:
+                builder.compute("prefix", chunk, None, {})
+            raise KeyboardInterrupt
+    assert builder.missing("prefix", chunks, None) == [] and store.verify() == []

@@ -300,3 +300,48 @@ def test_a_prompts_extras_are_read_side_by_side_on_s3(s3, tmp_path):
         got = reader.get_extras_many(keys)
         assert all(np.array_equal(g["score"], np.arange(3.0) + i) for i, g in enumerate(got))
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
+
+
+def test_a_build_on_s3_computes_the_next_chunk_while_an_entry_is_written(s3, tmp_path, short_docs, monkeypatch):
+    """An entry's write to an object store is mostly waiting on the network, so build-cache stores each entry on a
+    background thread while it computes the next chunk (EntryBuilder.writing_behind); into a local store on the
+    CPU, it writes inline. Before, on S3 every chunk's compute waited for the last entry's write."""
+    import threading
+    from kvf.cachestore.zarr_store import ZarrKVStore
+    from kvf.pipeline.fusion.engine import FusionEngine
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(short_docs[:2]):
+        (corpus / f"doc{i}.txt").write_text(text)
+    torch.set_num_threads(1)
+    events, lock = [], threading.Lock()
+    real_put, real_chunk_kv = ZarrKVStore.put, FusionEngine.chunk_kv
+
+    def put(self, *a, **kw):
+        with lock:
+            events.append(+1)
+        time.sleep(0.1)
+        try:
+            return real_put(self, *a, **kw)
+        finally:
+            with lock:
+                events.append(-1)
+
+    def chunk_kv(self, *a, **kw):
+        with lock:
+            events.append(0)
+        return real_chunk_kv(self, *a, **kw)
+    monkeypatch.setattr(ZarrKVStore, "put", put)
+    monkeypatch.setattr(FusionEngine, "chunk_kv", chunk_kv)
+    overlapped = {}
+    for where, store in (("s3", "s3://kvf/behind"), ("local", None)):
+        events.clear()
+        build_cache(BuildOptions(workspace=tmp_path / where, store=store, corpus=corpus, chunk_tokens=16, bm25=False,
+                                 dense=False, dtype="float32"), QUIET)
+        depth, overlapped[where] = 0, 0
+        for event in events:
+            depth += event
+            overlapped[where] += event == 0 and depth > 0
+        assert events.count(-1) >= 4
+    assert overlapped["s3"] > 0 and overlapped["local"] == 0

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -313,6 +315,9 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
 
 
 # ---- stage 3: KV entries ----------------------------------------------------------------------
+WRITES_BEHIND = 2   # entries computed but not yet stored, at most (each is a whole chunk's KV in host memory)
+
+
 class EntryBuilder:
     """Computes and stores the KVs a set of chunks needs; loads the model only if something is missing."""
 
@@ -328,6 +333,9 @@ class EntryBuilder:
         self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids, dtype_name(self.dtype))
         self._engine = engine
         self._system_kv: torch.Tensor | None = None
+        self._writer: ThreadPoolExecutor | None = None   # the writing-behind thread, inside writing_behind()
+        self._writes: deque[Future] = deque()            # its entries not yet known stored, oldest first
+        self._write_failed = False                       # a write behind failed: the rest queued are dropped
         self.model_seconds = 0.0
         self.entries_written = 0   # every entry this builder committed (neighbours' included)
         self.bytes_written = 0     # their KV payload bytes
@@ -379,8 +387,8 @@ class EntryBuilder:
         return [c.chunk_id for batch in chunks.batches(ids) for c in self.missing(variant, batch, neighbours)]
 
     @torch.inference_mode()
-    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: Mapping[str, Chunk]) -> int:
-        """Compute one chunk's KV for this variant and store it. Returns bytes written."""
+    def compute(self, variant: str, chunk: Chunk, neighbours, by_id: Mapping[str, Chunk]) -> None:
+        """Compute one chunk's KV for this variant and store it (inside writing_behind(), on the writer's thread)."""
         started = time.perf_counter()
         engine, template = self.engine, self.template
         segment = template.chunk_segment(chunk.token_ids)
@@ -404,19 +412,79 @@ class EntryBuilder:
         self.model_seconds += time.perf_counter() - started
         key = self.keys.chunk(variant, segment, neighbour_ids)
         attrs = {"variant": variant, "chunk_id": chunk.chunk_id, "tokens": len(segment), "neighbours": neighbour_ids}
+        if self._writer is None:
+            self._store(key, kv, attrs, extras)
+            return
+        # copied here: on the writer's thread a copy would wait behind the next chunk's kernels
+        kv = kv.cpu()
+        extras = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in extras.items()}
+        self._wait_for_writes(WRITES_BEHIND - 1)
+        self._writes.append(self._writer.submit(self._store_behind, key, kv, attrs, extras))
+
+    def _store(self, key: str, kv: torch.Tensor, attrs: dict, extras: dict) -> None:
+        """One computed entry into the store, counted unless another writer committed it first."""
         if extras and self.store.has(key):  # replace an entry stored without summaries (see needs)
             self.store.delete(key)
-        if not self.store.put(key, kv, attrs=attrs, extras=extras):
-            return 0  # another writer committed it first
-        nbytes = kv.numel() * self.store_itemsize()
-        self.entries_written += 1
-        self.bytes_written += nbytes
-        return nbytes
+        if self.store.put(key, kv, attrs=attrs, extras=extras):
+            self.entries_written += 1
+            self.bytes_written += kv.numel() * self.store_itemsize()
+
+    @torch.inference_mode()
+    def _store_behind(self, key: str, kv: torch.Tensor, attrs: dict, extras: dict) -> None:
+        """_store on the writer's thread. After a failed write the writes still queued are dropped: the build
+        stops at its first failure, as it does when writing inline."""
+        if self._write_failed:
+            return
+        try:
+            self._store(key, kv, attrs, extras)
+        except BaseException:
+            self._write_failed = True
+            raise
+
+    def writes_behind(self) -> bool:
+        """Whether writing_behind() overlaps writes with computing by default: on a GPU, which computes an
+        entry in about the time the host takes to copy, checksum and write it, and on an object store, whose
+        writes are mostly waits on the network. On a CPU writing to a local store, both would share the same
+        cores, so entries are stored as they are computed."""
+        return self.device.startswith("cuda") or self.store.remote
+
+    @contextmanager
+    def writing_behind(self, enabled: bool | None = None):
+        """Within: each entry computed is stored by one background thread while the next chunk is computed, with
+        at most WRITES_BEHIND entries waiting. On leaving, every computed entry is stored (also when the body
+        raised, whose error then wins), and a failed write raises its error. enabled: default writes_behind()."""
+        if not (self.writes_behind() if enabled is None else enabled) or self._writer is not None:
+            yield
+            return
+        self._writer, self._write_failed = ThreadPoolExecutor(1, thread_name_prefix="kvf-entry-writer"), False
+        try:
+            yield
+        except BaseException:
+            self._wait_for_writes(0, raise_errors=False)
+            raise
+        else:
+            self._wait_for_writes(0)
+        finally:
+            self._writer.shutdown(wait=True)
+            self._writer, self._writes = None, deque()
+
+    def _wait_for_writes(self, left: int, raise_errors: bool = True) -> None:
+        """Wait until at most `left` writes are pending, oldest first; the first failed one raises (after all
+        that were waited for have finished, so no write is left running unseen)."""
+        error = None
+        while len(self._writes) > left:
+            write = self._writes.popleft()
+            if write.exception() is not None and error is None:
+                error = write.exception()
+        if error is not None and raise_errors:
+            raise error
 
     def prefix_kv_of(self, chunk: Chunk, by_id: Mapping[str, Chunk]) -> torch.Tensor:
         key = self.key("prefix", chunk, None)
+        self._wait_for_writes(0)   # the neighbour's entry may be among the writes still pending
         if not self.store.has(key):  # another shard's chunk not built yet: build it here (idempotent)
             self.compute("prefix", chunk, None, by_id)
+            self._wait_for_writes(0)
         return self.store.get(key).float()
 
     def store_itemsize(self) -> int:
@@ -434,7 +502,7 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
         if todo:
             builder.system_kv()
             started = time.perf_counter()
-            with build_progress(console) as progress:
+            with build_progress(console) as progress, builder.writing_behind():
                 task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
                 done_tokens = 0
                 for chunk in chunks.chunks(todo):

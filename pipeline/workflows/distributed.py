@@ -157,8 +157,9 @@ class KVWorkerImpl:
         write_pid_marker()
         started = time.perf_counter()
         entries, nbytes = self.builder.entries_written, self.builder.bytes_written
-        for chunk in self.builder.missing(variant, chunks, neighbours):  # a retried batch skips what is done
-            self.builder.compute(variant, chunk, neighbours, by_id)
+        with self.builder.writing_behind():
+            for chunk in self.builder.missing(variant, chunks, neighbours):  # a retried batch skips what is done
+                self.builder.compute(variant, chunk, neighbours, by_id)
         clear_pid_marker()
         return {"chunks": len(chunks), "entries_written": self.builder.entries_written - entries,
                 "bytes_written": self.builder.bytes_written - nbytes, "seconds": time.perf_counter() - started}

@@ -83,10 +83,11 @@ class Session:
         missing = self.builder.missing(variant, chunks, neighbours)
         if missing and on_missing is not None:
             on_missing(len(missing))
-        for chunk in missing:
-            self.builder.compute(variant, chunk, neighbours, self.chunks_by_id)
-            if on_done is not None:
-                on_done()
+        with self.builder.writing_behind():
+            for chunk in missing:
+                self.builder.compute(variant, chunk, neighbours, self.chunks_by_id)
+                if on_done is not None:
+                    on_done()
         return [self.builder.key(variant, c, neighbours) for c in chunks]
 
     def source(self, method: FusionMethod, keys: list[str] | None, pipeline: bool = True) -> StoreKVSource | None:
