@@ -39,6 +39,11 @@ class ManyPaths:
     def exists_many(self, paths: list[str]) -> list[bool]:
         return self.each(self.exists, paths)
 
+    def write_many(self, files: dict) -> None:
+        """Write each file (path -> bytes or a buffer), one after another, in order; the first failure raises."""
+        for path, data in files.items():
+            self.write_file(path, data)
+
     def size_many(self, paths: list[str]) -> list[int]:
         return self.each(self.size, paths)
 
@@ -187,6 +192,12 @@ class FsspecFS(ManyPaths):
 
     def read_file(self, path: str) -> bytes:
         return self.fs.cat_file(path)
+
+    def write_many(self, files: dict) -> None:
+        """Write each file (path -> bytes or a buffer). An async filesystem (s3fs) sends the writes side by side
+        (fsspec's pipe of a dict); a failure raises, and the files already written stay."""
+        if files:
+            self.fs.pipe({path: bytes(data) for path, data in files.items()})
 
     def read_many(self, paths: list[str]) -> list[bytes | None]:
         """Each file's bytes, None where there is no such file. An async filesystem (s3fs) sends the requests

@@ -151,31 +151,35 @@ class ZarrKVStore(KVStore):
         return True
 
     def _write_files(self, entry_dir: str, header: EntryHeader, stored: np.ndarray, extras: dict) -> None:
+        """The entry's data files in one write_many (side by side on an object store), then its zarr.json: the
+        commit marker, written last."""
         fs = self.fs
-        layers = stored.shape[0]
         kv_dir = fs.join(entry_dir, "kv")
         fs.makedirs(kv_dir)
-        fs.write_file(fs.join(kv_dir, "zarr.json"),
-                      array_json(stored.shape, (1, *stored.shape[1:]), stored.dtype.str, header.codec))
+        files = {fs.join(kv_dir, "zarr.json"): array_json(stored.shape, (1, *stored.shape[1:]), stored.dtype.str,
+                                                          header.codec)}
         encode = None if header.codec is None else COMPRESSORS[header.codec][1]().encode
-        for layer in range(layers):
+        for layer in range(stored.shape[0]):
             data = stored[layer]  # [2, kv_heads, tokens, head_dim], contiguous: written without a copy
-            fs.write_file(fs.join(kv_dir, chunk_name((layer, 0, 0, 0, 0))), data if encode is None else encode(data))
+            files[fs.join(kv_dir, chunk_name((layer, 0, 0, 0, 0)))] = data if encode is None else encode(data)
         if extras:
-            self._write_extras(fs.join(entry_dir, "extras"), extras)
+            files |= self._extras_files(fs.join(entry_dir, "extras"), extras)
+        fs.write_many(files)
         fs.write_file(fs.join(entry_dir, "zarr.json"), group_json({"kvf_entry": header.to_dict()}))  # last
 
-    def _write_extras(self, extras_dir: str, extras: dict) -> None:
+    def _extras_files(self, extras_dir: str, extras: dict) -> dict:
+        """path -> bytes of the extras group (its directories made here): one small array each, one chunk."""
         fs = self.fs
         fs.makedirs(extras_dir)
-        fs.write_file(fs.join(extras_dir, "zarr.json"), group_json({}))
+        files = {fs.join(extras_dir, "zarr.json"): group_json({})}
         for name, a in extras.items():
             a_dir = fs.join(extras_dir, name)
             fs.makedirs(a_dir)
             chunks = tuple(max(1, s) for s in a.shape)  # one chunk holds the whole (small) array
-            fs.write_file(fs.join(a_dir, "zarr.json"), array_json(a.shape, chunks, a.dtype.str, None))
+            files[fs.join(a_dir, "zarr.json")] = array_json(a.shape, chunks, a.dtype.str, None)
             if a.size:  # an empty array has no chunks
-                fs.write_file(fs.join(a_dir, chunk_name((0,) * a.ndim)), a.tobytes())
+                files[fs.join(a_dir, chunk_name((0,) * a.ndim))] = a.tobytes()
+        return files
 
     # ---------------------------------------------------------------- reading
 
