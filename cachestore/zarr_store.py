@@ -36,6 +36,7 @@ COMPRESSORS = {
 }
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0: all chunks in one dir
 MARKER_BATCH = 1024   # entries whose commit markers are asked about at once when listing the store
+FANOUT_BATCH = 32     # fan-out directories listed at once (each listing holds its entries' names in memory)
 
 
 def chunk_name(index: tuple) -> str:
@@ -96,16 +97,16 @@ class ZarrKVStore(KVStore):
     def _entry_dirs(self):
         """(key, dir) for every directory in the fan-out level, committed or not. Symlinks (a fan-out
         directory or an entry that points elsewhere) are never followed: nothing outside the store
-        is read as an entry, or deleted as garbage."""
-        for fan in self.fs.listdir(self.root):
-            if len(fan) != 2 or fan == STAGING:
-                continue
-            fan_dir = self.fs.join(self.root, fan)
-            if self.fs.is_link(fan_dir):
-                continue
-            for name in self.fs.listdir(fan_dir):
-                if name != "zarr.json" and not self.fs.is_link(self.fs.join(fan_dir, name)):
-                    yield name, self.fs.join(fan_dir, name)
+        is read as an entry, or deleted as garbage. The fan-out directories are listed FANOUT_BATCH at a
+        time: on an object store each listing is a request, and a batch goes side by side."""
+        fan_dirs = iter([self.fs.join(self.root, fan) for fan in self.fs.listdir(self.root)
+                         if len(fan) == 2 and fan != STAGING])
+        while listed := list(itertools.islice(fan_dirs, FANOUT_BATCH)):
+            batch = [d for d in listed if not self.fs.is_link(d)]
+            for fan_dir, names in zip(batch, self.fs.each(self.fs.listdir, batch)):
+                for name in names:
+                    if name != "zarr.json" and not self.fs.is_link(self.fs.join(fan_dir, name)):
+                        yield name, self.fs.join(fan_dir, name)
 
     def _marked_entries(self):
         """(key, dir, committed) for every entry directory. The markers are asked about MARKER_BATCH at a time:

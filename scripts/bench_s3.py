@@ -13,8 +13,10 @@ and the median is reported.
 - planning: --entries chunk entries asked about, half of them present (a build resumed halfway). Before, each
   was one HEAD (has) and, when present, one GET of its header; now the store's headers() asks for every
   entry's header in one fsspec cat of a list.
-- listing (`kvf store info`, `verify`, `gc`): the committed entries of that store. Before, after the
-  listings, one HEAD of each entry's commit marker; now MARKER_BATCH markers asked for in one cat.
+- listing (`kvf store info`, `verify`, `gc`): the committed entries of that store, their keys spread over the
+  256 fan-out directories as content hashes are. Before, each fan-out directory listed and then each entry's
+  commit marker asked (a HEAD), one after another; now FANOUT_BATCH listings and MARKER_BATCH markers at a time,
+  side by side.
 - loading: one prompt's --chunks chunks of 256 tokens in SmolLM2-135M's shape (30 layers, 3 KV heads of 64,
   float16: 5.9 MB an entry), every layer read through StoreKVSource with the engine doing nothing
   else: the load a request would wait for if compute were free. Before, one reader thread; now
@@ -30,6 +32,7 @@ Nothing is asserted: the ratios are the result.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import time
@@ -39,6 +42,7 @@ from contextlib import contextmanager
 import torch
 from rich.table import Table
 
+from kvf.cachestore.base import STAGING
 from kvf.pipeline.workflows.display import output_console
 
 META = {"model": "bench-s3", "dtype": "float16", "layers": 30, "kv_heads": 3, "head_dim": 64}
@@ -46,7 +50,8 @@ CHUNK_TOKENS = 256
 
 
 def key_of(i: int) -> str:
-    return "%064x" % (i * 7919 + 1)   # spread over the fan-out prefixes as content hashes are
+    """A content hash's shape: spread over the store's 256 fan-out directories, as a real store's keys are."""
+    return hashlib.sha256(f"bench-{i}".encode()).hexdigest()
 
 
 @contextmanager
@@ -90,7 +95,15 @@ def plan_side_by_side(store, keys) -> dict:
 
 
 def list_one_by_one(store) -> list[str]:
-    return sorted(key for key, entry_dir in store._entry_dirs() if store.fs.exists(store.fs.join(entry_dir, "zarr.json")))
+    """kvf's listing before: each fan-out directory listed, then each entry's commit marker asked, in turn."""
+    fs, found = store.fs, []
+    for fan in fs.listdir(store.root):
+        if len(fan) != 2 or fan == STAGING:
+            continue
+        for name in fs.listdir(fs.join(store.root, fan)):
+            if name != "zarr.json" and fs.exists(fs.join(store.root, fan, name, "zarr.json")):
+                found.append(name)
+    return sorted(found)
 
 
 def load(store, chunks: list[int], readers: int | None) -> list:
@@ -228,10 +241,11 @@ def legend(table_rows: list[dict]) -> str:
     per_entry = {way: at["planning"][f"{way}_s"] / at["planning"]["count"] for way in ("before", "now")}
     return f"""- **before** is what kvf did until this bench was added, run by this script on the same store: planning asked
   each chunk's entry with a HEAD (`has`) and, when present, a GET of its header; listing (`kvf store info`,
-  `verify`, `gc`) made a HEAD of each entry's commit marker; `kvf run` read a prompt's chunk KVs, a layer of
-  a chunk per request, from one reader thread.
+  `verify`, `gc`) listed each fan-out directory and made a HEAD of each entry's commit marker; `kvf run` read a
+  prompt's chunk KVs, a layer of a chunk per request, from one reader thread.
 - **now**: planning asks for the headers of a batch of chunks in one fsspec `cat` of a list, which s3fs sends
-  side by side; listing asks the markers 1,024 at a time from 16 threads; `kvf run` reads with 8 threads.
+  side by side; listing lists 32 fan-out directories and asks 1,024 markers at a time, from 16 threads; `kvf run`
+  reads with 8 threads.
   Both ways return the same answers (the bench checks it).
 - **RTT 0** is moto itself, a Python server on the client's cores: there every request costs server CPU,
   so asking side by side saves little. With **{rtt:g} ms added** to each request, as a network does, the

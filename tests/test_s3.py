@@ -384,3 +384,21 @@ def test_an_entrys_files_are_written_side_by_side_on_s3_and_its_marker_last(s3, 
     reread = open_store("s3://kvf/writes")
     assert torch.equal(reread.get(key), value.to(torch.float16)) and reread.verify() == []
     assert np.array_equal(reread.get_extras(key)["score"], np.arange(3.0))
+
+
+def test_listing_a_store_on_s3_lists_its_fanout_directories_side_by_side(s3, tmp_path):
+    """A store's keys spread over 256 fan-out directories, and listing it (`kvf store info`, `verify`, `gc`) lists
+    each: on S3 a request each, so they are listed side by side (before, one after another: 256 round trips per
+    walk). Locally they are listed one at a time. Both find every key."""
+    import hashlib
+    from kvf.cachestore import open_store
+    keys = sorted(hashlib.sha256(f"fan-{i}".encode()).hexdigest() for i in range(40))
+    assert len({key[:2] for key in keys}) > 20
+    for where in ("s3://kvf/fanout", str(tmp_path / "local")):
+        store = open_store(where, meta=META, create=True)
+        for i, key in enumerate(keys):
+            store.put(key, kv(i, tokens=1))
+        lister = open_store(where)
+        in_flight = slowed(lister.fs, "listdir")
+        assert lister.keys() == keys, where
+        assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
