@@ -254,7 +254,10 @@ class KVStore:
         entries = tokens = disk = payload = 0
         variants: dict[str, int] = {}
         unreadable: list[str] = []
-        keys = iter(track(sorted(self._committed_keys())))
+        with self._walked_once():
+            committed = sorted(self._committed_keys())
+            temp = self._garbage(grace_s=0.0, include_live=True)  # in-progress writes and crash leftovers
+        keys = iter(track(committed))
         while batch := list(itertools.islice(keys, INFO_BATCH)):   # asked side by side on an object store
             found = self.headers(batch, unreadable=unreadable, cache=False)
             disk += sum(self._entries_bytes(list(found)))
@@ -265,7 +268,6 @@ class KVStore:
                 variant = h.attrs.get("variant")
                 if variant is not None:
                     variants[str(variant)] = variants.get(str(variant), 0) + 1
-        temp = self._garbage(grace_s=0.0, include_live=True)  # in-progress writes and crash leftovers
         return {
             "path": self.path, "format": self.format, "dtype": self.dtype, "compressor": self.compressor,
             "meta": dict(self.meta), "entries": entries, "unreadable_entries": len(unreadable), "tokens": tokens,
@@ -285,10 +287,12 @@ class KVStore:
         """Re-read every entry and check every checksum and its identity (the key and shape its header
         names). Returns [(key, problem)] for the bad ones, entry directories without metadata included.
         track: wraps the list of keys, as a progress bar does (a large store takes minutes to re-read)."""
+        with self._walked_once():
+            unfinished, committed = self._unfinished_entries(), self.keys()
         problems = [(name, "entry directory without its metadata (an interrupted copy or write): "
                            "`kvf build-cache` rebuilds the entry, `kvf store gc --yes` removes it")
-                    for name in self._unfinished_entries()]
-        keys = iter(track(self.keys()))
+                    for name in unfinished]
+        keys = iter(track(committed))
         while batch := list(itertools.islice(keys, VERIFY_BATCH)):   # entries side by side on an object store
             problems += [(key, problem) for key, problem in zip(batch, self.fs.each(self._verify_entry, batch)) if problem]
         return problems
@@ -329,8 +333,9 @@ class KVStore:
 
     def gc_plan(self, keep: set[str] | None = None, grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
         """What gc would remove: (temp/garbage paths, committed keys not in keep; none when keep is None)."""
-        garbage = self._garbage(grace_s=grace_s)
-        entries = [] if keep is None else sorted(k for k in self._committed_keys() if k not in set(keep))
+        with self._walked_once():
+            garbage = self._garbage(grace_s=grace_s)
+            entries = [] if keep is None else sorted(k for k in self._committed_keys() if k not in set(keep))
         return garbage, entries
 
     # ------------------------------------------------------------------ shared helpers
@@ -523,6 +528,13 @@ class KVStore:
 
     def _read_extras(self, header: EntryHeader) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    @contextmanager
+    def _walked_once(self):
+        """Within: one walk of the entries answers every question about them. info, gc and verify each ask for the
+        committed entries and the uncommitted ones; on an object store a walk is a listing per fan-out directory
+        and a request per commit marker. A format whose walk is one file read needs nothing here."""
+        yield
 
     def _committed_keys(self):
         raise NotImplementedError

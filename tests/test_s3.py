@@ -402,3 +402,32 @@ def test_listing_a_store_on_s3_lists_its_fanout_directories_side_by_side(s3, tmp
         in_flight = slowed(lister.fs, "listdir")
         assert lister.keys() == keys, where
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
+
+
+def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
+    """`kvf store info`, `gc` and `verify` each ask for the committed entries and the unfinished ones. On S3 a walk of
+    the store is a listing per fan-out directory and a request per commit marker, so one walk answers both
+    (before, each command walked twice). The answers are those of two walks: an unfinished entry is still found."""
+    import hashlib
+    from kvf.cachestore import open_store
+    keys = sorted(hashlib.sha256(f"walk-{i}".encode()).hexdigest() for i in range(12))
+    store = open_store("s3://kvf/walk", meta=META, create=True)
+    for i, key in enumerate(keys):
+        store.put(key, kv(i, tokens=1))
+    unfinished = "%064x" % 77   # an entry's data without its marker (a writer killed mid-put)
+    store.fs.write_file(store.fs.join(store._entry_dir(unfinished), "kv", "c.0.0.0.0.0"), b"\0" * 8)
+    fans = {key[:2] for key in keys + [unfinished]}
+    for command in ("info", "verify", "gc"):
+        walker = open_store("s3://kvf/walk")
+        listed, real_listdir = [], walker.fs.listdir
+        walker.fs.listdir = lambda path: listed.append(path.rstrip("/").rsplit("/", 1)[-1]) or real_listdir(path)
+        if command == "info":
+            info = walker.info()
+            assert info["entries"] == len(keys) and info["temp_items"] == 1
+        elif command == "verify":
+            assert [key for key, _ in walker.verify()] == [unfinished]
+        else:
+            garbage, entries = walker.gc_plan(keep=set(keys[:2]), grace_s=0.0)
+            assert len(garbage) == 1 and unfinished in garbage[0] and entries == keys[2:]
+        walked = [name for name in listed if name in fans]
+        assert sorted(walked) == sorted(fans), (command, walked)   # each fan-out directory listed once
