@@ -431,3 +431,23 @@ def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
             assert len(garbage) == 1 and unfinished in garbage[0] and entries == keys[2:]
         walked = [name for name in listed if name in fans]
         assert sorted(walked) == sorted(fans), (command, walked)   # each fan-out directory listed once
+
+
+def test_gc_removes_entries_side_by_side_on_s3_and_frees_the_same(s3, tmp_path):
+    """`kvf store gc --keep ...` removes every entry not kept: on S3 each removal is requests (the marker, then the
+    data), so entries go side by side (before, one after another); locally one at a time. Either way it removes
+    and counts the same entries and bytes, and keeps the others readable."""
+    from kvf.cachestore import open_store
+    keys = [("%064x" % (500 + i)) for i in range(8)]
+    freed = {}
+    for where in ("s3://kvf/gc", str(tmp_path / "local")):
+        store = open_store(where, meta=META, create=True)
+        for i, key in enumerate(keys):
+            store.put(key, kv(i))
+        sizes = {key: store._entry_bytes(key) for key in keys}
+        collector = open_store(where)
+        in_flight = slowed(collector, "delete")
+        freed[where] = collector.gc(keep=set(keys[:3]), grace_s=0.0)
+        assert freed[where] == {"garbage_removed": 0, "entries_removed": 5, "bytes_freed": sum(sizes[k] for k in keys[3:])}
+        assert open_store(where).keys() == keys[:3] and open_store(where).verify() == []
+        assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
