@@ -68,9 +68,20 @@ class LatencyProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc):
-        self._loop.call_soon_threadsafe(self._server.close)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Close the server and end every connection's pumps: a pump left pending on a stopped loop is collected
+        later, in whatever test runs then, as a "coroutine ignored GeneratorExit" warning."""
+        self._server.close()
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _serve(self):
         return await asyncio.start_server(self._connect, "127.0.0.1", self.port)
@@ -81,8 +92,12 @@ class LatencyProxy:
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(self._pump(client_reader, server_writer, self.delay_s),
-                             self._pump(server_reader, client_writer, 0.0), return_exceptions=True)
+        try:
+            await asyncio.gather(self._pump(client_reader, server_writer, self.delay_s),
+                                 self._pump(server_reader, client_writer, 0.0), return_exceptions=True)
+        except asyncio.CancelledError:   # the proxy is shutting down (_shutdown): end quietly
+            client_writer.close()
+            server_writer.close()
 
     @staticmethod
     async def _pump(reader, writer, delay_s: float):
