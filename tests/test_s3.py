@@ -451,3 +451,23 @@ def test_gc_removes_entries_side_by_side_on_s3_and_frees_the_same(s3, tmp_path):
         assert freed[where] == {"garbage_removed": 0, "entries_removed": 5, "bytes_freed": sum(sizes[k] for k in keys[3:])}
         assert open_store(where).keys() == keys[:3] and open_store(where).verify() == []
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
+
+
+def test_the_latency_proxy_ends_its_connections_when_it_closes(caplog, recwarn):
+    """A connection still open when the latency proxy (bench_s3's) closes ends with it: no task is left pending on
+    its stopped loop, which the garbage collector would report later, in whichever test runs then."""
+    import gc
+    import socket
+    from kvf.scripts.s3_local import LatencyProxy
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    with LatencyProxy(f"http://127.0.0.1:{server.getsockname()[1]}", 5) as url:
+        client = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        client.send(b"x")
+        time.sleep(0.3)
+    gc.collect()
+    client.close()
+    server.close()
+    assert "Task was destroyed" not in caplog.text and "Exception in callback" not in caplog.text
+    assert not [w for w in recwarn if "Unraisable" in type(w.message).__name__], [str(w.message) for w in recwarn]
