@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,6 +41,13 @@ INFO_BATCH = 256     # entries info() asks about at once
 VERIFY_BATCH = 64    # entries verify() reads at once
 DELETE_BATCH = 256   # entries gc() removes at once
 _HOST = socket.gethostname().replace("~", "-").replace("/", "-")
+
+
+def batched(items: Iterable, n: int) -> Iterator[list]:
+    """Lists of n items (the last one shorter), taken lazily, as itertools.batched does from Python 3.12."""
+    items = iter(items)
+    while batch := list(itertools.islice(items, n)):
+        yield batch
 
 
 class Unreadable(Exception):
@@ -258,8 +265,7 @@ class KVStore:
         with self._walked_once():
             committed = sorted(self._committed_keys())
             temp = self._garbage(grace_s=0.0, include_live=True)  # in-progress writes and crash leftovers
-        keys = iter(track(committed))
-        while batch := list(itertools.islice(keys, INFO_BATCH)):   # asked side by side on an object store
+        for batch in batched(track(committed), INFO_BATCH):   # asked side by side on an object store
             found = self.headers(batch, unreadable=unreadable, cache=False)
             disk += sum(self._entries_bytes(list(found)))
             for h in found.values():
@@ -293,8 +299,7 @@ class KVStore:
         problems = [(name, "entry directory without its metadata (an interrupted copy or write): "
                            "`kvf build-cache` rebuilds the entry, `kvf store gc --yes` removes it")
                     for name in unfinished]
-        keys = iter(track(committed))
-        while batch := list(itertools.islice(keys, VERIFY_BATCH)):   # entries side by side on an object store
+        for batch in batched(track(committed), VERIFY_BATCH):   # entries side by side on an object store
             problems += [(key, problem) for key, problem in zip(batch, self.fs.each(self._verify_entry, batch)) if problem]
         return problems
 
@@ -325,8 +330,7 @@ class KVStore:
             freed["bytes_freed"] += self.fs.size(path)
             self.fs.remove(path)
             freed["garbage_removed"] += 1
-        keys = iter(entries)
-        while batch := list(itertools.islice(keys, DELETE_BATCH)):   # removed side by side on an object store
+        for batch in batched(entries, DELETE_BATCH):   # removed side by side on an object store
             for nbytes in self.fs.each(self._delete_sized, batch):
                 if nbytes is not None:
                     freed["entries_removed"] += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -23,6 +23,7 @@ from rich.text import Text
 
 from kvf.errors import KvfError, disk_full
 from kvf.cachestore import open_store
+from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
                                              tokenizer_fingerprint, validate_chunking)
@@ -204,18 +205,6 @@ def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------
 TOKENIZE_DOCS = 256   # documents tokenized in one call
-
-
-def batched(items: Iterable, n: int) -> Iterator[list]:
-    """Lists of n items (the last one shorter), as itertools.batched does from Python 3.12."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console | None = None,
