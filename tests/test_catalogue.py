@@ -209,6 +209,10 @@ CASES = {
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["nope"]}\n'), "--out", t / "p"], ["line 1", "nope"]),
+    # it wrote a dataset with an empty corpus, and `kvf run -d` then said "see the warnings above" of none
+    "prepare custom no passages, no --corpus": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "answers": ["a"]}\n'), "--out", t / "p"],
+        ["no question carries passages", "add --corpus DOCS", "`kvf run -w WS -q"]),
     # the user's own file: the fix is theirs to make, not a `kvf data prepare` re-run
     "prepare custom missing": (lambda d, t: ["data", "prepare", "custom", "--input", t / "nope.jsonl", "--out", t / "p"],
                                ["--input", "nope.jsonl is missing", "JSON Lines file of questions"]),
@@ -353,6 +357,30 @@ def test_passages_with_no_chunks_in_the_workspace_are_refused(data, tmp_path, ca
     code, _, err = run_cli(run_args((tmp_path / "other", data[1]), tmp_path / "o.jsonl"), capsys, monkeypatch)
     other, ws = tmp_path / "other", data[1]
     assert_one_line(code, err, "question q1", "p1", "another corpus", f"`kvf build-cache {other / 'corpus'} -w {ws}`")
+
+
+def test_a_passage_id_spelt_almost_as_a_document_s_names_that_document(ws_copy, tmp_path, capsys, monkeypatch):
+    """A .txt document's id is its file name: a question citing 'acme' (or a typo of an id) was told the workspace
+    was built from another corpus, and to rebuild it."""
+    dataset, ws = ws_copy
+    doc_chunks = json.loads((ws / "doc_chunks.json").read_text())
+    first, second = list(doc_chunks)[:2]
+    doc_chunks["acme.txt"] = doc_chunks.pop(first)   # as a corpus of .txt files names its documents
+    (ws / "doc_chunks.json").write_text(json.dumps(doc_chunks))
+    for cited, meant in (("acme", "acme.txt"), (second[:-1] + "#", second)):
+        questions = write(tmp_path / "q.jsonl", json.dumps({"question": "Who?", "passages": [cited]}).encode())
+        code, _, err = run_cli(["run", "-w", ws, "-q", questions, "-m", "reuse", "-o", tmp_path / "o.jsonl"],
+                               capsys, monkeypatch)
+        assert_one_line(code, err, f"cites passage {cited!r}", f"did you mean {meant!r}?")
+
+
+def test_a_corpus_of_empty_files_says_so(tmp_path, capsys, monkeypatch):
+    """Empty files are skipped without a warning, so "see the warnings above" pointed at nothing."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "passages.jsonl").write_bytes(b"")
+    code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "ws"], capsys, monkeypatch)
+    line = assert_one_line(code, err, "corpus", "has no readable non-empty documents (its files are empty)")
+    assert "warnings above" not in line
 
 
 # ---- resuming: stale records, other files, two writers ----------------------------------------------

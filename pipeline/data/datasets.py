@@ -473,6 +473,10 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     if not questions:
         raise KvfError(f"--input {path} holds no questions; {fix}")
     questions = questions[:limit] if limit is not None else questions
+    if not documents and not any(q.contexts for q in questions):   # nothing to retrieve from at run time
+        raise KvfError(f"--input {path}: no question carries passages and no --corpus is given, so the dataset would "
+                       f"have no documents; give questions \"passages\", add --corpus DOCS, or answer them over your "
+                       f"own workspace with `kvf run -w WS -q {path}`")
     extra = [Question(f"doc-{d}", "", [], [Passage(doc.title, doc.text)]) for d, doc in documents.items()]
     manifest = {"dataset": "custom", "source": str(path.resolve()), "format": "custom",
                 "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "skipped": 0}

@@ -174,7 +174,8 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     caller has it; on_bytes(n): n more bytes of those files read."""
     root = Path(path)
     first_seen = {}   # doc id -> where it was first read
-    for file in list_corpus_files(root) if files is None else files:
+    files = list_corpus_files(root) if files is None else files
+    for file in files:
         if is_supported(file, JSONL_EXTENSIONS):
             file_docs = iter_jsonl_documents(file, on_bytes)
         else:
@@ -192,7 +193,10 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
             first_seen[doc.doc_id] = doc.source_file
             yield doc
     if not first_seen:
-        raise KvfError(f"corpus {root} has no readable non-empty documents; see the warnings above")
+        # a skipped file or document was warned about; an empty file is skipped without a word
+        why = "its files are empty" if all(f.stat().st_size == 0 for f in files) else "see the warnings above"
+        raise KvfError(f"corpus {root} has no readable non-empty documents ({why}); put .txt, .md or .jsonl "
+                       f"documents in it")
 
 
 def read_corpus(path: str | Path) -> list[Document]:
