@@ -246,7 +246,8 @@ def slowed(store, method: str = "get_layer") -> list[int]:
 
 def test_reading_a_prompt_from_s3_asks_side_by_side(s3, tmp_path):
     """On an object store a prompt's chunk KVs are read side by side (each read is a request that waits on the
-    network; before, one after another), and the same values arrive; a local store keeps one reader."""
+    network; before, one after another), and the same values arrive; a local store keeps one reader. So are
+    they when read again after the prefill (kvfuse's shift), once the reader threads are shut down."""
     from kvf.cachestore import open_store
     from kvf.pipeline.fusion.sources import StoreKVSource
     keys = [("%064x" % (100 + i)) for i in range(3)]
@@ -263,6 +264,10 @@ def test_reading_a_prompt_from_s3_asks_side_by_side(s3, tmp_path):
         assert source.token_counts == [4, 5, 6]
         assert all(torch.equal(layers[n][i], kv(i, tokens=4 + i)[n].half()) for n in range(2) for i in range(3))
         assert in_flight[1] == (3 if where.startswith("s3://") else 1), where
+        in_flight[1] = 0
+        again = source.read_again(1, [0, 1, 2])   # after the prefill, its reader threads shut down (kvfuse's shift)
+        assert all(torch.equal(again[i], layers[1][i]) for i in range(3))
+        assert in_flight[1] == (3 if where.startswith("s3://") else 1), ("read_again", where)
 
 
 def test_verify_reads_entries_side_by_side_on_s3_and_finds_the_same(s3, tmp_path):
