@@ -1,7 +1,7 @@
 """`kvf search`: query a workspace's BM25 or dense index and show the top chunks."""
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -50,8 +50,10 @@ def search_command(
     workspace: Annotated[Path, typer.Option(
         "--workspace", "-w", help="Workspace folder holding chunks.parquet, bm25/ and dense/.")] = Path("workspace"),
     k: Annotated[int, typer.Option("--top-k", "-k", "--k", min=1, help="How many chunks to show.")] = 5,
-    mode: Annotated[SearchMode, typer.Option(
-        "--retriever", "--mode", help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine).")] = SearchMode.bm25,
+    mode: Annotated[Optional[SearchMode], typer.Option(
+        "--retriever", "--mode", show_default=False,
+        help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine) [default: bm25, or dense in a workspace "
+             "built --no-bm25].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the hits as JSON.")] = False,
 ):
     """Search the workspace's chunks and print the top hits."""
@@ -62,8 +64,8 @@ def search_command(
     if not workspace.is_dir():
         raise KvfError(f"--workspace {workspace} does not exist; "
                        f"build it with `kvf build-cache CORPUS --workspace {workspace}`")
-    mode = SearchMode(mode)
     ws = Workspace(workspace)
+    mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)
     hits = search_workspace(query, workspace, k, mode)

@@ -34,6 +34,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
     assert retrieved.chunk_ids == [cid for cid, _ in hits] and retrieved.recomputed_tokens == 0
     with pytest.raises(kvf.KvfError, match="not in workspace"):
         ws.answer("q", documents=["no-such-doc"])
+    with pytest.raises(kvf.KvfError, match=f"not in workspace .*; did you mean '{first_doc}'"):   # a typo of an id
+        ws.answer("q", documents=[first_doc[:-1] + "#"])
     # a ratio for a method that has none would silently run at the method's own (full: everything)
     with pytest.raises(kvf.KvfError, match="ratio=0.3: full always recomputes 1 of the chunk tokens"):
         ws.answer("q", method="full", ratio=0.3)

@@ -634,6 +634,26 @@ def test_a_stale_bm25_index_is_refused(ws_copy, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "bm25 index", "another set of chunks", "--rebuild bm25")
 
 
+def test_a_workspace_built_without_bm25_searches_its_dense_index(ws_copy, tmp_path, capsys, monkeypatch):
+    """A workspace built --no-bm25 (no Java) has only a dense index: run, search and the Python API defaulted to
+    bm25 and refused it, telling the user to build the index they had left out. Asked for bm25, the one line
+    names the dense index as the other way."""
+    import kvf
+    _, ws = ws_copy
+    shutil.rmtree(ws / "bm25")
+    questions = write(tmp_path / "q.jsonl", json.dumps({"question": "Who founded the glassworks?"}).encode())
+    code, out, err = run_cli(["run", "-w", ws, "-q", questions, "-m", "reuse", "--max-new-tokens", "2",
+                              "--no-show-answers", "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "dense top-5" in out
+    assert json.loads((tmp_path / "o.jsonl").read_text().splitlines()[-1])["settings"]["retriever"] == "dense"
+    code, out, err = run_cli(["search", "glassworks", "-w", ws], capsys, monkeypatch)
+    assert code == 0 and "dense top 5" in out, err
+    assert len(kvf.open_workspace(ws).search("Who founded the glassworks?")) == 5
+    code, _, err = run_cli(["search", "glassworks", "-w", ws, "--retriever", "bm25"], capsys, monkeypatch)
+    assert_one_line(code, err, "BM25 index", "--rebuild bm25", "--retriever dense")
+
+
 def test_foreign_neighbours_are_one_line(ws_copy, tmp_path, capsys, monkeypatch):
     data, ws = ws_copy
     from kvf.pipeline.retrieval.neighbours import save_neighbours

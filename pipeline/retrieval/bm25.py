@@ -65,8 +65,9 @@ class BM25Searcher:
     def __init__(self, index_dir: str | Path):
         index_dir = Path(index_dir)
         if not index_dir.is_dir() or not any(index_dir.glob("segments_*")):
+            dense = " (or search its dense index: --retriever dense)" if (index_dir.parent / "dense").is_dir() else ""
             raise KvfError(f"BM25 index {index_dir} does not exist or is incomplete; build it with "
-                           f"`kvf build-cache CORPUS --workspace {index_dir.parent} --bm25 --rebuild bm25`")
+                           f"`kvf build-cache CORPUS --workspace {index_dir.parent} --bm25 --rebuild bm25`{dense}")
         ensure_java(str(index_dir.parent))
         from pyserini.search.lucene import LuceneSearcher
         try:

@@ -9,10 +9,10 @@ from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import as_document_id
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
-from kvf.pipeline.workflows.run import DEFAULT_RETRIEVER, DEFAULT_TOP_K
+from kvf.pipeline.workflows.run import DEFAULT_TOP_K
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
-from kvf.pipeline.workflows.workspace import VARIANTS
+from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
 
 
 @dataclass
@@ -39,9 +39,11 @@ class WorkspaceSession:
         check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
 
-    def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = DEFAULT_RETRIEVER) -> list[tuple[str, float]]:
-        """(chunk id, score) of the top-k chunks for a question."""
+    def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[tuple[str, float]]:
+        """(chunk id, score) of the top-k chunks for a question (retriever: bm25, or dense in a workspace built
+        --no-bm25, unless given)."""
         check_question(question)
+        retriever = retriever or self.session.ws.default_retriever()
         check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
         if retriever not in self._searchers:
             ws = self.session.ws
@@ -59,7 +61,7 @@ class WorkspaceSession:
                retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
                max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
-        order, or else the top-k retrieved ones (top_k 5, retriever bm25 unless given). Knobs are the method's
+        order, or else the top-k retrieved ones (top_k 5, retriever bm25 or the workspace's only index, unless given). Knobs are the method's
         (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
@@ -70,7 +72,7 @@ class WorkspaceSession:
                 if value is not None:
                     raise KvfError(f"{name}={value!r}: documents=[...] name the chunks, so nothing is retrieved; "
                                    f"leave {name} out, or documents out to retrieve")
-        top_k, retriever = top_k or DEFAULT_TOP_K, retriever or DEFAULT_RETRIEVER
+        top_k, retriever = top_k or DEFAULT_TOP_K, retriever or s.ws.default_retriever()
         check_own_knobs(method, knobs)
         # a knob was an argument here: the same line, naming it check_layer=99 rather than --check-layer 99
         with knob_errors_named(knobs, lambda knob, problem: f"{knob}={knobs[knob]!r}: {problem}"):
@@ -85,7 +87,9 @@ class WorkspaceSession:
             doc_chunks = s.ws.doc_chunks()
             missing = [d for d in documents if d not in doc_chunks]
             if missing:
-                raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}")
+                meant = document_meant(missing[0], doc_chunks)
+                raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
+                               + (f"; did you mean {meant!r}?" if meant else ""))
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:
             chunk_ids = [cid for cid, _ in self.search(question, top_k, retriever)]

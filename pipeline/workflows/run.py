@@ -9,7 +9,6 @@ settings that would change an answer is refused rather than mixed with the old r
 """
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +27,6 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
-from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS
 from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
                                           settle_settings, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
@@ -36,11 +34,11 @@ from kvf.pipeline.workflows.display import description_column, notice, progress_
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
-from kvf.pipeline.workflows.workspace import VARIANTS, Workspace
+from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant
 
 SETTINGS = ("auto", "per-question", "shared")
 RETRIEVERS = ("bm25", "dense")
-DEFAULT_RETRIEVER, DEFAULT_TOP_K = "bm25", 5
+DEFAULT_TOP_K = 5
 
 
 @dataclass
@@ -320,7 +318,8 @@ def settle_retrieval(opts: RunOptions, setting: str, why: str) -> RunOptions:
             if value is not None:
                 raise KvfError(f"{flag} {value}: the per-question setting ({why}) answers from each question's own "
                                f"passages and retrieves nothing; pass --setting shared to retrieve, or leave {flag} out")
-    return replace(opts, top_k=opts.top_k or DEFAULT_TOP_K, retriever=opts.retriever or DEFAULT_RETRIEVER)
+    retriever = opts.retriever or Workspace(default_workspace(opts)).default_retriever()
+    return replace(opts, top_k=opts.top_k or DEFAULT_TOP_K, retriever=retriever)
 
 
 class ChunkPicker:
@@ -352,7 +351,7 @@ class ChunkPicker:
             if self.setting == "per-question" and not q.context_ids:
                 raise KvfError(f"question {q.qid} names no passages, so the per-question setting has no context for "
                                "it; give it passages or pass --setting shared")
-            if missing and (meant := self.document_meant(missing[0])):
+            if missing and (meant := document_meant(missing[0], self.doc_chunks)):
                 raise KvfError(f"question {q.qid} cites passage {missing[0]!r}, which is not a document of workspace "
                                f"{self.ws.root}; did you mean {meant!r}? (a document's id is its file name, or a "
                                f".jsonl's \"id\")")
@@ -361,18 +360,6 @@ class ChunkPicker:
                 raise KvfError(f"question {q.qid} cites passage {missing[0]}, which has no chunks in workspace {self.ws.root}: "
                                f"the workspace was built from another corpus; rebuild it from this one with {build} "
                                "(chunks it already holds keep their stored KVs), or pass the workspace built for it (-w)")
-
-    def document_meant(self, passage_id: str) -> str | None:
-        """The workspace's document a passage id not in it most likely means: its file name with the extension
-        left off (ids of .txt and .md documents are file names), else one spelt alike (small workspaces only)."""
-        if passage_id in self.doc_chunks:
-            return None
-        for extension in SUPPORTED_EXTENSIONS:
-            if passage_id + extension in self.doc_chunks:
-                return passage_id + extension
-        if len(self.doc_chunks) > 100_000:   # difflib compares with every id: a slow error on a large corpus
-            return None
-        return next(iter(difflib.get_close_matches(passage_id, self.doc_chunks, n=1)), None)
 
     def chunk_ids(self, q: Question) -> list[str]:
         if q.qid not in self._chunk_ids_of:

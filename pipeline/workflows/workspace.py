@@ -14,6 +14,7 @@ which offline variant, what it attended to (S, and for `fusion` its neighbours),
 """
 from __future__ import annotations
 
+import difflib
 import fcntl
 import hashlib
 import json
@@ -26,6 +27,7 @@ from typing import Callable
 from kvf.errors import KvfError
 from kvf.cachestore import entry_key
 from kvf.pipeline.files import write_atomic
+from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 
 VARIANTS = ("prefix", "fusion")
@@ -62,6 +64,19 @@ class EntryKeys:
         return entry_key(self.computed_by, variant, ids_digest(context), segment_ids)
 
 
+def document_meant(doc_id: str, doc_chunks: dict[str, list[str]]) -> str | None:
+    """The workspace document an id not among doc_chunks most likely means: its file name with the extension left
+    off (ids of .txt and .md documents are file names), else one spelt alike (small workspaces only)."""
+    if doc_id in doc_chunks:
+        return None
+    for extension in SUPPORTED_EXTENSIONS:
+        if doc_id + extension in doc_chunks:
+            return doc_id + extension
+    if len(doc_chunks) > 100_000:   # difflib compares with every id: a slow error on a large corpus
+        return None
+    return next(iter(difflib.get_close_matches(doc_id, doc_chunks, n=1)), None)
+
+
 class Workspace:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -75,6 +90,11 @@ class Workspace:
     neighbours_path = property(lambda self: self.root / "neighbours.npz")          # what a build writes
     legacy_neighbours_path = property(lambda self: self.root / "neighbours.json")  # what kvf wrote before
     index_state_path = property(lambda self: self.root / "indexes.json")
+
+    def default_retriever(self) -> str:
+        """bm25, or dense in a workspace with only a dense index (built --no-bm25, e.g. to skip Java): the
+        bm25 default refused such a workspace, and told to build the index it was built without."""
+        return "dense" if self.dense_dir.is_dir() and not self.bm25_dir.is_dir() else "bm25"
 
     @property
     def neighbours_file(self) -> Path:
