@@ -27,7 +27,7 @@ def run_command(
     limit: Optional[int] = typer.Option(None, "--limit", "-n", min=1, help="Answer only the first N questions [default: all]."),
     offset: int = typer.Option(0, "--offset", min=0, help="Skip the first N questions (with -n: a held-out slice, e.g. --offset 100 -n 50)."),
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto."),
-    retriever: Optional[str] = typer.Option(None, "--retriever", show_default=False, help="bm25 or dense, in the shared setting [default: bm25, or dense in a workspace built --no-bm25]."),
+    retriever: Optional[str] = typer.Option(None, "--retriever", show_default=False, help="bm25 or dense, in the shared setting [default: bm25, or dense in a workspace without a BM25 index]."),
     compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
     model: ModelOption = None,
     neighbours: Optional[int] = typer.Option(None, "--neighbours", min=1, show_default=False, help="FusionRAG's top-n similar chunks, when run creates the workspace [default: 10; an existing workspace keeps its own]."),
@@ -90,5 +90,7 @@ def check_ratio_used(ratio: str | None, quality_floor: float | None, methods) ->
         raise KvfError(f"--quality-floor {quality_floor:g} is used with --ratio auto only; add -r auto, or leave it out")
     names = sorted({parse_method_spec(entry).name for entry in methods})
     if ratio is not None and not any(METHODS[name].ratio_is_knob for name in names):
-        raise KvfError(f"--ratio {ratio}: {', '.join(names)} recompute a fixed amount and take no ratio; leave --ratio out, "
-                       "or add a method that takes one (see `kvf methods`)")
+        they = f"{names[0]} recomputes a fixed amount and takes" if len(names) == 1 else \
+            f"{', '.join(names)} recompute a fixed amount and take"
+        raise KvfError(f"--ratio {ratio}: {they} no ratio; leave --ratio out, or add a method that takes one "
+                       "(see `kvf methods`)")

@@ -53,7 +53,7 @@ def search_command(
     mode: Annotated[Optional[SearchMode], typer.Option(
         "--retriever", "--mode", show_default=False,
         help="Retriever: bm25 (Lucene keyword) or dense (embedding cosine) [default: bm25, or dense in a workspace "
-             "built --no-bm25].")] = None,
+             "without a BM25 index].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the hits as JSON.")] = False,
 ):
     """Search the workspace's chunks and print the top hits."""

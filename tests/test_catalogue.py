@@ -81,6 +81,8 @@ CASES = {
                                           "-o", t / "o.jsonl"], ["--method cacheblend:check_layer=-1: check_layer: must be >= 1"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",
                                          "-o", t / "o.jsonl"], ["--ratio 0.3", "full, reuse", "take no ratio"]),
+    "run -m full alone -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full", "-r", "0.3", "-o", t / "o.jsonl"],
+                                 ["--ratio 0.3: full recomputes a fixed amount and takes no ratio"]),
     "run --quality-floor without auto": (lambda d, t: run_args(d, t / "o.jsonl", "--quality-floor", "0.3"),
                                          ["--quality-floor 0.3", "-r auto"]),
     "run -m NAME:no_such_knob": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:nope=1",
