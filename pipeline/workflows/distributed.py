@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
+import tempfile
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -50,14 +52,91 @@ def start_ray(address: str | None, threads: int = 1):
             # Ray's notice that a new local cluster has token auth on (its default, kept) would be a second
             # stderr line on every run beside kvf's own
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+            # address "local" starts an instance of our own: with none, Ray joins a `ray start` cluster it finds
+            # on the machine, and refused our num_cpus there
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": env}, configure_logging=False)
         else:
-            ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env}, configure_logging=False)
+            connect_to_cluster(ray, address, env)
+    except KvfError:
+        raise
     except Exception as e:  # ConnectionError, RuntimeError, ValueError... for a bad or unreachable address
-        raise KvfError(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:120]}); "
-                       "check the address (`ray status` on the head node) or pass --ray local") from None
+        raise cannot_connect(address, str(e).splitlines()[0][:120]) from None
     return ray
+
+
+def cannot_connect(address: str, reason: str) -> KvfError:
+    if "token" in reason.lower():   # Ray's token auth, on by default for a `ray start --head` since Ray 2.5x
+        fix = ("give kvf the cluster's token: RAY_AUTH_TOKEN, or ~/.ray/auth_token as on the head (`ray get-auth-token` "
+               "there prints it)")
+    else:
+        fix = ("check the address (`ray status` on the head node: the GCS port, 6379 unless set; a Ray client's is "
+               "ray://HOST:10001) or pass --ray local")
+    return KvfError(f"--ray {address}: cannot connect to a Ray cluster there ({reason}); {fix}")
+
+
+# A port that accepts connections but is not a Ray head (the dashboard's, a client port without ray://) kept
+# Ray's driver trying for over 5 minutes, each try a few lines on stderr from its C++ client (measured: Ray
+# 2.60, 20 tries of 41 s). One try, with 10 s for the head to answer, ends it in about 20 s; a head answers
+# in milliseconds. Environment variables of the same names, when set, win.
+RAY_CONNECT_SETTINGS = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "10"}
+
+
+def connect_to_cluster(ray, address: str, env: dict) -> None:
+    """ray.init against an existing cluster: tried once, with what Ray's C++ client says while it tries
+    kept off stderr (replayed if it connects), so a failure is kvf's one line, with Ray's reason in it."""
+    for name, value in RAY_CONNECT_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    send_token_if_any()
+    failed = None
+    with stderr_captured() as said:
+        try:
+            ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env}, configure_logging=False)
+        except Exception as e:   # ConnectionError, RuntimeError, ValueError...
+            failed = e
+    if failed is None:
+        sys.stderr.write(said())
+        return
+    raise cannot_connect(address, ray_said_why(said()) or str(failed).splitlines()[0][:120])
+
+
+def send_token_if_any() -> None:
+    """A head started by `ray start --head` wants a token (Ray's default), and ray.init(address=...) sends the one
+    the machine has (~/.ray/auth_token, RAY_AUTH_TOKEN) only with RAY_AUTH_MODE=token: without it every try
+    was refused, 20 lines on stderr, then "Failed to connect". A RAY_AUTH_MODE the user set is kept."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    except ImportError:   # a Ray without token auth
+        return
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def ray_said_why(stderr: str) -> str | None:
+    """The last reason Ray's C++ client gave for a failed try, e.g. 'Authentication token is missing or
+    incorrect' from '... Failed to get cluster ID from GCS server: Unauthenticated: RPC error: ...: <reason>'."""
+    tries = [line for line in stderr.splitlines() if "Failed to get cluster ID from GCS server: " in line]
+    return tries[-1].rsplit(": ", 1)[-1].strip() if tries else None
+
+
+@contextmanager
+def stderr_captured():
+    """File descriptor 2 into a temporary file for the block (C++ code writes there, past sys.stderr);
+    yields a function returning what was written, once the block has ended."""
+    sys.stderr.flush()
+    saved, written = os.dup(2), []
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield lambda: "".join(written)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            written.append(capture.read().decode(errors="replace"))
 
 
 def check_ray(opts) -> None:
