@@ -202,6 +202,9 @@ CASES = {
         "--out", t / "p"], ["record 0", "not a string"]),
     "prepare unknown dataset": (lambda d, t: ["data", "prepare", "musiqe", "--out", t / "p"],   # it said "has no file of its own"
                                 ["unknown dataset 'musiqe'", "known: nq,", "musique", "or custom"]),
+    "prepare --data-dir missing": (lambda d, t: ["data", "prepare", "musique", "--data-dir", t / "nope", "--out", t / "p"],
+                                   ["data directory", "(from --data-dir) does not exist", "holds the benchmark files",
+                                    "--input FILE"]),
     "prepare triviaqa without --input": (lambda d, t: ["data", "prepare", "triviaqa", "--out", t / "p"],
                                          ["triviaqa has no file of its own", "--input FILE (dpr or kilt format)"]),
     "prepare custom answers not text": (lambda d, t: ["data", "prepare", "custom", "--input", write(

@@ -110,7 +110,8 @@ def data_dir(flag: str | None = None) -> Path:
             raise KvfError(f"no data directory: pass --data-dir DIR or set KVF_DATA ({path} does not exist)")
         return path
     if not path.is_dir():
-        raise KvfError(f"data directory {path} (from {origin}) does not exist")
+        raise KvfError(f"data directory {path} (from {origin}) does not exist; pass the folder that holds the "
+                       f"benchmark files (e.g. {next(iter(DATASET_FILES.values()))}), or --input FILE")
     return path
 
 
