@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,20 +235,20 @@ def free_port() -> int:
 @pytest.fixture
 def ray_head(tmp_path):
     """`ray start --head`, as a user starts a cluster, on a machine that has a Ray token in ~/.ray (any local
-    `ray.init()`, kvf's `--ray local` included, leaves one there), so Ray turns token auth on; its own temp dir,
-    one CPU. Ended with its process group. -> (port, the environment of a user on the head)."""
+    `ray.init()`, kvf's `--ray local` included, leaves one there), so Ray turns token auth on; Ray's own temp dir,
+    where it leaves the address a later `ray.init()` without one joins; one CPU. Ended with its process group
+    (and that address, when it is still this head's). -> (port, the environment of a user on the head)."""
     import secrets
-    import tempfile
+    from ray._common.utils import get_ray_address_file
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    temp = tempfile.mkdtemp(prefix="kvf-ray-", dir="/tmp")   # short: Ray's socket paths live under it
     env = {k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
     env["HOME"] = str(home)
     port = free_port()
     head = subprocess.Popen([str(shutil.which("ray", path=os.path.dirname(sys.executable))), "start", "--head",
-                             "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                             f"--temp-dir={temp}"], env=env, start_new_session=True,
+                             "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"],
+                            env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
@@ -256,14 +257,12 @@ def ray_head(tmp_path):
             time.sleep(0.5)
         time.sleep(2)   # the GCS port opens a moment before the head takes drivers
         yield port, env
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)
-        except subprocess.TimeoutExpired:   # it tidies its session for half a minute: nothing here needs that
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+    finally:   # SIGKILL: on SIGTERM it tidies its session for half a minute, which nothing here needs
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        address_file = Path(get_ray_address_file(None))
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()   # left, it would send a later plain ray.init() to a head that is gone
 
 
 def port_open(port: int) -> bool:
@@ -301,8 +300,12 @@ def test_a_cluster_started_with_ray_start_is_reached_with_its_token_and_local_st
     no_token = kvf_run_on(corpus, tmp_path / "no-token.jsonl", f"127.0.0.1:{port}", {**env, "HOME": str(tmp_path / "elsewhere")})
     line = one_line(no_token.stderr)
     assert f"--ray 127.0.0.1:{port}: cannot connect" in line and "token" in line and "RAY_AUTH_TOKEN" in line, line
-    local = kvf_run_on(corpus, tmp_path / "local.jsonl", "local", env)
-    assert local.returncode == 0, local.stderr[-3000:]
+    own = subprocess.run([sys.executable, "-c", "import os; from kvf.pipeline.workflows.distributed import start_ray; "
+                          "print(int(start_ray('local').cluster_resources()['CPU']), os.cpu_count())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr[-3000:]
+    cpus, machine = own.stdout.split()
+    assert cpus == machine   # the head has 1 CPU: an instance of its own has the machine's
 
 
 def test_a_port_that_is_not_a_ray_head_is_one_line_soon(tmp_path):
