@@ -101,6 +101,10 @@ CASES = {
                                                    "--shift-estimate", "median", "-o", t / "o.jsonl"],
                                     ["--shift-estimate median", "james-stein"]),
     "run --device cuda": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "cuda"), ["--device cuda", "CUDA"]),
+    "run --model a hub id": (lambda d, t: run_args(d, t / "o.jsonl", "--model", "meta-llama/Llama-3-8B"),   # offline
+                             ["--model meta-llama/Llama-3-8B: no such file", "kvf downloads nothing", "--local-dir DIR"]),
+    "run --model without model_type": (lambda d, t: run_args(d, t / "o.jsonl", "--model", write(t / "m" / "config.json", b"{}").parent),
+                                       ["config.json names no model_type", "llama"]),
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
     "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),
     "run -o DIR": (lambda d, t: run_args(d, t), ["--out", "is a directory"]),
@@ -238,6 +242,7 @@ CASES = {
 
 
 def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data if data.endswith(b"\n") else data + b"\n")
     return path
 

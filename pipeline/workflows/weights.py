@@ -88,6 +88,9 @@ def _check_gguf(path: Path) -> None:
 
 
 def _check_architecture(model_type: str | None, source: str) -> None:
+    if model_type is None:
+        raise KvfError(f"--model {source}: its config.json names no model_type; pass a Hugging Face model directory "
+                       f"of one of {', '.join(SUPPORTED_ARCHITECTURES)}")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise KvfError(f"--model {source}: architecture '{model_type}' cannot be fused; kvf supports "
                        f"{', '.join(SUPPORTED_ARCHITECTURES)} (decoder-only with RoPE)")
@@ -179,8 +182,12 @@ def open_model(model: str | None = None) -> ModelRef:
     else:
         path = Path(model).expanduser()
         if not path.exists():
-            raise KvfError(f"--model {model}: no such file or directory; pass a local model directory, a .gguf file, "
-                           "or omit --model for the embedded SmolLM2-135M-Instruct")
+            # kvf never downloads (offline by design): a hub id such as meta-llama/Llama-3-8B is not fetched
+            hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+            hint = (" (kvf downloads nothing: fetch the hub model first, e.g. `huggingface-cli download "
+                    f"{model} --local-dir DIR`, and pass DIR)") if hub_id else ""
+            raise KvfError(f"--model {model}: no such file or directory{hint}; pass a local model directory, a .gguf "
+                           "file, or omit --model for the embedded SmolLM2-135M-Instruct")
         if path.is_dir():
             return _checked_hf_dir(path, model)
         gguf, name = path, model
