@@ -54,7 +54,8 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
     """One run record -> one flat row (what the summary needs, nothing model-specific)."""
     s = rec.settings
     row = {"file": str(path), "line": lineno, "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
-           "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "question": rec.question,
+           "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "ratio_mode": s.get("ratio_mode"),
+           "question": rec.question,
            "answer": rec.answer,
            "gold": list(rec.gold), "gold_mode": rec.gold_mode, "full_answer": rec.full_answer,
            "kl_full": _number(rec.kl_full), "top1_agree": _number(rec.top1_agree_full),
@@ -126,8 +127,21 @@ def load_runs(run_files: list[Path], track=no_progress) -> pd.DataFrame:
         raise KvfError("no run files given: pass one or more JSONL files written by `kvf run`")
     rows = [record_row(rec, path, i + 1) for path in track(run_files_of(run_files), description="reading run files")
             for i, rec in enumerate(read_records(path))]
-    df = score(pd.DataFrame(rows))
+    df = one_run_per_auto_ratio(score(pd.DataFrame(rows)))
     _check_duplicates(df)
+    return df
+
+
+def one_run_per_auto_ratio(df: pd.DataFrame) -> pd.DataFrame:
+    """`--ratio auto` picks each question's own ratio, so its records made one run of n = 1 per question (and
+    `kvf compare` could not name them). They are one run: labelled 'auto' (after a label of their own), at the
+    mean ratio chosen; recomputed_frac says what each question recomputed."""
+    auto = df.ratio_mode == "auto"
+    if not auto.any():
+        return df
+    df = df.copy()
+    df.loc[auto, "label"] = [f"{label}-auto" if label else "auto" for label in df.label[auto]]
+    df.loc[auto, "ratio"] = df[auto].groupby(["dataset", "method", "label", "variant"]).ratio.transform("mean")
     return df
 
 

@@ -117,9 +117,11 @@ class RunRecord(BaseModel):
 
 
 def run_name(record: dict) -> str:
-    """How tables and progress lines name a record's run: method@ratio, the label of an ablation entry
-    (`-m kvfuse:propagate=off`) after it; full and reuse without a ratio (theirs is fixed)."""
-    name = record["method"] + ("" if record["method"] in ("full", "reuse") else f"@{record['settings']['ratio']:g}")
+    """How tables and progress lines name a record's run: method@ratio (method@auto under --ratio auto), the
+    label of an ablation entry (`-m kvfuse:propagate=off`) after it; full and reuse without a ratio (fixed)."""
+    settings = record["settings"]
+    ratio = "auto" if settings.get("ratio_mode") == "auto" else f"{settings['ratio']:g}"   # auto: each question its own
+    name = record["method"] + ("" if record["method"] in ("full", "reuse") else f"@{ratio}")
     return name + (f" [{record['label']}]" if record.get("label") else "")
 
 

@@ -278,6 +278,23 @@ def test_labels_tell_apart_runs_of_one_method(runs, tmp_path):
     assert sorted(blends.label) == ["", "big-model"]
 
 
+def test_ratio_auto_records_are_one_run_with_an_interval(runs, tmp_path):
+    """`--ratio auto` picks each question's ratio: its records were one summary row per question (n = 1, no
+    interval) and `kvf compare` could not name them. They are one run, labelled auto, at the mean ratio."""
+    from kvf.eval.compare import select
+    from kvf.eval.report import load_runs
+    records = replicated("cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "Munich", "q4": "Lisbon"})
+    for i, r in enumerate(records):
+        r["settings"] = {**r["settings"], "ratio": 0.2 + 0.01 * i, "ratio_mode": "auto"}
+    auto = write_run(tmp_path / "auto.jsonl", records)
+    summary = evaluate(runs[:2] + [auto], tmp_path / "out")
+    blend = row(summary, "cacheblend")
+    assert blend.label == "auto" and blend.n == 4 * REPS
+    assert abs(blend.ratio - sum(r["settings"]["ratio"] for r in records) / len(records)) < 1e-9
+    assert blend.vs_full_low < blend.vs_full < blend.vs_full_high     # paired to full over every question
+    assert len(select(load_runs(runs[:2] + [auto]), "cacheblend:auto")) == 4 * REPS
+
+
 def test_bad_run_files(tmp_path, runs, capsys):
     with pytest.raises(KvfError, match="nope.jsonl does not exist"):
         evaluate([tmp_path / "nope.jsonl"], tmp_path / "out")

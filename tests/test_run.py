@@ -445,6 +445,15 @@ def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
     assert all("ratio_mode" not in r["settings"] for r in records if r["method"] == "reuse")
     run(opts, QUIET)  # resuming matches auto records by mode, whatever ratio they got
     assert len(read_records(out)) == len(records)
+    # each question got its own ratio; still one run: one summary row (it was a row of n = 1 per question), and
+    # the name progress lines and tables give it
+    from kvf.eval.report import evaluate
+    from kvf.pipeline.records import run_name
+    rows = evaluate([out], tmp_path / "eval")
+    auto = rows[rows.method == "cacheblend"]
+    assert len(auto) == 1 and auto.label.iloc[0] == "auto" and auto.n.iloc[0] == 2
+    assert abs(auto.ratio.iloc[0] - sum(r["settings"]["ratio"] for r in blend) / 2) < 1e-9
+    assert {run_name(r) for r in blend} == {"cacheblend@auto"}
 
 
 def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(built, tmp_path):
