@@ -12,13 +12,15 @@ from kvf.eval.report import primary_metric, reference_rows
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
-    """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model); `flag` is
+    """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model, cacheblend@auto); `flag` is
     the option the selector came from, for the errors. The form tables and progress lines print a labelled run
     in, 'method@ratio [label]', names it too."""
     shown = re.fullmatch(r"(\S+) \[(.+)\]", selector.strip())
     text, _, label = (shown[1], None, shown[2]) if shown else selector.partition(":")
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
+    if ratio == "auto":   # as tables name a --ratio auto run: it is the run labelled auto
+        label, ratio = (f"{label}-auto" if label else "auto"), ""
     if ratio:
         try:
             rows = rows[(rows.ratio - float(ratio)).abs() < 1e-9]
@@ -33,7 +35,11 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
 
 def run_names(rows: pd.DataFrame) -> list[str]:
     """The selectors (method@ratio[:label]) of the runs in `rows`, sorted."""
-    return sorted({f"{m}@{r:g}" + (f":{lab}" if lab else "") for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
+    def name(method, ratio, label):
+        if label == "auto" or label.endswith("-auto"):   # --ratio auto: its mean ratio selects nothing a user knows
+            return f"{method}@auto" + (f":{label[:-5]}" if label != "auto" else "")
+        return f"{method}@{ratio:g}" + (f":{label}" if label else "")
+    return sorted({name(m, r, lab) for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
 
 
 def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:

@@ -292,7 +292,10 @@ def test_ratio_auto_records_are_one_run_with_an_interval(runs, tmp_path):
     assert blend.label == "auto" and blend.n == 4 * REPS
     assert abs(blend.ratio - sum(r["settings"]["ratio"] for r in records) / len(records)) < 1e-9
     assert blend.vs_full_low < blend.vs_full < blend.vs_full_high     # paired to full over every question
-    assert len(select(load_runs(runs[:2] + [auto]), "cacheblend:auto")) == 4 * REPS
+    df = load_runs(runs[:2] + [auto])
+    assert len(select(df, "cacheblend:auto")) == len(select(df, "cacheblend@auto")) == 4 * REPS   # as tables name it
+    with pytest.raises(KvfError, match=r"the runs there are cacheblend@auto, full@1"):
+        select(df, "cacheblend@0.2")
 
 
 def test_bad_run_files(tmp_path, runs, capsys):
