@@ -61,8 +61,8 @@ class WorkspaceSession:
                retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
                max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
-        order, or else the top-k retrieved ones (top_k 5, retriever bm25 or the workspace's only index, unless given). Knobs are the method's
-        (e.g. check_layer=2 for cacheblend)."""
+        order, or else the top-k retrieved ones (top_k 5, retriever bm25 or the workspace's only index, unless
+        given). Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
             documents = [as_document_id(d) for d in documents]

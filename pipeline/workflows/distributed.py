@@ -66,7 +66,7 @@ def start_ray(address: str | None, threads: int = 1):
 
 
 def cannot_connect(address: str, reason: str) -> KvfError:
-    if "token" in reason.lower():   # Ray's token auth, on by default for a `ray start --head` since Ray 2.5x
+    if "token" in reason.lower():   # Ray's token auth: a `ray start --head` turns it on when the machine holds a token
         fix = ("give kvf the cluster's token: RAY_AUTH_TOKEN, or ~/.ray/auth_token as on the head (`ray get-auth-token` "
                "there prints it)")
     else:
@@ -76,9 +76,10 @@ def cannot_connect(address: str, reason: str) -> KvfError:
 
 
 # A port that accepts connections but is not a Ray head (the dashboard's, a client port without ray://) kept
-# Ray's driver trying for over 5 minutes, each try a few lines on stderr from its C++ client (measured: Ray
-# 2.60, 20 tries of 41 s). One try, with 10 s for the head to answer, ends it in about 20 s; a head answers
-# in milliseconds. Environment variables of the same names, when set, win.
+# Ray's driver trying for over 5 minutes, each try a few lines on stderr from its C++ client (Ray 2.60: 20
+# tries, 41 s each measured here). One try, with 10 s for the head to answer, ends it in well under a minute
+# (44 s measured, the suite running beside it); a head answers in milliseconds. Environment variables of the
+# same names, when set, win.
 RAY_CONNECT_SETTINGS = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "10"}
 
 
@@ -101,9 +102,10 @@ def connect_to_cluster(ray, address: str, env: dict) -> None:
 
 
 def send_token_if_any() -> None:
-    """A head started by `ray start --head` wants a token (Ray's default), and ray.init(address=...) sends the one
-    the machine has (~/.ray/auth_token, RAY_AUTH_TOKEN) only with RAY_AUTH_MODE=token: without it every try
-    was refused, 20 lines on stderr, then "Failed to connect". A RAY_AUTH_MODE the user set is kept."""
+    """A head started by `ray start --head` on a machine that holds a token (any local ray.init() leaves one in
+    ~/.ray) wants it, and ray.init(address=...) sends the one it has (~/.ray/auth_token, RAY_AUTH_TOKEN) only
+    with RAY_AUTH_MODE=token: without it every try was refused, 20 lines on stderr, then "Failed to connect".
+    A RAY_AUTH_MODE the user set is kept."""
     if "RAY_AUTH_MODE" in os.environ:
         return
     try:
