@@ -1,0 +1,130 @@
+"""`--ray HOST:PORT` against a cluster as users start one (`ray start --head`), and against a port that is no
+Ray head: joined with the machine's Ray token, one line without it, one line soon for a wrong port, and
+`--ray local` beside such a cluster starting an instance of its own. A file of its own so that pytest-xdist runs
+it beside tests/test_ray.py. Skipped with the reason where Ray is not installed."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """`ray start --head`, as a user starts a cluster, on a machine that has a Ray token in ~/.ray (any local
+    `ray.init()`, kvf's `--ray local` included, leaves one there), so Ray turns token auth on; Ray's own temp dir,
+    where it leaves the address a later `ray.init()` without one joins; one CPU. Ended with its process group
+    (and that address, when it is still this head's). -> (port, the environment of a user on the head)."""
+    import secrets
+    from ray._common.utils import get_ray_address_file
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    env["HOME"] = str(home)
+    port = free_port()
+    head = subprocess.Popen([str(shutil.which("ray", path=os.path.dirname(sys.executable))), "start", "--head",
+                             "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"],
+                            env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not port_open(port):
+            assert head.poll() is None and time.time() < deadline, "ray start --head did not come up"
+            time.sleep(0.5)
+        time.sleep(2)   # the GCS port opens a moment before the head takes drivers
+        yield port, env
+    finally:   # SIGKILL: on SIGTERM it tidies its session for half a minute, which nothing here needs
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        address_file = Path(get_ray_address_file(None))
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()   # left, it would send a later plain ray.init() to a head that is gone
+
+
+def port_open(port: int) -> bool:
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def kvf_run_on(built, out, ray: str, env: dict) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "kvf", "run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "reuse",
+            "-n", "1", "--max-new-tokens", "2", "--no-show-answers", "-o", str(out), "--ray", ray, "--workers", "1"]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvf: error: "), err[-3000:]
+    return lines[0]
+
+
+def test_a_cluster_started_with_ray_start_is_reached_with_its_token_and_local_starts_its_own(ray_head, built,
+                                                                                          tmp_path):
+    """A head from `ray start --head` wants the token it keeps in ~/.ray: kvf's driver never sent it (20 refused
+    tries on stderr, then "Failed to connect"). Without the token it is one line naming the token and where
+    it goes. And `--ray local` beside that cluster starts an instance of its own: Ray's default joined the
+    cluster it found and refused kvf's CPU count ("pass --ray local", said to --ray local)."""
+    port, env = ray_head
+    joined = kvf_run_on(built, tmp_path / "joined.jsonl", f"127.0.0.1:{port}", env)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert len((tmp_path / "joined.jsonl").read_text().splitlines()) == 1
+    (tmp_path / "elsewhere").mkdir()
+    no_token = kvf_run_on(built, tmp_path / "no-token.jsonl", f"127.0.0.1:{port}", {**env, "HOME": str(tmp_path / "elsewhere")})
+    line = one_line(no_token.stderr)
+    assert f"--ray 127.0.0.1:{port}: cannot connect" in line and "token" in line and "RAY_AUTH_TOKEN" in line, line
+    own = subprocess.run([sys.executable, "-c", "import os; from kvf.pipeline.workflows.distributed import start_ray; "
+                          "print(int(start_ray('local').cluster_resources()['CPU']), os.cpu_count())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr[-3000:]
+    cpus, machine = own.stdout.split()
+    assert cpus == machine   # the head has 1 CPU: an instance of its own has the machine's
+
+
+def test_a_port_that_is_not_a_ray_head_is_one_line_soon(tmp_path):
+    """A port that takes connections but is no Ray head (the dashboard's, a client port without ray://): Ray's
+    driver tried for over 5 minutes, a few lines on stderr each try. Now one try, and one line. (Ray's own
+    timeouts are shortened here so the test is short; kvf's setting of one try is what is tested.)"""
+    import socket
+    import threading
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))   # Ray asks for the machine's address in place of 127.0.0.1
+    server.listen(64)
+    port = server.getsockname()[1]
+
+    def refuse():
+        while True:
+            try:
+                server.accept()[0].close()
+            except OSError:
+                return
+    threading.Thread(target=refuse, daemon=True).start()
+    env = {**ENV, "RAY_py_gcs_connect_timeout_s": "2", "RAY_gcs_rpc_server_connect_timeout_s": "1"}
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-q", str(tmp_path / "q.jsonl"), "-m", "reuse",  # not read:
+                                                                                                       # --ray comes first
+                           "-o", str(tmp_path / "o.jsonl"), "--ray", f"127.0.0.1:{port}"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    server.close()
+    line = one_line(proc.stderr)
+    assert f"--ray 127.0.0.1:{port}: cannot connect to a Ray cluster there" in line, line
+    assert time.time() - started < 120
