@@ -206,6 +206,9 @@ CASES = {
         "--out", t / "p"], ["record 0", "not a string"]),
     "prepare unknown dataset": (lambda d, t: ["data", "prepare", "musiqe", "--out", t / "p"],   # it said "has no file of its own"
                                 ["unknown dataset 'musiqe'", "known: nq,", "musique", "or custom"]),
+    # it wrote corpus/ and questions.jsonl beside the user's own files, which a later build of that folder read
+    "synthetic --out a folder of other files": (lambda d, t: ["data", "synthetic", "--out", write(t / "docs" / "mine.txt", b"x").parent],
+                                                ["--out", "docs holds other files (mine.txt)", "new or empty folder"]),
     "prepare --data-dir missing": (lambda d, t: ["data", "prepare", "musique", "--data-dir", t / "nope", "--out", t / "p"],
                                    ["data directory", "(from --data-dir) does not exist", "holds the benchmark files",
                                     "--input FILE"]),

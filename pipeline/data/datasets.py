@@ -394,10 +394,24 @@ def question_row(q: Question) -> dict:
     return row
 
 
+def check_not_foreign(out_dir: Path) -> None:
+    """--out is new, empty, or a prepared dataset (written over): a folder of other files (say, the user's own
+    documents) got corpus/ and questions.jsonl beside them, and a later build of that folder read them too."""
+    if not out_dir.is_dir() or (out_dir / "prepared.json").is_file():
+        return
+    ours = {"corpus", "questions.jsonl", "workspace"}   # a prepared dataset's own, prepared.json written last
+    other = next((p.name for p in sorted(out_dir.iterdir()) if not p.name.startswith(".") and p.name not in ours),
+                 None)
+    if other is not None:
+        raise KvfError(f"--out {out_dir} holds other files ({other}), and is not a prepared dataset; pass a new or "
+                       "empty folder")
+
+
 def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dict,
                    corpus_extra: list[Passage] = ()) -> dict:
     """Write corpus/passages.jsonl, questions.jsonl and prepared.json; returns the manifest.
     corpus_extra: more passages for the shared corpus that no question cites."""
+    check_not_foreign(Path(out_dir))
     out_dir = check_writable_dir(out_dir, "--out")
     (out_dir / "corpus").mkdir(exist_ok=True)
     pooled = pool_passages(questions)
