@@ -8,7 +8,7 @@ import pandas as pd
 
 from kvf.errors import KvfError
 from kvf.eval.metrics import token_f1
-from kvf.eval.report import primary_metric, reference_rows
+from kvf.eval.report import auto_label, label_before_auto, primary_metric, reference_rows
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
@@ -20,7 +20,7 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
     if ratio == "auto":   # as tables name a --ratio auto run: it is the run labelled auto
-        label, ratio = (f"{label}-auto" if label else "auto"), ""
+        label, ratio = auto_label(label or ""), ""
     if ratio:
         try:
             rows = rows[(rows.ratio - float(ratio)).abs() < 1e-9]
@@ -36,8 +36,9 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
 def run_names(rows: pd.DataFrame) -> list[str]:
     """The selectors (method@ratio[:label]) of the runs in `rows`, sorted."""
     def name(method, ratio, label):
-        if label == "auto" or label.endswith("-auto"):   # --ratio auto: its mean ratio selects nothing a user knows
-            return f"{method}@auto" + (f":{label[:-5]}" if label != "auto" else "")
+        own = label_before_auto(label)
+        if own is not None:   # --ratio auto: named by the mode, not by its mean ratio
+            return f"{method}@auto" + (f":{own}" if own else "")
         return f"{method}@{ratio:g}" + (f":{label}" if label else "")
     return sorted({name(m, r, lab) for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
 

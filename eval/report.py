@@ -132,6 +132,18 @@ def load_runs(run_files: list[Path], track=no_progress) -> pd.DataFrame:
     return df
 
 
+def auto_label(label: str) -> str:
+    """The label of a --ratio auto run: 'auto', after a label of its own."""
+    return f"{label}-auto" if label else "auto"
+
+
+def label_before_auto(label: str) -> str | None:
+    """A --ratio auto run's own label ('' for none), from its auto_label; None for any other run's label."""
+    if label == "auto":
+        return ""
+    return label.removesuffix("-auto") if label.endswith("-auto") else None
+
+
 def one_run_per_auto_ratio(df: pd.DataFrame) -> pd.DataFrame:
     """`--ratio auto` picks each question's own ratio, so its records made one run of n = 1 per question (and
     `kvf compare` could not name them). They are one run: labelled 'auto' (after a label of their own), at the
@@ -140,7 +152,7 @@ def one_run_per_auto_ratio(df: pd.DataFrame) -> pd.DataFrame:
     if not auto.any():
         return df
     df = df.copy()
-    df.loc[auto, "label"] = [f"{label}-auto" if label else "auto" for label in df.label[auto]]
+    df.loc[auto, "label"] = [auto_label(label) for label in df.label[auto]]
     df.loc[auto, "ratio"] = df[auto].groupby(["dataset", "method", "label", "variant"]).ratio.transform("mean")
     return df
 

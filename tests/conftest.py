@@ -125,3 +125,14 @@ def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
     out, err = capsys.readouterr()
     code = exit_info.value.code
     return (0 if code is None else code), out, err
+
+
+def assert_one_line(code: int, err: str, *fragments: str) -> str:
+    """A failed command's stderr is one line, 'kvf: ...', holding every fragment, with no traceback -> that line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code not in (0, None), err
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("kvf: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

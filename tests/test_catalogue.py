@@ -14,20 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_one_line, run_cli
 
 NOWHERE = "/proc/self/kvf-no-write"   # a place no user, root included, can create files in
 SUB_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def assert_one_line(code: int, err: str, *fragments: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code not in (0, None), err
-    assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("kvf: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.fixture

@@ -11,17 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_one_line
+
+from kvf.scripts.s3_local import free_port
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -72,12 +68,6 @@ def kvf_run_on(built, out, ray: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvf: error: "), err[-3000:]
-    return lines[0]
-
-
 def test_a_cluster_started_with_ray_start_is_reached_with_its_token_and_local_starts_its_own(ray_head, built,
                                                                                           tmp_path):
     """A head from `ray start --head` wants the token it keeps in ~/.ray: kvf's driver never sent it (20 refused
@@ -90,8 +80,8 @@ def test_a_cluster_started_with_ray_start_is_reached_with_its_token_and_local_st
     assert len((tmp_path / "joined.jsonl").read_text().splitlines()) == 1
     (tmp_path / "elsewhere").mkdir()
     no_token = kvf_run_on(built, tmp_path / "no-token.jsonl", f"127.0.0.1:{port}", {**env, "HOME": str(tmp_path / "elsewhere")})
-    line = one_line(no_token.stderr)
-    assert f"--ray 127.0.0.1:{port}: cannot connect" in line and "token" in line and "RAY_AUTH_TOKEN" in line, line
+    assert_one_line(no_token.returncode, no_token.stderr, f"kvf: error: --ray 127.0.0.1:{port}: cannot connect", "token",
+                    "RAY_AUTH_TOKEN")
     own = subprocess.run([sys.executable, "-c", "import os; from kvf.pipeline.workflows.distributed import start_ray; "
                           "print(int(start_ray('local').cluster_resources()['CPU']), os.cpu_count())"],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -125,6 +115,5 @@ def test_a_port_that_is_not_a_ray_head_is_one_line_soon(tmp_path):
                            "-o", str(tmp_path / "o.jsonl"), "--ray", f"127.0.0.1:{port}"],
                           env=env, capture_output=True, text=True, timeout=240)
     server.close()
-    line = one_line(proc.stderr)
-    assert f"--ray 127.0.0.1:{port}: cannot connect to a Ray cluster there" in line, line
+    assert_one_line(proc.returncode, proc.stderr, f"kvf: error: --ray 127.0.0.1:{port}: cannot connect to a Ray cluster there")
     assert time.time() - started < 120
