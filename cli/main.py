@@ -99,6 +99,36 @@ def resumes(args: list[str]) -> bool:
     return len(words) > 1 and words[1] in RESUMABLE
 
 
+def extra_argument_hint(where: str, ctx, message: str) -> str:
+    """What a stray word was likely meant as, for the commands a new user most often gives one:
+    an unquoted query, or `kvf run`'s inputs passed without their flags."""
+    import re
+    from pathlib import Path
+    found = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)$", message)
+    if not found or ctx is None:
+        return ""
+    words = found.group(1).split()
+    if where == "kvf search":
+        return f'; put a query of several words in quotes: kvf search "{" ".join([ctx.params.get("query", ""), *words])}"'
+    if where == "kvf build-cache":   # often a shell pattern (docs/*.txt) that expanded to many files
+        paths = [Path(str(ctx.params.get("corpus", ""))), *map(Path, words)]
+        parents = {p.parent for p in paths if p.is_file()}
+        folder = f": kvf build-cache {parents.pop()}" if len(parents) == 1 and all(p.is_file() for p in paths) else ""
+        return f"; build-cache takes one CORPUS, a folder of documents or one file: pass the folder that holds them{folder}"
+    if where != "kvf run":
+        return ""
+    flags = []
+    for word in words:
+        path = Path(word)
+        if (path / "questions.jsonl").is_file():
+            flags.append(f"--dataset {word}")
+        elif (path / "manifest.json").is_file():
+            flags.append(f"--workspace {word}")
+        elif path.is_file():
+            flags.append(f"--questions {word}")
+    return f"; kvf run takes its inputs by flag: {' '.join(flags)}" if flags else ""
+
+
 def main():
     """Run the CLI; every way it can end is one line on stderr (see the module docstring).
     Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
@@ -117,7 +147,8 @@ def main():
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = " ".join((format_message() if format_message else str(e)).split())
-        print(f"kvf: error: {message} (see `{where} --help`)", file=sys.stderr)
+        hint = extra_argument_hint(where, ctx, message)
+        print(f"kvf: error: {message}{hint} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:
         e.exit(resumes(sys.argv[1:]))

@@ -61,10 +61,9 @@ def search_command(
     from kvf.pipeline.retrieval.chunking import ChunkTable
     from kvf.pipeline.workflows.run import check_index_fresh
     from kvf.pipeline.workflows.workspace import Workspace
-    if not workspace.is_dir():
-        raise KvfError(f"--workspace {workspace} does not exist; "
-                       f"build it with `kvf build-cache CORPUS --workspace {workspace}`")
     ws = Workspace(workspace)
+    if not ws.chunks_path.is_file():   # no build reached its indexes (a first build stopped in stage 1 may leave the folder)
+        raise ws.not_built()
     mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)

@@ -231,6 +231,19 @@ CASES = {
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),
+    # click's "Got unexpected extra argument(s)" alone left the user to find the flag a word was meant for
+    "search an unquoted query": (lambda d, t: ["search", "who", "founded", "it", "-w", d[1]],
+                                 ["unexpected extra argument", 'in quotes: kvf search "who founded it"']),
+    "run with its inputs as arguments": (lambda d, t: ["run", d[0], d[1], write(t / "q.jsonl", b'{"question": "q"}'),
+                                                       "-m", "reuse", "-o", t / "o.jsonl"],
+                                         ["kvf run takes its inputs by flag: --dataset ", "/data --workspace ",
+                                          "/ws --questions ", "/q.jsonl"]),
+    "build-cache docs/*.txt": (lambda d, t: ["build-cache", write(t / "docs" / "a.txt", b"A."), write(t / "docs" / "b.txt", b"B."),
+                                             "-w", t / "ws"],
+                               ["build-cache takes one CORPUS", "pass the folder that holds them: kvf build-cache ", "/docs ("]),
+    # the folder a failed first build left (or one the user made) passed the check, and the line named an index
+    "search a folder that is no workspace": (lambda d, t: ["search", "x", "-w", d[0]],
+                                             ["--workspace", "no workspace there", "kvf build-cache YOUR_DOCS"]),
 }
 
 
@@ -384,6 +397,21 @@ def test_a_corpus_of_empty_files_says_so(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "ws"], capsys, monkeypatch)
     line = assert_one_line(code, err, "corpus", "has no readable non-empty documents (its files are empty)")
     assert "warnings above" not in line
+
+
+def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, capsys, monkeypatch):
+    """It left a folder with a lock file and an empty store, which later commands took for a workspace;
+    a folder that was there before the build stays."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "passages.jsonl").write_bytes(b"")
+    code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "ws"], capsys, monkeypatch)
+    assert_one_line(code, err, "has no readable non-empty documents")
+    assert not (tmp_path / "ws").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "mine"], capsys, monkeypatch)
+    assert_one_line(code, err, "has no readable non-empty documents")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 # ---- resuming: stale records, other files, two writers ----------------------------------------------

@@ -7,6 +7,7 @@ killed build resumes where it stopped and an unchanged corpus costs no model wor
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -556,6 +557,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     files = list_corpus_files(Path(opts.corpus))   # its documents are read (and checked) a file at a time, in stage 1
     model_ref = open_model(opts.model)
     check_chunk_fits(opts, model_ref)
+    fresh = not ws.root.exists()
     check_writable_dir(ws.root, "--workspace")
     opts, same_store = keep_workspace_store(opts, ws, previous, console)
     check_store_dtype(opts, previous, same_store)
@@ -563,7 +565,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     waiting = notice(console)
     with ws.files_lock(waiting), _writing(ws):
-        chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, console, files)
+        with removed_on_failure(ws, fresh):
+            chunks, stat = stage_chunks(opts, ws, model_ref.tokenizer, console, files)
         summary.chunks, summary.tokens = len(chunks), stat.tokens
         summary.stages.append(stat)
         recorded = ws.index_state()   # newer than the manifest's copy when a build stopped after its indexes
@@ -604,6 +607,18 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "bm25": opts.bm25, "dense": opts.dense,
                            "extras_for": list(extras_for)})
+
+
+@contextmanager
+def removed_on_failure(ws: Workspace, fresh: bool):
+    """A workspace folder this build created goes again if the build fails before its chunks are written (an
+    unreadable corpus, Ctrl-C): nothing there is worth resuming, and the folder would pass for a workspace."""
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(ws.root, ignore_errors=True)
+        raise
 
 
 @contextmanager
