@@ -47,10 +47,12 @@ def bench_command(
     from kvf.pipeline.fusion.methods.base import check_knobs_used
     from kvf.pipeline.workflows.bench import BenchOptions, bench, summary_table, write_results
     from kvf.pipeline.workflows.devices import check_device
+    from kvf.pipeline.files import check_writable_dir
     from kvf.pipeline.workflows.run import parse_method_spec, parse_methods, parse_ratios
     check_device(device)
     use_s3_endpoint(s3_endpoint, store or "(a temp dir)")
     check_auto_method(auto_method, auto_ratio)
+    check_writable_dir(out, "--out")   # before minutes of timing, not when its files are written
     methods = parse_methods(method) if method else ["all"]
     check_knobs_used([parse_method_spec(m).name for m in parse_methods(method or "all")], knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,

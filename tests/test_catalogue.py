@@ -241,6 +241,10 @@ CASES = {
     "build-cache docs/*.txt": (lambda d, t: ["build-cache", write(t / "docs" / "a.txt", b"A."), write(t / "docs" / "b.txt", b"B."),
                                              "-w", t / "ws"],
                                ["build-cache takes one CORPUS", "pass the folder that holds them: kvf build-cache ", "/docs ("]),
+    # it was refused only after every timing, as "File exists"
+    "bench --out a file": (lambda d, t: ["bench", "-m", "reuse", "--lengths", "64", "--repeats", "1", "--no-cold",
+                                         "--no-auto-ratio", "-o", write(t / "ttft.csv", b"x")],
+                           ["--out", "ttft.csv is a file; pass a directory"]),
     # the folder a failed first build left (or one the user made) passed the check, and the line named an index
     "search a folder that is no workspace": (lambda d, t: ["search", "x", "-w", d[0]],
                                              ["--workspace", "no workspace there", "kvf build-cache YOUR_DOCS"]),
