@@ -1,6 +1,7 @@
 """open_store: find or create a store at a path or URL, and check it is the store the caller means."""
 import json
 import os
+import re
 from contextlib import contextmanager
 
 import fsspec
@@ -111,8 +112,26 @@ def _canon(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def check_url(path: str) -> None:
+    """Store URLs mistyped in ways fsspec would take for something else: a local folder named `s3:` (one
+    slash), an unknown protocol `S3`, a read-only HTTP site (an endpoint given as the store), no bucket."""
+    scheme, sep, rest = path.partition(":/")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]+", scheme) or scheme.lower() not in fsspec.available_protocols():
+        return
+    if not rest.startswith("/"):
+        raise KvfError(f"--store {path}: a URL needs two slashes after {scheme}:, as in {scheme.lower()}://{rest}")
+    if scheme != scheme.lower():
+        raise KvfError(f"--store {path}: write the protocol in lower case, as in {scheme.lower()}:/{rest}")
+    if scheme in ("http", "https"):
+        raise KvfError(f"--store {path}: an HTTP address is an endpoint, not a store; pass --store s3://BUCKET/PREFIX "
+                       f"and the endpoint as --s3-endpoint {scheme}://{rest.lstrip('/').split('/')[0]}")
+    if scheme not in ("file", "local") and not rest.strip("/"):
+        raise KvfError(f"--store {path}: name a bucket and a prefix, as in {scheme}://BUCKET/PREFIX")
+
+
 def _resolve(path: str):
     """(filesystem, root path). file:// URLs and plain paths use the local fast path."""
+    check_url(path)
     if "://" not in path:
         root = os.path.abspath(os.path.expanduser(path))
         return LocalFS(root), root
@@ -120,8 +139,8 @@ def _resolve(path: str):
         fs, root = fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
         if isinstance(e, ImportError) and path.startswith("s3"):
-            raise KvfError(f"cannot open store URL {path}: S3 stores need s3fs; pip install 'kvf[s3]'") from e
-        raise KvfError(f"cannot open store URL {path}: {e}") from e
+            raise KvfError(f"--store {path}: S3 stores need s3fs; pip install 'kvf[s3]'") from e
+        raise KvfError(f"--store {path}: cannot open it ({e})") from e
     except OSError as e:   # filesystems that connect when made (ftp://, sftp://): an unknown or refusing host
         raise KvfError(f"--store {path}: cannot reach its server ({type(e).__name__}: {e}); check the URL and "
                        "that the server is up") from None

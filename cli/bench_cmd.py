@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_s3_endpoint, with_method_knobs
+from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_store_flags, with_method_knobs
 from kvf.pipeline.workflows.display import output_console
 
 
@@ -50,7 +50,7 @@ def bench_command(
     from kvf.pipeline.files import check_writable_dir
     from kvf.pipeline.workflows.run import parse_method_spec, parse_methods, parse_ratios
     check_device(device)
-    use_s3_endpoint(s3_endpoint, store or "(a temp dir)")
+    use_store_flags(store or "(a temp dir)", s3_endpoint)
     check_auto_method(auto_method, auto_ratio)
     check_writable_dir(out, "--out")   # before minutes of timing, not when its files are written
     methods = parse_methods(method) if method else ["all"]

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvf.cli.options import (DeviceOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption, WorkersOption,
-                             check_ray_flags, use_s3_endpoint)
+                             check_ray_flags, use_store_flags)
 
 console = Console(stderr=True)
 
@@ -43,7 +43,7 @@ def build_cache_command(
     from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device, workers_only=ray is not None)  # before any work: a bad device must not leave a half-built workspace
-    use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
+    use_store_flags(store, s3_endpoint)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers, threads, batch)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,

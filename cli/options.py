@@ -36,12 +36,16 @@ S3EndpointOption = Annotated[Optional[str], typer.Option(
     "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
-def use_s3_endpoint(endpoint: str | None, store: str | None = None) -> None:
-    """--s3-endpoint: the standard variable botocore (and so s3fs, and Ray workers) read. `store`: where the
-    store is, when known here; an endpoint beside a store not on S3 would be ignored, so it is refused."""
+def use_store_flags(store: str | None, endpoint: str | None) -> None:
+    """--store checked as the user typed it (a mistyped URL would be taken for a local folder), and
+    --s3-endpoint set as the standard variable botocore (and so s3fs, and Ray workers) read. `store`: where
+    the store is, when known here; an endpoint beside a store not on S3 would be ignored, so it is refused."""
     import os
 
+    from kvf.cachestore import check_url
     from kvf.errors import KvfError
+    if store:
+        check_url(store)
     if not endpoint:
         return
     if not endpoint.startswith(("http://", "https://")):

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvf.cli.options import (DeviceOption, DtypeOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption,
-                             WorkersOption, check_ray_flags, use_s3_endpoint, with_method_knobs)
+                             WorkersOption, check_ray_flags, use_store_flags, with_method_knobs)
 
 console = Console(stderr=True)
 
@@ -53,7 +53,7 @@ def run_command(
     from kvf.pipeline.workflows.run import RunOptions, parse_methods, parse_ratios, run
     from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
     from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
-    use_s3_endpoint(s3_endpoint, store)   # store None: the workspace's, which may be on S3
+    use_store_flags(store, s3_endpoint)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers, threads)
     methods = parse_methods(method)
     check_ratio_used(ratio, quality_floor, methods)

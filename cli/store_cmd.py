@@ -42,7 +42,7 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
     """--store, or the store named by --workspace's manifest (one of them); or `where`, the positional
     argument: a workspace folder stands for its store (the manifest's, else its kv.zarr or kv.h5),
     anything else is a store."""
-    from kvf.cli.options import use_s3_endpoint
+    from kvf.cli.options import use_store_flags
     if where is not None:
         if store is not None or workspace is not None:
             raise KvfError(f"{where}: name the store once, as an argument or with --store / --workspace")
@@ -56,7 +56,7 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
     if store is None:
         from kvf.pipeline.workflows.workspace import Workspace
         store = Workspace(workspace).reach_store()
-    use_s3_endpoint(endpoint, store)
+    use_store_flags(store, endpoint)
     return store
 
 

@@ -394,6 +394,21 @@ def test_a_passage_id_spelt_almost_as_a_document_s_names_that_document(ws_copy, 
         assert_one_line(code, err, f"cites passage {cited!r}", f"did you mean {meant!r}?")
 
 
+@pytest.mark.parametrize("store,fragment", [
+    ("s3:/bucket/kv", "a URL needs two slashes after s3:, as in s3://bucket/kv"),   # it built a local folder `s3:`
+    ("S3://bucket/kv", "write the protocol in lower case, as in s3://bucket/kv"),   # "Protocol not known: S3"
+    ("s3://", "name a bucket and a prefix, as in s3://BUCKET/PREFIX"),             # it blamed the credentials
+    ("http://localhost:9000/bucket", "pass --store s3://BUCKET/PREFIX and the endpoint as --s3-endpoint "
+                                     "http://localhost:9000")])                   # "aws s3 mb s3://http:"
+@pytest.mark.parametrize("command", ["build-cache", "store info"])
+def test_a_mistyped_store_url_is_one_line_and_makes_nothing(store, fragment, command, data, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["build-cache", data[0] / "corpus", "-w", "ws", "--store", store] if command == "build-cache" else ["store", "info", store]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line(code, err, f"--store {store}: ", fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 def test_a_corpus_of_empty_files_says_so(tmp_path, capsys, monkeypatch):
     """Empty files are skipped without a warning, so "see the warnings above" pointed at nothing."""
     (tmp_path / "corpus").mkdir()
