@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import run_cli, tiny_config
+from conftest import assert_one_line, run_cli, tiny_config
 from kvf.errors import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
@@ -85,16 +85,6 @@ def expected_keys(model_ref, chunks, variant="prefix") -> set[str]:
     template = make_template(model_ref.tokenizer)
     keys = EntryKeys(model_ref.fingerprint, template.prefix_ids)
     return {keys.chunk(variant, template.chunk_segment(c.token_ids)) for c in chunks}
-
-
-def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code not in (0, None)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("kvf: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 KVF = [str(Path(sys.executable).parent / "kvf")]  # the installed console script, as users run it
@@ -265,7 +255,7 @@ def test_a_workspace_keeps_its_bm25_choice_and_search_refuses_an_index_of_older_
     code, _, summary = run_cli(["build-cache", corpus, "-w", ws, "--no-bm25"], capsys, monkeypatch)
     assert code == 0 and "dense index" in summary and "bm25 index" not in summary   # the build's summary table
     code, _, err = run_cli(["search", "snowy owls tundra", "-w", ws], capsys, monkeypatch)
-    assert_one_line_error(code, err, "bm25 index", "another set of chunks", f"--workspace {ws} --rebuild bm25")
+    assert_one_line(code, err, "bm25 index", "another set of chunks", f"--workspace {ws} --rebuild bm25")
     (corpus / "bees.txt").write_text("Orvath Lenn keeps bees in the hills above Quillmarsh.")
     code, _, summary = run_cli(["build-cache", corpus, "-w", ws], capsys, monkeypatch)
     assert code == 0 and "dense index" in summary and "bm25 index" not in summary
@@ -472,7 +462,7 @@ def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys,
     built.model_ref.tokenizer.save_pretrained(tiny)
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
                              "--model", tiny, "--dtype", "float32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
-    assert_one_line_error(code, err, "holds model=", "rebuild the store")
+    assert_one_line(code, err, "holds model=", "rebuild the store")
     # the same weights with another tokenizer (one added token)
     retok = tmp_path / "retok"
     retok.mkdir()
@@ -675,7 +665,7 @@ def test_a_bad_row_late_in_a_grown_corpus_is_one_line_and_leaves_the_workspace_a
     ws = Path(opts.workspace)
     before = {p.name: p.read_bytes() for p in ws.iterdir() if p.is_file()}
     code, _, err = run_cli(["build-cache", corpus, "--workspace", ws], capsys, monkeypatch)
-    assert_one_line_error(code, err, "zz-more.jsonl:2", "not valid JSON")
+    assert_one_line(code, err, "zz-more.jsonl:2", "not valid JSON")
     assert {p.name: p.read_bytes() for p in ws.iterdir() if p.is_file()} == before
 
 
@@ -851,9 +841,10 @@ def test_disk_full_on_workspace_files_is_one_line_and_leaves_no_temp_file(built,
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr("kvf.pipeline.retrieval.chunking.ChunkTableWriter._flush", full)
     ws = tmp_path / "ws"
+    ws.mkdir()   # the user's folder: kept (a folder this build created goes, test_catalogue)
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", ws, "--no-bm25", "--no-dense"],
                             capsys, monkeypatch)
-    assert_one_line_error(code, err, f"--workspace {ws}", "disk full")
+    assert_one_line(code, err, f"--workspace {ws}", "disk full")
     # no chunks table, no half-written temp file (the build's lock file stays, empty, for the next build)
     assert sorted(p.name for p in ws.iterdir()) == [".kvf-build.lock", "kv.zarr"]
 
@@ -947,7 +938,7 @@ def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_doc
 
 def test_cli_missing_corpus_is_one_line_without_traceback(tmp_path):
     result = kvf_cli("build-cache", tmp_path / "nope", "--workspace", tmp_path / "ws")
-    assert_one_line_error(result.returncode, result.stderr, "does not exist")
+    assert_one_line(result.returncode, result.stderr, "does not exist")
     assert not (tmp_path / "ws").exists()  # refused before touching anything
 
 
@@ -968,7 +959,7 @@ def bad_corpus(tmp_path: Path, kind: str) -> Path:
 def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys, monkeypatch, kind, fragment):
     corpus = bad_corpus(tmp_path, kind)
     code, _, err = run_cli(["build-cache", corpus, "--workspace", tmp_path / "ws"], capsys, monkeypatch)
-    assert_one_line_error(code, err, fragment, str(corpus))
+    assert_one_line(code, err, fragment, str(corpus))
     assert not (tmp_path / "ws").exists()
 
 
@@ -979,7 +970,7 @@ def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys,
 def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, flags, fragment):
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
                              *flags], capsys, monkeypatch)
-    assert_one_line_error(code, err, fragment)
+    assert_one_line(code, err, fragment)
 
 
 def test_store_path_not_writable_is_one_line(built, tmp_path, capsys, monkeypatch):
@@ -987,9 +978,9 @@ def test_store_path_not_writable_is_one_line(built, tmp_path, capsys, monkeypatc
     blocker.write_text("not a directory")
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
                              "--store", blocker / "kv.zarr"], capsys, monkeypatch)
-    assert_one_line_error(code, err, "cannot create store", "writable --store")
+    assert_one_line(code, err, "cannot create store", "writable --store")
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", blocker / "ws"], capsys, monkeypatch)
-    assert_one_line_error(code, err, "--workspace", "not writable")
+    assert_one_line(code, err, "--workspace", "not writable")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
@@ -1002,7 +993,7 @@ def test_store_dir_without_write_permission_is_one_line(built, tmp_path, capsys,
                                  "--no-dense", "--store", locked / "kv.zarr"], capsys, monkeypatch)
     finally:
         locked.chmod(0o700)
-    assert_one_line_error(code, err, "cannot create store")
+    assert_one_line(code, err, "cannot create store")
 
 
 def test_binary_non_utf8_and_tokenless_documents_are_skipped_with_a_warning(built, tmp_path, capsys, monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from conftest import assert_one_line
 from kvf.errors import KvfError
 from kvf.pipeline.records import RunFile, parse_record
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
@@ -307,48 +308,39 @@ def kvf_cli(*args):
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 
 
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvf: error:"), proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0]
-
-
 def test_cli_unknown_method_lists_known_ones(built, tmp_path):
     proc = kvf_cli("run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "nosuch", "-o", str(tmp_path / "x.jsonl"))
-    assert_one_line_error(proc, "--method nosuch", "cacheblend", "reuse")
+    assert_one_line(proc.returncode, proc.stderr, "--method nosuch", "cacheblend", "reuse")
 
 
 def test_cli_ratio_out_of_range(built, tmp_path):
     proc = kvf_cli("run", "-d", str(built / "data"), "-m", "cacheblend", "-r", "1.2", "-o", str(tmp_path / "x.jsonl"))
-    assert_one_line_error(proc, "--ratio")
+    assert_one_line(proc.returncode, proc.stderr, "--ratio")
 
 
 def test_cli_missing_model_path(tmp_path):
     proc = kvf_cli("demo", "--model", str(tmp_path / "nope"))
-    assert_one_line_error(proc, "--model", "no such file")
+    assert_one_line(proc.returncode, proc.stderr, "--model", "no such file")
 
 
 def test_cli_truncated_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     proc = kvf_cli("demo", "--model", str(bad))
-    assert_one_line_error(proc, "--model", "GGUF")
+    assert_one_line(proc.returncode, proc.stderr, "--model", "GGUF")
 
 
 def test_cli_not_a_gguf(tmp_path):
     bad = tmp_path / "weights.gguf"
     bad.write_text("hello")
     proc = kvf_cli("demo", "--model", str(bad))
-    assert_one_line_error(proc, "not a GGUF")
+    assert_one_line(proc.returncode, proc.stderr, "not a GGUF")
 
 
 def test_cli_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     proc = kvf_cli("demo", "--model", str(tmp_path))
-    assert_one_line_error(proc, "gpt2", "llama")
+    assert_one_line(proc.returncode, proc.stderr, "gpt2", "llama")
 
 
 def test_help_on_every_command(capsys, monkeypatch):
