@@ -19,11 +19,11 @@ class ManyPaths:
     its own event loop, so calls from several threads overlap on the network)."""
     local: bool
 
-    def each(self, ask, items: list, threads: int = ASK_THREADS) -> list:
+    def each(self, ask, items: list) -> list:
         """[ask(item) for item in items], in order."""
         if self.local:
             return [ask(item) for item in items]
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvf-ask") as pool:
+        with ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="kvf-ask") as pool:
             return list(pool.map(ask, items))
 
     def read_many(self, paths: list[str]) -> list[bytes | None]:

@@ -36,10 +36,7 @@ COMPRESSORS = {
     "gzip": (lambda: zarr.codecs.GzipCodec(level=5), lambda: numcodecs.GZip(level=5)),
 }
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0: all chunks in one dir
-FANOUT_BATCH = 32     # fan-out directories walked per batch (a batch's entries are held until it is walked)
-# fan-out directories listed side by side on an object store. A listing holds every object's info while it
-# pages (s3fs: ~1 KB each; an entry is ~32 objects): at a million entries ~125 MB a directory, ~1 GB for 8.
-LISTING_THREADS = 8
+FANOUT_BATCH = 32     # fan-out directories listed at once (each listing holds its entries' names in memory)
 
 
 def chunk_name(index: tuple) -> str:
@@ -127,7 +124,7 @@ class ZarrKVStore(KVStore):
         fan_dirs = [self.fs.join(self.root, fan) for fan in self.fs.listdir(self.root) if len(fan) == 2 and fan != STAGING]
         for listed in batched(fan_dirs, FANOUT_BATCH):
             batch = [d for d in listed if not self.fs.is_link(d)]
-            for entries in self.fs.each(self._marked_entries_in, batch, threads=LISTING_THREADS):
+            for entries in self.fs.each(self._marked_entries_in, batch):
                 yield from entries
 
     def _committed_keys(self):

@@ -16,7 +16,7 @@ and the median is reported.
 - listing (`kvf store info`, `verify`, `gc`): the committed entries of that store, their keys spread over the
   256 fan-out directories as content hashes are. Before, each fan-out directory listed and then each entry's
   commit marker asked (a HEAD), one after another; now one paged listing of each fan-out directory's objects
-  (the markers read off it, no request per entry), LISTING_THREADS directories side by side.
+  (the markers read off it, no request per entry), FANOUT_BATCH directories side by side.
 - loading: one prompt's --chunks chunks of 256 tokens in SmolLM2-135M's shape (30 layers, 3 KV heads of 64,
   float16: 5.9 MB an entry), every layer read through StoreKVSource with the engine doing nothing
   else: the load a request would wait for if compute were free. Before, one reader thread; now
@@ -244,7 +244,7 @@ def legend(table_rows: list[dict]) -> str:
   `verify`, `gc`) listed each fan-out directory and made a HEAD of each entry's commit marker; `kvf run` read a
   prompt's chunk KVs, a layer of a chunk per request, from one reader thread.
 - **now**: planning asks for the headers of a batch of chunks in one fsspec `cat` of a list, which s3fs sends
-  side by side; listing lists the objects of 8 fan-out directories at a time and reads the
+  side by side; listing lists the objects of 32 fan-out directories at a time, from 16 threads, and reads the
   commit markers off those listings (the run of this bench at commit bc2be7f asked each marker with a HEAD, 1,024
   at a time: 4.82 s at 0 ms and 5.24 s at 20 ms per 500 entries); `kvf run` reads with 8 threads.
   Both ways return the same answers (the bench checks it).
