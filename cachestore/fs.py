@@ -47,12 +47,6 @@ class ManyPaths:
     def size_many(self, paths: list[str]) -> list[int]:
         return self.each(self.size, paths)
 
-    def names_marked(self, parent: str, marker: str) -> list[tuple[str, bool]]:
-        """(name, whether name/marker exists) for every name in parent, files too (never marked); symlinks
-        are left out, never followed."""
-        names = [n for n in self.listdir(parent) if not self.is_link(self.join(parent, n))]
-        return [(name, self.exists(self.join(parent, name, marker))) for name in names]
-
 
 class LocalFS(ManyPaths):
     """`root`: removals outside it (through a symlink, say) are refused, so no store operation ever
@@ -245,28 +239,6 @@ class FsspecFS(ManyPaths):
             return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
         except FileNotFoundError:
             return []
-
-    def names_marked(self, parent: str, marker: str) -> list[tuple[str, bool]]:
-        """As ManyPaths.names_marked, from one listing of every object under parent (paged: 1,000 keys a
-        request on S3) instead of a request per name's marker. A zarr entry is ~32 objects, so a store's
-        walk sends about 30 times fewer requests."""
-        try:
-            found = self.fs.find(parent)
-        except FileNotFoundError:
-            return []
-        finally:
-            self.fs.invalidate_cache(parent)   # s3fs keeps every listed directory; a store's walk need not
-        start = len(self._strip(parent)) + 1
-        names, marked = set(), set()
-        for path in found:
-            name, _, rest = self._strip(path)[start:].partition("/")
-            names.add(name)
-            if rest == marker:
-                marked.add(name)
-        return [(name, name in marked) for name in sorted(names)]
-
-    def _strip(self, path: str) -> str:
-        return self.fs._strip_protocol(path).rstrip("/")
 
     def size(self, path: str) -> int:
         if self.fs.isdir(path):
