@@ -231,6 +231,14 @@ CASES = {
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),
+    # a .json export of questions: "line 1: malformed JSON (Expecting value)" at its "["
+    "run -q a JSON array": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.json", b'[\n{"question": "q"},\n{"question": "r"}\n]'),
+                                          "-m", "reuse", "-o", t / "o.jsonl"],
+                            ["--questions", "q.json is one JSON array", "JSON Lines, one object per line", "json.load(sys.stdin)",
+                             "q.jsonl`"]),
+    "prepare custom a JSON array": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.json", b'[{"question": "q", "passages": [{"text": "x"}]}]'), "--out", t / "p"],
+                                    ["--input", "c.json is one JSON array"]),
     # click's "Got unexpected extra argument(s)" alone left the user to find the flag a word was meant for
     "search an unquoted query": (lambda d, t: ["search", "who", "founded", "it", "-w", d[1]],
                                  ["unexpected extra argument", 'in quotes: kvf search "who founded it"']),

@@ -243,7 +243,10 @@ def test_search_command_errors(tmp_path):
     from kvf.cli.search_cmd import search_command
     with pytest.raises(KvfError, match="workspace"):
         search_command("anything", workspace=tmp_path / "nope")
-    tmp_path.joinpath("ws").mkdir()
+    tmp_path.joinpath("ws").mkdir()   # a folder no build reached: said so, not that its BM25 index is missing
+    with pytest.raises(KvfError, match="no workspace there"):
+        search_command("anything", workspace=tmp_path / "ws")
+    tmp_path.joinpath("ws", "chunks.parquet").touch()   # a first build stopped before its indexes
     with pytest.raises(KvfError, match="bm25"):
         search_command("anything", workspace=tmp_path / "ws")
 

@@ -509,6 +509,10 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise KvfError(f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8, or {fix}") from None
+    if is_json_array(text):
+        raise KvfError(f"{where} is one JSON array; kvf reads JSON Lines, one object per line: convert it with "
+                       f"`python -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\" "
+                       f"< {path} > {path.with_suffix('.jsonl')}`")
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -520,6 +524,17 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
             rows.append((lineno, row))
     return rows
+
+
+def is_json_array(text: str) -> bool:
+    """A whole file that is one JSON array of objects (a .json export), not JSON Lines."""
+    if not text.lstrip().startswith("["):
+        return False
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
 
 
 def _read_prepared_jsonl(path: Path, directory: Path) -> list[tuple[int, dict]]:
