@@ -231,6 +231,17 @@ CASES = {
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),
+    # another tool's field names were read as nothing: no gold to score against, or retrieval instead of the passages
+    "run -q gold instead of answers": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "gold": ["a"]}'),
+                                                     "-m", "reuse", "-o", t / "o.jsonl"],
+                                       ["q.jsonl line 1", 'field "gold" is not read', 'kvf reads "answers"']),
+    "run -q passage instead of passages": (lambda d, t: ["run", "-w", d[1], "-q", write(
+        t / "q.jsonl", b'{"question": "q", "passage": ["p1"]}'), "-m", "reuse", "-o", t / "o.jsonl"],
+                                           ['field "passage" is not read', 'kvf reads "passages"', "retrieved chunks"]),
+    "prepare custom context instead of passages": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "answers": ["a"], "context": [{"text": "x"}]}'), "--corpus", d[0] / "corpus",
+                                                                 "--out", t / "p"],
+                                                   ["--input", 'field "context" is not read', 'kvf reads "passages"']),
     # a .json export of questions: "line 1: malformed JSON (Expecting value)" at its "["
     "run -q a JSON array": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.json", b'[\n{"question": "q"},\n{"question": "r"}\n]'),
                                           "-m", "reuse", "-o", t / "o.jsonl"],

@@ -466,6 +466,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     for lineno, row in _read_jsonl_objects(path, f"--input {path}", "pass a JSON Lines file of questions; " + fix,
                                               QUESTION_LINE):
         where = f"--input {path} line {lineno}"
+        check_field_names(row, where)
         text = _text_field(row, "question", where, fix)
         answers = _answers_field(row, where, required=False)   # optional, as for `kvf run -q`: fidelity needs none
         passages = []
@@ -558,6 +559,25 @@ def _text_field(row: dict, name: str, where: str, fix: str) -> str:
     return value
 
 
+# names a user's own question file may give a field kvf reads under another: read as nothing, they would
+# leave a question unscored, or retrieved for instead of answered from the passages it names
+MEANT_FIELDS = {"answers": ("gold", "golds", "target", "targets", "label", "labels", "ground_truth", "reference",
+                            "references", "gold_answers"),
+                "passages": ("passage", "context", "contexts", "ctxs", "documents", "docs", "doc_ids", "passage_ids")}
+WITHOUT_FIELD = {"answers": "scored against full prefill's answer only", "passages": "answered from retrieved chunks"}
+
+
+def check_field_names(row: dict, where: str) -> None:
+    """A field named as another tool names "answers" or "passages", where the row lacks kvf's own name."""
+    for read, others in MEANT_FIELDS.items():
+        if read == "answers" and "answer" in row:
+            continue
+        given = next((name for name in others if name in row), None)
+        if given is not None and read not in row:
+            raise KvfError(f"{where}: field \"{given}\" is not read; kvf reads \"{read}\": rename it (or drop it, "
+                           f"and the question is {WITHOUT_FIELD[read]})")
+
+
 def _answers_field(row: dict, where: str, required: bool) -> list[str]:
     value = row.get("answers", row.get("answer"))
     if value is None and not required:
@@ -624,6 +644,7 @@ def load_questions_file(path: str | Path) -> list[Question]:
     for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix,
                                             QUESTION_LINE):
         where = f"--questions {path} line {lineno}"
+        check_field_names(r, where)
         passages = r.get("passages", [])
         passages = [as_document_id(p) for p in passages] if isinstance(passages, list) else passages
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
