@@ -146,8 +146,22 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 
 def test_jsonl_row_without_text_is_an_error(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"id": "a", "body": "ok"}\n')
-    with pytest.raises(KvfError, match=r"d\.jsonl:1.*\"text\""):
+    with pytest.raises(KvfError, match=r"d\.jsonl:1.*\"text\".*this one has 'id', 'body'"):
         read_corpus(tmp_path)
+
+
+def test_beir_and_pyserini_corpus_rows_are_read_as_kvf_s_own(tmp_path):
+    """BEIR's corpus.jsonl ({_id, title, text}) and pyserini's JsonCollection ({id, contents}) were refused
+    row by row: a corpus in either format is read as the same documents as kvf's {id, title, text}."""
+    (tmp_path / "beir").mkdir()
+    (tmp_path / "beir" / "corpus.jsonl").write_text(json.dumps({"_id": "d1", "title": "Acme", "text": "Founded in 1901."}) + "\n")
+    (tmp_path / "pyserini").mkdir()
+    (tmp_path / "pyserini" / "docs.jsonl").write_text(json.dumps({"id": "d1", "contents": "Founded in 1901."}) + "\n")
+    (tmp_path / "kvf").mkdir()
+    (tmp_path / "kvf" / "docs.jsonl").write_text(json.dumps({"id": "d1", "title": "Acme", "text": "Founded in 1901."}) + "\n")
+    read = {name: [(d.doc_id, d.title, d.text) for d in read_corpus(tmp_path / name)] for name in ("beir", "pyserini", "kvf")}
+    assert read["beir"] == read["kvf"] == [("d1", "Acme", "Founded in 1901.")]
+    assert read["pyserini"] == [("d1", "", "Founded in 1901.")]
 
 # ---------------------------------------------------------------- chunking
 

@@ -141,16 +141,26 @@ def read_plain_document(path: Path, root: Path) -> Document | None:
     return Document(doc_id=doc_id, title=title, text=text, source_file=str(path))
 
 
+# the fields of the corpus formats users bring: kvf's own {id, title, text}, BEIR's {_id, title, text},
+# and pyserini's JsonCollection {id, contents}
+ID_FIELDS, TEXT_FIELDS = ("id", "_id"), ("text", "contents")
+ROW_SHAPE = 'each line must be a JSON object with "id" (or BEIR\'s "_id") and a string "text" (or pyserini\'s "contents")'
+
+
 def parse_jsonl_row(line: str, where: str) -> Document:
     """One JSONL row -> Document; a bad row is a hard error, since silently dropping it would skew evals."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise KvfError(f"{where}: not valid JSON ({e.msg}); each line must be an object with \"id\" and \"text\"") from e
-    if not isinstance(row, dict) or "id" not in row or not isinstance(row.get("text"), str):
-        raise KvfError(f"{where}: each line must be a JSON object with \"id\" and a string \"text\"")
+        raise KvfError(f"{where}: not valid JSON ({e.msg}); {ROW_SHAPE}") from e
+    if not isinstance(row, dict):
+        raise KvfError(f"{where}: {ROW_SHAPE}")
+    doc_id = next((row[f] for f in ID_FIELDS if row.get(f) not in (None, "")), None)
+    text = next((row[f] for f in TEXT_FIELDS if f in row), None)
+    if doc_id is None or not isinstance(text, str):
+        raise KvfError(f"{where}: {ROW_SHAPE}; this one has {', '.join(map(repr, row)) or 'no fields'}")
     title = row.get("title") or ""
-    return Document(doc_id=str(row["id"]), title=str(title), text=row["text"], source_file=where)
+    return Document(doc_id=str(doc_id), title=str(title), text=text, source_file=where)
 
 
 def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
