@@ -105,6 +105,10 @@ CASES = {
     "run -d and -q": (lambda d, t: [*run_args(d, t / "o.jsonl"), "-q", d[0] / "questions.jsonl"], ["--dataset", "--questions"]),
     "eval --out FILE": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
     "eval --out read-only": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", NOWHERE], ["--out"]),
+    # it said only "holds no .jsonl files" of a folder whose runs sit one level down
+    "eval a folder of run folders": (lambda d, t: ["eval", write(t / "runs" / "exp1" / "r.jsonl", record()).parent.parent,
+                                                   "--out", t / "e"],
+                                     ["run file directory", "runs holds no .jsonl", "its subfolder ", "/runs/exp1 holds some: pass it"]),
     "eval binary": (lambda d, t: ["eval", write(t / "b.jsonl", b"\xff\xfe\x00\x01"), "--out", t / "e"], ["not UTF-8"]),
     "eval settings list": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings=[1])), "--out", t / "e"], ["settings"]),
     "eval string ratio": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings={"ratio": "0.15"})), "--out", t / "e"], ["settings"]),
