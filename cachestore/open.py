@@ -161,6 +161,7 @@ def _detect(fs, root: str, path: str, create: bool = True) -> str | None:
                 raise  # an object store's own failure (access, endpoint): remote_errors says which
             raise KvfError(f"store {path}: cannot read {cls.MARKER} ({e}); is this a kvf store?") from e
         if identity == {}:
+            inside_a_store(fs, root, path)
             raise KvfError(f"{path} holds a {cls.MARKER} that is not a kvf store's; use another --store path")
         if identity is not None:
             found.append(name)
@@ -169,10 +170,26 @@ def _detect(fs, root: str, path: str, create: bool = True) -> str | None:
     if found:
         return found[0]
     if fs.local and os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
+        inside_a_store(fs, root, path)
         fix = "use another --store path (or an empty directory)" if create else \
             "pass a store (such as WORKSPACE/kv.zarr) or a workspace folder"
         raise KvfError(f"{path} exists and is not a kvf store; {fix}")
     return None
+
+
+def inside_a_store(fs, root: str, path: str, levels: int = 3) -> None:
+    """A path inside a local kvf store (a fan-out folder, an entry, a marker file): the store is what the
+    user meant, so the error names it."""
+    parent = root
+    for _ in range(levels if fs.local else 0):
+        parent = os.path.dirname(parent)
+        for cls in FORMATS.values():
+            try:
+                identity = cls.read_identity(fs, parent)
+            except (ValueError, OSError):
+                continue
+            if identity:
+                raise KvfError(f"{path} is inside the kvf store {parent}; pass the store itself")
 
 
 def _create(cls, fs, root: str, path: str, meta: dict, compressor: str | None) -> None:

@@ -56,6 +56,12 @@ CASES = {
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
     "data synthetic --passages 1": (lambda d, t: ["data", "synthetic", "--passages", "1", "--out", t / "s"],
                                     ["--passages 1: must be at least 2"]),
+    # tab completion one level too deep: "holds a zarr.json that is not a kvf store's"
+    "store info on a folder inside the store": (lambda d, t: ["store", "info", min(p for p in (d[1] / "kv.zarr").iterdir()
+                                                                                if p.is_dir() and len(p.name) == 2)],
+                                                ["kv.zarr/", "is inside the kvf store ", "/ws/kv.zarr; pass the store itself"]),
+    "store verify on the store's own zarr.json": (lambda d, t: ["store", "verify", d[1] / "kv.zarr" / "zarr.json"],
+                                                  ["is inside the kvf store ", "/ws/kv.zarr; pass the store itself"]),
     "store info on a folder of documents": (lambda d, t: ["store", "info", d[0] / "corpus"],
                                             ["exists and is not a kvf store", "pass a store (such as WORKSPACE/kv.zarr)"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
