@@ -145,11 +145,10 @@ def run_files_of(paths: list[str | Path]) -> list[Path]:
         if given.is_dir():
             inside = sorted(p for p in given.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
             if not inside:
-                deeper = sorted({p.parent for p in given.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))})
-                where = (f"; its subfolder{'s' if len(deeper) > 1 else ''} {', '.join(map(str, deeper[:3]))}"
-                         f"{' ...' if len(deeper) > 3 else ''} hold{'' if len(deeper) > 1 else 's'} some: pass "
-                         f"{'those' if len(deeper) > 1 else 'it'}") if deeper else "; pass the files `kvf run` wrote"
-                raise KvfError(f"run file directory {given} holds no .jsonl or .jsonl.gz files{where}")
+                deeper = sorted({str(p.parent) for p in given.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))})
+                fix = (f"its subfolders hold some ({', '.join(deeper[:3])}{', ...' if len(deeper) > 3 else ''}): pass those"
+                       if deeper else "pass the files `kvf run` wrote")
+                raise KvfError(f"run file directory {given} holds no .jsonl or .jsonl.gz files; {fix}")
             files += inside
         elif not given.exists() and any(c in str(given) for c in "*?["):
             matched = sorted(Path(p) for p in glob.glob(str(given)))

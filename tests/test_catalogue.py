@@ -114,7 +114,7 @@ CASES = {
     # it said only "holds no .jsonl files" of a folder whose runs sit one level down
     "eval a folder of run folders": (lambda d, t: ["eval", write(t / "runs" / "exp1" / "r.jsonl", record()).parent.parent,
                                                    "--out", t / "e"],
-                                     ["run file directory", "runs holds no .jsonl", "its subfolder ", "/runs/exp1 holds some: pass it"]),
+                                     ["run file directory", "runs holds no .jsonl", "its subfolders hold some (", "/runs/exp1): pass those"]),
     "eval binary": (lambda d, t: ["eval", write(t / "b.jsonl", b"\xff\xfe\x00\x01"), "--out", t / "e"], ["not UTF-8"]),
     "eval settings list": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings=[1])), "--out", t / "e"], ["settings"]),
     "eval string ratio": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings={"ratio": "0.15"})), "--out", t / "e"], ["settings"]),

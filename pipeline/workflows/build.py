@@ -612,10 +612,11 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
 @contextmanager
 def removed_on_failure(ws: Workspace, fresh: bool):
     """A workspace folder this build created goes again if the build fails before its chunks are written (an
-    unreadable corpus, Ctrl-C): nothing there is worth resuming, and the folder would pass for a workspace."""
+    unreadable corpus): nothing there is worth resuming, and the folder would pass for a workspace. Not on
+    Ctrl-C: that stops one shard of a build (--shard I/N) while another may be working in the folder."""
     try:
         yield
-    except BaseException:
+    except Exception:
         if fresh:
             shutil.rmtree(ws.root, ignore_errors=True)
         raise
