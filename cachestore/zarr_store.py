@@ -36,7 +36,6 @@ COMPRESSORS = {
     "gzip": (lambda: zarr.codecs.GzipCodec(level=5), lambda: numcodecs.GZip(level=5)),
 }
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0: all chunks in one dir
-MARKER_BATCH = 1024   # entries whose commit markers are asked about at once when listing the store
 FANOUT_BATCH = 32     # fan-out directories listed at once (each listing holds its entries' names in memory)
 
 
@@ -96,18 +95,10 @@ class ZarrKVStore(KVStore):
     def _is_committed(self, key: str) -> bool:
         return self.fs.exists(self.fs.join(self._entry_dir(key), "zarr.json"))
 
-    def _entry_dirs(self):
-        """(key, dir) for every directory in the fan-out level, committed or not. Symlinks (a fan-out
-        directory or an entry that points elsewhere) are never followed: nothing outside the store
-        is read as an entry, or deleted as garbage. The fan-out directories are listed FANOUT_BATCH at a
-        time: on an object store each listing is a request, and a batch goes side by side."""
-        fan_dirs = [self.fs.join(self.root, fan) for fan in self.fs.listdir(self.root) if len(fan) == 2 and fan != STAGING]
-        for listed in batched(fan_dirs, FANOUT_BATCH):
-            batch = [d for d in listed if not self.fs.is_link(d)]
-            for fan_dir, names in zip(batch, self.fs.each(self.fs.listdir, batch)):
-                for name in names:
-                    if name != "zarr.json" and not self.fs.is_link(self.fs.join(fan_dir, name)):
-                        yield name, self.fs.join(fan_dir, name)
+    def _marked_entries_in(self, fan_dir: str) -> list[tuple[str, str, bool]]:
+        """(key, dir, committed) for each entry directory in one fan-out directory, committed or not."""
+        return [(key, self.fs.join(fan_dir, key), committed)
+                for key, committed in self.fs.names_marked(fan_dir, "zarr.json", bulk="kv") if key != "zarr.json"]
 
     @contextmanager
     def _walked_once(self):
@@ -126,11 +117,15 @@ class ZarrKVStore(KVStore):
         return iter(self._walk) if self._walk is not None else self._walk_entries()
 
     def _walk_entries(self):
-        """(key, dir, committed) for every entry directory. The markers are asked about MARKER_BATCH at a time:
-        on an object store each alone is a request, and a batch goes side by side."""
-        for batch in batched(self._entry_dirs(), MARKER_BATCH):
-            committed = self.fs.exists_many([self.fs.join(entry_dir, "zarr.json") for _, entry_dir in batch])
-            yield from ((key, entry_dir, ok) for (key, entry_dir), ok in zip(batch, committed))
+        """(key, dir, committed) for every entry directory. Symlinks (a fan-out directory or an entry that
+        points elsewhere) are never followed: nothing outside the store is read as an entry, or deleted as
+        garbage. The fan-out directories are walked FANOUT_BATCH at a time: on an object store each is a
+        listing of its objects, and a batch goes side by side."""
+        fan_dirs = [self.fs.join(self.root, fan) for fan in self.fs.listdir(self.root) if len(fan) == 2 and fan != STAGING]
+        for listed in batched(fan_dirs, FANOUT_BATCH):
+            batch = [d for d in listed if not self.fs.is_link(d)]
+            for entries in self.fs.each(self._marked_entries_in, batch):
+                yield from entries
 
     def _committed_keys(self):
         return (key for key, _, committed in self._marked_entries() if committed)

@@ -15,8 +15,11 @@ and the median is reported.
   entry's header in one fsspec cat of a list.
 - listing (`kvf store info`, `verify`, `gc`): the committed entries of that store, their keys spread over the
   256 fan-out directories as content hashes are. Before, each fan-out directory listed and then each entry's
-  commit marker asked (a HEAD), one after another; now FANOUT_BATCH listings and MARKER_BATCH markers at a time,
-  side by side.
+  commit marker asked (a HEAD), one after another; now one paged listing of each fan-out directory's objects
+  with `/kv/` as the delimiter (each entry's layer files rolled up into one prefix, its marker read off the
+  listing: no request per entry), FANOUT_BATCH directories side by side. "listing vs HEADs" times the same
+  listing against the way just before it: the fan-out directories listed, then the markers asked with a HEAD
+  each, MARKER_BATCH at a time, both side by side.
 - loading: one prompt's --chunks chunks of 256 tokens in SmolLM2-135M's shape (30 layers, 3 KV heads of 64,
   float16: 5.9 MB an entry), every layer read through StoreKVSource with the engine doing nothing
   else: the load a request would wait for if compute were free. Before, one reader thread; now
@@ -106,6 +109,22 @@ def list_one_by_one(store) -> list[str]:
     return sorted(found)
 
 
+MARKER_BATCH = 1024   # markers asked at once by the listing before the rolled-up one
+
+
+def list_markers_side_by_side(store) -> list[str]:
+    """kvf's listing just before the rolled-up one: the fan-out directories listed side by side, then each
+    entry's commit marker asked with a HEAD, MARKER_BATCH at a time, side by side."""
+    fs = store.fs
+    fans = [fs.join(store.root, fan) for fan in fs.listdir(store.root) if len(fan) == 2 and fan != STAGING]
+    dirs = [fs.join(fan, name) for fan, names in zip(fans, fs.each(fs.listdir, fans)) for name in names if name != "zarr.json"]
+    found = []
+    for start in range(0, len(dirs), MARKER_BATCH):
+        batch = dirs[start: start + MARKER_BATCH]
+        found += [d.rsplit("/", 1)[-1] for d, ok in zip(batch, fs.exists_many([fs.join(d, "zarr.json") for d in batch])) if ok]
+    return sorted(found)
+
+
 def load(store, chunks: list[int], readers: int | None) -> list:
     from kvf.pipeline.fusion.sources import StoreKVSource
     source = StoreKVSource(store, [key_of(i) for i in chunks], META["layers"], pipeline=True, readers=readers)
@@ -179,7 +198,9 @@ def measure(url: str, entries: int, chunks: int, repeats: int, building: "Buildi
         ("planning", "one by one"): ("s3://bench/plan", lambda s: plan_one_by_one(s, keys)),
         ("planning", "side by side"): ("s3://bench/plan", lambda s: plan_side_by_side(s, keys)),
         ("listing", "one by one"): ("s3://bench/plan", list_one_by_one),
-        ("listing", "side by side"): ("s3://bench/plan", lambda s: s.keys()),
+        ("listing", "rolled-up listings"): ("s3://bench/plan", lambda s: s.keys()),
+        ("listing vs HEADs", "HEADs, side by side"): ("s3://bench/plan", list_markers_side_by_side),
+        ("listing vs HEADs", "rolled-up listings"): ("s3://bench/plan", lambda s: s.keys()),
         ("loading", "one reader"): ("s3://bench/load", lambda s: load(s, prompt, 1)),
         ("loading", f"{REMOTE_READERS} readers"): ("s3://bench/load", lambda s: load(s, prompt, None)),
     }
@@ -207,6 +228,7 @@ def rows(results: dict[float, dict], args) -> list[dict]:
     """One row per (work, RTT): the median seconds each way and their ratio."""
     units = {"planning": (args.entries, f"s per {args.entries:,} entries"),
              "listing": (args.entries // 2, f"s per {args.entries // 2:,} entries"),
+             "listing vs HEADs": (args.entries // 2, f"s per {args.entries // 2:,} entries"),
              "loading": (args.chunks, f"s per prompt of {args.chunks} chunks"),
              "building": (args.build_chunks, f"s per {args.build_chunks} entries built")}
     out = []
@@ -244,8 +266,9 @@ def legend(table_rows: list[dict]) -> str:
   `verify`, `gc`) listed each fan-out directory and made a HEAD of each entry's commit marker; `kvf run` read a
   prompt's chunk KVs, a layer of a chunk per request, from one reader thread.
 - **now**: planning asks for the headers of a batch of chunks in one fsspec `cat` of a list, which s3fs sends
-  side by side; listing lists 32 fan-out directories and asks 1,024 markers at a time, from 16 threads; `kvf run`
-  reads with 8 threads.
+  side by side; listing lists 32 fan-out directories at a time, side by side, each in pages with `/kv/` as the
+  delimiter, and reads the commit markers off the listings; `kvf run` reads with 8 threads. "listing vs HEADs"
+  compares that listing with the one before it (HEADs of 1,024 markers at a time, from 16 threads).
   Both ways return the same answers (the bench checks it).
 - **RTT 0** is moto itself, a Python server on the client's cores: there every request costs server CPU,
   so asking side by side saves little. With **{rtt:g} ms added** to each request, as a network does, the

@@ -404,15 +404,47 @@ def test_listing_a_store_on_s3_lists_its_fanout_directories_side_by_side(s3, tmp
         for i, key in enumerate(keys):
             store.put(key, kv(i, tokens=1))
         lister = open_store(where)
-        in_flight = slowed(lister.fs, "listdir")
+        in_flight = slowed(lister.fs, "names_marked")   # a fan-out directory's walk
         assert lister.keys() == keys, where
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
 
 
+def test_walking_an_s3_store_lists_objects_and_asks_nothing_per_entry(s3, tmp_path):
+    """A walk (`kvf store info`, `verify`, `gc`, a build's resume check) asked S3 for each entry's commit marker, a
+    request per entry (a million for a million-chunk store); it now reads the markers off one paged listing of each
+    fan-out directory, with each entry's layer files rolled up (`/kv/` as the delimiter). It finds what per-entry
+    questions found: committed entries, an unfinished one, a stray file, each as a local store sees the same files."""
+    from kvf.cachestore import open_store
+    keys = [("%064x" % (900 + i)) for i in range(6)]
+    found = {}
+    for where in ("s3://kvf/markers", str(tmp_path / "local")):
+        store = open_store(where, meta=META, create=True)
+        for i, key in enumerate(keys):
+            store.put(key, kv(i, tokens=1))
+        unfinished, fan = "%064x" % 901_000, store.fs.join(store.root, keys[0][:2])
+        store.fs.makedirs(store.fs.join(store._entry_dir(unfinished), "kv"))
+        store.fs.write_file(store.fs.join(store._entry_dir(unfinished), "kv", "c.0.0.0.0.0"), b"\0" * 8)
+        store.fs.write_file(store.fs.join(fan, "stray"), b"x")
+        walker = open_store(where)
+        asked = []
+        real_exists = walker.fs.exists
+        walker.fs.exists = lambda path: asked.append(path) or real_exists(path)
+        found[where] = sorted(walker._walk_entries())
+        assert walker.keys() == keys
+        if where.startswith("s3://"):
+            assert asked == [], asked[:3]
+            # a listing with another delimiter is no directory's listing: s3fs's directory cache never holds it
+            assert not [path for path in walker.fs.fs.dircache if path.startswith("kvf/markers/")], list(walker.fs.fs.dircache)
+    strip = lambda walk, root: [(key, None if d is None else d[len(root):].lstrip("/\\").replace("\\", "/"), ok)
+                                for key, d, ok in walk]
+    assert strip(found["s3://kvf/markers"], "kvf/markers") == strip(found[str(tmp_path / "local")], str(tmp_path / "local"))
+    assert ("stray", False) in {(key, ok) for key, _, ok in found[str(tmp_path / "local")]}
+
+
 def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
     """`kvf store info`, `gc` and `verify` each ask for the committed entries and the unfinished ones. On S3 a walk of
-    the store is a listing per fan-out directory and a request per commit marker, so one walk answers both
-    (before, each command walked twice). The answers are those of two walks: an unfinished entry is still found."""
+    the store is a listing per fan-out directory, so one walk answers both (before, each command walked twice).
+    The answers are those of two walks: an unfinished entry is still found."""
     import hashlib
     from kvf.cachestore import open_store
     keys = sorted(hashlib.sha256(f"walk-{i}".encode()).hexdigest() for i in range(12))
@@ -424,8 +456,8 @@ def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
     fans = {key[:2] for key in keys + [unfinished]}
     for command in ("info", "verify", "gc"):
         walker = open_store("s3://kvf/walk")
-        listed, real_listdir = [], walker.fs.listdir
-        walker.fs.listdir = lambda path: listed.append(path.rstrip("/").rsplit("/", 1)[-1]) or real_listdir(path)
+        listed, real_walk = [], walker.fs.names_marked
+        walker.fs.names_marked = lambda path, marker, bulk=None: listed.append(path.rstrip("/").rsplit("/", 1)[-1]) or real_walk(path, marker, bulk)
         if command == "info":
             info = walker.info()
             assert info["entries"] == len(keys) and info["temp_items"] == 1
