@@ -272,8 +272,14 @@ class FsspecFS(ManyPaths):
 
     async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str) -> list[str]:
         """Every key under prefix, with the keys holding `delimiter` rolled up to one prefix each; s3fs's
-        directory cache is left alone (a listing with another delimiter is not a directory's)."""
-        return [item["name"] async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix)]
+        directory cache is left alone (a listing with another delimiter is not a directory's). S3's errors
+        become the Python ones s3fs's own listings raise (PermissionError, FileNotFoundError, ...)."""
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+        try:
+            return [item["name"] async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix)]
+        except ClientError as e:
+            raise translate_boto_error(e) from None
 
     def _strip(self, path: str) -> str:
         return self.fs._strip_protocol(path).rstrip("/")
