@@ -221,19 +221,20 @@ def test_neighbours_bench_loads_the_same_neighbours_both_ways(capsys):
 
 def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
     """scripts/bench_s3 on a tiny store, straight to moto and through the latency proxy: the requests one after
-    another and side by side plan, list and load the same (the bench exits when they differ)."""
+    another and side by side plan, list and load the same, and so do the rolled-up listing and the HEADs before it
+    (the bench exits when they differ)."""
     pytest.importorskip("moto")
     from kvf.scripts.bench_s3 import main
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)   # the bench sets them; restored after
     results = main(["--rtt-ms", "0,5", "--repeats", "1", "--entries", "8", "--chunks", "2", "--build-chunks", "1",
                     "--out", str(tmp_path / "s3.md")])
-    assert list(results) == [0.0, 5.0] and all(len(medians) == 8 for medians in results.values())
+    assert list(results) == [0.0, 5.0] and all(len(medians) == 10 for medians in results.values())
     out = capsys.readouterr().out
     assert "s per 8 entries" in out and "s per 4 entries" in out and "s per prompt of 2 chunks" in out
     assert "s per 1 entries built" in out
     table = pd.read_csv(tmp_path / "s3.csv")
-    assert len(table) == 8 and set(table.work) == {"planning", "listing", "loading", "building"}
+    assert len(table) == 10 and set(table.work) == {"planning", "listing", "listing vs HEADs", "loading", "building"}
     assert ((table.now_over_before - table.now_s / table.before_s).abs() / table.now_over_before).max() < 1e-4
     text = (tmp_path / "s3.md").read_text()
     assert "Made by `python -m kvf.scripts.bench_s3 --rtt-ms 0,5 --repeats 1 --entries 8 --chunks 2 --build-chunks 1`" in text
