@@ -110,6 +110,11 @@ def write_neighbours(work, chunks: int, n: int) -> None:
     save_neighbours(Neighbours(ids, rows), work / "neighbours.npz")
 
 
+def times(value: float, base: float) -> str:
+    """value as a multiple of base; a base that measured nothing (a tiny run adds no resident page) has none."""
+    return f"{value / base:.2f}x" if base > 0 else "n/a"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=100_000)
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = results[base_label]
     for label, r in results.items():
         table.add_row(label, f"{r['seconds']:.2f}", f"{r['mb']:,.0f}", *([f"{sizes[label]:,.0f}"] if sizes else []),
-                      f"{r['mb'] / base['mb']:.2f}x memory, {r['seconds'] / base['seconds']:.2f}x time")
+                      f"{times(r['mb'], base['mb'])} memory, {times(r['seconds'], base['seconds'])} time")
     console.print(table)
     return results
 

@@ -219,6 +219,13 @@ def test_neighbours_bench_loads_the_same_neighbours_both_ways(capsys):
         main(["--neighbours", "0"])
 
 
+def test_chunk_table_bench_ratio_against_a_base_that_measured_nothing():
+    """A tiny run can add no resident memory in its baseline: the ratio column says n/a instead of dividing by 0."""
+    from kvf.scripts.bench_chunk_table import times
+    assert times(3.0, 1.5) == "2.00x"
+    assert times(3.0, 0.0) == "n/a" and times(3.0, -1.0) == "n/a"
+
+
 def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
     """scripts/bench_s3 on a tiny store, straight to moto and through the latency proxy: the requests one after
     another and side by side plan, list and load the same, and so do the rolled-up listing and the HEADs before it
