@@ -39,6 +39,13 @@ CASES = {
                          ["--ratio auto,0.15", "auto stands alone"]),
     "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
                      ["--ratio ''", "within [0, 1]"]),
+    # a percentage where a fraction is meant: say the fraction
+    "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
+                  ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
+    "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
+                      ["--ratio 5%,15%", "not a percentage", "pass --ratio 0.05,0.15"]),
+    "run -m in another spelling": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,Cache_Blend", "-o", t / "o.jsonl"],
+                                   ["--method Cache_Blend: unknown method", "did you mean cacheblend?"]),
     "methods unknown name": (lambda d, t: ["methods", "cacheblnd"], ["kvf methods cacheblnd: unknown method", "cacheblend"]),
     "store info --s3-endpoint beside a local store": (lambda d, t: ["store", "info", d[1], "--s3-endpoint", "http://localhost:9000"],
                                                       ["--s3-endpoint http://localhost:9000", "is not on S3", "leave --s3-endpoint out"]),

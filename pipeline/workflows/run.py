@@ -83,18 +83,33 @@ class RunOptions:
 
 
 def parse_ratios(text: str) -> list[float]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    meant = as_fractions([x[:-1] for x in items]) if items and all(x.endswith("%") for x in items) else None
+    if meant:   # "15%": a percentage, written as the fraction it means
+        raise KvfError(f"--ratio {text}: a ratio is a fraction of the chunk tokens, not a percentage; pass --ratio {meant}")
     try:
-        ratios = [float(x) for x in text.split(",") if x.strip()]
+        ratios = [float(x) for x in items]
     except ValueError:
-        if "auto" in [x.strip() for x in text.split(",")]:
+        if "auto" in items:
             raise KvfError(f"--ratio {text}: auto stands alone (the loading controller picks each question's ratio); "
                            "run the fixed ratios with a second kvf run") from None
         raise KvfError(f"--ratio {text}: expected numbers in [0, 1], e.g. 0.15 or 0,0.05,0.15") from None
+    if ratios and all(1.0 < r <= 100.0 for r in ratios):   # "15" or "5,15": percentages again
+        raise KvfError(f"--ratio {text}: every ratio must be within [0, 1] (a fraction of the chunk tokens); "
+                       f"for percentages pass --ratio {as_fractions(items)}")
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if not ratios or bad:
         raise KvfError(f"--ratio {text if text.strip() else repr(text)}: every ratio must be within [0, 1], "
                        "e.g. 0.15 or 0,0.05,0.15")
     return ratios
+
+
+def as_fractions(percents: list[str]) -> str | None:
+    """['15', '5'] -> '0.15,0.05': the --ratio a user who wrote percentages meant (None if one is no number)."""
+    try:
+        return ",".join(f"{float(p) / 100:g}" for p in percents)
+    except ValueError:
+        return None
 
 
 def parse_methods(text: str) -> list[str]:
