@@ -137,11 +137,20 @@ def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents
     check_argument("max_new_tokens", max_new_tokens, int, low=0, why="must be >= 0 (0: the first token's work only)")
 
 
+# what other tools (and kvf's own code) call answer()'s arguments
+ARGUMENT_ALIASES = {"k": "top_k", "topk": "top_k", "top_n": "top_k", "recompute_ratio": "ratio",
+                    "max_tokens": "max_new_tokens", "docs": "documents", "doc_ids": "documents"}
+
+
 def check_own_knobs(method: str, knobs: dict) -> None:
-    """answer(**knobs): a knob the method does not take (a typo, another method's) is refused, not ignored."""
+    """answer(**knobs): a knob the method does not take (a typo, another method's, one of answer()'s own
+    arguments under another name) is refused, not ignored."""
     check_method_name(method, f"method={method!r}")   # named as the notebook passed it
     own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
     for name in knobs:
+        if name in ARGUMENT_ALIASES:
+            raise KvfError(f"{name}={knobs[name]!r}: answer() calls it {ARGUMENT_ALIASES[name]}; "
+                           f"pass {ARGUMENT_ALIASES[name]}={knobs[name]!r}")
         if name not in own:
             raise KvfError(f"{name}={knobs[name]!r}: not a knob of {method}; its knobs: {', '.join(own) or 'none'} "
                            "(kvf methods lists them)")
