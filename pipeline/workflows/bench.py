@@ -12,6 +12,7 @@ more request per entry after every timing is done (measure_peaks says why). Pipe
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -310,8 +311,8 @@ def check_versus(versus: str, planned: list[tuple]) -> None:
         wanted = parse_method_spec(versus)
     except KvfError as e:
         raise KvfError(str(e).replace(f"--method {versus}", f"--versus {versus}", 1)) from None
-    if not any(m.name == wanted.name and spec == wanted.label for m, spec in planned):
-        entries = ", ".join(sorted({m.name + (f":{spec}" if spec else "") for m, spec in planned}))
+    if not any(m.name == wanted.name and label_of(spec) == wanted.label for m, spec in planned):
+        entries = ", ".join(sorted({m.name + (f":{label_of(spec)}" if label_of(spec) else "") for m, spec in planned}))
         raise KvfError(f"--versus {versus}: no -m entry is {versus}; name one of the timed entries ({entries})")
 
 
@@ -336,11 +337,11 @@ def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
     return df
 
 
-def plan(opts: BenchOptions, n_layers: int | None = None) -> list[tuple]:
+def plan(opts: BenchOptions) -> list[tuple]:
     """(method, spec) per --method entry and ratio; methods without a ratio knob run once. An entry may set
-    knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is that part of it (or None).
-    full prefill is always timed, first unless named: it is what every ratio divides by. With n_layers,
-    knobs that depend on the model (cacheblend's check layer) are checked against it too."""
+    knobs for itself alone, as on `kvf run` (kvfuse:propagate=off); spec is the parsed entry (None for the
+    full prefill added here). full prefill is always timed, first unless named: it is what every ratio
+    divides by."""
     from kvf.pipeline.workflows.run import parse_method_spec
     entries = [n for n in method_names() if METHODS[n].in_all] if "all" in opts.methods else opts.methods
     planned, seen = [], set()
@@ -349,15 +350,26 @@ def plan(opts: BenchOptions, n_layers: int | None = None) -> list[tuple]:
         for ratio in opts.ratios:
             with spec.names_its_knobs():
                 method = build_method(spec.name, ratio, {**opts.knobs, **spec.knobs})
-                if n_layers is not None:
-                    method.check_model(n_layers)
             key = (spec.name, str(method.settings()))
             if key not in seen:
                 seen.add(key)
-                planned.append((method, spec.label))
+                planned.append((method, spec))
     if not any(method.name == "full" for method, _ in planned):  # every ratio in the table is to full prefill
         planned.insert(0, (build_method("full", 1.0), None))
     return planned
+
+
+def check_planned_model(planned: list[tuple], n_layers: int) -> None:
+    """Knobs that depend on the model (cacheblend's check layer), named as their entry set them: out of
+    range, a method would time other work."""
+    for method, spec in planned:
+        with spec.names_its_knobs() if spec else contextlib.nullcontext():
+            method.check_model(n_layers)
+
+
+def label_of(spec) -> str | None:
+    """An entry's own knobs as its label (kvfuse:propagate=off -> 'propagate=off'); None for a plain entry."""
+    return spec.label if spec else None
 
 
 def store_chunk_kvs(engine: FusionEngine, prompt: FusedPrompt, store, methods: list) -> list[str]:
@@ -468,7 +480,7 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
             console: Console) -> list[dict]:
     """Every length's timed rounds, then one request per entry for peak memory -> one row per timing."""
     methods = [method for method, _ in planned]
-    spec_of = {id(method): spec for method, spec in planned}   # an entry's own knobs, for its label
+    spec_of = {id(method): label_of(spec) for method, spec in planned}   # an entry's own knobs, for its label
     model_bytes = sum(p.numel() * p.element_size() for p in engine.model.hf_model.parameters())
     token_layer_seconds = measure_token_layer_seconds(engine.model) if opts.auto_ratio else None
     timed: list[tuple[LengthSetup, list[list[dict]]]] = []
@@ -513,8 +525,7 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
     check_lengths(opts.lengths, transformer.max_positions)
-    # knobs that depend on the model (cacheblend's --check-layer): out of range, a method would time other work
-    planned = plan(opts, transformer.n_layers)
+    check_planned_model(planned, transformer.n_layers)
     if opts.auto_ratio:
         build_method(opts.auto_method, 0.15, opts.knobs).check_model(transformer.n_layers)
     with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
