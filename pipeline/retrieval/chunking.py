@@ -64,8 +64,7 @@ def chunk_id_for(fingerprint: str, token_ids: list[int]) -> str:
 
 def tokenize_document(text: str, tokenizer) -> list[int]:
     """Token ids of one document, no BOS/EOS: the prompt builder adds its own template around chunks."""
-    # split_special_tokens: a literal "<|im_end|>" in a document stays text, never a control token
-    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    return tokenize_documents([text], tokenizer)[0]   # the build's batched call, so both cut the same ids
 
 
 def window_starts(n_tokens: int, chunk_tokens: int, overlap: int) -> list[int]:
@@ -85,9 +84,10 @@ def validate_chunking(chunk_tokens: int, overlap: int):
 
 
 def tokenize_documents(texts: list[str], tokenizer) -> list[list[int]]:
-    """tokenize_document of each text, in one call: a fast tokenizer spreads a batch over the CPU's cores."""
+    """Token ids of each text, no BOS/EOS, in one call: a fast tokenizer spreads a batch over the CPU's cores."""
     if not texts:
         return []
+    # split_special_tokens: a literal "<|im_end|>" in a document stays text, never a control token
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
 
