@@ -129,6 +129,26 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
     return f"; kvf run takes its inputs by flag: {' '.join(flags)}" if flags else ""
 
 
+def invalid_value_message(message: str, args: list[str]) -> str:
+    """Click's "Invalid value for '--length': Input should be a valid integer, ..." does not say what was
+    typed: name the flag with its value, as kvf's own lines do, and read 4K (a context length as papers
+    write it) as the number it stands for."""
+    import re
+    found = re.match(r"Invalid value for ('-[^']+'(?: / '-[^']+')*): (.*)$", message)
+    if not found:
+        return message
+    names, reason = re.findall(r"'([^']+)'", found.group(1)), found.group(2)   # --n / --limit / -n
+    value = None
+    for i, arg in enumerate(args):
+        if arg.split("=", 1)[0] in names:
+            flag, value = arg.split("=", 1) if "=" in arg else (arg, args[i + 1] if i + 1 < len(args) else None)
+    if value is None:
+        return message
+    thousands = re.fullmatch(r"(\d+(?:\.\d+)?)[kK]", value)
+    hint = f"; write {value} as {round(float(thousands.group(1)) * 1024)}" if thousands else ""
+    return f"{flag} {value}: {reason[0].lower() + reason[1:]}{hint}"
+
+
 def main():
     """Run the CLI; every way it can end is one line on stderr (see the module docstring).
     Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
@@ -146,7 +166,7 @@ def main():
         ctx = getattr(e, "ctx", None)
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
-        message = " ".join((format_message() if format_message else str(e)).split())
+        message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
         hint = extra_argument_hint(where, ctx, message)
         print(f"kvf: error: {message}{hint} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)

@@ -61,6 +61,11 @@ CASES = {
                                  ["--corpus", "unused here", "for `custom`"]),
     "prepare custom --skip-bad": (lambda d, t: ["data", "prepare", "custom", "--input", t / "c.jsonl", "--skip-bad", "--out", t / "p"],
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
+    # click's own "Invalid value for '--length': ..." did not say what was typed
+    "data ruler --length 4K": (lambda d, t: ["data", "ruler", "--length", "4K", "--out", t / "r"],
+                               ["--length 4K: input should be a valid integer", "write 4K as 4096"]),
+    "data ruler -n x (a flag with aliases)": (lambda d, t: ["data", "ruler", "-n", "x", "--out", t / "r"],
+                                              ["-n x: input should be a valid integer"]),
     "data synthetic --passages 1": (lambda d, t: ["data", "synthetic", "--passages", "1", "--out", t / "s"],
                                     ["--passages 1: must be at least 2"]),
     # tab completion one level too deep: "holds a zarr.json that is not a kvf store's"
@@ -154,6 +159,8 @@ CASES = {
     "data synthetic --out read-only": (lambda d, t: ["data", "synthetic", "--out", NOWHERE], ["--out"]),
     "data ruler too long": (lambda d, t: ["data", "ruler", "--length", "9000", "--out", t / "r"], ["--length 9000"]),
     "data ruler unknown task": (lambda d, t: ["data", "ruler", "--tasks", "nope", "--out", t / "r"], ["--tasks nope"]),
+    "data ruler --tasks niah (the start of three)": (lambda d, t: ["data", "ruler", "--tasks", "niah", "--out", t / "r"],
+                                                     ["--tasks niah: unknown task", "did you mean niah_single, niah_multikey or niah_multivalue?"]),
     "data ruler --n 0": (lambda d, t: ["data", "ruler", "--n", "0", "--out", t / "r"], ["--n 0"]),
     "bench --chunk-tokens 0": (lambda d, t: ["bench", "--chunk-tokens", "0"], ["--chunk-tokens"]),
     "bench --repeats 0": (lambda d, t: ["bench", "--repeats", "0"], ["--repeats"]),
@@ -213,6 +220,8 @@ CASES = {
         "--out", t / "p"], ["record 0", "not a string"]),
     "prepare unknown dataset": (lambda d, t: ["data", "prepare", "musiqe", "--out", t / "p"],   # it said "has no file of its own"
                                 ["unknown dataset 'musiqe'", "known: nq,", "musique", "or custom"]),
+    "prepare dataset in another case": (lambda d, t: ["data", "prepare", "NQ", "--out", t / "p"],
+                                        ["unknown dataset 'NQ' (did you mean nq?)"]),
     # it wrote corpus/ and questions.jsonl beside the user's own files, which a later build of that folder read
     "synthetic --out a folder of other files": (lambda d, t: ["data", "synthetic", "--out", write(t / "docs" / "mine.txt", b"x").parent],
                                                 ["--out", "docs holds other files (mine.txt)", "new or empty folder"]),
@@ -879,3 +888,15 @@ def test_records_made_before_a_knob_existed_resume_as_its_default(data, tmp_path
     out.write_text(json.dumps(record) + "\n")
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert_one_line(code, err, f"--out {out}", "other settings", knob)
+
+
+def test_did_you_mean_names_the_close_names():
+    """The hint after an unknown name: the same name another way, the names it starts, a typo's nearest, or none."""
+    from kvf.errors import did_you_mean
+    known = ["cacheblend", "cachecraft", "prophetkv", "2wikimqa", "2wikimqa-dev"]
+    assert did_you_mean("Cache_Blend", known) == " (did you mean cacheblend?)"
+    assert did_you_mean("cacheblnd", known) == " (did you mean cacheblend?)"
+    assert did_you_mean("cache", known) == " (did you mean cacheblend or cachecraft?)"
+    assert did_you_mean("2WikiMQA-Dev", known) == " (did you mean 2wikimqa-dev?)"
+    assert did_you_mean("ca", known) == ""    # too short to be the start of a name
+    assert did_you_mean("xyz", known) == "" and did_you_mean("", known) == ""

@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, did_you_mean
 from kvf.pipeline.files import check_writable_dir, write_atomic
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
@@ -117,7 +117,8 @@ def data_dir(flag: str | None = None) -> Path:
 
 def check_dataset_name(name: str) -> None:
     if name not in ACCEPTED_FORMATS:
-        raise KvfError(f"unknown dataset '{name}'; known: {', '.join(ACCEPTED_FORMATS)}, or custom (your own questions)")
+        raise KvfError(f"unknown dataset '{name}'{did_you_mean(name, [*ACCEPTED_FORMATS, 'custom'])}; "
+                       f"known: {', '.join(ACCEPTED_FORMATS)}, or custom (your own questions)")
 
 
 def find_dataset_file(name: str, directory: str | Path | None = None) -> Path:

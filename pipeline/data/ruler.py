@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, did_you_mean
 from kvf.pipeline.data.datasets import Passage, Question, write_prepared
 from kvf.pipeline.data.synthetic import NameMaker, filler_sentence
 
@@ -211,7 +211,8 @@ def check_args(tasks: list[str], length: int, n: int, chunk_tokens: int, max_pos
     """Bad arguments are one-line errors; returns the number of passages per sample."""
     unknown = [t for t in tasks if t not in TASKS]
     if not tasks or unknown:
-        raise KvfError(f"--tasks {','.join(unknown) or '(none)'}: unknown task; known: {', '.join(TASKS)}")
+        hint = did_you_mean(unknown[0], list(TASKS)) if len(unknown) == 1 else ""
+        raise KvfError(f"--tasks {','.join(unknown) or '(none)'}: unknown task{hint}; known: {', '.join(TASKS)}")
     if n < 1:
         raise KvfError(f"--n {n}: must be >= 1 samples per task")
     if chunk_tokens < 64:

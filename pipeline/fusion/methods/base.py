@@ -20,7 +20,6 @@ itself, and nothing else in kvf names it:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import importlib.util
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, did_you_mean
 from kvf.pipeline.fusion.engine import (FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource,
                                         recompute_budget)
 from kvf.pipeline.model.prompt import FusedPrompt
@@ -272,16 +271,8 @@ def check_method_name(name: str, given: str | None = None) -> None:
     default "--method NAME") and listing the known ones."""
     known = method_names()
     if name not in known:
-        raise KvfError(f"{given or f'--method {name}'}: unknown method{closest_name(name, known)}; "
+        raise KvfError(f"{given or f'--method {name}'}: unknown method{did_you_mean(name, known)}; "
                        f"known methods: {', '.join(known)}")
-
-
-def closest_name(name: str, known: list[str]) -> str:
-    """' (did you mean cacheblend?)' for CacheBlend, cache_blend or cacheblnd ('' when nothing is close): names
-    are lower case with no separators."""
-    folded = "".join(c for c in name.lower() if c.isalnum())
-    match = folded if folded in known else next(iter(difflib.get_close_matches(folded, known, n=1)), None)
-    return f" (did you mean {match}?)" if match else ""
 
 
 def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
