@@ -26,13 +26,14 @@ import json
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean
 from kvf.pipeline.files import check_writable_dir, write_atomic
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
+QUESTIONS_FIX = "see README, 'Your own documents and questions'"
 QUESTION_LINE = 'each line must be one JSON object, e.g. {"question": "Who wrote Dune?", "answers": ["Frank Herbert"]}'
 
 FORMATS = {
@@ -462,14 +463,8 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     if limit is not None and limit < 1:
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
     documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
-    fix = "see README, 'Your own documents and questions'"
-    questions, seen = [], set()
-    for lineno, row in _read_jsonl_objects(path, f"--input {path}", "pass a JSON Lines file of questions; " + fix,
-                                              QUESTION_LINE):
-        where = f"--input {path} line {lineno}"
-        check_field_names(row, where)
-        text = _text_field(row, "question", where, fix)
-        answers = _answers_field(row, where, required=False)   # optional, as for `kvf run -q`: fidelity needs none
+    questions = []
+    for where, row, question in read_question_lines(path, "--input", id_prefix="custom"):
         passages = []
         for item in row.get("passages") or []:
             item = as_document_id(item)
@@ -484,11 +479,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
                 passages.append(Passage(str(item.get("title") or ""), item["text"]))
             else:
                 raise KvfError(f"{where}: each passage is a document id or {{\"title\", \"text\"}} with a non-empty text")
-        qid = str(row["id"]) if row.get("id") not in (None, "") else f"custom-{lineno}"
-        claim_id(qid, seen, where)
-        questions.append(Question(qid, text, answers, passages))
-    if not questions:
-        raise KvfError(f"--input {path} holds no questions; {fix}")
+        questions.append(replace(question, contexts=passages, context_ids=[p.id for p in passages]))
     questions = questions[:limit] if limit is not None else questions
     if not documents and not any(q.contexts for q in questions):   # nothing to retrieve from at run time
         raise KvfError(f"--input {path}: no question carries passages and no --corpus is given, so the dataset would "
@@ -640,20 +631,30 @@ def load_questions_file(path: str | Path) -> list[Question]:
     """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id"?, "passages"?}, where
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
     path = Path(path)
-    fix = "see README, 'Your own documents and questions'"
-    questions, seen = [], set()
-    for lineno, r in _read_jsonl_objects(path, f"--questions {path}", "pass a JSON Lines file of questions; " + fix,
-                                            QUESTION_LINE):
-        where = f"--questions {path} line {lineno}"
-        check_field_names(r, where)
-        passages = r.get("passages", [])
+    questions = []
+    for where, row, question in read_question_lines(path, "--questions", id_prefix=path.stem):
+        passages = row.get("passages", [])
         passages = [as_document_id(p) for p in passages] if isinstance(passages, list) else passages
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
-            raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {fix}")
-        qid = str(r["id"]) if r.get("id") not in (None, "") else f"{path.stem}-{lineno}"
-        claim_id(qid, seen, where)
-        questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
-                                  [], list(passages)))
-    if not questions:
-        raise KvfError(f"--questions {path} holds no questions; {fix}")
+            raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {QUESTIONS_FIX}")
+        questions.append(replace(question, context_ids=list(passages)))
     return questions
+
+
+def read_question_lines(path: Path, flag: str, id_prefix: str) -> list[tuple[str, dict, Question]]:
+    """Every line of your own questions file (kvf run -q, kvf data prepare custom): (where it is, the row, its
+    Question without passages). Names a line's fields as kvf names them, gives a line without an "id" one
+    (ID_PREFIX-LINE), refuses a repeated id and a file without questions."""
+    lines, seen = [], set()
+    for lineno, row in _read_jsonl_objects(path, f"{flag} {path}", "pass a JSON Lines file of questions; " + QUESTIONS_FIX,
+                                           QUESTION_LINE):
+        where = f"{flag} {path} line {lineno}"
+        check_field_names(row, where)
+        qid = str(row["id"]) if row.get("id") not in (None, "") else f"{id_prefix}-{lineno}"
+        claim_id(qid, seen, where)
+        # answers are optional: without them a question is scored against full prefill's answer only
+        question = Question(qid, _text_field(row, "question", where, QUESTIONS_FIX), _answers_field(row, where, required=False))
+        lines.append((where, row, question))
+    if not lines:
+        raise KvfError(f"{flag} {path} holds no questions; {QUESTIONS_FIX}")
+    return lines
