@@ -53,7 +53,8 @@ def eval_command(
 
 def compare_command(
     run_a: Annotated[Path, typer.Argument(help="First run file (A).")],
-    run_b: Annotated[Path, typer.Argument(help="Second run file (B); may be A's file again, with --a and --b.")],
+    run_b: Annotated[Optional[Path], typer.Argument(help="Second run file (B); leave it out (or give A's file again) "
+                                                    "to compare two runs of A's file, with --a and --b.")] = None,
     a: Annotated[Optional[str], typer.Option("--a", help="Which of A's runs, when its file holds several: "
                                              "method[@ratio][:label], e.g. cacheblend@0.15.")] = None,
     b: Annotated[Optional[str], typer.Option("--b", help="Which of B's runs, as --a, e.g. full.")] = None,
@@ -64,6 +65,14 @@ def compare_command(
     from kvf.errors import KvfError
     from kvf.eval.compare import comparison_table, one_group, per_question, run_names, select
     from kvf.eval.report import load_runs
+    if run_b is None:   # two runs of one file
+        if not (a and b):
+            names = run_names(load_runs([run_a]))
+            if len(names) < 2:
+                raise KvfError(f"kvf compare {run_a}: it holds one run ({names[0]}); pass a second run file to compare it with")
+            raise KvfError(f"kvf compare {run_a}: pass a second run file, or --a and --b to compare two runs of this "
+                           f"one, e.g. --a {names[0]} --b {names[1]}")
+        run_b = run_a
     frames, loaded = [], []
     for path, selector, flag in ((run_a, a, "--a"), (run_b, b, "--b")):
         df = load_runs([path])
