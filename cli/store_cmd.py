@@ -38,7 +38,7 @@ def _size(n: float | None) -> str:
 
 
 def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None,
-                  where: str | None = None) -> str:
+                  where: str | None = None, command: str = "info") -> str:
     """--store, or the store named by --workspace's manifest (one of them); or `where`, the positional
     argument: a workspace folder stands for its store (the manifest's, else its kv.zarr or kv.h5),
     anything else is a store."""
@@ -50,7 +50,7 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         if workspace is None:
             store = unfinished_workspace_store(Path(where)) or where
     if (store is None) == (workspace is None):
-        raise KvfError("pass a store (kvf store info PATH, or --store PATH / URL) or --workspace DIR, one of them")
+        raise KvfError(f"pass a store (kvf store {command} PATH, or --store PATH / URL) or --workspace DIR, one of them")
     if store is None and not (workspace / "manifest.json").is_file():
         store = unfinished_workspace_store(workspace)
     if store is None:
@@ -107,7 +107,7 @@ def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceO
            delete_bad: Annotated[bool, typer.Option("--delete-bad", help="Delete bad entries so a rebuild recomputes them.")] = False,
            s3_endpoint: EndpointOpt = None):
     """Re-read every entry and check its checksums and identity; exit 1 if any entry is bad."""
-    location = resolve_store(store, workspace, s3_endpoint, where)
+    location = resolve_store(store, workspace, s3_endpoint, where, "verify")
     s = open_store(location, format, readonly=not delete_bad)
     n = len(s.keys())
     with progress_bar(console) as progress:
@@ -132,5 +132,5 @@ def gc(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt =
        s3_endpoint: EndpointOpt = None):
     """Remove temp data left by crashed writers; with --keep or --keep-workspace, also every entry not kept."""
     from kvf.pipeline.workflows.gc import collect
-    location = resolve_store(store, workspace, s3_endpoint, where)
+    location = resolve_store(store, workspace, s3_endpoint, where, "gc")
     collect(location, format, keep, keep_workspace, yes, console, named_workspace(where, workspace))

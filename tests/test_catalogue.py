@@ -219,6 +219,7 @@ CASES = {
     "build-cache --ray alone": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "--workers", "0"],
                                 ["--workers"]),
     "store needs one of": (lambda d, t: ["store", "info"], ["kvf store info PATH", "--store", "--workspace"]),
+    "store verify needs one of": (lambda d, t: ["store", "verify"], ["kvf store verify PATH", "--store", "--workspace"]),
     "prepare nq null passage text": (lambda d, t: ["data", "prepare", "nq", "--input", write(
         t / "nq.jsonl", json.dumps({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": None}]}).encode()),
         "--out", t / "p"], ["record 0", "not a string"]),
