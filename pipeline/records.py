@@ -196,6 +196,10 @@ def read_records(path: Path) -> list[RunRecord]:
     return records
 
 
+# names of other formats an --out may be given by mistake
+OTHER_FORMATS = (".csv", ".tsv", ".json", ".parquet", ".xlsx", ".md", ".txt")
+
+
 class RunFile:
     """An append-only run file held by one `kvf run` at a time (see the module docstring)."""
 
@@ -208,6 +212,9 @@ class RunFile:
         if self.path.suffix == ".gz":  # appending record by record needs plain lines
             raise KvfError(f"--out {self.path}: `kvf run` writes plain JSON Lines; pass {self.path.with_suffix('')} "
                            "and gzip it when the run is done (kvf eval reads both)")
+        if self.path.suffix.lower() in OTHER_FORMATS:   # JSON Lines under another name: kvf eval DIR would pass it by
+            raise KvfError(f"--out {self.path}: `kvf run` writes JSON Lines (.jsonl), not {self.path.suffix.lower()}; pass "
+                           f"{self.path.with_suffix('.jsonl')} (kvf eval writes the tables as CSV and Markdown)")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a+b", buffering=0)   # unbuffered: a failed write leaves nothing pending

@@ -40,6 +40,7 @@ CASES = {
     "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
                      ["--ratio ''", "within [0, 1]"]),
     # a percentage where a fraction is meant: say the fraction
+    "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
