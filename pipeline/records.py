@@ -129,6 +129,9 @@ def parse_record(data: Any, where: str) -> RunRecord:
     """A JSON value -> RunRecord, or a one-line KvfError naming `where` and the first bad field."""
     if not isinstance(data, dict):
         raise KvfError(f"{where}: not a kvf run record (expected a JSON object)")
+    if "question" in data and "method" not in data:   # the file kvf run -q read (or a prepared dataset's), not the one it wrote
+        raise KvfError(f"{where}: a question, not a kvf run record; this is a questions file: pass the file "
+                       "`kvf run -o` wrote")
     try:
         return RunRecord.model_validate(data)
     except ValidationError as e:
@@ -185,6 +188,9 @@ def read_records(path: Path) -> list[RunRecord]:
                         warn(f"run file {path} line {lineno} is incomplete (a `kvf run` still writing it, or one "
                              "stopped mid-line): left out")
                         break
+                    if not records and path.suffix.lower() in OTHER_FORMATS:   # kvf eval's own summary.csv, say
+                        raise KvfError(f"run file {path} is {path.suffix.lower()}, not the JSON Lines `kvf run` writes; "
+                                       "pass the .jsonl files kvf run -o wrote") from None
                     raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg})") from None
                 records.append(parse_record(data, f"run file {path} line {lineno}"))
     except UnicodeDecodeError:

@@ -40,6 +40,12 @@ CASES = {
     "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
                      ["--ratio ''", "within [0, 1]"]),
     # a percentage where a fraction is meant: say the fraction
+    # records appended to (or, with --overwrite, written over) the questions the run reads
+    "run -o the -q file --overwrite": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q"}\n'),
+                                                     "-m", "reuse", "-o", t / "q.jsonl", "--overwrite"],
+                                       ["--out", "q.jsonl is the questions file this run reads (--questions)", "runs/q.jsonl"]),
+    "run -o inside the dataset's corpus": (lambda d, t: run_args(d, d[0] / "corpus" / "r.jsonl"),
+                                           ["--out", "is inside the corpus of --dataset", ".jsonl"]),
     "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
@@ -141,6 +147,10 @@ CASES = {
     "eval --exclude-questions unknown ids": (lambda d, t: ["eval", write(t / "s.jsonl", record()), "--exclude-questions",
                                                            write(t / "ids.txt", b"no-such-question\n"), "--out", t / "e"],
                                              ["--exclude-questions", "no-such-question"]),
+    "eval a questions file": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", t / "e"],
+                              ["questions.jsonl line 1: a question, not a kvf run record", "kvf run -o"]),
+    "eval kvf eval's own summary.csv": (lambda d, t: ["eval", write(t / "summary.csv", b"dataset,method\nq,full\n"), "--out", t / "e"],
+                                        ["summary.csv is .csv, not the JSON Lines", "kvf run -o"]),
     "eval directory without run files": (lambda d, t: ["eval", t, "--out", t / "e"],
                                          ["run file directory", "holds no .jsonl or .jsonl.gz files"]),
     "eval glob matching nothing": (lambda d, t: ["eval", str(t / "x*.jsonl"), "--out", t / "e"],

@@ -204,12 +204,26 @@ def check_options(opts: RunOptions) -> None:
         raise KvfError(f"--variant {opts.variant}: use prefix or fusion")
     if not opts.methods:
         raise KvfError("--method: name at least one method")
+    check_out_apart(opts)
     dtype = compute_dtype(opts.device, opts.dtype)   # not after a new workspace's minutes of chunking and indexing
     check_knobs_used([parse_method_spec(m).name for m in opts.methods], opts.knobs or {})
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray
         check_ray(opts)
     warn_if_slow(opts.device, dtype)   # once every flag is accepted
+
+
+def check_out_apart(opts: RunOptions) -> None:
+    """--out is never the questions it answers, nor inside a prepared dataset's corpus: records appended there
+    (or --overwrite, which empties the file first) would destroy the questions or become documents."""
+    out, source = opts.out.resolve(), opts.questions_source.resolve()
+    flag, name = ("--questions", source.stem) if opts.questions is not None else ("--dataset", opts.dataset.name)
+    if out == source:
+        raise KvfError(f"--out {opts.out} is the questions file this run reads ({flag}); pass another --out, "
+                       f"e.g. runs/{name}.jsonl")
+    if opts.dataset is not None and out.is_relative_to((opts.dataset / "corpus").resolve()):
+        raise KvfError(f"--out {opts.out} is inside the corpus of --dataset {opts.dataset}; pass an --out outside it, "
+                       f"e.g. runs/{opts.dataset.name}.jsonl")
 
 
 # ---- what to run ---------------------------------------------------------------------------------
