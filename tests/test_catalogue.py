@@ -46,6 +46,11 @@ CASES = {
                                        ["--out", "q.jsonl is the questions file this run reads (--questions)", "runs/q.jsonl"]),
     "run -o inside the dataset's corpus": (lambda d, t: run_args(d, d[0] / "corpus" / "r.jsonl"),
                                            ["--out", "is inside the corpus of --dataset", ".jsonl"]),
+    # the next build would walk the workspace's (or the store's) own files as documents
+    "build-cache -w the corpus folder": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", d[0] / "corpus"],
+                                         ["--workspace", "corpus is the corpus folder", "pass a --workspace outside it"]),
+    "build-cache --store inside the corpus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store", d[0] / "corpus" / "kv.zarr"],
+                                              ["--store", "kv.zarr is inside the corpus folder", "pass a --store outside it"]),
     "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),

@@ -530,6 +530,21 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
                        f"positions; use at most {room // opts.chunk_tokens - 1} neighbours (or smaller --chunk-tokens)")
 
 
+def check_apart_from_corpus(opts: BuildOptions) -> None:
+    """The workspace and a local store live outside the corpus folder: inside it, the next build would walk
+    their files as documents (its index files, its entries), and a document added there would sit beside them."""
+    corpus = Path(opts.corpus).resolve()
+    if not corpus.is_dir():
+        return
+    for flag, place in (("--workspace", opts.workspace), ("--store", opts.store)):
+        if place is None or "://" in str(place):
+            continue
+        if Path(place).resolve().is_relative_to(corpus):
+            where = "is the corpus folder" if Path(place).resolve() == corpus else f"is inside the corpus folder {opts.corpus}"
+            raise KvfError(f"{flag} {place} {where}; pass a {flag} outside it, "
+                           f"e.g. {flag} {corpus.name}-{'workspace' if flag == '--workspace' else 'store'}")
+
+
 # ---- the whole build --------------------------------------------------------------------------
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # cheap checks first: bad flags, a missing corpus or a store that cannot be used fail in seconds,
@@ -555,6 +570,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         from kvf.pipeline.workflows.distributed import check_ray
         check_ray(opts)
     files = list_corpus_files(Path(opts.corpus))   # its documents are read (and checked) a file at a time, in stage 1
+    check_apart_from_corpus(opts)
     model_ref = open_model(opts.model)
     check_chunk_fits(opts, model_ref)
     fresh = not ws.root.exists()
