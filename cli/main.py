@@ -129,6 +129,20 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
     return f"; kvf run takes its inputs by flag: {' '.join(flags)}" if flags else ""
 
 
+# what a command another tool has is called here: (the group it was typed under, the word) -> kvf's own
+COMMAND_ALIASES = {("kvf", "version"): "kvf --version", ("kvf", "help"): "kvf --help",
+                   ("kvf store", "ls"): "kvf store info", ("kvf store", "list"): "kvf store info",
+                   ("kvf store", "check"): "kvf store verify", ("kvf store", "clean"): "kvf store gc"}
+
+
+def command_hint(where: str, message: str) -> str:
+    """Click suggests a command spelled nearly alike; a word for it from another tool gets kvf's own."""
+    import re
+    found = re.match(r"No such command '([^']*)'", message)
+    meant = COMMAND_ALIASES.get((where, found.group(1).lower())) if found and "Did you mean" not in message else None
+    return f" Use {meant}." if meant else ""   # after click's own sentence
+
+
 def invalid_value_message(message: str, args: list[str]) -> str:
     """Click's "Invalid value for '--length': Input should be a valid integer, ..." does not say what was
     typed: name the flag with its value, as kvf's own lines do, and read 4K (a context length as papers
@@ -167,7 +181,7 @@ def main():
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
-        hint = extra_argument_hint(where, ctx, message)
+        hint = extra_argument_hint(where, ctx, message) + command_hint(where, message)
         print(f"kvf: error: {message}{hint} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:

@@ -52,6 +52,8 @@ CASES = {
     "build-cache --store inside the corpus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store", d[0] / "corpus" / "kv.zarr"],
                                               ["--store", "kv.zarr is inside the corpus folder", "pass a --store outside it"]),
     "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
+    "kvf version (a command other tools have)": (lambda d, t: ["version"], ["No such command 'version'. Use kvf --version."]),
+    "kvf store ls": (lambda d, t: ["store", "ls", d[1]], ["No such command 'ls'. Use kvf store info."]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
