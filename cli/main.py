@@ -160,6 +160,7 @@ def invalid_value_message(message: str, args: list[str]) -> str:
         return message
     thousands = re.fullmatch(r"(\d+(?:\.\d+)?)[kK]", value)
     hint = f"; write {value} as {round(float(thousands.group(1)) * 1024)}" if thousands else ""
+    reason = re.sub(r"^Value error, ", "", reason)   # typer's wording for a value outside its choices
     return f"{flag} {value}: {reason[0].lower() + reason[1:]}{hint}"
 
 

@@ -54,6 +54,10 @@ CASES = {
     "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
     "kvf version (a command other tools have)": (lambda d, t: ["version"], ["No such command 'version'. Use kvf --version."]),
     "kvf store ls": (lambda d, t: ["store", "ls", d[1]], ["No such command 'ls'. Use kvf store info."]),
+    "search -w the documents folder": (lambda d, t: ["search", "capital", "-w", d[0] / "corpus"],
+                                       ["--workspace", "it holds documents, not a workspace", "-w corpus-workspace"]),
+    "search --retriever outside its choices": (lambda d, t: ["search", "capital", "-w", d[1], "--retriever", "splade"],
+                                               ["--retriever splade: 'splade' is not one of 'bm25', 'dense'"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
@@ -314,8 +318,12 @@ CASES = {
                                          "--no-auto-ratio", "-o", write(t / "ttft.csv", b"x")],
                            ["--out", "ttft.csv is a file; pass a directory"]),
     # the folder a failed first build left (or one the user made) passed the check, and the line named an index
-    "search a folder that is no workspace": (lambda d, t: ["search", "x", "-w", d[0]],
+    "search a folder that is no workspace": (lambda d, t: ["search", "x", "-w", t],
                                              ["--workspace", "no workspace there", "kvf build-cache YOUR_DOCS"]),
+    "search a prepared dataset kvf run -d answered": (lambda d, t: ["search", "x", "-w", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent],
+                                                      ["--workspace", "a prepared dataset, not a workspace; its workspace is", "pass -w", "ds/workspace"]),
+    "search a prepared dataset": (lambda d, t: ["search", "x", "-w", d[0]],
+                                  ["--workspace", "a prepared dataset, not a workspace", "kvf run -d", "data/workspace"]),
 }
 
 

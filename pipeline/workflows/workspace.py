@@ -137,6 +137,16 @@ class Workspace:
         if self.chunks_path.is_file():
             return KvfError(f"{named}{self.root}: its first build-cache has not finished (no manifest.json yet); re-run "
                             f"the same `kvf build-cache CORPUS -w {self.root}` to finish it: it resumes where it stopped")
+        if (self.root / "workspace" / "manifest.json").is_file():   # a prepared dataset that kvf run -d answered
+            return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; its workspace is "
+                            f"{self.root / 'workspace'}: pass -w {self.root / 'workspace'}")
+        if (self.root / "questions.jsonl").is_file():   # kvf data prepare's folder: its workspace is inside it
+            return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; `kvf run -d {self.root}` builds "
+                            f"its workspace in {self.root / 'workspace'}: pass -w {self.root / 'workspace'} after that")
+        if self.root.is_dir() and any(p.is_file() and p.name.endswith(SUPPORTED_EXTENSIONS) for p in self.root.iterdir()):
+            # the documents themselves: a workspace is built from them, beside them
+            return KvfError(f"{named}{self.root}: it holds documents, not a workspace; build one from them with "
+                            f"`kvf build-cache {self.root} -w {self.root.name}-workspace`, then pass -w {self.root.name}-workspace")
         return KvfError(f"{named}{self.root}: no workspace there; build one first with "
                         f"`kvf build-cache YOUR_DOCS -w {self.root}`")
 
