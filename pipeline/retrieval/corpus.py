@@ -52,6 +52,12 @@ def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS)
     return path.name.lower().endswith(extensions)
 
 
+def holds_documents(folder: Path) -> bool:
+    """A folder with document files of its own (not in subfolders): what build-cache reads, passed where a
+    workspace or a prepared dataset was meant."""
+    return folder.is_dir() and any(p.is_file() and is_supported(p) for p in folder.iterdir())
+
+
 @contextmanager
 def open_lines(path: Path, on_bytes=None):
     """A binary stream of the file's bytes (decompressed for .gz) and progress(): on_bytes(n) for the n bytes

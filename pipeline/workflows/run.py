@@ -27,6 +27,7 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
+from kvf.pipeline.retrieval.corpus import holds_documents
 from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
                                           settle_settings, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
@@ -528,14 +529,33 @@ def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> 
     return None
 
 
+def check_dataset_folder(path: Path) -> None:
+    """--dataset names a folder made by `kvf data prepare`; a workspace, a folder of documents or a questions
+    file given there is said to be what it is, with the flags it goes with."""
+    if path.is_file():
+        raise KvfError(f"--dataset {path} is a file; pass a questions file as --questions {path} (with --workspace WS)")
+    if not path.is_dir():
+        raise KvfError(f"--dataset {path}: not a directory; make one with `kvf data prepare` or `kvf data synthetic`")
+    if (path / "questions.jsonl").is_file():
+        return
+    if (path / "manifest.json").is_file():
+        raise KvfError(f"--dataset {path} is a workspace (kvf build-cache made it), not a prepared dataset; pass it "
+                       f"as --workspace {path} with --questions FILE")
+    if holds_documents(path):
+        raise KvfError(f"--dataset {path} holds documents, not a prepared dataset; build a workspace from them "
+                       f"(`kvf build-cache {path} -w {path.name}-workspace`) and run with --workspace "
+                       f"{path.name}-workspace --questions FILE")
+
+
 def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
     """(questions, dataset name) from --dataset or --questions, cut to --limit."""
     if opts.dataset is not None:
-        if not opts.dataset.is_dir():
-            raise KvfError(f"--dataset {opts.dataset}: not a directory; make one with `kvf data prepare` or `kvf data synthetic`")
+        check_dataset_folder(opts.dataset)
         questions, _ = load_prepared(opts.dataset)
         name = dataset_name(opts.dataset)
     else:
+        if (opts.questions / "questions.jsonl").is_file():
+            raise KvfError(f"--questions {opts.questions} is a prepared dataset; pass it as --dataset {opts.questions}")
         questions = load_questions_file(opts.questions)
         name = opts.questions.stem
     if opts.qids:

@@ -27,7 +27,7 @@ from typing import Callable
 from kvf.errors import KvfError
 from kvf.cachestore import entry_key
 from kvf.pipeline.files import write_atomic
-from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS
+from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, holds_documents
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 
 VARIANTS = ("prefix", "fusion")
@@ -143,7 +143,7 @@ class Workspace:
         if (self.root / "questions.jsonl").is_file():   # kvf data prepare's folder: its workspace is inside it
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; `kvf run -d {self.root}` builds "
                             f"its workspace in {self.root / 'workspace'}: pass -w {self.root / 'workspace'} after that")
-        if self.root.is_dir() and any(p.is_file() and p.name.endswith(SUPPORTED_EXTENSIONS) for p in self.root.iterdir()):
+        if holds_documents(self.root):
             # the documents themselves: a workspace is built from them, beside them
             return KvfError(f"{named}{self.root}: it holds documents, not a workspace; build one from them with "
                             f"`kvf build-cache {self.root} -w {self.root.name}-workspace`, then pass -w {self.root.name}-workspace")
