@@ -163,6 +163,9 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: {ROW_SHAPE}")
     doc_id = next((row[f] for f in ID_FIELDS if row.get(f) not in (None, "")), None)
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
+    if "question" in row and text is None:   # kvf run -q's file given as the corpus
+        raise KvfError(f"{where}: a question, not a document; this is a questions file (kvf run -q reads it): pass the "
+                       "folder or file of your documents")
     if doc_id is None or not isinstance(text, str):
         raise KvfError(f"{where}: {ROW_SHAPE}; this one has {', '.join(map(repr, row)) or 'no fields'}")
     title = row.get("title") or ""

@@ -530,6 +530,18 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
                        f"positions; use at most {room // opts.chunk_tokens - 1} neighbours (or smaller --chunk-tokens)")
 
 
+def check_corpus_kind(corpus: Path) -> None:
+    """CORPUS is a folder of documents: a workspace or a prepared dataset given there is said to be what it
+    is (their own files would be read as documents, or none found), with what to pass instead."""
+    if Workspace(corpus).manifest_path.is_file():
+        built_from = Workspace(corpus).manifest().get("corpus") or "YOUR_DOCS"
+        raise KvfError(f"corpus {corpus} is a workspace (kvf build-cache made it); to update it pass the documents it "
+                       f"was built from: kvf build-cache {built_from} -w {corpus}")
+    if (corpus / "questions.jsonl").is_file() and (corpus / "corpus").is_dir():
+        raise KvfError(f"corpus {corpus} is a prepared dataset; `kvf run -d {corpus}` builds its workspace, or pass its "
+                       f"documents: kvf build-cache {corpus / 'corpus'} -w WS")
+
+
 def check_apart_from_corpus(opts: BuildOptions) -> None:
     """The workspace and a local store live outside the corpus folder: inside it, the next build would walk
     their files as documents (its index files, its entries), and a document added there would sit beside them."""
@@ -569,6 +581,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.ray is not None:
         from kvf.pipeline.workflows.distributed import check_ray
         check_ray(opts)
+    check_corpus_kind(Path(opts.corpus))
     files = list_corpus_files(Path(opts.corpus))   # its documents are read (and checked) a file at a time, in stage 1
     check_apart_from_corpus(opts)
     model_ref = open_model(opts.model)
