@@ -73,6 +73,8 @@ CASES = {
                                           ["corpus", "is a prepared dataset", "kvf run -d", "data/corpus -w WS"]),
     "build-cache on a questions file": (lambda d, t: ["build-cache", d[0] / "questions.jsonl", "-w", t / "ws"],
                                         ["questions.jsonl:1: a question, not a document", "pass the folder or file of your documents"]),
+    "prepare --input a folder": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "mq" / "musique_s.json", b"[]").parent, "--out", t / "p"],
+                                 ["--input", "mq is a folder", "mq/musique_s.json"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
@@ -294,7 +296,7 @@ CASES = {
     "run -q answers a number": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "answers": 5}'),
                                               "-m", "reuse", "-o", t / "o.jsonl"],
                                 ["--questions", "line 1", "string or a list of strings"]),
-    "run -q DIR": (lambda d, t: ["run", "-w", d[1], "-q", d[0], "-m", "reuse", "-o", t / "o.jsonl"],   # it said "is missing"
+    "run -q DIR": (lambda d, t: ["run", "-w", d[1], "-q", t, "-m", "reuse", "-o", t / "o.jsonl"],   # it said "is missing"
                    ["--questions", "is a directory", "JSON Lines file of questions"]),
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],

@@ -140,6 +140,10 @@ def find_dataset_file(name: str, directory: str | Path | None = None) -> Path:
 
 def read_text(path: Path) -> str:
     """File contents as text, gunzipped when the file starts with the gzip magic bytes."""
+    if path.is_dir():   # the dataset's folder (KVF_DATA/musique): its one file is meant
+        inside = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        example = inside[0] if inside else path / "FILE"
+        raise KvfError(f"--input {path} is a folder; pass the dataset's file in it, e.g. --input {example}")
     if not path.is_file():
         raise KvfError(f"input file {path} does not exist")
     raw = path.read_bytes()
