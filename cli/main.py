@@ -143,6 +143,20 @@ def command_hint(where: str, message: str) -> str:
     return f" Use {meant}." if meant else ""   # after click's own sentence
 
 
+# flags of kvf run passed to kvf bench, which times prompts it makes itself
+RUN_INPUT_FLAGS = ("-w", "--workspace", "-q", "--questions", "-d", "--dataset")
+
+
+def option_hint(where: str, message: str) -> str:
+    """kvf bench given kvf run's inputs: say where the TTFT of one's own questions is measured."""
+    import re
+    found = re.match(r"No such option: (\S+)", message)
+    if where == "kvf bench" and found and found.group(1) in RUN_INPUT_FLAGS:
+        return ("; kvf bench times prompts it builds of --lengths tokens; your own questions' TTFT against full "
+                "prefill comes from kvf run (its records) and kvf eval (ttft_ratio)")
+    return ""
+
+
 def invalid_value_message(message: str, args: list[str]) -> str:
     """Click's "Invalid value for '--length': Input should be a valid integer, ..." does not say what was
     typed: name the flag with its value, as kvf's own lines do, and read 4K (a context length as papers
@@ -182,7 +196,7 @@ def main():
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
-        hint = extra_argument_hint(where, ctx, message) + command_hint(where, message)
+        hint = extra_argument_hint(where, ctx, message) + command_hint(where, message) + option_hint(where, message)
         print(f"kvf: error: {message}{hint} (see `{where} --help`)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:

@@ -75,6 +75,8 @@ CASES = {
                                         ["questions.jsonl:1: a question, not a document", "pass the folder or file of your documents"]),
     "prepare --input a folder": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "mq" / "musique_s.json", b"[]").parent, "--out", t / "p"],
                                  ["--input", "mq is a folder", "mq/musique_s.json"]),
+    "bench -w (kvf run's input)": (lambda d, t: ["bench", "-w", d[1]],
+                                   ["No such option: -w", "kvf bench times prompts it builds", "kvf eval (ttft_ratio)"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
