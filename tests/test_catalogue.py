@@ -79,6 +79,8 @@ CASES = {
                                    ["No such option: -w", "kvf bench times prompts it builds", "kvf eval (ttft_ratio)"]),
     "store gc --keep-workspace a folder of documents": (lambda d, t: ["store", "gc", d[1], "--keep-workspace", d[0] / "corpus"],
                                                         ["--keep-workspace", "it holds documents, not a workspace"]),
+    "run --ray 4 (a worker count)": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "4"),
+                                     ["--ray 4: --ray takes where Ray runs, not how many workers", "--ray local --workers 4"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
