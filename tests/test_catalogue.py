@@ -81,6 +81,12 @@ CASES = {
                                                         ["--keep-workspace", "it holds documents, not a workspace"]),
     "run --ray 4 (a worker count)": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "4"),
                                      ["--ray 4: --ray takes where Ray runs, not how many workers", "--ray local --workers 4"]),
+    # other tools' names for kvf's values
+    "build-cache --variant both": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--variant", "both"],
+                                   ["--variant both: unknown (for both, --variant prefix,fusion)"]),
+    "build-cache --dtype bf16": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--dtype", "bf16"],
+                                 ["--dtype bf16: unknown (kvf writes bfloat16)"]),
+    "run --dtype fp16": (lambda d, t: run_args(d, t / "o.jsonl", "--dtype", "fp16"), ["--dtype fp16 (kvf writes float16)"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],

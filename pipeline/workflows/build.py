@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from kvf.errors import KvfError, disk_full
+from kvf.errors import KvfError, did_you_mean, disk_full
 from kvf.cachestore import open_store
 from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
@@ -32,7 +32,7 @@ from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
-from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_name, warn_if_slow
+from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
@@ -567,9 +567,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     opts = settle_settings(opts, previous, console)
     for v in opts.variants:
         if v not in VARIANTS:
-            raise KvfError(f"--variant {v}: unknown; use one of {', '.join(VARIANTS)} (comma-separated)")
+            both = " (for both, --variant prefix,fusion)" if v.lower() in ("both", "all") or "+" in v else ""
+            raise KvfError(f"--variant {v}: unknown{both or did_you_mean(v, list(VARIANTS))}; use one of "
+                           f"{', '.join(VARIANTS)} (comma-separated)")
     if opts.dtype not in STORE_DTYPES:
-        raise KvfError(f"--dtype {opts.dtype}: unknown; use one of {', '.join(STORE_DTYPES)}")
+        raise KvfError(f"--dtype {opts.dtype}: unknown{dtype_meant(opts.dtype)}; use one of {', '.join(STORE_DTYPES)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     warn_if_slow(opts.device, model_dtype, "--compute-dtype")
     validate_chunking(opts.chunk_tokens, opts.overlap)

@@ -46,8 +46,19 @@ def compute_dtype(device: str, name: str | None, flag: str = "--dtype") -> torch
     if name is None:
         return torch.float32 if device == "cpu" else torch.bfloat16
     if name not in COMPUTE_DTYPES:
-        raise KvfError(f"{flag} {name}: use one of {', '.join(COMPUTE_DTYPES)}")
+        raise KvfError(f"{flag} {name}{dtype_meant(name)}: use one of {', '.join(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[name]
+
+
+# how other tools write kvf's dtype names
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "fp16": "float16", "f16": "float16",
+                 "half": "float16", "bf16": "bfloat16", "bfloat": "bfloat16"}
+
+
+def dtype_meant(name: str) -> str:
+    """' (kvf writes bfloat16)' for bf16 and the like; '' for a name with no alias."""
+    meant = DTYPE_ALIASES.get(name.lower().replace("torch.", ""))
+    return f" (kvf writes {meant})" if meant else ""
 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
