@@ -8,6 +8,7 @@ one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import typer
@@ -102,7 +103,6 @@ def resumes(args: list[str]) -> bool:
 def extra_argument_hint(where: str, ctx, message: str) -> str:
     """What a stray word was likely meant as, for the commands a new user most often gives one:
     an unquoted query, or `kvf run`'s inputs passed without their flags."""
-    import re
     from pathlib import Path
     found = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)$", message)
     if not found or ctx is None:
@@ -137,7 +137,6 @@ COMMAND_ALIASES = {("kvf", "version"): "kvf --version", ("kvf", "help"): "kvf --
 
 def command_hint(where: str, message: str) -> str:
     """Click suggests a command spelled nearly alike; a word for it from another tool gets kvf's own."""
-    import re
     found = re.match(r"No such command '([^']*)'", message)
     meant = COMMAND_ALIASES.get((where, found.group(1).lower())) if found and "Did you mean" not in message else None
     return f" Use {meant}." if meant else ""   # after click's own sentence
@@ -149,7 +148,6 @@ RUN_INPUT_FLAGS = ("-w", "--workspace", "-q", "--questions", "-d", "--dataset")
 
 def option_hint(where: str, message: str) -> str:
     """kvf bench given kvf run's inputs: say where the TTFT of one's own questions is measured."""
-    import re
     found = re.match(r"No such option: (\S+)", message)
     if where == "kvf bench" and found and found.group(1) in RUN_INPUT_FLAGS:
         return ("; kvf bench times prompts it builds of --lengths tokens; your own questions' TTFT against full "
@@ -161,7 +159,6 @@ def invalid_value_message(message: str, args: list[str]) -> str:
     """Click's "Invalid value for '--length': Input should be a valid integer, ..." does not say what was
     typed: name the flag with its value, as kvf's own lines do, and read 4K (a context length as papers
     write it) as the number it stands for."""
-    import re
     found = re.match(r"Invalid value for ('-[^']+'(?: / '-[^']+')*): (.*)$", message)
     if not found:
         return message
@@ -175,7 +172,7 @@ def invalid_value_message(message: str, args: list[str]) -> str:
     thousands = re.fullmatch(r"(\d+(?:\.\d+)?)[kK]", value)
     hint = f"; write {value} as {round(float(thousands.group(1)) * 1024)}" if thousands else ""
     reason = re.sub(r"^Value error, ", "", reason)   # typer's wording for a value outside its choices
-    return f"{flag} {value}: {reason[0].lower() + reason[1:]}{hint}"
+    return f"{flag} {value}: {reason[:1].lower() + reason[1:]}{hint}"
 
 
 def main():
