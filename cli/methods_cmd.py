@@ -21,7 +21,9 @@ def methods_command(only: Annotated[Optional[list[str]], typer.Argument(
     """List the fusion methods kvf knows (one file each; see ARCHITECTURE.md to add one)."""
     from kvf.pipeline.fusion.methods.base import METHODS, check_method_name, method_names
     chosen = method_names()
-    if only:
+    if only:   # as kvf run -m takes them: comma lists, and all for every method
+        only = [n.strip() for item in only for n in item.split(",") if n.strip()]
+        only = [n for name in only for n in (chosen if name == "all" else [name])]
         for name in only:
             check_method_name(name, f"kvf methods {name}")
         chosen = list(dict.fromkeys(only))

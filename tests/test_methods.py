@@ -751,3 +751,13 @@ def test_correction_probe_corrects_the_kept_rows_from_full_prefill_after_the_fir
     x = torch.randn(2, 50, 8)
     w, b = torch.randn(2, 8, 8), torch.randn(2, 1, 8)
     torch.testing.assert_close(affine_fit(x, x @ w + b), x @ w + b, atol=1e-4, rtol=1e-4)
+
+
+def test_kvf_methods_takes_names_as_kvf_run_does(capsys, monkeypatch):
+    """`kvf methods cacheblend,prophetkv` and `kvf methods all` said "unknown method"; they name the methods as
+    `kvf run -m` takes them."""
+    from conftest import run_cli
+    from kvf.pipeline.fusion.methods.base import method_names
+    assert run_cli(["methods", "cacheblend,prophetkv", "full", "--names"], capsys, monkeypatch)[1].strip() == \
+        "cacheblend,prophetkv,full"
+    assert run_cli(["methods", "all", "--names"], capsys, monkeypatch)[1].strip() == ",".join(method_names())
