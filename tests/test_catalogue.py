@@ -87,6 +87,8 @@ CASES = {
     "build-cache --dtype bf16": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--dtype", "bf16"],
                                  ["--dtype bf16: unknown (kvf writes bfloat16)"]),
     "run --dtype fp16": (lambda d, t: run_args(d, t / "o.jsonl", "--dtype", "fp16"), ["--dtype fp16 (kvf writes float16)"]),
+    "run -m with spaces": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full cacheblend", "-o", t / "o.jsonl"],
+                           ["--method full cacheblend: unknown method (separate methods with commas: full,cacheblend)"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],

@@ -271,8 +271,10 @@ def check_method_name(name: str, given: str | None = None) -> None:
     default "--method NAME") and listing the known ones."""
     known = method_names()
     if name not in known:
-        raise KvfError(f"{given or f'--method {name}'}: unknown method{did_you_mean(name, known)}; "
-                       f"known methods: {', '.join(known)}")
+        words = name.split()
+        hint = (f" (separate methods with commas: {','.join(words)})" if len(words) > 1 and set(words) <= set(known)
+                else did_you_mean(name, known))
+        raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
 
 
 def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
