@@ -89,6 +89,8 @@ CASES = {
     "run --dtype fp16": (lambda d, t: run_args(d, t / "o.jsonl", "--dtype", "fp16"), ["--dtype fp16 (kvf writes float16)"]),
     "run -m with spaces": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full cacheblend", "-o", t / "o.jsonl"],
                            ["--method full cacheblend: unknown method (separate methods with commas: full,cacheblend)"]),
+    "run -r with spaces": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "0 0.15", "-o", t / "o.jsonl"],
+                           ["--ratio 0 0.15: separate ratios with commas, e.g. --ratio 0,0.15"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],

@@ -94,6 +94,9 @@ def parse_ratios(text: str) -> list[float]:
         if "auto" in items:
             raise KvfError(f"--ratio {text}: auto stands alone (the loading controller picks each question's ratio); "
                            "run the fixed ratios with a second kvf run") from None
+        words = text.replace(",", " ").split()
+        if len(words) > len(items):   # "0 0.15": a space where the comma goes
+            raise KvfError(f"--ratio {text}: separate ratios with commas, e.g. --ratio {','.join(words)}") from None
         raise KvfError(f"--ratio {text}: expected numbers in [0, 1], e.g. 0.15 or 0,0.05,0.15") from None
     if ratios and all(1.0 < r <= 100.0 for r in ratios):   # "15" or "5,15": percentages again
         raise KvfError(f"--ratio {text}: every ratio must be within [0, 1] (a fraction of the chunk tokens); "
