@@ -15,7 +15,10 @@ def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise KvfError(f"{flag} {text}: expected comma-separated integers, e.g. 1024,2048,4096") from None
+        from kvf.cli.options import thousands
+        counts = [thousands(x) for x in text.split(",") if x.strip()]
+        meant = f"; write {text} as {','.join(map(str, counts))}" if counts and None not in counts else ""
+        raise KvfError(f"{flag} {text}: expected comma-separated integers, e.g. 1024,2048,4096{meant}") from None
     if not values or min(values) < 1:
         raise KvfError(f"{flag} {text}: expected positive integers, e.g. 1024,2048,4096")
     return values

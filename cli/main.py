@@ -15,7 +15,7 @@ import typer
 
 from kvf import __version__
 from kvf.cli.entry import Interrupted, Stopped
-from kvf.cli.options import command_group
+from kvf.cli.options import command_group, thousands
 from kvf.errors import KvfError, disk_full
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -169,8 +169,8 @@ def invalid_value_message(message: str, args: list[str]) -> str:
             flag, value = arg.split("=", 1) if "=" in arg else (arg, args[i + 1] if i + 1 < len(args) else None)
     if value is None:
         return message
-    thousands = re.fullmatch(r"(\d+(?:\.\d+)?)[kK]", value)
-    hint = f"; write {value} as {round(float(thousands.group(1)) * 1024)}" if thousands else ""
+    tokens = thousands(value)
+    hint = f"; write {value} as {tokens}" if tokens is not None else ""
     reason = re.sub(r"^Value error, ", "", reason)   # typer's wording for a value outside its choices
     return f"{flag} {value}: {reason[:1].lower() + reason[1:]}{hint}"
 

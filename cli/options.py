@@ -36,6 +36,13 @@ S3EndpointOption = Annotated[Optional[str], typer.Option(
     "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]
 
 
+def thousands(text: str) -> int | None:
+    """'4K' -> 4096, '0.5k' -> 512: a token count as papers write context lengths (None for anything else)."""
+    import re
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)[kK]", text.strip())
+    return round(float(found.group(1)) * 1024) if found else None
+
+
 def use_store_flags(store: str | None, endpoint: str | None) -> None:
     """--store checked as the user typed it (a mistyped URL would be taken for a local folder), and
     --s3-endpoint set as the standard variable botocore (and so s3fs, and Ray workers) read. `store`: where
