@@ -292,8 +292,8 @@ CASES = {
     "prepare triviaqa without --input": (lambda d, t: ["data", "prepare", "triviaqa", "--out", t / "p"],
                                          ["triviaqa has no file of its own", "--input FILE (dpr or kilt format)"]),
     "prepare custom answers not text": (lambda d, t: ["data", "prepare", "custom", "--input", write(
-        t / "c.jsonl", b'{"question": "q", "answers": 5, "passages": [{"text": "x"}]}\n'), "--out", t / "p"],
-                                        ["line 1", "answers", "string or a list of strings"]),
+        t / "c.jsonl", b'{"question": "q", "answers": 5.5, "passages": [{"text": "x"}]}\n'), "--out", t / "p"],
+                                        ["line 1", "answers", "a string, a whole number or a list of them"]),
     "prepare custom no question": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
@@ -310,9 +310,9 @@ CASES = {
         ["--input", "c.jsonl is not UTF-8 text", "save it as UTF-8"]),
     "run -q latin-1": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "caf\xe9"}'),
                                      "-m", "reuse", "-o", t / "o.jsonl"], ["--questions", "q.jsonl is not UTF-8 text"]),
-    "run -q answers a number": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "answers": 5}'),
-                                              "-m", "reuse", "-o", t / "o.jsonl"],
-                                ["--questions", "line 1", "string or a list of strings"]),
+    "run -q answers a boolean": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "answers": [true]}'),
+                                                "-m", "reuse", "-o", t / "o.jsonl"],
+                                  ["--questions", "line 1", "a string, a whole number or a list of them"]),
     "run -q DIR": (lambda d, t: ["run", "-w", d[1], "-q", t, "-m", "reuse", "-o", t / "o.jsonl"],   # it said "is missing"
                    ["--questions", "is a directory", "JSON Lines file of questions"]),
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),

@@ -348,3 +348,17 @@ def test_integer_document_ids_are_cited_as_the_corpus_writes_them(tmp_path):
     mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": [True]}) + "\n")   # not an id
     with pytest.raises(KvfError, match="passages"):
         load_questions_file(mine)
+
+
+def test_a_whole_number_answer_is_its_digits(tmp_path):
+    """"answers": [1921] (a year, as many question files write it) was refused as not a string: it is "1921";
+    a fraction or a boolean is still refused."""
+    from kvf.pipeline.data.datasets import load_questions_file
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question": "When was Acme founded?", "answers": [1921, "in 1921"]}\n'
+                    '{"question": "How many anvils?", "answer": 12}\n')
+    assert [q.answers for q in load_questions_file(path)] == [["1921", "in 1921"], ["12"]]
+    path.write_text('{"question": "q", "answers": [0.5]}\n')
+    with pytest.raises(KvfError, match="line 1: \"answers\" must be a string, a whole number or a list of them"):
+        load_questions_file(path)
+

@@ -574,16 +574,23 @@ def check_field_names(row: dict, where: str) -> None:
                            f"and the question is {WITHOUT_FIELD[read]})")
 
 
+def digits_of(value):
+    """A whole number as its digits (a year, a count: "answers": [1921]); anything else as it is, so other
+    numbers and booleans are refused."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _answers_field(row: dict, where: str, required: bool) -> list[str]:
     value = row.get("answers", row.get("answer"))
     if value is None and not required:
         return []
+    value = [digits_of(v) for v in value] if isinstance(value, list) else digits_of(value)
     try:
         answers = flatten_answers(value) if isinstance(value, (str, list)) else None
     except (ValueError, TypeError):   # a list holding numbers or objects
         answers = None
     if answers is None or (required and not answers):
-        raise KvfError(f"{where}: \"answers\" must be a string or a list of strings" + ("" if not required else
+        raise KvfError(f"{where}: \"answers\" must be a string, a whole number or a list of them" + ("" if not required else
                        " (every question needs at least one answer here)"))
     return answers
 
