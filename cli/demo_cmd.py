@@ -26,6 +26,7 @@ def demo_command(
     from kvf.pipeline.workflows.demo import run_demo
     if workspace is not None:
         check_writable_dir(workspace, "--workspace")
+        check_demo_folder(workspace)
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
     console.print(answers_rows_table(rows, f"kvf demo: {questions} synthetic two-hop questions"))
@@ -40,3 +41,18 @@ def demo_command(
     for method, times in ttfts.items():
         console.print(f"{method:>16}: median TTFT {1000 * statistics.median(times):.0f} ms "
                       f"({statistics.median(times) / full_ttft:.2f} x full), answers vs full's F1 {statistics.mean(vs_full[method]):.2f}")
+
+
+DEMO_FOLDERS = {"synthetic", "ws", "runs"}   # what kvf demo keeps in its --workspace
+
+
+def check_demo_folder(folder: Path) -> None:
+    """The demo's folder is its own (or an earlier demo's): given a workspace or a folder of documents, it put
+    its synthetic corpus, workspace and runs among the user's files."""
+    from kvf.errors import KvfError
+    others = sorted(p.name for p in folder.iterdir() if p.name not in DEMO_FOLDERS and not p.name.startswith(".")) \
+        if folder.is_dir() else []
+    if others:
+        raise KvfError(f"--workspace {folder} holds other files ({', '.join(others[:3])}); kvf demo keeps its synthetic "
+                       f"corpus, workspace and runs in a folder of its own: pass a new or empty folder, or an earlier demo's")
+
