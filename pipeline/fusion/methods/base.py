@@ -271,9 +271,13 @@ def check_method_name(name: str, given: str | None = None) -> None:
     default "--method NAME") and listing the known ones."""
     known = method_names()
     if name not in known:
-        words = name.split()
-        hint = (f" (separate methods with commas: {','.join(words)})" if len(words) > 1 and set(words) <= set(known)
-                else did_you_mean(name, known))
+        words, (method, at, ratio) = name.split(), name.partition("@")
+        if len(words) > 1 and set(words) <= set(known):
+            hint = f" (separate methods with commas: {','.join(words)})"
+        elif at and method in known:   # kvf eval's and compare's METHOD@RATIO
+            hint = f" (the ratio is given apart: {method} with --ratio {ratio} on the command line, ratio={ratio} in Python)"
+        else:
+            hint = did_you_mean(name, known)
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
 
 
