@@ -102,7 +102,7 @@ def resumes(args: list[str]) -> bool:
 
 def extra_argument_hint(where: str, ctx, message: str) -> str:
     """What a stray word was likely meant as, for the commands a new user most often gives one:
-    an unquoted query, or `kvf run`'s inputs passed without their flags."""
+    an unquoted query, `kvf run`'s inputs passed without their flags, or a -m knob's value without its =."""
     from pathlib import Path
     found = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)$", message)
     if not found or ctx is None:
@@ -117,6 +117,10 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
         return f"; build-cache takes one CORPUS, a folder of documents or one file: pass the folder that holds them{folder}"
     if where != "kvf run":
         return ""
+    method = str(ctx.params.get("method") or "")
+    knob = method.rsplit(":", 1)[1] if ":" in method else ""
+    if knob and "=" not in knob and len(words) == 1:   # -m cacheblend:check_layer 3
+        return f"; a knob in -m is written NAME:KNOB=VALUE: -m {method}={words[0]}"
     flags = []
     for word in words:
         path = Path(word)
