@@ -140,15 +140,20 @@ def parse_record(data: Any, where: str) -> RunRecord:
         raise KvfError(f"{where}: not a kvf run record ({field}: {first['msg']})") from None
 
 
+def is_run_file(path: Path) -> bool:
+    """A file named as `kvf run` writes them (.jsonl), or as committed evidence is kept (.jsonl.gz)."""
+    return path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz"))
+
+
 def run_files_of(paths: list[str | Path]) -> list[Path]:
     """The run files a user named: a directory stands for the .jsonl / .jsonl.gz files in it, and a quoted
     glob (runs/*.jsonl, which no shell expanded) for the files it matches; anything else as given."""
     files = []
     for given in map(Path, paths):
         if given.is_dir():
-            inside = sorted(p for p in given.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+            inside = sorted(p for p in given.iterdir() if is_run_file(p))
             if not inside:
-                deeper = sorted({str(p.parent) for p in given.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))})
+                deeper = sorted({str(p.parent) for p in given.rglob("*") if is_run_file(p)})
                 fix = (f"its subfolders hold some ({', '.join(deeper[:3])}{', ...' if len(deeper) > 3 else ''}): pass those"
                        if deeper else "pass the files `kvf run` wrote")
                 raise KvfError(f"run file directory {given} holds no .jsonl or .jsonl.gz files; {fix}")
