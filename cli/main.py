@@ -121,15 +121,9 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
     knob = method.rsplit(":", 1)[1] if ":" in method else ""
     if knob and "=" not in knob and len(words) == 1:   # -m cacheblend:check_layer 3
         return f"; a knob in -m is written NAME:KNOB=VALUE: -m {method}={words[0]}"
-    flags = []
-    for word in words:
-        path = Path(word)
-        if (path / "questions.jsonl").is_file():
-            flags.append(f"--dataset {word}")
-        elif (path / "manifest.json").is_file():
-            flags.append(f"--workspace {word}")
-        elif path.is_file():
-            flags.append(f"--questions {word}")
+    from kvf.pipeline.workflows.workspace import folder_kind
+    flag_of = {"dataset": "--dataset", "workspace": "--workspace", "file": "--questions"}
+    flags = [f"{flag_of[kind]} {word}" for word in words if (kind := folder_kind(Path(word))) in flag_of]
     return f"; kvf run takes its inputs by flag: {' '.join(flags)}" if flags else ""
 
 

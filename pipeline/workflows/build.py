@@ -35,7 +35,7 @@ from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
-from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest
+from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, folder_kind, ids_digest
 
 
 DEFAULT_NEIGHBOURS = 10   # FusionRAG's top-n similar chunks per chunk
@@ -533,11 +533,12 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
 def check_corpus_kind(corpus: Path) -> None:
     """CORPUS is a folder of documents: a workspace or a prepared dataset given there is said to be what it
     is (their own files would be read as documents, or none found), with what to pass instead."""
-    if Workspace(corpus).manifest_path.is_file():
+    kind = folder_kind(corpus)
+    if kind == "workspace":
         built_from = Workspace(corpus).manifest().get("corpus") or "YOUR_DOCS"
         raise KvfError(f"corpus {corpus} is a workspace (kvf build-cache made it); to update it pass the documents it "
                        f"was built from: kvf build-cache {built_from} -w {corpus}")
-    if (corpus / "questions.jsonl").is_file() and (corpus / "corpus").is_dir():
+    if kind == "dataset" and (corpus / "corpus").is_dir():
         raise KvfError(f"corpus {corpus} is a prepared dataset; `kvf run -d {corpus}` builds its workspace, or pass its "
                        f"documents: kvf build-cache {corpus / 'corpus'} -w WS")
 
@@ -551,8 +552,9 @@ def check_apart_from_corpus(opts: BuildOptions) -> None:
     for flag, place in (("--workspace", opts.workspace), ("--store", opts.store)):
         if place is None or "://" in str(place):
             continue
-        if Path(place).resolve().is_relative_to(corpus):
-            where = "is the corpus folder" if Path(place).resolve() == corpus else f"is inside the corpus folder {opts.corpus}"
+        resolved = Path(place).resolve()
+        if resolved.is_relative_to(corpus):
+            where = "is the corpus folder" if resolved == corpus else f"is inside the corpus folder {opts.corpus}"
             raise KvfError(f"{flag} {place} {where}; pass a {flag} outside it, "
                            f"e.g. {flag} {corpus.name}-{'workspace' if flag == '--workspace' else 'store'}")
 

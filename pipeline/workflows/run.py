@@ -27,7 +27,6 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
-from kvf.pipeline.retrieval.corpus import holds_documents
 from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
                                           settle_settings, stage_chunks, stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
@@ -35,7 +34,7 @@ from kvf.pipeline.workflows.display import description_column, notice, progress_
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, check_workspace_model, workspace_path
 from kvf.pipeline.workflows.weights import open_model
-from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant
+from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant, folder_kind
 
 SETTINGS = ("auto", "per-question", "shared")
 RETRIEVERS = ("bm25", "dense")
@@ -535,16 +534,15 @@ def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> 
 def check_dataset_folder(path: Path) -> None:
     """--dataset names a folder made by `kvf data prepare`; a workspace, a folder of documents or a questions
     file given there is said to be what it is, with the flags it goes with."""
-    if path.is_file():
+    kind = folder_kind(path)
+    if kind == "file":
         raise KvfError(f"--dataset {path} is a file; pass a questions file as --questions {path} (with --workspace WS)")
     if not path.is_dir():
         raise KvfError(f"--dataset {path}: not a directory; make one with `kvf data prepare` or `kvf data synthetic`")
-    if (path / "questions.jsonl").is_file():
-        return
-    if (path / "manifest.json").is_file():
+    if kind == "workspace":
         raise KvfError(f"--dataset {path} is a workspace (kvf build-cache made it), not a prepared dataset; pass it "
                        f"as --workspace {path} with --questions FILE")
-    if holds_documents(path):
+    if kind == "documents":
         raise KvfError(f"--dataset {path} holds documents, not a prepared dataset; build a workspace from them "
                        f"(`kvf build-cache {path} -w {path.name}-workspace`) and run with --workspace "
                        f"{path.name}-workspace --questions FILE")
@@ -557,7 +555,7 @@ def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
         questions, _ = load_prepared(opts.dataset)
         name = dataset_name(opts.dataset)
     else:
-        if (opts.questions / "questions.jsonl").is_file():
+        if folder_kind(opts.questions) == "dataset":
             raise KvfError(f"--questions {opts.questions} is a prepared dataset; pass it as --dataset {opts.questions}")
         questions = load_questions_file(opts.questions)
         name = opts.questions.stem

@@ -77,6 +77,19 @@ def document_meant(doc_id: str, doc_chunks: dict[str, list[str]]) -> str | None:
     return next(iter(difflib.get_close_matches(doc_id, doc_chunks, n=1)), None)
 
 
+def folder_kind(path: Path) -> str | None:
+    """What a path the user gave is, for the line that says so when another kind was meant: "file", "workspace"
+    (kvf build-cache made it: manifest.json), "dataset" (kvf data prepare made it: questions.jsonl),
+    "documents" (files build-cache reads), or None."""
+    if path.is_file():
+        return "file"
+    if (path / "manifest.json").is_file():
+        return "workspace"
+    if (path / "questions.jsonl").is_file():
+        return "dataset"
+    return "documents" if holds_documents(path) else None
+
+
 class Workspace:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -140,11 +153,11 @@ class Workspace:
         if (self.root / "workspace" / "manifest.json").is_file():   # a prepared dataset that kvf run -d answered
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; its workspace is "
                             f"{self.root / 'workspace'}: pass -w {self.root / 'workspace'}")
-        if (self.root / "questions.jsonl").is_file():   # kvf data prepare's folder: its workspace is inside it
+        kind = folder_kind(self.root)
+        if kind == "dataset":   # kvf data prepare's folder: its workspace is inside it
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; `kvf run -d {self.root}` builds "
                             f"its workspace in {self.root / 'workspace'}: pass -w {self.root / 'workspace'} after that")
-        if holds_documents(self.root):
-            # the documents themselves: a workspace is built from them, beside them
+        if kind == "documents":   # a workspace is built from them, beside them
             return KvfError(f"{named}{self.root}: it holds documents, not a workspace; build one from them with "
                             f"`kvf build-cache {self.root} -w {self.root.name}-workspace`, then pass -w {self.root.name}-workspace")
         return KvfError(f"{named}{self.root}: no workspace there; build one first with "
