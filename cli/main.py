@@ -109,7 +109,10 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
         return ""
     words = found.group(1).split()
     if where == "kvf search":
-        return f'; put a query of several words in quotes: kvf search "{" ".join([ctx.params.get("query", ""), *words])}"'
+        query = str(ctx.params.get("query", ""))
+        if Path(query).is_dir():   # kvf search WORKSPACE "a query": the workspace goes by -w
+            return f'; the workspace goes by -w: kvf search "{" ".join(words)}" -w {query}'
+        return f'; put a query of several words in quotes: kvf search "{" ".join([query, *words])}"'
     if where == "kvf build-cache":   # often a shell pattern (docs/*.txt) that expanded to many files
         paths = [Path(str(ctx.params.get("corpus", ""))), *map(Path, words)]
         parents = {p.parent for p in paths if p.is_file()}

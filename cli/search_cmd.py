@@ -60,9 +60,12 @@ def search_command(
     import json
     from kvf.pipeline.retrieval.chunking import ChunkTable
     from kvf.pipeline.workflows.run import check_index_fresh
-    from kvf.pipeline.workflows.workspace import Workspace
+    from kvf.pipeline.workflows.workspace import Workspace, folder_kind
     ws = Workspace(workspace)
     if not ws.chunks_path.is_file():   # no build reached its indexes (a first build stopped in stage 1 may leave the folder)
+        if folder_kind(Path(query)) == "workspace":   # kvf search WORKSPACE: the query left out, the workspace in its place
+            raise KvfError(f'{query} is a workspace, given where the query goes; pass it with -w and the words to search '
+                           f'for: kvf search "WORDS" -w {query}')
         raise ws.not_built()
     mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently

@@ -345,6 +345,10 @@ CASES = {
     # click's "Got unexpected extra argument(s)" alone left the user to find the flag a word was meant for
     "search an unquoted query": (lambda d, t: ["search", "who", "founded", "it", "-w", d[1]],
                                  ["unexpected extra argument", 'in quotes: kvf search "who founded it"']),
+    "search WORKSPACE QUERY (the workspace where the query goes)": (lambda d, t: ["search", d[1], "who founded it"],
+                                                                    ["unexpected extra argument", 'the workspace goes by -w: kvf search "who founded it" -w']),
+    "search WORKSPACE alone": (lambda d, t: ["search", d[1]],
+                               ["is a workspace, given where the query goes", 'kvf search "WORDS" -w']),
     "run with its inputs as arguments": (lambda d, t: ["run", d[0], d[1], write(t / "q.jsonl", b'{"question": "q"}'),
                                                        "-m", "reuse", "-o", t / "o.jsonl"],
                                          ["kvf run takes its inputs by flag: --dataset ", "/data --workspace ",
