@@ -28,7 +28,7 @@ def run_command(
     offset: int = typer.Option(0, "--offset", min=0, help="Skip the first N questions (with -n: a held-out slice, e.g. --offset 100 -n 50)."),
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto."),
     retriever: Optional[str] = typer.Option(None, "--retriever", show_default=False, help="bm25 or dense, in the shared setting [default: bm25, or dense in a workspace without a BM25 index]."),
-    compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, first-token KL and top-1 agreement."),
+    compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, its TTFT, and the first-token KL and top-1 agreement."),
     model: ModelOption = None,
     neighbours: Optional[int] = typer.Option(None, "--neighbours", min=1, show_default=False, help="FusionRAG's top-n similar chunks, when run creates the workspace [default: 10; an existing workspace keeps its own]."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Longest answer to generate."),

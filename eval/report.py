@@ -16,7 +16,8 @@ One summary row per (dataset, method, label, variant, ratio). Choices the metric
   share, and is reported only where full beats reuse significantly (the paired interval of
   F1_full - F1_reuse lies above 0, on at least MIN_QUESTIONS questions): otherwise its
   denominator is noise. Above 1 it means the method beat full prefill; the note says so.
-- TTFT ratio is a ratio of means over the questions shared with `full`.
+- TTFT ratio is a ratio of means over the questions shared with `full` (or, without a `full` run, over those
+  whose records carry the full prefill --compare-full timed).
 - Fidelity F1 scores the method's answer against `full_answer` in its own record when present
   (same process, --compare-full), else against the `full` run's answer to the same question.
 - All quality numbers are fractions in [0, 1].
@@ -59,6 +60,7 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            "answer": rec.answer,
            "gold": list(rec.gold), "gold_mode": rec.gold_mode, "full_answer": rec.full_answer,
            "kl_full": _number(rec.kl_full), "top1_agree": _number(rec.top1_agree_full),
+           "t_full_first_token": _number(rec.full_first_token),
            "prompt_tokens": rec.prompt_tokens, "chunk_tokens": rec.chunk_tokens,
            "recomputed_tokens": rec.recomputed_tokens,
            # how the run was set up, for the report's "runs" table
@@ -324,11 +326,10 @@ def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
 
 
 def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
-    """mean(method TTFT) / mean(full TTFT) over the questions both timed."""
-    if not len(full):
-        return math.nan
+    """mean(method TTFT) / mean(full TTFT) over the questions both timed: full's own records, or else the
+    full prefill `kvf run --compare-full` timed on the same prompt and wrote into each record."""
     mine = group.set_index("qid").t_first_token.dropna()
-    theirs = full.t_first_token.dropna()
+    theirs = full.t_first_token.dropna() if len(full) else group.set_index("qid").t_full_first_token.dropna()
     common = sorted(set(mine.index) & set(theirs.index))
     if not common or theirs.loc[common].mean() <= 0:
         return math.nan
@@ -535,15 +536,24 @@ def significance_lines(summary: pd.DataFrame) -> list[str]:
     """Which rows differ significantly from full and from reuse (95% paired intervals)."""
     lines = []
     for dataset, rows in summary.groupby("dataset", sort=True):
-        below_full = [f"{_name(r)}@{r.ratio:g}" for _, r in rows.iterrows()
-                      if r._vs_full_n >= MIN_QUESTIONS and significant(r.vs_full_low, r.vs_full_high) and r.vs_full < 0]
-        above_reuse = [f"{_name(r)}@{r.ratio:g}" for _, r in rows.iterrows()
-                       if r._vs_reuse_n >= MIN_QUESTIONS and significant(r.vs_reuse_low, r.vs_reuse_high)
-                       and r.vs_reuse > 0]
         metric = rows.metric.iloc[0]
-        lines.append(f"- {dataset} ({metric}): significantly below full: {', '.join(below_full) or 'none'}; "
-                     f"significantly above reuse: {', '.join(above_reuse) or 'none'}")
+        lines.append(f"- {dataset} ({metric}): significantly below full: {significant_rows(rows, 'full', -1)}; "
+                     f"significantly above reuse: {significant_rows(rows, 'reuse', +1)}")
     return lines
+
+
+def significant_rows(rows: pd.DataFrame, baseline: str, sign: int) -> str:
+    """The rows whose paired interval against `baseline` lies wholly below it (sign -1) or above it (+1), 'none',
+    or why none was tested: "none" alone read as "no method is below full" where no full run was there to test."""
+    column = f"vs_{baseline}"
+    tested = rows[rows[f"_{column}_n"] >= MIN_QUESTIONS]
+    if not len(tested):
+        most = int(rows[f"_{column}_n"].max()) if len(rows) else 0
+        return (f"not tested (no {baseline} run on these questions)" if most == 0
+                else f"not tested (at most {most} questions in common with {baseline}; {MIN_QUESTIONS} are needed)")
+    found = [f"{_name(r)}@{r.ratio:g}" for _, r in tested.iterrows()
+             if significant(r[f"{column}_low"], r[f"{column}_high"]) and sign * r[column] > 0]
+    return ", ".join(found) or "none"
 
 
 def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None = None,
@@ -564,7 +574,8 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
               "95% paired bootstrap interval over the questions both answered. `fidelity_f1`: answer F1 against full "
               "prefill's answer to the same question. `kl_full` / `top1_agree`: KL divergence of the first-token "
               "distribution from full prefill's, and the share of first tokens equal to full's; recorded only by "
-              "`kvf run --compare-full` (`-` without it).\n"
+              "`kvf run --compare-full` (`-` without it). `ttft_ratio`: mean TTFT over full prefill's on the same "
+              "questions, from the `full` run, or else from the full prefill `--compare-full` timed with each record.\n"
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
             + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n" if best else ""))
     if df is not None:

@@ -14,7 +14,8 @@
      "shared": [str, ...],               # work shared with other records of the same question: prefill:full,
                                          # query-pass:VARIANT, reuse-prefill:VARIANT, decode-batch:N (run.py)
      # with --compare-full:
-     "full_answer": str, "kl_full": float, "top1_agree_full": bool}
+     "full_answer": str, "kl_full": float, "top1_agree_full": bool,
+     "full_first_token": s}              # full prefill's TTFT on the same prompt (kvf eval's ttft_ratio without -m full)
 
 `first_token` is TTFT: from request start to the first token, loading included.
 
@@ -81,6 +82,7 @@ class RunRecord(BaseModel):
     full_answer: str | None = None
     kl_full: float | None = Field(default=None, allow_inf_nan=False)
     top1_agree_full: bool | None = None
+    full_first_token: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @field_validator("qid", "dataset", "method", "question", "answer", mode="before")
     @classmethod

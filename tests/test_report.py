@@ -105,6 +105,20 @@ def test_every_row_carries_paired_intervals_to_full_and_reuse(runs, tmp_path):
     assert "recorded only by `kvf run --compare-full` (`-` without it)" in md   # why kl_full / top1_agree read "-"
 
 
+def test_compare_full_records_alone_give_the_ttft_ratio_and_say_what_was_not_tested(tmp_path):
+    """A sweep run with --compare-full but no `-m full` showed `-` for ttft_ratio, though each record's full
+    prefill was timed, and "significantly below full: none" where no full run was there to test against."""
+    blend = write_run(tmp_path / "blend.jsonl", [{**rec, "full_first_token": 4.0} for rec in replicated(
+        "cacheblend", {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}, ratio=0.2, ttft=1.0)])
+    reuse = write_run(tmp_path / "reuse.jsonl", replicated("reuse", {"q1": "x", "q2": "y"}, ttft=0.5))
+    summary = evaluate([blend, reuse], tmp_path / "out")
+    assert row(summary, "cacheblend").ttft_ratio == pytest.approx(0.25)
+    assert math.isnan(row(summary, "reuse").ttft_ratio)          # its records carry no full prefill's TTFT
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "significantly below full: not tested (no full run on these questions)" in md
+    assert f"significantly above reuse: not tested (at most {2 * REPS} questions in common with reuse" in md
+
+
 def test_record_order_in_the_run_files_changes_no_number(runs, tmp_path):
     """Two sweeps side by side interleave their records: every interval must come from the questions,
     not from the order their records were written in."""

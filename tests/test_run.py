@@ -75,6 +75,9 @@ def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, m
     assert len(calls) == 1 + 2
     for rec in (r for r in records if r["method"] == "full"):
         assert rec["answer"] == rec["full_answer"] and rec["kl_full"] == 0.0 and rec["top1_agree_full"]
+    # every record carries the TTFT of that one full prefill: kvf eval's ttft_ratio when no `full` run is there
+    full_ttft = {r["qid"]: r["timings"]["first_token"] for r in records if r["method"] == "full"}
+    assert all(r["full_first_token"] == full_ttft[r["qid"]] for r in records)
 
 
 def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp_path, monkeypatch):

@@ -785,7 +785,8 @@ class QuestionRunner:
             if full_answer is not None and opts.compare_full:
                 rec.update(full_answer=full_answer.text,
                            kl_full=kl_divergence(full_answer.fused.logits, ans.fused.logits),
-                           top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)))
+                           top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)),
+                           full_first_token=round(full_answer.timings["first_token"], 6))
             yield rec
 
     def prefill(self, prompt, method: FusionMethod, variant_keys, shared: dict | None):
