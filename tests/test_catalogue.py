@@ -116,6 +116,10 @@ CASES = {
                                                  ["--auto-method kvfuse", "--no-auto-ratio"]),
     "prepare musique --corpus": (lambda d, t: ["data", "prepare", "musique", "--corpus", d[0] / "corpus", "--out", t / "p"],
                                  ["--corpus", "unused here", "for `custom`"]),
+    "prepare NAME --input another benchmark's file": (
+        lambda d, t: ["data", "prepare", "musique", "-o", t / "p", "--input", write(
+            t / "wikimqa_s_clean.json", b'[{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": "x"}]}]')],
+        ["--input", "is 2wikimqa's file, not musique's", "kvf data prepare 2wikimqa --input"]),
     "prepare custom --skip-bad": (lambda d, t: ["data", "prepare", "custom", "--input", t / "c.jsonl", "--skip-bad", "--out", t / "p"],
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
     # click's own "Invalid value for '--length': ..." did not say what was typed

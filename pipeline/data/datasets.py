@@ -442,6 +442,7 @@ def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bo
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
     check_dataset_name(name)   # before reading a large file
     path = Path(input_file)
+    check_not_anothers_file(name, path)
     questions, fmt, bad = parse_records(name, path, read_records(path))
     _check_bad(path, bad, skip_bad)
     if limit is not None:
@@ -449,6 +450,15 @@ def prepare(name: str, input_file: str | Path, out_dir: str | Path, skip_bad: bo
     manifest = {"dataset": name, "source": str(path.resolve()), "format": fmt,
                 "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "skipped": len(bad)}
     return write_prepared(questions, out_dir, manifest)
+
+
+def check_not_anothers_file(name: str, path: Path) -> None:
+    """`kvf data prepare musique --input .../wikimqa_s_clean.json`: the benchmarks share one file format, so
+    the file parsed, and its questions went into every table under the other benchmark's name."""
+    for other, known in DATASET_FILES.items():
+        if other != name and path.name == Path(known).name:
+            raise KvfError(f"--input {path}: {path.name} is {other}'s file, not {name}'s; prepare it as {other} "
+                           f"(kvf data prepare {other} --input {path}), or rename the file if it holds {name}'s questions")
 
 
 def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Path | None = None,
