@@ -540,6 +540,43 @@ def test_kvfuse_chunk_moves():
     assert torch.equal(key_similarity(torch.randn(2, 7, 4), torch.randn(2, 1, 4)), torch.ones(2, 7, 1))
 
 
+def test_kvfuse_layer_counts_spend_the_budget_early_and_never_grow():
+    from kvf.pipeline.fusion.methods.kvfuse import layer_counts
+    assert layer_counts(15, 100, 30, 0.0) == [15] * 30
+    assert layer_counts(15, 100, 3, 1.0) == [30, 15, 0]                      # 2r, r, 0: (1 + s(1 - 2l/(L-1))) r
+    assert layer_counts(100, 100, 30, 1.0) == [100] * 30                     # ratio 1: every row at every layer
+    for budget, rows, layers, slope in [(15, 100, 30, 1.0), (60, 100, 30, 1.0), (900, 6000, 30, 0.5), (1, 100, 30, 1.0),
+                                        (99, 100, 30, 0.7), (2, 3, 2, 1.0)]:
+        counts = layer_counts(budget, rows, layers, slope)
+        assert sum(counts) == budget * layers and max(counts) <= rows
+        assert all(a >= b for a, b in zip(counts, counts[1:]))
+    assert layer_counts(60, 100, 30, 1.0)[:5] == [100] * 5                 # capped early, the cut spread below
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kvfuse_budget_slope_recomputes_nested_rows_layer_by_layer(family, monkeypatch):
+    """budget_slope: layer l recomputes the top layer_counts[l] rows of the one ranking, each layer's among the
+    layer before's, budget x L token-layers in all; at ratio 1 that is every row at every layer: full prefill."""
+    from kvf.pipeline.fusion.methods.kvfuse import layer_counts
+    engine, prompt, source = tiny_case(family)
+    seen = {}
+    step = FusionEngine.step
+    def logged(self, state, layer, **kw):
+        if state.pass_index == 1:
+            seen[layer] = set(state.active_chunk_rows().tolist())
+        return step(self, state, layer, **kw)
+    monkeypatch.setattr(FusionEngine, "step", logged)
+    fused = get_method("kvfuse", 0.3, budget_slope=1.0).prefill(engine, prompt, source)
+    budget, L = recompute_budget(0.3, prompt.n_chunk_tokens), engine.model.n_layers
+    counts = layer_counts(budget, prompt.n_chunk_tokens, L, 1.0)
+    assert [len(seen[layer]) for layer in range(L)] == counts and counts[0] > counts[-1]
+    assert all(seen[layer + 1] <= seen[layer] for layer in range(L - 1))
+    assert fused.recomputed_token_layers == budget * L and fused.recomputed_tokens == budget
+    full = get_method("full").prefill(engine, prompt)
+    everything = get_method("kvfuse", 1.0, budget_slope=1.0).prefill(engine, prompt, source)
+    assert logits_gap(everything, full) <= TOL
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     """With the whole budget given to the layer-1 deviation (and no shift), kvfuse recomputes CacheBlend's
@@ -556,20 +593,23 @@ def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     assert not torch.allclose(plain.logits, fused.logits, atol=1e-4)   # the share does change the rows
 
 
-@pytest.mark.parametrize("copied", [False, True], ids=["read-again", "copied"])
-def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case, answerer, copied, monkeypatch):
+@pytest.mark.parametrize("copied,slope", [(False, 0.0), (True, 0.0), (False, 1.0)],
+                         ids=["read-again", "copied", "budget-slope"])
+def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case, answerer, copied, slope, monkeypatch):
     """propagate=after shifts a layer's kept rows once its attention has run, and no later layer reads
     them: so kvfuse puts all shifts off until decoding first reads the cache. Oracle: a kvfuse that shifts
     right after each layer (as kvfuse did before) gives the same first-token logits and, once decoding
     has read it, the same cache, bit for bit; before that read the cache is the unshifted one (TTFT
     leaves the shift out), and the read is timed in after_first_token_seconds. The same whether the engine
-    keeps the overwritten rows' stored KV as a copy (as on a GPU) or reads them again (as on the CPU)."""
+    keeps the overwritten rows' stored KV as a copy (as on a GPU) or reads them again (as on the CPU), and
+    with fewer rows at every layer (budget_slope), where each layer's move comes from that layer's rows."""
     from kvf.pipeline.fusion import engine as fusion_engine
     monkeypatch.setattr(fusion_engine, "COPY_STORED_ROWS_ON_CPU", copied)
     from kvf.pipeline.fusion.methods.kvfuse import KvFuse, shift_kept_rows
 
     class ShiftAfterEachLayer(KvFuse):  # copies each layer's rows just before it runs, shifts right after
         def before_layer(self, engine, state, layer):
+            self.keep_layer_rows(engine, state, layer)
             if self.propagates(state, layer):
                 rows = state.active_chunk_rows()
                 state.scratch.setdefault("eager", {})[layer] = (rows, state.cache.kv[layer][:, :, rows])
@@ -584,10 +624,10 @@ def test_kvfuse_shifts_after_the_first_token_and_decoding_pays_for_it(long_case,
     read_again = source.read_again
     monkeypatch.setattr(source, "read_again", lambda layer, chunks: reads.append(layer) or read_again(layer, chunks))
     engine = answerer.engine
-    eager = ShiftAfterEachLayer(0.15).prefill(engine, prompt, source)
+    eager = ShiftAfterEachLayer(0.15, budget_slope=slope).prefill(engine, prompt, source)
     assert eager.after_first_token is None                       # nothing left to do
-    deferred = get_method("kvfuse", 0.15).prefill(engine, prompt, source)
-    unshifted = get_method("kvfuse", 0.15, propagate="off").prefill(engine, prompt, source)
+    deferred = get_method("kvfuse", 0.15, budget_slope=slope).prefill(engine, prompt, source)
+    unshifted = get_method("kvfuse", 0.15, propagate="off", budget_slope=slope).prefill(engine, prompt, source)
     assert deferred.after_first_token is not None
     assert torch.equal(deferred.logits, eager.logits)
     assert torch.equal(deferred._cache.kv, unshifted.cache.kv)   # what the first token was computed over

@@ -66,6 +66,9 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
+    budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
+                                    "(more early, fewer late, each layer's rows among the layer before's; the same "
+                                    "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -109,9 +112,19 @@ class KvFuse(FusionMethod):
             share = recompute_budget(self.knobs.deviation_share, budget)
             moved = top_rows(cross_chunk_deviation(engine, state), chunk_rows, share)
             scores[moved - prompt.n_prefix] = float("inf")
-        selected = top_rows(scores, chunk_rows, budget)
+        if self.knobs.budget_slope > 0:                                    # nested rows, fewer at every layer
+            ranked = chunk_rows[torch.argsort(scores, descending=True, stable=True)]   # [c] best first
+            counts = layer_counts(budget, len(chunk_rows), state.cache.kv.shape[0], self.knobs.budget_slope)
+            state.scratch["ranked"], state.scratch["layer_counts"] = ranked, counts
+            selected = torch.sort(ranked[:counts[0]]).values
+        else:
+            selected = top_rows(scores, chunk_rows, budget)
         state.scratch["selected"] = selected
         return selected
+
+    def rows_at(self, state: FusionState, layer: int) -> torch.Tensor:
+        """budget_slope > 0: the chunk rows recomputed at this layer, sorted (the top of the ranking)."""
+        return torch.sort(state.scratch["ranked"][:state.scratch["layer_counts"][layer]]).values
 
     # ---- propagation: the rows kept from the store move with their chunk's recomputed rows ----
     def propagates(self, state: FusionState, layer: int) -> bool:
@@ -119,7 +132,15 @@ class KvFuse(FusionMethod):
         return (state.pass_index == 1 and self.knobs.propagate != "off"
                 and layer >= round(self.knobs.propagate_from * n_layers))
 
+    def keep_layer_rows(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        """budget_slope > 0: this layer recomputes fewer rows than the one before; the rows it drops keep their
+        stored KV from here on (no later layer could compute them: their hidden state ends here)."""
+        counts = state.scratch.get("layer_counts")
+        if state.pass_index == 1 and counts and layer > 0 and counts[layer] < counts[layer - 1]:
+            engine.keep_rows(state, self.rows_at(state, layer))
+
     def before_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
+        self.keep_layer_rows(engine, state, layer)
         if not self.propagates(state, layer):
             return
         rows = state.active_chunk_rows()
@@ -140,13 +161,39 @@ class KvFuse(FusionMethod):
         stored = state.scratch.pop("stored", None)
         if stored:
             result.after_first_token = lambda: self.shift_after_layers(engine, state, stored)
+        if "layer_counts" in state.scratch:   # rows per layer on average (the last layer alone may have none)
+            result.recomputed_tokens = sum(state.scratch["layer_counts"]) // len(state.scratch["layer_counts"])
 
     def shift_after_layers(self, engine: FusionEngine, state: FusionState, stored: StoredRows) -> None:
         """Every shifted layer's move, from its recomputed rows' stored (kept) and fresh (in the cache) K/V."""
         rows = stored.rows
         for layer in range(stored.first, state.cache.kv.shape[0]):
             before = engine.stored_rows(state, stored, layer)              # [2, KV, a, d]
-            shift_kept_rows(engine, state, layer, rows, before, state.cache.kv[layer][:, :, rows], self.knobs)
+            mine = rows
+            if "layer_counts" in state.scratch:                            # only this layer's recomputed rows moved
+                here = torch.isin(rows, self.rows_at(state, layer))
+                mine, before = rows[here], before[:, :, here.to(before.device)]
+            shift_kept_rows(engine, state, layer, mine, before, state.cache.kv[layer][:, :, mine], self.knobs)
+
+
+def layer_counts(budget: int, n_rows: int, n_layers: int, slope: float) -> list[int]:
+    """Rows recomputed at each layer, non-increasing and adding up to budget x n_layers: layer l's share
+    (1 + slope (1 - 2l/(L-1))) x budget, capped at n_rows with what the cap cuts spread evenly over the
+    layers below it. At budget = n_rows every layer recomputes every row (ratio 1 stays full prefill)."""
+    exact = [budget * (1 + slope * (1 - 2 * layer / max(1, n_layers - 1))) for layer in range(n_layers)]
+    for _ in range(n_layers):                              # each round caps at least one more layer, or ends
+        cut = sum(max(0.0, x - n_rows) for x in exact)
+        exact = [min(float(n_rows), x) for x in exact]
+        below = [layer for layer, x in enumerate(exact) if x < n_rows]
+        if cut < 1e-9 or not below:
+            break
+        for layer in below:
+            exact[layer] += cut / len(below)
+    counts = [int(x + 1e-9) for x in exact]                # floors, non-increasing
+    below = [layer for layer, c in enumerate(counts) if c < n_rows]
+    for layer in below[:budget * n_layers - sum(counts)]:  # what the floors lost, to the first layers below the cap
+        counts[layer] += 1
+    return counts
 
 
 def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: torch.Tensor,
