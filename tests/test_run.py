@@ -551,3 +551,17 @@ def test_demo_runs_end_to_end(tmp_path):
     assert sorted(summary) == ["cacheblend", "full", "reuse"]
     assert "(1.00 x full), answers vs full's F1 1.00" in summary["full"]
     assert (tmp_path / "ws" / "kv.zarr").is_dir() and (tmp_path / "runs" / "demo.jsonl").is_file()
+
+
+def test_the_live_ttft_line_names_the_full_prefill_compare_full_timed():
+    """With --compare-full and no -m full, the others' mean TTFT had no baseline beside it on the line."""
+    from kvf.pipeline.workflows.run import MethodStats
+    stats = MethodStats()
+    for qid, full in (("q1", 2.0), ("q2", 4.0)):
+        for method, ttft in (("reuse", 0.5), ("cacheblend", 1.0)):
+            stats.add({"qid": qid, "method": method, "settings": {"ratio": 0.15 if method == "cacheblend" else 0.0},
+                       "timings": {"first_token": ttft}, "full_first_token": full})
+    assert stats.line().endswith("| full (--compare-full) 3000ms")     # per question once: (2 + 4) / 2
+    stats.add({"qid": "q1", "method": "full", "settings": {"ratio": 1.0}, "timings": {"first_token": 2.0},
+               "full_first_token": 2.0})
+    assert "--compare-full" not in stats.line() and "full 2000ms" in stats.line()

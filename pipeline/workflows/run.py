@@ -604,12 +604,17 @@ class MethodStats:
 
     def __init__(self):
         self.ttft: dict[str, list[float]] = {}
+        self.compared_full: dict[str, float] = {}   # qid -> the TTFT of the full prefill --compare-full ran
 
-    def add(self, label: str, ttft: float) -> None:
-        self.ttft.setdefault(label, []).append(ttft)
+    def add(self, record: dict) -> None:
+        self.ttft.setdefault(run_name(record), []).append(record["timings"]["first_token"])
+        if record.get("full_first_token") is not None:
+            self.compared_full[record["qid"]] = record["full_first_token"]
 
     def line(self, width: int = 110) -> str:
         parts = [f"{label} {1000 * sum(v) / len(v):.0f}ms" for label, v in self.ttft.items()]
+        if self.compared_full and "full" not in self.ttft:   # the baseline the others are read against
+            parts.append(f"full (--compare-full) {1000 * sum(self.compared_full.values()) / len(self.compared_full):.0f}ms")
         text = "mean TTFT: " + " | ".join(parts)
         return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -685,7 +690,7 @@ def run(opts: RunOptions, console: Console) -> Path:
 
             def write(rec: dict) -> None:
                 run_file.append(parse_record(rec, "kvf run (internal)"))
-                stats.add(run_name(rec), rec["timings"]["first_token"])
+                stats.add(rec)
                 progress.update(task, advance=1, stats=stats.line())
 
             jobs = [(q, todo_of[q.qid]) for q in questions if todo_of[q.qid]]
