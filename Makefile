@@ -31,7 +31,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -174,7 +174,7 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
 KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v
@@ -208,6 +208,14 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  $(KVFUSE_RUNS)/heldout-k-musique.jsonl --out $(KVFUSE_OUT)/heldout-k-musique
 	$(KVF) eval --complete-only $(RULER_RUNS)/ruler-2048*.jsonl $(KVFUSE_RUNS)/heldout-k-ruler-2048*.jsonl \
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
+# step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
+KVFUSE_SLOPE ?= kvfuse:budget_slope=0.5
+kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 19 -m $(KVFUSE_SLOPE) -o $(KVFUSE_RUNS)/slope-musique-11.jsonl & a=$$!; \
+	$(KVFUSE_RUN) --offset 30 -n 20 -m $(KVFUSE_SLOPE) -o $(KVFUSE_RUNS)/slope-musique-30.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/slope-musique-*.jsonl --out $(KVFUSE_OUT)/slope-heldout
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
 # $(call probe_halves,PROBE,DATASET,FIRST,MID,LAST,NAME): scripts/PROBE_probe.py on questions FIRST..LAST-1 of
@@ -277,7 +285,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

@@ -28,12 +28,16 @@ later questions, results/kvfuse/runs/):
   both dev splits (MuSiQue 0.976, RULER 0.675 vs the default's 0.944 / 0.600) but not held out
   (MuSiQue 11-49 0.841 vs 0.855, RULER 2K 0.725 vs 0.670; results/kvfuse.md): not the default.
 
+- per-layer budgets (step 6, budget_slope): the same token-layers spent more early and fewer late, each
+  layer's rows the top of one ranking; without the shift level with the flat budget on dev, with it
+  ahead on dev (results/kvfuse.md, "Step 6"): not the default.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
 score_layers, sink_tokens, propagate (off / after / before), propagate_from and deviation_share
 (part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
-gain on either dev split), shift_estimate and shift_parts. Budget: exactly round(ratio x chunk tokens), sinks included.
+gain on either dev split), shift_estimate, shift_parts and budget_slope. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
