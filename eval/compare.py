@@ -17,6 +17,9 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
     in, 'method@ratio [label]', names it too."""
     shown = re.fullmatch(r"(\S+) \[(.+)\]", selector.strip())
     text, _, label = (shown[1], None, shown[2]) if shown else selector.partition(":")
+    if not shown and "@" in label and "@" not in text and label not in set(df.label):   # -m's NAME:KNOB=VALUE@RATIO
+        label, _, ratio = label.rpartition("@")
+        text = f"{text}@{ratio}"
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
     if ratio == "auto":   # as tables name a --ratio auto run: it is the run labelled auto

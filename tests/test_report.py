@@ -747,7 +747,8 @@ def test_a_labelled_run_is_selected_as_tables_print_it():
     df = pd.DataFrame({"dataset": ["toy"] * 3, "method": ["cacheblend", "cacheblend", "reuse"], "label": ["big", "", "x@1"],
                        "variant": ["prefix"] * 3, "ratio": [0.15, 0.15, 0.0], "qid": ["q1"] * 3})
     assert list(select(df, "cacheblend@0.15 [big]").index) == list(select(df, "cacheblend@0.15:big").index) == [0]
-    assert list(select(df, "reuse [x@1]").index) == [2]
+    assert list(select(df, "reuse [x@1]").index) == list(select(df, "reuse:x@1").index) == [2]
+    assert list(select(df, "cacheblend:big@0.15").index) == [0]    # as kvf run -m spells it, NAME:KNOBS, then @ratio
     from rich.console import Console
 
     from kvf.eval.compare import comparison_table
