@@ -190,5 +190,5 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{title} ({count_questions(rows)}; bars: 95% bootstrap intervals; "
                  "black: full prefill, grey: reuse)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.tight_layout(rect=(0, 0, 1, 0.95), w_pad=3)   # room between the panels' end and start ticks
     save_figure(fig, path)

@@ -588,9 +588,14 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
                  f"pairs on fewer than {MIN_QUESTIONS} common questions are not tested.\n\n"
                  + ("\n".join(pairs_lines(pairs)) if len(pairs) else "- no pair has enough common questions") + "\n")
     write_atomic(written[1], body)
+    # ranked bars per ratio: where the paired tests run (n >= MIN_QUESTIONS), and for a dataset run at one ratio
+    # (an ablation), whose points on a ratio axis all sit on one vertical line
+    ratios_of = {dataset: sum(1 for _, ratio, _ in families(summary[summary.dataset == dataset]) if ratio is not None)
+                 for dataset in summary.dataset.unique()}
     plots = [(out_dir / f"ranking_{_safe_name(dataset)}_ratio{ratio:g}.png",
               partial(plot_ranking, rows, f"{dataset} at recompute ratio {ratio:g}"))
-             for dataset, ratio, rows in families(summary) if ratio is not None and rows.n.max() >= MIN_QUESTIONS]
+             for dataset, ratio, rows in families(summary)
+             if ratio is not None and (rows.n.max() >= MIN_QUESTIONS or ratios_of[dataset] == 1)]
     plots += [(out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png", partial(plot_quality, summary, dataset))
               for dataset in summary.dataset.unique()]
     plots.append((out_dir / "ttft_vs_ratio.png", partial(plot_ttft, summary)))

@@ -146,6 +146,19 @@ def test_few_questions_are_too_few_to_compare(tmp_path):
     assert "a clear lead" not in md and math.isnan(row(summary, "cacheblend").norm_f1)
 
 
+def test_an_ablation_at_one_ratio_gets_ranked_bars_whatever_its_n(tmp_path):
+    """A dev ablation (11 questions, every entry at 15%) drew only the quality-vs-ratio plot, where every
+    entry's point sits on one vertical line; ranked bars came only from n >= MIN_QUESTIONS. A sweep over
+    several ratios with few questions still gets no ranked bars (its points spread along the ratio axis)."""
+    one_ratio = [record(f"q{i}-0", method, "Paris", ratio=ratio) for i in (1, 2)
+                 for method, ratio in (("full", 1.0), ("cacheblend", 0.15), ("fusionrag", 0.15))]
+    evaluate([write_run(tmp_path / "a.jsonl", one_ratio)], tmp_path / "one")
+    assert (tmp_path / "one" / "ranking_toy_ratio0.15.png").is_file()
+    swept = one_ratio + [record(f"q{i}-0", "cacheblend", "Paris", ratio=0.3) for i in (1, 2)]
+    evaluate([write_run(tmp_path / "b.jsonl", swept)], tmp_path / "swept")
+    assert not list((tmp_path / "swept").glob("ranking_*"))
+
+
 def test_ruler_records_score_the_share_of_gold_values(tmp_path):
     recs = []
     for i in range(MIN_QUESTIONS):
