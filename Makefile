@@ -31,7 +31,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -216,6 +216,11 @@ kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
 	wait $$a && wait $$b
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  $(KVFUSE_RUNS)/slope-musique-*.jsonl --out $(KVFUSE_OUT)/slope-heldout
+# issue 17's per-question budget, bounded from the methods sweep's records: the best allocation of its ratios at a mean of 15%
+kvfuse-budget-oracle: | setup
+	$(PY) -m kvf.scripts.budget_oracle --runs $(METHOD_RUNS)/musique.jsonl.gz $(METHOD_RUNS)/2wikimqa.jsonl.gz \
+	  $(METHOD_RUNS)/nq.jsonl.gz --methods kvfuse,fusionrag,prophetkv --exclude-questions results/kvfuse/dev-questions.txt \
+	  --out $(KVFUSE_OUT)/budget-oracle.md
 kvfuse-probe: $(WORK)/musique/questions.jsonl
 	$(PY) -m kvf.scripts.kvfuse_probe --dataset $(WORK)/musique --first 20 --last 26 --passages 5 --out $(KVFUSE_OUT)/probe.md
 # $(call probe_halves,PROBE,DATASET,FIRST,MID,LAST,NAME): scripts/PROBE_probe.py on questions FIRST..LAST-1 of
@@ -285,7 +290,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

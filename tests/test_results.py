@@ -272,3 +272,22 @@ def test_kvf_bench_and_eval_do_not_write_over_committed_evidence_by_default():
                 "BenchOptions": BenchOptions().out}
     for command, out in defaults.items():
         assert (REPO / out).resolve() not in committed, f"{command} writes into {out}, beside committed evidence"
+
+
+def test_the_budget_oracle_finds_the_best_allocation_a_brute_force_finds():
+    """scripts/budget_oracle.py bounds any per-question budget rule by the best allocation of the swept ratios
+    at a mean of at most 0.15: its dynamic programme must find what trying every allocation finds."""
+    import itertools
+    import numpy as np
+    import pandas as pd
+    from kvf.scripts.budget_oracle import best_allocation
+    rng = np.random.default_rng(0)
+    ratios = [0.0, 0.05, 0.15, 0.3]
+    for _ in range(20):
+        fidelity = pd.DataFrame(rng.random((5, 4)), columns=ratios, index=[f"q{i}" for i in range(5)])
+        chosen = best_allocation(fidelity, 0.15)
+        assert chosen.mean() <= 0.15 + 1e-9
+        got = sum(fidelity.loc[q, r] for q, r in chosen.items())
+        best = max(sum(fidelity.iloc[i][r] for i, r in enumerate(pick)) for pick in itertools.product(ratios, repeat=5)
+                   if sum(pick) <= 0.15 * 5 + 1e-9)
+        assert got == pytest.approx(best)
