@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvf.errors import KvfError
 from kvf.eval.report import fidelity_scores, load_runs, reference_rows, without_questions
 from kvf.eval.stats import mean_interval
 from kvf.pipeline.files import write_atomic
@@ -97,10 +98,17 @@ def main(argv=None) -> None:
     parser.add_argument("--exclude-questions", type=Path, help="ids to leave out (a dev split)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    df = load_runs(args.runs)
-    if args.exclude_questions:
-        df = without_questions(df, args.exclude_questions)
+    if not 0 < args.mean <= 1:
+        raise SystemExit(f"budget_oracle: --mean {args.mean:g}: a mean ratio within (0, 1]")
+    try:
+        df = load_runs(args.runs)
+        if args.exclude_questions:
+            df = without_questions(df, args.exclude_questions)
+    except KvfError as error:   # a missing or foreign run file: one line, as kvf's own commands say it
+        raise SystemExit(f"budget_oracle: {error}") from None
     rows = bound_rows(df, args.methods.split(","), args.mean)
+    if not rows:
+        raise SystemExit(f"budget_oracle: no run of {args.methods} at ratio {args.mean:g} in {' '.join(map(str, args.runs))}")
     command = "python -m kvf.scripts.budget_oracle " + " ".join(
         [f"--runs {' '.join(map(str, args.runs))}", f"--methods {args.methods}", f"--mean {args.mean:g}"]
         + ([f"--exclude-questions {args.exclude_questions}"] if args.exclude_questions else []) + [f"--out {args.out}"])
