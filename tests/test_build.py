@@ -964,7 +964,8 @@ def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--shard", "2/2"], "--shard 2/2"), (["--shard", "x"], "--shard x"), (["--variant", "prefix,suffix"], "--variant suffix"),
+    (["--shard", "2/2"], "shards count from 0; the 2 shards are 0/2 .. 1/2"), (["--shard", "3/2"], "--shard 3/2: need 0 <= I < N"),
+    (["--shard", "x"], "--shard x"), (["--variant", "prefix,suffix"], "--variant suffix"),
     (["--dtype", "float64"], "--dtype float64"), (["--chunk-tokens", "0"], "--chunk-tokens"),
     (["--chunk-tokens", "32", "--overlap", "40"], "--overlap"), (["--format", "parquet"], "unknown store format")])
 def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, flags, fragment):

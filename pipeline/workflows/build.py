@@ -134,6 +134,8 @@ def parse_shard(text: str | None) -> tuple[int, int]:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
         raise KvfError(f"--shard {text}: expected I/N, e.g. 0/4") from None
+    if n >= 1 and i == n:   # counted from 1, as a scheduler's array index often is
+        raise KvfError(f"--shard {text}: shards count from 0; the {n} shards are 0/{n} .. {n - 1}/{n}")
     if n < 1 or not 0 <= i < n:
         raise KvfError(f"--shard {text}: need 0 <= I < N")
     return (i, n)
