@@ -69,7 +69,9 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"max_new_tokens": 2.5}, "max_new_tokens=2.5: must be an integer"),
                                 ("q", {"top_k": 2.0}, "top_k=2.0: must be an integer"),
                                 ("q", {"documents": first_doc}, f"documents={first_doc!r}: pass a list of document ids"),
-                                ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,")):
+                                ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,"),
+                                ("q", {"method": "cacheblend:check_layer=2:deviation=v"},   # kvf run -m's spelling
+                                 "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer(question, **bad)
     # a knob's error named its CLI flag ("--check-layer '2': expected int"); from Python it names the argument

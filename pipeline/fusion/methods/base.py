@@ -276,9 +276,29 @@ def check_method_name(name: str, given: str | None = None) -> None:
             hint = f" (separate methods with commas: {','.join(words)})"
         elif at and method in known:   # kvf eval's and compare's METHOD@RATIO
             hint = f" (the ratio is given apart: {method} with --ratio {ratio} on the command line, ratio={ratio} in Python)"
+        elif name.split(":")[0] in known:   # kvf run -m's NAME:KNOB=VALUE where a bare name goes
+            hint = knobs_apart(name, python=(given or "").startswith("method="))
         else:
             hint = did_you_mean(name, known)
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
+
+
+def knobs_apart(name: str, python: bool) -> str:
+    """Where a bare method name goes, NAME:KNOB=VALUE (kvf run -m's spelling) says how its knobs go there:
+    keyword arguments in Python, their own flags on the command line."""
+    base, *knobs = name.split(":")
+    pairs = [knob.partition("=") for knob in knobs]
+    if python:
+        def literal(value: str) -> str:
+            if value.lower() in ("true", "false"):
+                return value.capitalize()
+            try:
+                float(value)
+                return value
+            except ValueError:
+                return repr(value)
+        return f" (its knobs go apart: method={base!r}, {', '.join(f'{k}={literal(v)}' for k, _, v in pairs)})"
+    return f" (its knobs go apart: {base} {' '.join(f'{flag_name(k)} {v}' for k, _, v in pairs)})"
 
 
 def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
