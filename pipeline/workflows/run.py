@@ -599,6 +599,20 @@ def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:
     return settings
 
 
+def say_resumed(console: Console, out: Path, total: int, todo: int) -> None:
+    """A re-run over a run file says what it found there: it printed the same table as a fresh run, and
+    "runs written" after writing nothing."""
+    if todo == total:
+        return
+    if todo == 0:
+        console.print(f"{out}: the {total} answers asked for are all there already; nothing to run (--overwrite "
+                      "answers again)",
+                      highlight=False, markup=False)
+    else:
+        console.print(f"{out}: resuming; {total - todo} of the {total} answers asked for are there already, {todo} to run",
+                      highlight=False, markup=False)
+
+
 class MethodStats:
     """Per-method running means for the live progress bar."""
 
@@ -682,6 +696,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         # questions already answered in full proved that they fit: a resumed sweep does not search them again
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
+        say_resumed(console, opts.out, len(questions) * len(planned), sum(len(todo) for todo in todo_of.values()))
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
