@@ -168,6 +168,9 @@ def test_summary_is_the_readme_row_and_kvf_methods_prints_it(name):
     assert summary and "\n" not in summary, f"{name}: give the class a one-line summary"
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f"| `{name}` | {summary.replace('|', chr(92) + '|')} |" in readme, f"README.md: no methods row for {name} saying its summary"
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+    for f in dataclasses.fields(METHODS[name].Knobs):                                  # the row's knobs column
+        assert "--" + f.name.replace("_", "-") in row, f"README.md: {name}'s row does not list --{f.name.replace('_', '-')}"
     listed = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "400"}).output
     assert " ".join(summary.split()) in listed, name
     narrow = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "80"}).output   # one block per method there
