@@ -259,7 +259,11 @@ class FsspecFS(ManyPaths):
         root = self._strip(parent)
         bucket, _, key = root.partition("/")
         names, marked = set(), set()
-        for path in fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/"):
+        try:
+            listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
+        except TypeError:   # a later s3fs changed its private paged listing: the public way, a question per name
+            return super().names_marked(parent, marker)
+        for path in listing:
             name, _, rest = path[len(root) + 1:].partition("/")
             names.add(name)
             if rest == marker:

@@ -441,6 +441,25 @@ def test_walking_an_s3_store_lists_objects_and_asks_nothing_per_entry(s3, tmp_pa
     assert ("stray", False) in {(key, ok) for key, _, ok in found[str(tmp_path / "local")]}
 
 
+def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_listing(s3, monkeypatch):
+    """The rolled-up listing rests on s3fs's private `_iterdir`: a later s3fs that takes other arguments raised
+    TypeError out of every walk. It now walks the public way, a question per entry, and finds the same."""
+    from kvf.cachestore import open_store
+    keys = [("%064x" % (950 + i)) for i in range(3)]
+    store = open_store("s3://kvf/changed-listing", meta=META, create=True)
+    for i, key in enumerate(keys):
+        store.put(key, kv(i, tokens=1))
+    rolled_up = sorted(open_store("s3://kvf/changed-listing")._walk_entries())
+    walker = open_store("s3://kvf/changed-listing")
+    own = walker.fs.fs._iterdir
+    def changed(bucket, **kwargs):   # s3fs's own directory listings still work; kvf's form of the call fails
+        if kwargs.get("delimiter", "/") != "/":
+            raise TypeError("_iterdir() got an unexpected keyword argument 'delimiter'")
+        return own(bucket, **kwargs)
+    monkeypatch.setattr(walker.fs.fs, "_iterdir", changed)
+    assert sorted(walker._walk_entries()) == rolled_up and walker.keys() == keys
+
+
 def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
     """`kvf store info`, `gc` and `verify` each ask for the committed entries and the unfinished ones. On S3 a walk of
     the store is a listing per fan-out directory, so one walk answers both (before, each command walked twice).
