@@ -334,6 +334,12 @@ CASES = {
     "run -q gold instead of answers": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "gold": ["a"]}'),
                                                      "-m", "reuse", "-o", t / "o.jsonl"],
                                        ["q.jsonl line 1", 'field "gold" is not read', 'kvf reads "answers"']),
+    "prepare custom a passage's text given as an id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "passages": ["Alice founded Acme in 1999."]}\n'), "--out", t / "p"],
+        ["line 1", "looks like a passage's text, not a document id", '{"title": "", "text": "..."}']),
+    "run -q a passage's text given as an id": (lambda d, t: ["run", "-w", d[1], "-q", write(
+        t / "q.jsonl", b'{"question": "q", "passages": ["Alice founded Acme in 1999."]}'), "-m", "reuse", "-o", t / "o.jsonl"],
+        ["looks like a passage's text, not a document id of workspace", "kvf data prepare custom --input FILE"]),
     "run -q passage instead of passages": (lambda d, t: ["run", "-w", d[1], "-q", write(
         t / "q.jsonl", b'{"question": "q", "passage": ["p1"]}'), "-m", "reuse", "-o", t / "o.jsonl"],
                                            ['field "passage" is not read', 'kvf reads "passages"', "retrieved chunks"]),

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvf.errors import KvfError, warn
-from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file
+from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file, looks_like_text, shorten
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
@@ -387,6 +387,11 @@ class ChunkPicker:
                 raise KvfError(f"question {q.qid} cites passage {missing[0]!r}, which is not a document of workspace "
                                f"{self.ws.root}; did you mean {meant!r}? (a document's id is its file name, or a "
                                f".jsonl's \"id\")")
+            if missing and looks_like_text(missing[0]):   # "passages": ["Alice founded Acme ..."]
+                raise KvfError(f"question {q.qid} cites passage {shorten(missing[0])!r}, which looks like a passage's "
+                               f"text, not a document id of workspace {self.ws.root}; to bring passages with the "
+                               "questions, write them as {\"title\", \"text\"} and run `kvf data prepare custom --input "
+                               "FILE -o DIR`, then `kvf run -d DIR`")
             if missing:
                 build = f"`kvf build-cache {corpus} -w {self.ws.root}`" if corpus else "`kvf build-cache CORPUS -w WS`"
                 raise KvfError(f"question {q.qid} cites passage {missing[0]}, which has no chunks in workspace {self.ws.root}: "
