@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import textwrap
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -484,7 +485,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
             item = as_document_id(item)
             if isinstance(item, str):
                 if not documents and looks_like_text(item):   # a passage's text where a document id goes
-                    raise KvfError(f"{where}: passage {shorten(item)!r} looks like a passage's text, not a document id; "
+                    raise KvfError(f"{where}: passage {textwrap.shorten(item, 40, placeholder='...')!r} looks like a passage's text, not a document id; "
                                    f"write it as {{\"title\": \"\", \"text\": \"...\"}} (ids name documents of --corpus)")
                 if item not in documents:
                     fix_id = (f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
@@ -648,10 +649,6 @@ def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Pass
 def looks_like_text(item: str) -> bool:
     """A passage cited by id that is a sentence or more: its text, put where a document id goes."""
     return len(item.split()) > 2
-
-
-def shorten(text: str, width: int = 40) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def as_document_id(item):

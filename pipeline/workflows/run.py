@@ -10,6 +10,7 @@ settings that would change an answer is refused rather than mixed with the old r
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvf.errors import KvfError, warn
-from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file, looks_like_text, shorten
+from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file, looks_like_text
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
@@ -388,7 +389,7 @@ class ChunkPicker:
                                f"{self.ws.root}; did you mean {meant!r}? (a document's id is its file name, or a "
                                f".jsonl's \"id\")")
             if missing and looks_like_text(missing[0]):   # "passages": ["Alice founded Acme ..."]
-                raise KvfError(f"question {q.qid} cites passage {shorten(missing[0])!r}, which looks like a passage's "
+                raise KvfError(f"question {q.qid} cites passage {textwrap.shorten(missing[0], 40, placeholder='...')!r}, which looks like a passage's "
                                f"text, not a document id of workspace {self.ws.root}; to bring passages with the "
                                "questions, write them as {\"title\", \"text\"} and run `kvf data prepare custom --input "
                                "FILE -o DIR`, then `kvf run -d DIR`")
