@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -328,8 +329,9 @@ def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
 def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
     """mean(method TTFT) / mean(full TTFT) over the questions both timed: full's own records, or else the
     full prefill `kvf run --compare-full` timed on the same prompt and wrote into each record."""
-    mine = group.set_index("qid").t_first_token.dropna()
-    theirs = full.t_first_token.dropna() if len(full) else group.set_index("qid").t_full_first_token.dropna()
+    own = group.set_index("qid")
+    mine = own.t_first_token.dropna()
+    theirs = full.t_first_token.dropna() if len(full) else own.t_full_first_token.dropna()
     common = sorted(set(mine.index) & set(theirs.index))
     if not common or theirs.loc[common].mean() <= 0:
         return math.nan
@@ -590,12 +592,11 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
     write_atomic(written[1], body)
     # ranked bars per ratio: where the paired tests run (n >= MIN_QUESTIONS), and for a dataset run at one ratio
     # (an ablation), whose points on a ratio axis all sit on one vertical line
-    ratios_of = {dataset: sum(1 for _, ratio, _ in families(summary[summary.dataset == dataset]) if ratio is not None)
-                 for dataset in summary.dataset.unique()}
+    per_ratio = [(dataset, ratio, rows) for dataset, ratio, rows in families(summary) if ratio is not None]
+    ratios_of = Counter(dataset for dataset, _, _ in per_ratio)
     plots = [(out_dir / f"ranking_{_safe_name(dataset)}_ratio{ratio:g}.png",
               partial(plot_ranking, rows, f"{dataset} at recompute ratio {ratio:g}"))
-             for dataset, ratio, rows in families(summary)
-             if ratio is not None and (rows.n.max() >= MIN_QUESTIONS or ratios_of[dataset] == 1)]
+             for dataset, ratio, rows in per_ratio if rows.n.max() >= MIN_QUESTIONS or ratios_of[dataset] == 1]
     plots += [(out_dir / f"quality_vs_ratio_{_safe_name(dataset)}.png", partial(plot_quality, summary, dataset))
               for dataset in summary.dataset.unique()]
     plots.append((out_dir / "ttft_vs_ratio.png", partial(plot_ttft, summary)))

@@ -482,7 +482,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     for where, row, question in read_question_lines(path, "--input", id_prefix="custom"):
         passages = []
         for item in row.get("passages") or []:
-            item = as_document_id(item)
+            item = digits_of(item)
             if isinstance(item, str):
                 if not documents and looks_like_text(item):   # a passage's text where a document id goes
                     raise KvfError(f"{where}: passage {textwrap.shorten(item, 40, placeholder='...')!r} looks like a passage's text, not a document id; "
@@ -589,8 +589,9 @@ def check_field_names(row: dict, where: str) -> None:
 
 
 def digits_of(value):
-    """A whole number as its digits (a year, a count: "answers": [1921]); anything else as it is, so other
-    numbers and booleans are refused."""
+    """A whole number as its digits; anything else as it is, for the caller to refuse (other numbers, booleans).
+    An answer (a year, a count: "answers": [1921]), and a cited document id: a .jsonl corpus's integer "id" 1 is
+    the document "1" (read_corpus keys it so), and a question may cite it as written there."""
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
@@ -651,12 +652,6 @@ def looks_like_text(item: str) -> bool:
     return len(item.split()) > 2
 
 
-def as_document_id(item):
-    """A .jsonl corpus's integer "id" (1) is the document id "1" (read_corpus keys it so), and a question may
-    cite it as written there; anything else is left for the caller to refuse."""
-    return str(item) if isinstance(item, int) and not isinstance(item, bool) else item
-
-
 def load_questions_file(path: str | Path) -> list[Question]:
     """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id"?, "passages"?}, where
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
@@ -664,7 +659,7 @@ def load_questions_file(path: str | Path) -> list[Question]:
     questions = []
     for where, row, question in read_question_lines(path, "--questions", id_prefix=path.stem):
         passages = row.get("passages", [])
-        passages = [as_document_id(p) for p in passages] if isinstance(passages, list) else passages
+        passages = [digits_of(p) for p in passages] if isinstance(passages, list) else passages
         if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
             raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {QUESTIONS_FIX}")
         questions.append(replace(question, context_ids=list(passages)))

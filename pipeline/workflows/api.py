@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvf.errors import KvfError
-from kvf.pipeline.data.datasets import as_document_id
+from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
 from kvf.pipeline.workflows.run import DEFAULT_TOP_K
@@ -65,7 +65,7 @@ class WorkspaceSession:
         given). Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
         s = self.session
         if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
-            documents = [as_document_id(d) for d in documents]
+            documents = [digits_of(d) for d in documents]
         check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
