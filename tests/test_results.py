@@ -291,3 +291,12 @@ def test_the_budget_oracle_finds_the_best_allocation_a_brute_force_finds():
         best = max(sum(fidelity.iloc[i][r] for i, r in enumerate(pick)) for pick in itertools.product(ratios, repeat=5)
                    if sum(pick) <= 0.15 * 5 + 1e-9)
         assert got == pytest.approx(best)
+
+
+@pytest.mark.parametrize("args,said", [(["--runs", "nope.jsonl"], "budget_oracle: run file nope.jsonl does not exist"),
+                                       (["--runs", "nope.jsonl", "--mean", "0"], "budget_oracle: --mean 0: a mean ratio within (0, 1]")])
+def test_the_budget_oracle_refuses_bad_input_in_one_line(args, said, tmp_path):
+    from kvf.scripts import budget_oracle
+    with pytest.raises(SystemExit) as exit_info:
+        budget_oracle.main([*args, "--out", str(tmp_path / "b.md")])
+    assert str(exit_info.value) == said
