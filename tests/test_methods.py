@@ -578,6 +578,37 @@ def test_kvfuse_budget_slope_recomputes_nested_rows_layer_by_layer(family, monke
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kvfuse_select_unit_chunks_recomputes_whole_chunks_most_attended_first(family, monkeypatch):
+    """select_unit=chunks: the budget goes to whole chunks in the order of the question's attention mass on them
+    (pass 1, layer-averaged), the last one it reaches by its most attended rows; exactly the budget; ratio 1 is full."""
+    from kvf.pipeline.fusion.methods.base import chunk_attention
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuse
+    engine, prompt, source = tiny_case(family)
+    seen = {}
+    pick = KvFuse.next_pass_rows
+    def logged(self, engine, state):
+        seen["attention"] = torch.stack(state.query_attention).mean(dim=0)     # [n]
+        seen["rows"] = pick(self, engine, state)
+        return seen["rows"]
+    monkeypatch.setattr(KvFuse, "next_pass_rows", logged)
+    fused = get_method("kvfuse", 0.5, select_unit="chunks").prefill(engine, prompt, source)
+    budget, spans = recompute_budget(0.5, prompt.n_chunk_tokens), prompt.chunk_spans()
+    expected, left = [], budget
+    for chunk in torch.argsort(chunk_attention(seen["attention"], prompt), descending=True).tolist():
+        start, end = spans[chunk]
+        by_attention = start + torch.argsort(seen["attention"][start:end], descending=True)
+        expected += by_attention[:left].tolist()
+        left -= min(left, end - start)
+    assert sorted(expected) == seen["rows"].tolist() and fused.recomputed_tokens == budget
+    whole = [c for c, (s, e) in enumerate(spans) if set(range(s, e)) <= set(expected)]
+    assert 0 < len(whole) < len(spans)                                      # the case does cut a chunk
+    plain = get_method("kvfuse", 0.5).prefill(engine, prompt, source)
+    assert plain.recomputed_tokens == budget and not torch.equal(plain.logits, fused.logits)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, select_unit="chunks").prefill(engine, prompt, source), full) <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     """With the whole budget given to the layer-1 deviation (and no shift), kvfuse recomputes CacheBlend's
     rows: CacheBlend recomputes layer 0 everywhere and keeps the most deviating rows from layer 1; kvfuse

@@ -32,12 +32,15 @@ later questions, results/kvfuse/runs/):
   layer's rows the top of one ranking; without the shift level with the flat budget on dev, with it one
   answer ahead on dev (0.974 vs 0.944) and level held out (MuSiQue 11-49 0.844 vs 0.855): not the default.
 
+- whole chunks (step 7, select_unit=chunks): the budget on the chunks the question attends to most, each recomputed
+  in full; behind tokens on MuSiQue dev (0.907 vs 0.944) and level with no shift on RULER dev (0.700): not the default.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
 score_layers, sink_tokens, propagate (off / after / before), propagate_from and deviation_share
 (part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
-gain on either dev split), shift_estimate, shift_parts and budget_slope. Budget: exactly round(ratio x chunk tokens), sinks included.
+gain on either dev split), shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class KvFuseKnobs:
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
+    select_unit: str = knob("tokens", "what the budget buys: tokens (the top rows by attention, wherever they are) or "
+                                      "chunks (whole chunks, the most attended first; the last one by its top rows)",
+                            choices=("tokens", "chunks"))
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -116,6 +122,8 @@ class KvFuse(FusionMethod):
             share = recompute_budget(self.knobs.deviation_share, budget)
             moved = top_rows(cross_chunk_deviation(engine, state), chunk_rows, share)
             scores[moved - prompt.n_prefix] = float("inf")
+        if self.knobs.select_unit == "chunks":                              # whole chunks, most attended first
+            scores = chunks_first(scores, chunk_of(prompt, chunk_rows), len(prompt.chunk_segments))
         if self.knobs.budget_slope > 0:                                    # nested rows, fewer at every layer
             ranked = chunk_rows[torch.argsort(scores, descending=True, stable=True)]   # [c] best first
             counts = layer_counts(budget, len(chunk_rows), state.cache.kv.shape[0], self.knobs.budget_slope)
@@ -178,6 +186,20 @@ class KvFuse(FusionMethod):
                 here = torch.isin(rows, self.rows_at(state, layer))
                 mine, before = rows[here], before[:, :, here.to(before.device)]
             shift_kept_rows(engine, state, layer, mine, before, state.cache.kv[layer][:, :, mine], self.knobs)
+
+
+def chunks_first(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """[c] chunk-row scores -> [c] scores that rank the rows chunk by chunk: the chunk whose rows hold the most
+    score first, and within a chunk by score (rows scored inf, e.g. sinks, still count as 0 to their chunk's mass)."""
+    mass = torch.zeros(n_chunks).index_add_(0, chunk_of_row, scores.float().nan_to_num(posinf=0.0))   # [C]
+    chunk_rank = torch.empty(n_chunks, dtype=torch.long)
+    chunk_rank[torch.argsort(mass, descending=True, stable=True)] = torch.arange(n_chunks)            # [C] 0 = most
+    row_rank = torch.empty(len(scores), dtype=torch.long)
+    row_rank[torch.argsort(scores.float(), stable=True)] = torch.arange(len(scores))                  # [c] 0 = least
+    order = torch.argsort((n_chunks - chunk_rank[chunk_of_row]) * len(scores) + row_rank)             # [c] worst first
+    ranked = torch.empty(len(scores))
+    ranked[order] = torch.arange(len(scores), dtype=torch.float32)   # the rank itself: exact in float32, unlike the key
+    return ranked
 
 
 def layer_counts(budget: int, n_rows: int, n_layers: int, slope: float) -> list[int]:
