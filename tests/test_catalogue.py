@@ -338,6 +338,12 @@ CASES = {
     "run -q gold instead of answers": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q", "gold": ["a"]}'),
                                                      "-m", "reuse", "-o", t / "o.jsonl"],
                                        ["q.jsonl line 1", 'field "gold" is not read', 'kvf reads "answers"']),
+    "run -q BEIR's queries.jsonl (the question as \"text\")": (lambda d, t: ["run", "-w", d[1], "-q", write(
+        t / "queries.jsonl", b'{"_id": "q1", "text": "Who founded Acme?", "metadata": {}}'), "-m", "reuse", "-o", t / "o.jsonl"],
+        ["queries.jsonl line 1", 'field "text" is not read', '"question": rename it']),
+    "run -q a corpus file": (lambda d, t: ["run", "-w", d[1], "-q", write(
+        t / "corpus.jsonl", b'{"id": "d1", "title": "Acme", "text": "Acme was founded in 1921."}'), "-m", "reuse", "-o", t / "o.jsonl"],
+        ["corpus.jsonl line 1", "a document, not a question", "kvf build-cache reads it"]),
     "prepare custom a passage's text given as an id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "passages": ["Alice founded Acme in 1999."]}\n'), "--out", t / "p"],
         ["line 1", "looks like a passage's text, not a document id", '{"title": "", "text": "..."}']),

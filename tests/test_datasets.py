@@ -333,6 +333,21 @@ def test_two_questions_under_one_id_in_an_own_questions_file_are_refused(tmp_pat
     assert [q.qid for q in load_questions_file(questions)] == ["mine-1", "mine-2"]   # made-up ids never collide
 
 
+def test_a_question_id_named_qid_or_beir_id_is_the_questions_own(tmp_path):
+    """"qid" (kvf's own run records name it so) and "_id" (BEIR's queries.jsonl) were not read: the run's records
+    carried made-up ids (mine-1, ...) instead, and two questions sharing one id were both answered."""
+    from kvf.pipeline.data.datasets import load_questions_file
+    questions = tmp_path / "mine.jsonl"
+    questions.write_text("\n".join(json.dumps(row) for row in [{"qid": "q7", "question": "Who founded Acme?"},
+                                                                 {"_id": 12, "question": "Who runs Beta?"},
+                                                                 {"id": "x", "qid": "y", "question": "Who?"},
+                                                                 {"question": "Where?"}]) + "\n")
+    assert [q.qid for q in load_questions_file(questions)] == ["q7", "12", "x", "mine-4"]
+    questions.write_text(json.dumps({"qid": "a", "question": "Who?"}) + "\n" + json.dumps({"_id": "a", "question": "Why?"}) + "\n")
+    with pytest.raises(KvfError, match="mine.jsonl line 2: question id a is used twice"):
+        load_questions_file(questions)
+
+
 def test_integer_document_ids_are_cited_as_the_corpus_writes_them(tmp_path):
     """A .jsonl corpus's {"id": 1} is document "1" (read_corpus keys it so); a question citing it as written
     there, "passages": [1], was refused by `kvf run -q` and by `kvf data prepare custom`."""

@@ -575,6 +575,10 @@ MEANT_FIELDS = {"answers": ("gold", "golds", "target", "targets", "label", "labe
                             "references", "gold_answers"),
                 "passages": ("passage", "context", "contexts", "ctxs", "documents", "docs", "doc_ids", "passage_ids")}
 WITHOUT_FIELD = {"answers": "scored against full prefill's answer only", "passages": "answered from retrieved chunks"}
+# a question's id as kvf's own run records ("qid") and BEIR's queries.jsonl ("_id") name it, besides "id"
+QUESTION_ID_FIELDS = ("id", "qid", "_id")
+# what other tools call the question's text (BEIR's queries.jsonl: "text")
+QUESTION_TEXT_FIELDS = ("query", "text", "prompt", "input", "q")
 
 
 def check_field_names(row: dict, where: str) -> None:
@@ -586,6 +590,24 @@ def check_field_names(row: dict, where: str) -> None:
         if given is not None and read not in row:
             raise KvfError(f"{where}: field \"{given}\" is not read; kvf reads \"{read}\": rename it (or drop it, "
                            f"and the question is {WITHOUT_FIELD[read]})")
+
+
+def check_question_field(row: dict, where: str) -> None:
+    """A line without "question": a corpus's document given as a question, or the question under another name."""
+    if "question" in row:
+        return
+    if "contents" in row or ("title" in row and "text" in row):
+        raise KvfError(f"{where}: a document, not a question; this is a corpus file (kvf build-cache reads it): pass "
+                       f"your questions, {{\"question\": ...}} a line")
+    given = next((name for name in QUESTION_TEXT_FIELDS if name in row), None)
+    if given is not None:
+        raise KvfError(f"{where}: field \"{given}\" is not read; kvf reads the question from \"question\": rename it")
+
+
+def question_id(row: dict, where: str, default: str) -> str:
+    """The line's own id ("id", "qid" or "_id", the first given), else `default`."""
+    given = next((row[name] for name in QUESTION_ID_FIELDS if row.get(name) not in (None, "")), None)
+    return default if given is None else _text_field({"id": given}, "id", where, QUESTIONS_FIX)
 
 
 def digits_of(value):
@@ -653,7 +675,7 @@ def looks_like_text(item: str) -> bool:
 
 
 def load_questions_file(path: str | Path) -> list[Question]:
-    """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id"?, "passages"?}, where
+    """`kvf run --questions FILE`: JSON Lines of {"question", "answers"?, "id" (or "qid", "_id")?, "passages"?}, where
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
     path = Path(path)
     questions = []
@@ -675,7 +697,8 @@ def read_question_lines(path: Path, flag: str, id_prefix: str) -> list[tuple[str
                                            QUESTION_LINE):
         where = f"{flag} {path} line {lineno}"
         check_field_names(row, where)
-        qid = str(row["id"]) if row.get("id") not in (None, "") else f"{id_prefix}-{lineno}"
+        check_question_field(row, where)
+        qid = question_id(row, where, f"{id_prefix}-{lineno}")
         claim_id(qid, seen, where)
         # answers are optional: without them a question is scored against full prefill's answer only
         question = Question(qid, _text_field(row, "question", where, QUESTIONS_FIX), _answers_field(row, where, required=False))
