@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,28 @@ def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(built, t
     run(opts, QUIET)
     assert "the answers of 1 question(s)" in " ".join(capsys.readouterr().err.split())
     assert out.read_text().count("\n") == 1                     # nothing re-run
+
+
+def test_a_question_whose_id_changed_is_not_answered_and_scored_twice(built, tmp_path):
+    """Ids given to a questions file that had none (or renamed): resuming answered every question again under
+    its new id, and the run file held each twice, which `kvf eval` scored as twice the questions. Refused; a
+    run of other questions of the same source (another --offset) with the same text is not."""
+    mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
+    lines = lambda *rows: mine.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    lines({"question": "Where was the subject born?"}, {"question": "Who founded the company?"})
+    run(opts, QUIET)
+    lines({"id": "born", "question": "Where was the subject born?"}, {"id": "founded", "question": "Who founded the company?"})
+    with pytest.raises(KvfError, match=f"--out {out} answered 'Where was the subject born\\?' as question mine-1, but "
+                                       f"{mine} now names it born.*--overwrite"):
+        run(opts, QUIET)
+    assert out.read_text().count("\n") == 2
+    twice = tmp_path / "twice.jsonl"      # one text under two ids of the source: each is its own question
+    mine.write_text(json.dumps({"id": "x", "question": "Where was the subject born?"}) + "\n"
+                    + json.dumps({"id": "y", "question": "Where was the subject born?"}) + "\n")
+    run(replace(opts, out=twice, offset=1), QUIET)
+    run(replace(opts, out=twice, limit=1), QUIET)
+    assert [json.loads(line)["qid"] for line in twice.read_text().splitlines()] == ["y", "x"]
 
 
 def test_a_question_retrieval_finds_nothing_for_is_refused_before_any_work(built, tmp_path):

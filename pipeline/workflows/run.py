@@ -291,16 +291,23 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
                            "pass a new --out, or --overwrite to replace them")
 
 
-def check_same_questions(existing: list[RunRecord], questions: list[Question], opts: RunOptions) -> None:
+def check_same_questions(existing: list[RunRecord], questions: list[Question], opts: RunOptions,
+                         source_ids: set[str]) -> None:
     """A question edited since --out answered it (same id, other text) would be skipped as done, its old
-    answer kept under its id: refused. Edited gold answers only change scoring: the records keep the
-    answers they were scored with, so that is said."""
+    answer kept under its id: refused. So is a question whose id changed (ids given to a file that had
+    none): it would be answered again under its new id, and scored twice. Edited gold answers only change
+    scoring: the records keep the answers they were scored with, so that is said."""
     source = opts.questions_source
-    by_id = {q.qid: q for q in questions}
+    by_id, by_text = {q.qid: q for q in questions}, {q.question: q for q in questions}
+    answered = {record.qid for record in existing}
     regolded = set()
     for record in existing:
         q = by_id.get(record.qid)
         if q is None:
+            renamed = by_text.get(record.question) if record.qid not in source_ids else None
+            if renamed is not None and renamed.qid not in answered:
+                raise KvfError(f"--out {opts.out} answered {record.question[:60]!r} as question {record.qid}, but {source} "
+                               f"now names it {renamed.qid}; pass a new --out, or --overwrite to answer afresh")
             continue
         if record.question != q.question:
             raise KvfError(f"--out {opts.out} answered question {record.qid} as {record.question[:60]!r}, but {source} "
@@ -554,8 +561,15 @@ def check_dataset_folder(path: Path) -> None:
                        f"{path.name}-workspace --questions FILE")
 
 
-def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
-    """(questions, dataset name) from --dataset or --questions, cut to --limit."""
+def load_questions(opts: RunOptions) -> tuple[list[Question], str, set[str]]:
+    """(questions, dataset name, the ids of all the source's questions) from --dataset or --questions, cut to
+    --qid, --offset and --limit."""
+    questions, name = source_questions(opts)
+    return select_questions(questions, opts), name, {q.qid for q in questions}
+
+
+def source_questions(opts: RunOptions) -> tuple[list[Question], str]:
+    """Every question of --dataset or --questions, and the dataset's name."""
     if opts.dataset is not None:
         check_dataset_folder(opts.dataset)
         questions, _ = load_prepared(opts.dataset)
@@ -565,6 +579,11 @@ def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
             raise KvfError(f"--questions {opts.questions} is a prepared dataset; pass it as --dataset {opts.questions}")
         questions = load_questions_file(opts.questions)
         name = opts.questions.stem
+    return questions, name
+
+
+def select_questions(questions: list[Question], opts: RunOptions) -> list[Question]:
+    """The questions --qid, --offset and --limit pick, in order."""
     if opts.qids:
         known = {q.qid for q in questions}
         missing = [qid for qid in opts.qids if qid not in known]
@@ -577,7 +596,7 @@ def load_questions(opts: RunOptions) -> tuple[list[Question], str]:
         questions = questions[opts.offset:]
     if opts.limit is not None:
         questions = questions[: opts.limit]
-    return questions, name
+    return questions
 
 
 def dataset_name(directory: Path) -> str:
@@ -656,7 +675,7 @@ def settings_for(planned: list[Planned], opts: RunOptions, base: dict) -> dict[i
 def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device, workers_only=opts.ray is not None)
-    questions, name = load_questions(opts)
+    questions, name, source_ids = load_questions(opts)
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
     # minutes of chunking and indexing
     planned = plan_methods(opts, open_model(opts.model).config.num_hidden_layers)
@@ -693,7 +712,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
-        check_same_questions(existing, questions, opts)
+        check_same_questions(existing, questions, opts, source_ids)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
         todo_of = {q.qid: [i for i, p in enumerate(planned)
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
