@@ -548,9 +548,13 @@ def significant_rows(rows: pd.DataFrame, baseline: str, sign: int) -> str:
     """The rows whose paired interval against `baseline` lies wholly below it (sign -1) or above it (+1), 'none',
     or why none was tested: "none" alone read as "no method is below full" where no full run was there to test."""
     column = f"vs_{baseline}"
+    references = ("full",) if baseline == "full" else ("full", "reuse")    # rows never compared with the baseline
+    rows = rows[~rows.method.isin(references)]
+    if not len(rows):
+        return f"no method besides {' and '.join(references)} to test"
     tested = rows[rows[f"_{column}_n"] >= MIN_QUESTIONS]
     if not len(tested):
-        most = int(rows[f"_{column}_n"].max()) if len(rows) else 0
+        most = int(rows[f"_{column}_n"].max())
         return (f"not tested (no {baseline} run on these questions)" if most == 0
                 else f"not tested (at most {most} questions in common with {baseline}; {MIN_QUESTIONS} are needed)")
     found = [f"{_name(r)}@{r.ratio:g}" for _, r in tested.iterrows()

@@ -119,6 +119,16 @@ def test_compare_full_records_alone_give_the_ttft_ratio_and_say_what_was_not_tes
     assert f"significantly above reuse: not tested (at most {2 * REPS} questions in common with reuse" in md
 
 
+def test_a_run_of_full_and_reuse_alone_says_no_method_was_there_to_test(tmp_path):
+    """With only full and reuse, the reuse line said "not tested (no reuse run on these questions)" beside reuse's own row."""
+    full = write_run(tmp_path / "full.jsonl", replicated("full", {"q1": "Paris", "q2": "Rome"}, ttft=2.0))
+    reuse = write_run(tmp_path / "reuse.jsonl", replicated("reuse", {"q1": "Paris", "q2": "y"}, ttft=0.5))
+    evaluate([full, reuse], tmp_path / "out")
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "significantly above reuse: no method besides full and reuse to test" in md
+    assert "significantly below full: no method" not in md                  # reuse is tested against full
+
+
 def test_record_order_in_the_run_files_changes_no_number(runs, tmp_path):
     """Two sweeps side by side interleave their records: every interval must come from the questions,
     not from the order their records were written in."""
