@@ -6,6 +6,7 @@ The Python API, for notebooks:
     ws = kvf.open_workspace("workspace")                       # built by `kvf build-cache my_docs/`
     answer = ws.answer("Who founded X?", method="cacheblend", ratio=0.15)
     answer.text, answer.timings["first_token"], answer.recomputed_tokens
+    hits = ws.search("Who founded X?", top_k=3)               # each: chunk_id, score, doc_id, text
     summary = kvf.evaluate(["runs/a.jsonl", "runs/b.jsonl"])  # a pandas DataFrame, as `kvf eval` prints
 """
 from kvf.errors import KvfError  # noqa: F401

@@ -16,15 +16,6 @@ class SearchMode(str, Enum):
     dense = "dense"
 
 
-def search_workspace(query: str, workspace: Path, k: int, mode: SearchMode) -> list[tuple[str, float]]:
-    """(chunk_id, score) hits from the workspace index of the chosen kind."""
-    if mode == SearchMode.bm25:
-        from kvf.pipeline.retrieval.bm25 import BM25Searcher
-        return BM25Searcher(workspace / "bm25").search(query, k)
-    from kvf.pipeline.retrieval.dense import DenseSearcher
-    return DenseSearcher(workspace / "dense").search(query, k)
-
-
 def snippet(text: str, width: int = 120) -> str:
     """First `width` characters on one line."""
     flat = " ".join(text.split())
@@ -70,7 +61,7 @@ def search_command(
     mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)
-    hits = search_workspace(query, workspace, k, mode)
+    hits = ws.open_searcher(mode.value).search(query, k)
     chunks_by_id = ChunkTable(ws.chunks_path)
     unknown = [cid for cid, _ in hits if cid not in chunks_by_id]
     if unknown:

@@ -29,9 +29,14 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
     assert answer.recomputed_tokens == recompute_budget(0.15, answer.chunk_tokens)
     assert answer.timings["first_token"] > 0 and answer.settings["check_layer"] == 1
     hits = ws.search("capital province", top_k=2)
-    assert len(hits) == 2
+    assert len(hits) == 2 and hits[0].score >= hits[1].score
     retrieved = ws.answer("capital province", method="reuse", top_k=2, max_new_tokens=2)
-    assert retrieved.chunk_ids == [cid for cid, _ in hits] and retrieved.recomputed_tokens == 0
+    assert retrieved.chunk_ids == [hit.chunk_id for hit in hits] and retrieved.recomputed_tokens == 0
+    from kvf.pipeline.retrieval.chunking import ChunkTable
+    table = ChunkTable(built / "ws" / "chunks.parquet")
+    for hit in hits:   # what `kvf search --json` prints: the document each chunk is cut from, and its text
+        assert (hit.doc_id, hit.text) == (table[hit.chunk_id].doc_id, table[hit.chunk_id].text)
+        assert hit.chunk_id in docs[hit.doc_id] and hit.text
     with pytest.raises(kvf.KvfError, match="not in workspace"):
         ws.answer("q", documents=["no-such-doc"])
     with pytest.raises(kvf.KvfError, match=f"not in workspace .*; did you mean '{first_doc}'"):   # a typo of an id

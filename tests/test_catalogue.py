@@ -824,6 +824,12 @@ def test_a_stale_bm25_index_is_refused(ws_copy, tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(["run", "-d", data, "-w", ws, "-m", "reuse", "-n", "1", "--setting", "shared",
                             "--no-show-answers", "-o", tmp_path / "o.jsonl"], capsys, monkeypatch)
     assert_one_line(code, err, "bm25 index", "another set of chunks", "--rebuild bm25")
+    import kvf   # the Python API searched the stale index, and answered from it, without a word
+    notebook = kvf.open_workspace(ws)
+    for call in (lambda: notebook.search("Drelvan glassworks"), lambda: notebook.answer("Who founded Drelvan?")):
+        with pytest.raises(kvf.KvfError, match="bm25 index of workspace .* another set of chunks.*--rebuild bm25"):
+            call()
+    assert notebook.search("Drelvan glassworks", retriever="dense")[0].doc_id == "extra.txt"
 
 
 def test_a_workspace_built_without_bm25_searches_its_dense_index(ws_copy, tmp_path, capsys, monkeypatch):

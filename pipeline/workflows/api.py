@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,10 +10,18 @@ from kvf.errors import KvfError
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
-from kvf.pipeline.workflows.run import DEFAULT_TOP_K
+from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
+
+
+class SearchHit(typing.NamedTuple):
+    """One chunk `search()` found: what `kvf search --json` prints of it."""
+    chunk_id: str
+    score: float
+    doc_id: str                        # the document it is cut from (a file name, or a .jsonl's "id")
+    text: str
 
 
 @dataclass
@@ -39,23 +48,20 @@ class WorkspaceSession:
         check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
 
-    def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[tuple[str, float]]:
-        """(chunk id, score) of the top-k chunks for a question (retriever: bm25, or dense in a workspace built
-        --no-bm25, unless given)."""
+    def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[SearchHit]:
+        """The top-k chunks for a question, best first: each one's chunk id, score, document id and text
+        (retriever: bm25, or dense in a workspace built --no-bm25, unless given)."""
         check_question(question)
         retriever = retriever or self.session.ws.default_retriever()
         check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
-        if retriever not in self._searchers:
-            ws = self.session.ws
-            if retriever == "bm25":
-                from kvf.pipeline.retrieval.bm25 import BM25Searcher
-                self._searchers[retriever] = BM25Searcher(ws.bm25_dir)
-            elif retriever == "dense":
-                from kvf.pipeline.retrieval.dense import DenseSearcher
-                self._searchers[retriever] = DenseSearcher(ws.dense_dir)
-            else:
-                raise KvfError(f"retriever={retriever!r}: use bm25 or dense")
-        return self._searchers[retriever].search(question, top_k)
+        if retriever not in ("bm25", "dense"):
+            raise KvfError(f"retriever={retriever!r}: use bm25 or dense")
+        if retriever not in self._searchers:   # an index of an older chunk set would miss every newer document
+            check_index_fresh(self.session.ws, retriever)
+            self._searchers[retriever] = self.session.ws.open_searcher(retriever)
+        found = self._searchers[retriever].search(question, top_k)                    # [(chunk id, score)]
+        chunks = self.session.chunks([cid for cid, _ in found], retriever)
+        return [SearchHit(cid, score, chunk.doc_id, chunk.text) for (cid, score), chunk in zip(found, chunks)]
 
     def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int | None = None,
                retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
@@ -92,7 +98,7 @@ class WorkspaceSession:
                                + (f"; did you mean {meant!r}?" if meant else ""))
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:
-            chunk_ids = [cid for cid, _ in self.search(question, top_k, retriever)]
+            chunk_ids = [hit.chunk_id for hit in self.search(question, top_k, retriever)]
             if not chunk_ids:   # BM25 matched no word of it: every method would answer alike, without context
                 raise KvfError(f"{retriever} retrieval found no chunk for {question!r}; rephrase it, pass "
                                "retriever=\"dense\", or name its documents=[...]")

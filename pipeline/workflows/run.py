@@ -375,12 +375,7 @@ class ChunkPicker:
     def searcher(self):
         """Opened on first use (the per-question setting never searches)."""
         if self._searcher is None:
-            if self.retriever == "bm25":
-                from kvf.pipeline.retrieval.bm25 import BM25Searcher
-                self._searcher = BM25Searcher(self.ws.bm25_dir)
-            else:
-                from kvf.pipeline.retrieval.dense import DenseSearcher
-                self._searcher = DenseSearcher(self.ws.dense_dir)
+            self._searcher = self.ws.open_searcher(self.retriever)
         return self._searcher
 
     def check_questions(self, questions: list[Question], corpus: Path | None = None) -> None:

@@ -109,6 +109,16 @@ class Workspace:
         bm25 default refused such a workspace, and told to build the index it was built without."""
         return "dense" if self.dense_dir.is_dir() and not self.bm25_dir.is_dir() else "bm25"
 
+    def open_searcher(self, retriever: str):
+        """The workspace's BM25 or dense index, opened to search (kvf search, kvf run, the Python API)."""
+        if retriever == "bm25":
+            from kvf.pipeline.retrieval.bm25 import BM25Searcher
+            return BM25Searcher(self.bm25_dir)
+        if retriever == "dense":
+            from kvf.pipeline.retrieval.dense import DenseSearcher
+            return DenseSearcher(self.dense_dir)
+        raise KvfError(f"retriever {retriever!r}: use bm25 or dense")
+
     @property
     def neighbours_file(self) -> Path:
         """The neighbours a reader uses: the .npz, else an older kvf's .json (until a build replaces it)."""
