@@ -31,7 +31,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: setup demo test quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -216,6 +216,18 @@ kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
 	wait $$a && wait $$b
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  $(KVFUSE_RUNS)/slope-musique-*.jsonl --out $(KVFUSE_OUT)/slope-heldout
+# the store's FusionRAG neighbours: n = 10 (METHODS.md's default) against the sweeps' 3, on dev, then held out;
+# its own workspace (n is fixed when a workspace is built), reusing the sweep's store for the prefix entries
+KVFUSE_N10_RUN = $(KVF) run -d $(WORK)/musique -w $(WORK)/musique-n10 --neighbours 10 --store $(WORK)/musique/workspace/kv.zarr \
+  -r 0.15 --max-new-tokens 12 --no-show-answers
+kvfuse-neighbours: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_N10_RUN) -n $(KVFUSE_DEV_N) -m full,fusionrag,kvfuse:propagate=off,kvfuse -o $(KVFUSE_RUNS)/neighbours-dev-musique.jsonl
+	$(KVFUSE_N10_RUN) --offset 11 -n 19 -m fusionrag,kvfuse --label n10 -o $(KVFUSE_RUNS)/neighbours-musique-11.jsonl & a=$$!; \
+	$(KVFUSE_N10_RUN) --offset 30 -n 20 -m fusionrag,kvfuse --label n10 -o $(KVFUSE_RUNS)/neighbours-musique-30.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/neighbours-dev-musique.jsonl --out $(KVFUSE_OUT)/neighbours-dev
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/neighbours-musique-*.jsonl --out $(KVFUSE_OUT)/neighbours-heldout
 # issue 17's per-question budget, bounded from the methods sweep's records: the best allocation of its ratios at a mean of 15%
 kvfuse-budget-oracle: | setup
 	$(PY) -m kvf.scripts.budget_oracle --runs $(METHOD_RUNS)/musique.jsonl.gz $(METHOD_RUNS)/2wikimqa.jsonl.gz \
@@ -290,7 +302,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-budget-oracle kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
