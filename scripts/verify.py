@@ -9,7 +9,9 @@ results/expected.yaml lists, for every committed results file, the command that 
 conditions (N, ratios, model, data files with sha256), its key numbers with a tolerance, and:
 - `table`: the committed CSV/JSON the numbers are read from (always checked: the file says what
   expected.yaml says);
-- `rescore` (optional): a command that recomputes the table from committed raw records into {out};
+- `rescore` (optional): a command that recomputes the table from committed raw records into {out}; where the
+  committed folder's summary.md says that command made it, --rescore also holds the folder to what `kvf eval`
+  renders now (summary.csv byte for byte, summary.md but for its commit), naming the command when it is stale;
 - `rerun`: the command that re-runs the conditions from scratch into {out} (hours for a sweep);
 - `rerun_records` (optional): `got` (a glob under {out}) and `committed` (a repo glob): after the
   rerun, every committed record must have a re-run twin with the same answer and the same tokens
@@ -102,6 +104,23 @@ def check_numbers(name: str, table_path: Path, numbers: list[dict], strict: bool
                 continue
             ok = within(got, {**number, "value": want}, strict) and not math.isnan(got)
             report.append((ok, f"{label}{what} = {got:.4g} (committed {float(want):.4g}, {bound})"))
+
+
+def check_rendered(name: str, committed: Path, rescored: Path, rescore: str, report: list) -> None:
+    """An eval folder made by its rescore command (its summary.md's first line names that command for the committed
+    folder) must read as the command renders it now: the same summary.csv and, but for the commit in that first
+    line, the same summary.md. A stale one (made by an older kvf eval) names the command that remakes it."""
+    committed_md, rescored_md = committed.with_name("summary.md"), rescored.with_name("summary.md")
+    if committed.name != "summary.csv" or not committed_md.is_file() or not rescored_md.is_file():
+        return
+    command = rescore.replace("{out}", str(committed.parent.relative_to(REPO)))
+    header = committed_md.read_text().split("\n", 1)
+    if not header[0].startswith(f"Made by `{expand_globs(command)}` at commit"):
+        return   # made by another command (e.g. more run files than the rescore reads): nothing to compare
+    same = committed.read_bytes() == rescored.read_bytes() and \
+        header[1:] == rescored_md.read_text().split("\n", 1)[1:]
+    report.append((same, f"{name}: {committed.parent.relative_to(REPO)}/summary.md and summary.csv "
+                         + ("as `kvf eval` renders them now" if same else f"are stale; remake them: {expand_globs(command)}")))
 
 
 def check_data(entry: dict, report: list) -> bool:
@@ -219,6 +238,8 @@ def verify(mode: str, only: list[str] | None, keep: Path | None) -> int:
                 ok = run(expand_globs(entry["rescore"]), out, log)
                 check_numbers(name, out / Path(entry["table"]).name, numbers, strict=True, report=report) if ok else \
                     report.append((False, f"{name}: rescore failed (see {log})"))
+                if ok:
+                    check_rendered(name, REPO / entry["table"], out / Path(entry["table"]).name, entry["rescore"], report)
         else:  # full: re-run the conditions from scratch
             if entry.get("requires") == "cuda" and not cuda_available():
                 skipped.append(f"{name}: its rerun needs a CUDA GPU; run `python -m kvf.scripts.verify --only {name}` on one")

@@ -300,3 +300,31 @@ def test_the_budget_oracle_refuses_bad_input_in_one_line(args, said, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         budget_oracle.main([*args, "--out", str(tmp_path / "b.md")])
     assert str(exit_info.value) == said
+
+
+def test_a_stale_eval_folder_names_the_command_that_remakes_it(tmp_path, monkeypatch):
+    """verify --rescore checked a folder's numbers only: summary.md written by an older `kvf eval` (other notes,
+    other reasons on its significance lines) passed. Now a folder its rescore command made must read as that
+    command renders it today, but for the commit in its first line; one made by another command is not compared."""
+    monkeypatch.setattr(verify, "REPO", tmp_path)
+    committed, rescored = tmp_path / "results" / "x", tmp_path / "out"
+    committed.mkdir(parents=True)
+    rescored.mkdir()
+    command = "kvf eval results/x/runs.jsonl --out {out}"
+    body = "\nRuns:\n\n| a | b |\n"
+    for folder, made_by, commit in ((committed, "results/x", "abc"), (rescored, str(rescored), "def")):
+        (folder / "summary.csv").write_text("dataset,f1\nd,0.5\n")
+        (folder / "summary.md").write_text(f"Made by `kvf eval results/x/runs.jsonl --out {made_by}` at commit {commit}.\n" + body)
+    report = []
+    verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
+    assert report == [(True, "x.md: results/x/summary.md and summary.csv as `kvf eval` renders them now")]
+    (committed / "summary.md").write_text("Made by `kvf eval results/x/runs.jsonl --out results/x` at commit abc.\n"
+                                          + body.replace("Runs", "Runs (an older wording)"))
+    report = []
+    verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
+    assert report == [(False, "x.md: results/x/summary.md and summary.csv are stale; remake them: "
+                              "kvf eval results/x/runs.jsonl --out results/x")]
+    (committed / "summary.md").write_text("Made by `kvf eval other.jsonl --out results/x` at commit abc.\n" + body)
+    report = []
+    verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
+    assert report == []
