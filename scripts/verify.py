@@ -113,14 +113,15 @@ def check_rendered(name: str, committed: Path, rescored: Path, rescore: str, rep
     committed_md, rescored_md = committed.with_name("summary.md"), rescored.with_name("summary.md")
     if committed.name != "summary.csv" or not committed_md.is_file() or not rescored_md.is_file():
         return
-    command = rescore.replace("{out}", str(committed.parent.relative_to(REPO)))
+    folder = committed.parent.relative_to(REPO)
+    command = expand_globs(rescore.replace("{out}", str(folder)))
     header = committed_md.read_text().split("\n", 1)
-    if not header[0].startswith(f"Made by `{expand_globs(command)}` at commit"):
+    if not header[0].startswith(f"Made by `{command}` at commit"):
         return   # made by another command (e.g. more run files than the rescore reads): nothing to compare
     same = committed.read_bytes() == rescored.read_bytes() and \
         header[1:] == rescored_md.read_text().split("\n", 1)[1:]
-    report.append((same, f"{name}: {committed.parent.relative_to(REPO)}/summary.md and summary.csv "
-                         + ("as `kvf eval` renders them now" if same else f"are stale; remake them: {expand_globs(command)}")))
+    report.append((same, f"{name}: {folder}/summary.md and summary.csv "
+                         + ("as `kvf eval` renders them now" if same else f"are stale; remake them: {command}")))
 
 
 def check_data(entry: dict, report: list) -> bool:
