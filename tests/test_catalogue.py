@@ -176,6 +176,11 @@ CASES = {
     "run --shift-estimate median": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "-n", "1",
                                                    "--shift-estimate", "median", "-o", t / "o.jsonl"],
                                     ["--shift-estimate median", "james-stein"]),
+    "run --select-unit passages": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "-n", "1",
+                                                  "--select-unit", "passages", "-o", t / "o.jsonl"],
+                                   ["--select-unit passages", "must be one of tokens, chunks"]),
+    "run -m kvfuse:select_unit=chunk": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:select_unit=chunk",
+                                                      "-n", "1", "-o", t / "o.jsonl"], ["select_unit", "tokens, chunks"]),
     "run --device cuda": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "cuda"), ["--device cuda", "CUDA"]),
     "run --model a hub id": (lambda d, t: run_args(d, t / "o.jsonl", "--model", "meta-llama/Llama-3-8B"),   # offline
                              ["--model meta-llama/Llama-3-8B: no such file", "kvf downloads nothing", "--local-dir DIR"]),
