@@ -222,8 +222,10 @@ def check_args(tasks: list[str], length: int, n: int, chunk_tokens: int, max_pos
     k = (length - TEMPLATE_TOKENS) // chunk_tokens
     need = max(MIN_CHUNKS.get(t, 1) for t in tasks)
     if k < need:
-        raise KvfError(f"--length {length}: leaves room for {k} chunks of {chunk_tokens} tokens; the tasks need {need}; "
-                       f"use --length {TEMPLATE_TOKENS + need * chunk_tokens} or more")
+        shortest = TEMPLATE_TOKENS + need * chunk_tokens
+        fix = (f"use --length {shortest} or more" if shortest <= max_positions else   # past the model: chunks must shrink
+               f"use --chunk-tokens {(length - TEMPLATE_TOKENS) // need} or fewer")
+        raise KvfError(f"--length {length}: leaves room for {k} chunks of {chunk_tokens} tokens; the tasks need {need}; {fix}")
     return k
 
 
