@@ -323,6 +323,11 @@ CASES = {
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["nope"]}\n'), "--out", t / "p"], ["line 1", "nope"]),
+    # a folder's documents are named by file name: "d1" for d1.txt said only "check the id (e.g. 'a.txt')"
+    "prepare custom a file's name without its suffix": (lambda d, t: ["data", "prepare", "custom", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["d1"]}\n'), "--corpus", write(
+        write(t / "docs" / "a.txt", b"Alpha.").parent / "d1.txt", b"Delta.").parent, "--out", t / "p"],
+        ["line 1: passage id 'd1' is not a document of --corpus", "write the document's file name, 'd1.txt'"]),
     # it wrote a dataset with an empty corpus, and `kvf run -d` then said "see the warnings above" of none
     "prepare custom no passages, no --corpus": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"]}\n'), "--out", t / "p"],

@@ -488,7 +488,9 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
                     raise KvfError(f"{where}: passage {textwrap.shorten(item, 40, placeholder='...')!r} looks like a passage's text, not a document id; "
                                    f"write it as {{\"title\": \"\", \"text\": \"...\"}} (ids name documents of --corpus)")
                 if item not in documents:
-                    fix_id = (f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
+                    named = [d for d in documents if Path(d).stem == item]   # "d1" for the file d1.txt
+                    fix_id = (f"write the document's file name, {named[0]!r}" if len(named) == 1 else
+                              f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
                               if documents else "pass --corpus DOCS")
                     raise KvfError(f"{where}: passage id {item!r} is not a document of --corpus "
                                    f"{corpus or '(none given)'}; {fix_id}, or give the passage as {{title, text}}")
