@@ -50,8 +50,8 @@ def check_demo_folder(folder: Path) -> None:
     """The demo's folder is its own (or an earlier demo's): given a workspace or a folder of documents, it put
     its synthetic corpus, workspace and runs among the user's files."""
     from kvf.errors import KvfError
-    others = sorted(p.name for p in folder.iterdir() if p.name not in DEMO_FOLDERS and not p.name.startswith(".")) \
-        if folder.is_dir() else []
+    from kvf.pipeline.files import other_files
+    others = other_files(folder, DEMO_FOLDERS)
     if others:
         raise KvfError(f"--workspace {folder} holds other files ({', '.join(others[:3])}); kvf demo keeps its synthetic "
                        f"corpus, workspace and runs in a folder of its own: pass a new or empty folder, or an earlier demo's")

@@ -74,6 +74,23 @@ def with_optional_values(args: list[str]) -> list[str]:
     return out
 
 
+def empty_value(args: list[str]) -> str | None:
+    """The line for an empty word (`-w "$WS"` with WS unset, or `--store=`): an empty path meant the current
+    folder, so a build went among the files there, and an empty name silently meant the default."""
+    for i, word in enumerate(args):
+        if word.startswith("--") and word.endswith("="):
+            flag = word[:-1]
+        elif not word.strip():
+            flag = args[i - 1] if i and args[i - 1].startswith("-") else None
+            if flag is None:
+                where = f"after {args[i - 1]}" if i else "before the command"
+                return f'an empty argument ("") {where}; give it a value (is a shell variable unset?) or leave it out'
+        else:
+            continue
+        return f'{flag} is given an empty value; give it one (is a shell variable unset?) or leave {flag} out'
+    return None
+
+
 def command_path(args: list[str]) -> str:
     """`kvf build-cache` for the words `build-cache docs --chunk-tokens`: the (sub)command the words name,
     for errors click raises before it has a context (an option's missing value)."""
@@ -173,6 +190,8 @@ def invalid_value_message(message: str, args: list[str]) -> str:
     tokens = thousands(value)
     hint = f"; write {value} as {tokens}" if tokens is not None else ""
     reason = re.sub(r"^Value error, ", "", reason)   # typer's wording for a value outside its choices
+    if value.strip().lower().lstrip("+-") == "nan":   # typer read it as a float, then said "<= 1"
+        reason = "not a number"
     return f"{flag} {value}: {reason[:1].lower() + reason[1:]}{hint}"
 
 
@@ -181,6 +200,8 @@ def main():
     Signals are turned into exceptions by kvf.cli.entry, the program's entry point."""
     debug = "--debug" in sys.argv[1:]
     try:
+        if (empty := empty_value(sys.argv[1:])) is not None:
+            raise KvfError(f"{empty} (see `{command_path(sys.argv[1:])} --help`)")
         # click's usage errors come to us, to be printed on one line
         code = app(args=with_optional_values(sys.argv[1:]), prog_name="kvf", standalone_mode=False)
         if code == 130:  # typer turns a KeyboardInterrupt it sees into this code

@@ -105,6 +105,15 @@ def read_listed(path: str | Path, flag: str, what: str) -> set[str]:
     return {line for line in lines if line}
 
 
+def other_files(folder: str | Path, ours: set[str]) -> list[str]:
+    """The names in `folder` (sorted; hidden ones and `ours` left out) that kvf did not put there: a folder kvf
+    writes its own files into must not be the user's folder of other things, whose files it would mix with."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name not in ours)
+
+
 def check_writable_dir(path: str | Path, flag: str) -> Path:
     """A directory kvf is about to write into: created if missing; a file there, or a place that
     cannot be written, is a one-line error naming the flag."""

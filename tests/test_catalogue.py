@@ -38,7 +38,7 @@ CASES = {
     "run -r auto,0.15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "auto,0.15", "-o", t / "o.jsonl"],
                          ["--ratio auto,0.15", "auto stands alone"]),
     "run -r empty": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "", "-o", t / "o.jsonl"],
-                     ["--ratio ''", "within [0, 1]"]),
+                     ["-r is given an empty value", "leave -r out"]),
     # a percentage where a fraction is meant: say the fraction
     # records appended to (or, with --overwrite, written over) the questions the run reads
     "run -o the -q file --overwrite": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q"}\n'),
@@ -248,6 +248,11 @@ CASES = {
     "data ruler chunks too big for this length": (lambda d, t: ["data", "ruler", "--length", "1024", "--chunk-tokens", "1000",
                                                             "--out", t / "r"], ["--length 1024", "use --length 2"]),
     "bench --chunk-tokens 0": (lambda d, t: ["bench", "--chunk-tokens", "0"], ["--chunk-tokens"]),
+    "bench --model beside --random-weights": (lambda d, t: ["bench", "--random-weights", "tiny", "--model", t / "m.gguf",
+                                                            "-o", t / "b"], ["--random-weights tiny: give one"]),
+    "run --quality-floor nan (a float past its bounds' checks)": (lambda d, t: ["run", "-w", d[1], "-m", "cacheblend",
+                                                                                "--quality-floor", "nan", "-o", t / "o.jsonl"],
+                                                                               ["--quality-floor nan: not a number"]),
     "bench --repeats 0": (lambda d, t: ["bench", "--repeats", "0"], ["--repeats"]),
     "bench --lengths past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "full", "--lengths", "20000",
                                                      "-o", t / "b"], ["--lengths 20000", "4,096 positions", "up to 4,096"]),
@@ -323,6 +328,18 @@ CASES = {
         t / "c.jsonl", b'{"answers": ["a"]}\n'), "--out", t / "p"], ["line 1", "question"]),
     "prepare custom unknown passage id": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["nope"]}\n'), "--out", t / "p"], ["line 1", "nope"]),
+    # an empty path meant the current folder: `-w "$WS"` with WS unset built a workspace among the files there
+    "build-cache -w \"\" (an unset shell variable)": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", ""],
+                                                   ["-w is given an empty value", "leave -w out", "kvf build-cache --help"]),
+    "run --store= (an empty value)": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "--store=", "-o", t / "o.jsonl"],
+                                      ["--store is given an empty value", "leave --store out"]),
+    "search \"\" (an empty query)": (lambda d, t: ["search", "", "-w", d[1]], ['an empty argument ("") after search']),
+    # a first build went into any folder given, its chunks table, indexes and store among the user's own files
+    "build-cache -w a folder of other files": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", write(
+        t / "mine" / "notes.txt", b"x").parent], ["--workspace", "holds other files (notes.txt)", "not a kvf workspace"]),
+    "run -d -w a folder of other files": (lambda d, t: ["run", "-d", d[0], "-w", write(t / "mine" / "notes.txt", b"x").parent,
+                                                        "-m", "reuse", "-o", t / "o.jsonl"],
+                                          ["--workspace", "holds other files (notes.txt)", "not a kvf workspace"]),
     # a folder's documents are named by file name: "d1" for d1.txt said only "check the id (e.g. 'a.txt')"
     "prepare custom a file's name without its suffix": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["d1"]}\n'), "--corpus", write(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean
-from kvf.pipeline.files import check_writable_dir, write_atomic
+from kvf.pipeline.files import check_writable_dir, other_files, write_atomic
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
 QUESTIONS_FIX = "see README, 'Your own documents and questions'"
@@ -406,11 +406,9 @@ def check_not_foreign(out_dir: Path) -> None:
     documents) got corpus/ and questions.jsonl beside them, and a later build of that folder read them too."""
     if not out_dir.is_dir() or (out_dir / "prepared.json").is_file():
         return
-    ours = {"corpus", "questions.jsonl", "workspace"}   # a prepared dataset's own, prepared.json written last
-    other = next((p.name for p in sorted(out_dir.iterdir()) if not p.name.startswith(".") and p.name not in ours),
-                 None)
-    if other is not None:
-        raise KvfError(f"--out {out_dir} holds other files ({other}), and is not a prepared dataset; pass a new or "
+    others = other_files(out_dir, {"corpus", "questions.jsonl", "workspace"})   # prepared.json is written last
+    if others:
+        raise KvfError(f"--out {out_dir} holds other files ({others[0]}), and is not a prepared dataset; pass a new or "
                        "empty folder")
 
 

@@ -92,6 +92,9 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 2000):
 
 def load_transformer(opts: BenchOptions):
     """(Transformer, tokenizer or None). Random weights: real shapes, no download, timing only."""
+    if opts.random_weights and opts.model:   # one would be timed, the other silently not
+        raise KvfError(f"--model {opts.model} and --random-weights {opts.random_weights}: give one (--model times those "
+                       "weights, --random-weights a random model of that shape)")
     if opts.random_weights:
         from transformers import AutoModelForCausalLM, LlamaConfig
         if opts.random_weights not in RANDOM_CONFIGS:

@@ -590,6 +590,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     check_corpus_kind(Path(opts.corpus))
     files = list_corpus_files(Path(opts.corpus))   # its documents are read (and checked) a file at a time, in stage 1
     check_apart_from_corpus(opts)
+    ws.check_own_folder("--workspace", opts.store)
     model_ref = open_model(opts.model)
     check_chunk_fits(opts, model_ref)
     fresh = not ws.root.exists()

@@ -492,7 +492,9 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     if opts.dataset is None:
         raise ws.not_built()
     # a read-only copy of the data cannot hold its default workspace: name the flag that moves it
-    check_writable_dir(ws.root, "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)")
+    flag = "--workspace" if opts.workspace is not None else "--workspace (default: inside --dataset)"
+    ws.check_own_folder(flag, opts.store)
+    check_writable_dir(ws.root, flag)
     with ws.files_lock(notice(console)):
         previous = ws.manifest() if ws.manifest_path.is_file() else None
         why = why_outdated(opts, ws, questions) if previous is not None else f"no workspace at {ws.root}"

@@ -26,7 +26,7 @@ from typing import Callable
 
 from kvf.errors import KvfError
 from kvf.cachestore import entry_key
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, holds_documents
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 
@@ -118,6 +118,23 @@ class Workspace:
             from kvf.pipeline.retrieval.dense import DenseSearcher
             return DenseSearcher(self.dense_dir)
         raise KvfError(f"retriever {retriever!r}: use bm25 or dense")
+
+    # what build-cache and kvf run put in a workspace folder (the default store under either format's name)
+    OWN_FILES = {"manifest.json", "chunks.parquet", "doc_chunks.json", "bm25", "dense", "neighbours.npz",
+                 "neighbours.json", "indexes.json", "kv.zarr", "kv.h5"}
+
+    def check_own_folder(self, flag: str, store: str | None = None) -> None:
+        """A workspace not built yet goes in a new or empty folder, or one a stopped first build left. Given a
+        folder of other files (`-w .`, or `-w "$WS"` with WS unset), a build scattered its files among them."""
+        if self.manifest_path.is_file():
+            return
+        ours, root = set(self.OWN_FILES), self.root.resolve()
+        if store is not None and "://" not in store and Path(store).resolve().is_relative_to(root):
+            ours.update(Path(store).resolve().relative_to(root).parts[:1])   # --store inside the workspace
+        others = other_files(self.root, ours)
+        if others:
+            raise KvfError(f"{flag} {self.root} holds other files ({', '.join(others[:3])}) and is not a kvf "
+                           "workspace; pass a new or empty folder")
 
     @property
     def neighbours_file(self) -> Path:
