@@ -1034,3 +1034,29 @@ def test_did_you_mean_names_the_close_names():
     assert did_you_mean("2WikiMQA-Dev", known) == " (did you mean 2wikimqa-dev?)"
     assert did_you_mean("ca", known) == ""    # too short to be the start of a name
     assert did_you_mean("xyz", known) == "" and did_you_mean("", known) == ""
+
+
+def value_flags() -> list[tuple[list[str], str]]:
+    """(the command's words, its flag) for every option of every kvf command that takes a value."""
+    import typer
+    from kvf.cli.main import app
+
+    def walk(command, words):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+        for param in getattr(command, "params", []):
+            if param.param_type_name == "option" and not param.is_flag and param.name != "help":
+                yield words, max(param.opts, key=len)   # the long name
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_flag_refuses_an_empty_value(tmp_path, capsys, monkeypatch):
+    """`--flag "$VAR"` with VAR unset: an empty path was the current folder (a build went among the files there)
+    and an empty name silently the default. Every option of every command, present and future, refuses it."""
+    flags = value_flags()
+    assert len(flags) > 100 and (["build-cache"], "--workspace") in flags   # the walk found the commands
+    monkeypatch.chdir(tmp_path)
+    for words, flag in flags:
+        code, _, err = run_cli([*words, flag, ""], capsys, monkeypatch)
+        assert_one_line(code, err, f"{flag} is given an empty value", f"leave {flag} out")
+    assert list(tmp_path.iterdir()) == []   # nothing was written where an empty path points
