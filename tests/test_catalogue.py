@@ -599,11 +599,10 @@ def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, ca
     code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "ws"], capsys, monkeypatch)
     assert_one_line(code, err, "has no readable non-empty documents")
     assert not (tmp_path / "ws").exists()
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    (tmp_path / "mine").mkdir()   # empty: a folder of other files is refused before the corpus is read
     code, _, err = run_cli(["build-cache", tmp_path / "corpus", "-w", tmp_path / "mine"], capsys, monkeypatch)
     assert_one_line(code, err, "has no readable non-empty documents")
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "mine").is_dir()
 
 
 # ---- resuming: stale records, other files, two writers ----------------------------------------------

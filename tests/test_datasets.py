@@ -308,9 +308,13 @@ def test_an_unknown_passage_id_names_the_fix_that_applies(tmp_path):
     docs, mine = tmp_path / "docs", tmp_path / "mine.jsonl"
     docs.mkdir()
     (docs / "acme.txt").write_text("Acme was founded by Jane Roe.")
-    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": ["acme"]}) + "\n")
-    with pytest.raises(KvfError, match=f"line 1: passage id 'acme' is not a document of --corpus {docs}; check the id "
-                                       ".*e.g. 'acme.txt'"):
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": ["acme-corp"]}) + "\n")
+    with pytest.raises(KvfError, match=f"line 1: passage id 'acme-corp' is not a document of --corpus {docs}; check "
+                                       "the id .*e.g. 'acme.txt'"):
+        prepare_custom(mine, tmp_path / "prepared", corpus=docs)
+    mine.write_text(json.dumps({"question": "Who founded Acme?", "passages": ["acme"]}) + "\n")   # acme.txt's stem
+    with pytest.raises(KvfError, match="passage id 'acme' is not a document of --corpus .*; write the document's "
+                                       "file name, 'acme.txt'"):
         prepare_custom(mine, tmp_path / "prepared", corpus=docs)
     with pytest.raises(KvfError, match=r"--corpus \(none given\); pass --corpus DOCS, or give the passage"):
         prepare_custom(mine, tmp_path / "prepared")
