@@ -22,6 +22,13 @@ def snippet(text: str, width: int = 120) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
+def doc_label(chunk) -> str:
+    """The chunk's document: its id, and its title where the id does not say it (a prepared benchmark's
+    passages have hashed ids and Wikipedia titles; a folder's documents are named by their file)."""
+    title = " ".join((chunk.title or "").split())
+    return chunk.doc_id if not title or title in (chunk.doc_id, Path(chunk.doc_id).stem) else f"{chunk.doc_id} · {title}"
+
+
 def hits_table(hits, chunks_by_id, title: str, snippet_width: int) -> Table:
     table = Table(title=Text(title))  # Text, not str: corpus text may contain [brackets] rich reads as markup
     table.add_column("rank", justify="right", no_wrap=True, min_width=4)
@@ -31,7 +38,7 @@ def hits_table(hits, chunks_by_id, title: str, snippet_width: int) -> Table:
     table.add_column("text")
     for rank, (chunk_id, score) in enumerate(hits, start=1):
         chunk = chunks_by_id[chunk_id]
-        table.add_row(str(rank), f"{score:.3f}", chunk_id[:12], Text(chunk.doc_id),
+        table.add_row(str(rank), f"{score:.3f}", chunk_id[:12], Text(doc_label(chunk)),
                       Text(snippet(chunk.text, snippet_width)))
     return table
 
@@ -69,7 +76,7 @@ def search_command(
                        f"(e.g. {unknown[0][:12]}); rebuild with `kvf build-cache CORPUS --workspace {workspace}`")
     if json_out:
         print(json.dumps([{"rank": i + 1, "score": score, "chunk_id": cid, "doc_id": chunks_by_id[cid].doc_id,
-                           "text": chunks_by_id[cid].text} for i, (cid, score) in enumerate(hits)]))
+                           "title": chunks_by_id[cid].title, "text": chunks_by_id[cid].text} for i, (cid, score) in enumerate(hits)]))
         return
     console = Console()
     if not hits:

@@ -239,6 +239,19 @@ def test_search_command_prints_the_hit(workspace, capsys, mode, query, doc_id, c
     assert doc_id in first_row and chunk_of[doc_id][:12] in first_row
 
 
+def test_search_names_a_hashed_document_by_its_title(built, capsys):
+    """A prepared dataset's passages have hashed ids: the hit's document is shown with its title too."""
+    from kvf.cli.search_cmd import SearchMode, search_command
+    from kvf.pipeline.retrieval.chunking import ChunkTable
+    search_command("capital province", workspace=built / "ws", k=1, mode=SearchMode("dense"), json_out=True)
+    hit = json.loads(capsys.readouterr().out)[0]
+    chunk = ChunkTable(built / "ws" / "chunks.parquet")[hit["chunk_id"]]
+    assert hit["title"] == chunk.title and chunk.title not in chunk.doc_id
+    search_command("capital province", workspace=built / "ws", k=1, mode=SearchMode("dense"))
+    table = " ".join(capsys.readouterr().out.split())
+    assert all(word in table for word in chunk.title.split()) and chunk.doc_id[:8] in table
+
+
 def test_search_command_errors(tmp_path):
     from kvf.cli.search_cmd import search_command
     with pytest.raises(KvfError, match="workspace"):
