@@ -75,8 +75,9 @@ def search_command(
         raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "
                        f"(e.g. {unknown[0][:12]}); rebuild with `kvf build-cache CORPUS --workspace {workspace}`")
     if json_out:
-        print(json.dumps([{"rank": i + 1, "score": score, "chunk_id": cid, "doc_id": chunks_by_id[cid].doc_id,
-                           "title": chunks_by_id[cid].title, "text": chunks_by_id[cid].text} for i, (cid, score) in enumerate(hits)]))
+        rows = [(i + 1, score, chunks_by_id[cid]) for i, (cid, score) in enumerate(hits)]
+        print(json.dumps([{"rank": rank, "score": score, "chunk_id": c.chunk_id, "doc_id": c.doc_id, "title": c.title,
+                           "text": c.text} for rank, score, c in rows]))
         return
     console = Console()
     if not hits:

@@ -487,8 +487,9 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
                                    f"write it as {{\"title\": \"\", \"text\": \"...\"}} (ids name documents of --corpus)")
                 if item not in documents:
                     named = [d for d in documents if Path(d).stem == item]   # "d1" for the file d1.txt
+                    example = next(iter(documents), None)
                     fix_id = (f"write the document's file name, {named[0]!r}" if len(named) == 1 else
-                              f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {next(iter(documents))!r})"
+                              f"check the id (--corpus ids are file names, or a .jsonl's \"id\": e.g. {example!r})"
                               if documents else "pass --corpus DOCS")
                     raise KvfError(f"{where}: passage id {item!r} is not a document of --corpus "
                                    f"{corpus or '(none given)'}; {fix_id}, or give the passage as {{title, text}}")

@@ -225,7 +225,8 @@ def check_args(tasks: list[str], length: int, n: int, chunk_tokens: int, max_pos
         shortest = TEMPLATE_TOKENS + need * chunk_tokens
         fix = (f"use --length {shortest} or more" if shortest <= max_positions else   # past the model: chunks must shrink
                f"use --chunk-tokens {(length - TEMPLATE_TOKENS) // need} or fewer")
-        raise KvfError(f"--length {length}: leaves room for {k} chunks of {chunk_tokens} tokens; the tasks need {need}; {fix}")
+        raise KvfError(f"--length {length}: leaves room for {k} chunks of {chunk_tokens} tokens; the tasks need "
+                       f"{need}; {fix}")
     return k
 
 
