@@ -1,0 +1,88 @@
+"""On demand (`make probe-flags`, about 15 minutes): every option of every kvf command given each of a few bad
+values, as a careless user or a broken script would give them, through the real `kvf` program. A value may be
+accepted (a workspace named x, a seed of -1); a refusal must be exactly one line, `kvf: error: ...`, naming the
+flag, with no traceback and no internal error. The default suite checks the empty value of every flag
+(tests/test_catalogue.py); this one tries the rest, which needs the model and takes minutes."""
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import run_cli
+from test_catalogue import SUB_ENV, value_flags
+
+BAD_VALUES = ("-1", "x", "nan", "{tmp}/none/d/f")
+PROBE = os.environ.get("KVF_PROBE_FLAGS") == "1"
+
+
+def base_commands(dataset, ws, run_file, tmp) -> dict[str, list]:
+    """A command line per command that works as it is, cheaply; the probed flag is added to (or replaces its
+    value in) it. Each writes under its own folder, named by {i}."""
+    return {
+        "demo": ["demo", "-w", f"{tmp}/{{i}}-demo", "--max-new-tokens", "2", "--questions", "1"],
+        "build-cache": ["build-cache", dataset / "corpus", "-w", f"{tmp}/{{i}}-ws", "--no-bm25", "--no-dense",
+                        "--chunk-tokens", "64"],
+        "run": ["run", "-d", dataset, "-w", ws, "-m", "reuse", "-n", "1", "--max-new-tokens", "2", "--no-show-answers",
+                "-o", f"{tmp}/{{i}}-o.jsonl"],
+        "search": ["search", "capital", "-w", ws],
+        "bench": ["bench", "--random-weights", "tiny", "--lengths", "96", "--chunk-tokens", "32", "-m", "full",
+                  "--repeats", "1", "--no-cold", "-o", f"{tmp}/{{i}}-bench"],
+        "methods": ["methods"],
+        "eval": ["eval", run_file, "-o", f"{tmp}/{{i}}-eval"],
+        "compare": ["compare", run_file, "--a", "reuse", "--b", "full"],
+        "store info": ["store", "info", ws],
+        "store verify": ["store", "verify", ws],
+        "store gc": ["store", "gc", ws],
+        "data prepare": ["data", "prepare", "custom", "--input", dataset / "questions.jsonl", "-o", f"{tmp}/{{i}}-prep"],
+        "data synthetic": ["data", "synthetic", "-o", f"{tmp}/{{i}}-syn", "-n", "1"],
+        "data ruler": ["data", "ruler", "-o", f"{tmp}/{{i}}-ruler", "--length", "1024", "-n", "1",
+                       "--tasks", "niah_single"],
+    }
+
+
+def with_value(words: list, flag: str, value: str, aliases: dict) -> list[str]:
+    """words with flag set to value: the base's own value for it (under any of its names) replaced."""
+    words = [str(w) for w in words]
+    for i, word in enumerate(words):
+        if word == flag or aliases.get(word) == flag:
+            return [*words[:i], *words[i + 2:], flag, value]
+    return [*words, flag, value]
+
+
+@pytest.mark.skipif(not PROBE, reason="on demand: make probe-flags (KVF_PROBE_FLAGS=1), about 15 minutes")
+def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsys, monkeypatch):
+    shutil.copytree(built / "data", tmp_path / "data")
+    shutil.copytree(built / "ws", tmp_path / "ws")     # store commands and gc run on a copy
+    dataset, ws, run_file = tmp_path / "data", tmp_path / "ws", tmp_path / "run.jsonl"
+    assert run_cli(["run", "-d", dataset, "-w", ws, "-m", "full,reuse", "-n", "2", "--max-new-tokens", "2",
+                    "--no-show-answers", "-o", run_file], capsys, monkeypatch)[0] == 0
+    bases = base_commands(dataset, ws, run_file, tmp_path)
+    aliases = {"-w": "--workspace", "-o": "--out", "-m": "--method", "-n": "--limit", "-d": "--dataset"}
+    flags = value_flags()
+    assert {" ".join(words) for words, _ in flags} <= set(bases), "a command without a base here: add one"
+    jobs = [(i, with_value([w.replace("{i}", str(i)) if isinstance(w, str) else w for w in bases[" ".join(words)]],
+                           flag, value.format(tmp=tmp_path), aliases))
+            for i, ((words, flag), value) in enumerate((f, v) for f in flags for v in BAD_VALUES)]
+
+    def probe(job):
+        i, args = job
+        try:
+            done = subprocess.run([sys.executable, "-m", "kvf", *args], capture_output=True, text=True,
+                                  timeout=300, env=SUB_ENV, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return args, "timed out after 300 s"
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        if done.returncode == 0:
+            return args, None
+        if "Traceback" in done.stderr or "internal error" in done.stderr:
+            return args, done.stderr[-400:]
+        if len(lines) != 1 or not lines[0].startswith("kvf: "):
+            return args, f"{len(lines)} lines: {' | '.join(lines)[-400:]}"
+        return args, None
+
+    with ThreadPoolExecutor(2) as pool:
+        failures = [(args, why) for args, why in pool.map(probe, jobs) if why is not None]
+    assert not failures, "\n".join(f"kvf {' '.join(args)}: {why}" for args, why in failures)
