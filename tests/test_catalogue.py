@@ -340,6 +340,13 @@ CASES = {
     "run -d -w a folder of other files": (lambda d, t: ["run", "-d", d[0], "-w", write(t / "mine" / "notes.txt", b"x").parent,
                                                         "-m", "reuse", "-o", t / "o.jsonl"],
                                           ["--workspace", "holds other files (notes.txt)", "not a kvf workspace"]),
+    # a workspace's files were read as documents: a warning about its .parquet, then "not a document" about a file
+    "prepare custom --corpus a workspace": (lambda d, t: ["data", "prepare", "custom", "--input", d[0] / "questions.jsonl",
+                                                          "--corpus", d[1], "--out", t / "p"],
+                                            ["--corpus", "is a workspace", "pass the documents it was built from: --corpus"]),
+    "prepare custom --corpus a prepared dataset": (lambda d, t: ["data", "prepare", "custom", "--input", d[0] / "questions.jsonl",
+                                                                 "--corpus", d[0], "--out", t / "p"],
+                                                   ["--corpus", "is a prepared dataset", "corpus"]),
     # a folder's documents are named by file name: "d1" for d1.txt said only "check the id (e.g. 'a.txt')"
     "prepare custom a file's name without its suffix": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.jsonl", b'{"question": "q", "answers": ["a"], "passages": ["d1"]}\n'), "--corpus", write(

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_cli
 from test_catalogue import SUB_ENV, value_flags
 
-BAD_VALUES = ("-1", "x", "nan", "{tmp}/none/d/f")
+BAD_VALUES = ("-1", "x", "nan", "{cwd}/none/d/f")
 PROBE = os.environ.get("KVF_PROBE_FLAGS") == "1"
 
 
@@ -63,15 +63,18 @@ def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsy
     aliases = {"-w": "--workspace", "-o": "--out", "-m": "--method", "-n": "--limit", "-d": "--dataset"}
     flags = value_flags()
     assert {" ".join(words) for words, _ in flags} <= set(bases), "a command without a base here: add one"
-    jobs = [(i, with_value([w.replace("{i}", str(i)) if isinstance(w, str) else w for w in bases[" ".join(words)]],
-                           flag, value.format(tmp=tmp_path), aliases))
+    # each in a folder of its own: a relative value (x, nan) names a new path, not one an earlier job made
+    jobs = [(i, tmp_path / f"cwd-{i}", with_value([w.replace("{i}", str(i)) if isinstance(w, str) else w
+                                                   for w in bases[" ".join(words)]],
+                                                  flag, value.format(cwd=tmp_path / f"cwd-{i}"), aliases))
             for i, ((words, flag), value) in enumerate((f, v) for f in flags for v in BAD_VALUES)]
 
     def probe(job):
-        i, args = job
+        i, cwd, args = job
+        cwd.mkdir()
         try:
             done = subprocess.run([sys.executable, "-m", "kvf", *args], capture_output=True, text=True,
-                                  timeout=300, env=SUB_ENV, cwd=tmp_path, stdin=subprocess.DEVNULL)
+                                  timeout=300, env=SUB_ENV, cwd=cwd, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return args, "timed out after 300 s"
         lines = [line for line in done.stderr.splitlines() if line.strip()]

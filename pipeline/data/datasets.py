@@ -460,6 +460,19 @@ def check_not_anothers_file(name: str, path: Path) -> None:
                            f"(kvf data prepare {other} --input {path}), or rename the file if it holds {name}'s questions")
 
 
+def check_corpus_folder(corpus: Path) -> None:
+    """--corpus names documents: a workspace or a prepared dataset there had its own files read as documents
+    (a questions file among them), after a warning about the rest."""
+    from kvf.pipeline.workflows.workspace import Workspace, folder_kind
+    kind = folder_kind(corpus)
+    if kind == "workspace":
+        built_from = Workspace(corpus).manifest().get("corpus")
+        fix = f"pass the documents it was built from: --corpus {built_from}" if built_from else "pass your documents"
+        raise KvfError(f"--corpus {corpus} is a workspace (kvf build-cache made it); {fix}")
+    if kind == "dataset" and (corpus / "corpus").is_dir():
+        raise KvfError(f"--corpus {corpus} is a prepared dataset; pass its documents: --corpus {corpus / 'corpus'}")
+
+
 def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Path | None = None,
                    limit: int | None = None) -> dict:
     """`kvf data prepare custom --input FILE [--corpus DOCS]`: your own questions -> a prepared directory.
@@ -475,6 +488,8 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     path = Path(input_file)
     if limit is not None and limit < 1:
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
+    if corpus is not None:
+        check_corpus_folder(Path(corpus))
     documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
     questions = []
     for where, row, question in read_question_lines(path, "--input", id_prefix="custom"):
