@@ -63,14 +63,15 @@ def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsy
     aliases = {"-w": "--workspace", "-o": "--out", "-m": "--method", "-n": "--limit", "-d": "--dataset"}
     flags = value_flags()
     assert {" ".join(words) for words, _ in flags} <= set(bases), "a command without a base here: add one"
-    # each in a folder of its own: a relative value (x, nan) names a new path, not one an earlier job made
-    jobs = [(i, tmp_path / f"cwd-{i}", with_value([w.replace("{i}", str(i)) if isinstance(w, str) else w
-                                                   for w in bases[" ".join(words)]],
-                                                  flag, value.format(cwd=tmp_path / f"cwd-{i}"), aliases))
-            for i, ((words, flag), value) in enumerate((f, v) for f in flags for v in BAD_VALUES)]
+    jobs = []   # (the folder it runs in, its words)
+    for (words, flag), value in ((f, v) for f in flags for v in BAD_VALUES):
+        i = len(jobs)
+        cwd = tmp_path / f"cwd-{i}"   # a folder of its own: a relative value (x, nan) names a new path, not another's
+        base = [w.replace("{i}", str(i)) if isinstance(w, str) else w for w in bases[" ".join(words)]]
+        jobs.append((cwd, with_value(base, flag, value.format(cwd=cwd), aliases)))
 
     def probe(job):
-        i, cwd, args = job
+        cwd, args = job
         cwd.mkdir()
         try:
             done = subprocess.run([sys.executable, "-m", "kvf", *args], capture_output=True, text=True,
