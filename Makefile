@@ -55,7 +55,7 @@ TEST_WORKERS ?= 2
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# on demand (about 15 minutes): every flag of every command given bad values; each is accepted or one line
+# on demand (about 17 minutes): every flag of every command given bad values; each is accepted or one line
 probe-flags: setup
 	KVF_PROBE_FLAGS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_flag_probe.py
 
