@@ -463,14 +463,15 @@ def check_not_anothers_file(name: str, path: Path) -> None:
 def check_corpus_folder(corpus: Path) -> None:
     """--corpus names documents: a workspace or a prepared dataset there had its own files read as documents
     (a questions file among them), after a warning about the rest."""
-    from kvf.pipeline.workflows.workspace import Workspace, folder_kind
-    kind = folder_kind(corpus)
+    from kvf.pipeline.workflows.workspace import instead_of_documents
+    found = instead_of_documents(corpus)
+    if found is None:
+        return
+    kind, documents = found
     if kind == "workspace":
-        built_from = Workspace(corpus).manifest().get("corpus")
-        fix = f"pass the documents it was built from: --corpus {built_from}" if built_from else "pass your documents"
+        fix = f"pass the documents it was built from: --corpus {documents}" if documents else "pass your documents"
         raise KvfError(f"--corpus {corpus} is a workspace (kvf build-cache made it); {fix}")
-    if kind == "dataset" and (corpus / "corpus").is_dir():
-        raise KvfError(f"--corpus {corpus} is a prepared dataset; pass its documents: --corpus {corpus / 'corpus'}")
+    raise KvfError(f"--corpus {corpus} is a prepared dataset; pass its documents: --corpus {documents}")
 
 
 def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Path | None = None,

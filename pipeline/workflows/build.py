@@ -35,7 +35,7 @@ from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.weights import ModelRef, open_model
-from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, folder_kind, ids_digest
+from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest, instead_of_documents
 
 
 DEFAULT_NEIGHBOURS = 10   # FusionRAG's top-n similar chunks per chunk
@@ -535,14 +535,15 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
 def check_corpus_kind(corpus: Path) -> None:
     """CORPUS is a folder of documents: a workspace or a prepared dataset given there is said to be what it
     is (their own files would be read as documents, or none found), with what to pass instead."""
-    kind = folder_kind(corpus)
+    found = instead_of_documents(corpus)
+    if found is None:
+        return
+    kind, documents = found
     if kind == "workspace":
-        built_from = Workspace(corpus).manifest().get("corpus") or "YOUR_DOCS"
         raise KvfError(f"corpus {corpus} is a workspace (kvf build-cache made it); to update it pass the documents it "
-                       f"was built from: kvf build-cache {built_from} -w {corpus}")
-    if kind == "dataset" and (corpus / "corpus").is_dir():
-        raise KvfError(f"corpus {corpus} is a prepared dataset; `kvf run -d {corpus}` builds its workspace, or pass its "
-                       f"documents: kvf build-cache {corpus / 'corpus'} -w WS")
+                       f"was built from: kvf build-cache {documents or 'YOUR_DOCS'} -w {corpus}")
+    raise KvfError(f"corpus {corpus} is a prepared dataset; `kvf run -d {corpus}` builds its workspace, or pass its "
+                   f"documents: kvf build-cache {documents} -w WS")
 
 
 def check_apart_from_corpus(opts: BuildOptions) -> None:

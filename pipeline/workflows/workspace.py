@@ -90,6 +90,18 @@ def folder_kind(path: Path) -> str | None:
     return "documents" if holds_documents(path) else None
 
 
+def instead_of_documents(path: Path) -> tuple[str, str | None] | None:
+    """Where a folder of documents was meant (build-cache's CORPUS, data prepare's --corpus) and a workspace or a
+    prepared dataset was given, their own files would be read as documents: ("workspace", the documents it was
+    built from, None where its manifest does not say) or ("dataset", its corpus folder); else None."""
+    kind = folder_kind(path)
+    if kind == "workspace":
+        return "workspace", Workspace(path).manifest().get("corpus")
+    if kind == "dataset" and (path / "corpus").is_dir():
+        return "dataset", str(path / "corpus")
+    return None
+
+
 class Workspace:
     def __init__(self, root: str | Path):
         self.root = Path(root)
