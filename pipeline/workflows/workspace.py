@@ -131,16 +131,19 @@ class Workspace:
             return DenseSearcher(self.dense_dir)
         raise KvfError(f"retriever {retriever!r}: use bm25 or dense")
 
-    # what build-cache and kvf run put in a workspace folder (the default store under either format's name)
-    OWN_FILES = {"manifest.json", "chunks.parquet", "doc_chunks.json", "bm25", "dense", "neighbours.npz",
-                 "neighbours.json", "indexes.json", "kv.zarr", "kv.h5"}
+    def own_files(self) -> set[str]:
+        """The names build-cache and kvf run put in a workspace folder (the default store in either format)."""
+        paths = (self.manifest_path, self.chunks_path, self.doc_chunks_path, self.bm25_dir, self.dense_dir,
+                 self.neighbours_path, self.legacy_neighbours_path, self.index_state_path,
+                 Path(self.default_store("zarr")), Path(self.default_store("hdf5")))
+        return {p.name for p in paths}
 
     def check_own_folder(self, flag: str, store: str | None = None) -> None:
         """A workspace not built yet goes in a new or empty folder, or one a stopped first build left. Given a
         folder of other files (`-w .`, or `-w "$WS"` with WS unset), a build scattered its files among them."""
         if self.manifest_path.is_file():
             return
-        ours, root = set(self.OWN_FILES), self.root.resolve()
+        ours, root = self.own_files(), self.root.resolve()
         if store is not None and "://" not in store and Path(store).resolve().is_relative_to(root):
             ours.update(Path(store).resolve().relative_to(root).parts[:1])   # --store inside the workspace
         others = other_files(self.root, ours)
