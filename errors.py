@@ -29,6 +29,13 @@ def did_you_mean(name: str, known: list[str]) -> str:
     return f" (did you mean {', '.join(matches[:-1]) + ' or ' if len(matches) > 1 else ''}{matches[-1]}?)"
 
 
+def shown(value) -> str:
+    """A JSON value as an error line quotes it: as the file wrote it, cut short."""
+    import json
+    import textwrap
+    return textwrap.shorten(json.dumps(value, ensure_ascii=False), 40, placeholder="...")
+
+
 def disk_full(e: OSError) -> bool:
     """A write that failed for want of space (the disk, or the user's quota): said as such, with its fix."""
     import errno

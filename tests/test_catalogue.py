@@ -123,6 +123,25 @@ CASES = {
         lambda d, t: ["data", "prepare", "musique", "-o", t / "p", "--input", write(
             t / "wikimqa_s_clean.json", b'[{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": "x"}]}]')],
         ["--input", "is 2wikimqa's file, not musique's", "kvf data prepare 2wikimqa --input"]),
+    # a number was "not iterable" (internal error); one object was read key by key ("passage id 'title'")
+    "prepare custom \"passages\": 7": (lambda d, t: ["data", "prepare", "custom", "-o", t / "p", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "passages": 7}')], ["c.jsonl line 1", '"passages" must be a list', "is 7"]),
+    "prepare custom \"passages\": one object": (lambda d, t: ["data", "prepare", "custom", "-o", t / "p", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "passages": {"title": "T", "text": "Acme makes kites."}}')],
+        ['"passages" must be a list of {"title", "text"} passages', "even of one"]),
+    "run -q \"passages\": a bare id": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
+        t / "q.jsonl", b'{"question": "q", "passages": "acme.txt"}')], ['"passages" must be a list', '"acme.txt"']),
+    "run -q \"id\": NaN": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
+        t / "q.jsonl", b'{"id": NaN, "question": "q"}')], ["q.jsonl line 1", 'needs a non-empty string "id"']),   # was "nan"
+    # a question's id nothing like the workspace's: "the workspace was built from another corpus", where a typo is as likely
+    "run -q a passage id not in the workspace": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q",
+                                                               write(t / "q.jsonl", b'{"question": "q", "passages": ["zz"]}')],
+                                                 ["cites passage 'zz'", "not a document of workspace", "check the id"]),
+    # a list or an object as a .jsonl document's id or title became Python's text of it: "['a']"
+    "build-cache a .jsonl id that is a list": (lambda d, t: ["build-cache", write(t / "c.jsonl", b'{"id": ["a"], "text": "x y"}'),
+                                                             "-w", t / "ws"], ["c.jsonl:1", '"id" must be a string or a whole number', '["a"]']),
+    "build-cache a .jsonl title that is an object": (lambda d, t: ["build-cache", write(
+        t / "c.jsonl", b'{"_id": "a", "title": {"en": "A"}, "text": "x y"}'), "-w", t / "ws"], ['"title" must be a string']),
     "prepare custom --skip-bad": (lambda d, t: ["data", "prepare", "custom", "--input", t / "c.jsonl", "--skip-bad", "--out", t / "p"],
                                   ["--skip-bad: unused here", "custom refuses a bad line"]),
     # click's own "Invalid value for '--length': ..." did not say what was typed
@@ -527,7 +546,8 @@ def test_a_question_retrieval_finds_no_chunk_for_is_one_line(data, tmp_path, cap
 def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatch):
     dataset, _ = data
     rows = [json.loads(line) for line in (dataset / "questions.jsonl").read_text().splitlines()]
-    for damage, fragment in (({"context_ids": None}, "context_ids"), ({"id": None}, '"id"')):
+    for damage, fragment in (({"context_ids": None}, "context_ids"), ({"id": None}, '"id"'),
+                             ({"task": 7}, '"task"'), ({"fact_chunks": [9]}, '"fact_chunks"')):   # ignored, or carried
         (dataset / "questions.jsonl").write_text(json.dumps({**rows[0], **damage}) + "\n")
         code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
         assert_one_line(code, err, "questions.jsonl line 1", fragment)

@@ -288,6 +288,20 @@ def test_own_questions_file_saved_by_a_windows_editor_reads_like_any_other(tmp_p
     assert [q.question for q in prepared] == ["Who founded Acme?", "Who runs Beta?"]
 
 
+def test_passages_null_means_none_named_in_both_own_questions_files(tmp_path):
+    """`"passages": null` (what pandas writes for a missing value) names no passages, as leaving the field out does:
+    `kvf run -q` refused it, `kvf data prepare custom` took it as none. Both now read it alike."""
+    from kvf.pipeline.data.datasets import load_questions_file, prepare_custom
+    rows = [{"id": "a", "question": "Who founded Acme?", "passages": None},
+            {"id": "b", "question": "Who runs Beta?", "passages": [{"title": "Beta", "text": "John Doe runs Beta."}]}]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [q.context_ids for q in load_questions_file(write_json(tmp_path / "ids.jsonl", rows[0]))] == [[]]
+    prepare_custom(mine, tmp_path / "prepared")
+    prepared, _ = load_prepared(tmp_path / "prepared")
+    assert [len(q.context_ids) for q in prepared] == [0, 1]
+
+
 def test_own_questions_with_passages_need_no_answers(tmp_path):
     """`kvf data prepare custom`: answers are optional, as for `kvf run -q` (a user's own questions are
     scored against full prefill's answer); it refused a file without them."""

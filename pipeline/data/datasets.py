@@ -23,6 +23,7 @@ array, JSON Lines, a single JSON object, or a pandas column-oriented export):
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import textwrap
@@ -30,7 +31,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvf.errors import KvfError, did_you_mean
+from kvf.errors import KvfError, did_you_mean, shown
 from kvf.pipeline.files import check_writable_dir, other_files, write_atomic
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
@@ -495,7 +496,7 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     questions = []
     for where, row, question in read_question_lines(path, "--input", id_prefix="custom"):
         passages = []
-        for item in row.get("passages") or []:
+        for item in listed_passages(row, where, "of {\"title\", \"text\"} passages or of document ids of --corpus"):
             item = digits_of(item)
             if isinstance(item, str):
                 if not documents and looks_like_text(item):   # a passage's text where a document id goes
@@ -579,8 +580,8 @@ def claim_id(qid: str, seen: set[str], where: str) -> None:
 
 def _text_field(row: dict, name: str, where: str, fix: str) -> str:
     value = row.get(name)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and name == "id":
-        value = str(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and name == "id" and math.isfinite(value):
+        value = str(value)   # not NaN or Infinity: "nan" would pass as an id no one wrote
     if not isinstance(value, str) or not value.strip():
         raise KvfError(f"{where}: needs a non-empty string \"{name}\"; {fix}")
     return value
@@ -678,9 +679,15 @@ def load_prepared(directory: str | Path) -> tuple[list[Question], dict[str, Pass
         gold_mode = r.get("gold_mode", "any")
         if gold_mode not in ("any", "all"):
             raise KvfError(f"{where}: gold_mode must be \"any\" (one alias suffices) or \"all\" (every value needed)")
+        task, fact_chunks = r.get("task"), r.get("fact_chunks")   # a generated suite's (kvf data ruler)
+        if task is not None and not (isinstance(task, str) and task.strip()):   # records group by it: never dropped
+            raise KvfError(f"{where}: \"task\" must be a task's name, e.g. \"niah_single\" (or left out); {fix}")
+        if fact_chunks is not None and not (isinstance(fact_chunks, list) and all(
+                type(i) is int and 0 <= i < len(context_ids) for i in fact_chunks)):
+            raise KvfError(f"{where}: \"fact_chunks\" must be a list of positions in \"context_ids\" (or left out); {fix}")
         questions.append(Question(qid, _text_field(r, "question", where, fix), _answers_field(r, where, required=False),
-                                  [passages[cid] for cid in context_ids], list(context_ids), gold_mode,
-                                  r.get("task") if isinstance(r.get("task"), str) else None, r.get("fact_chunks")))
+                                  [passages[cid] for cid in context_ids], list(context_ids), gold_mode, task,
+                                  fact_chunks))
     if not questions:
         raise KvfError(f"{questions_path} holds no questions; {fix}")
     return questions, passages
@@ -697,12 +704,23 @@ def load_questions_file(path: str | Path) -> list[Question]:
     path = Path(path)
     questions = []
     for where, row, question in read_question_lines(path, "--questions", id_prefix=path.stem):
-        passages = row.get("passages", [])
-        passages = [digits_of(p) for p in passages] if isinstance(passages, list) else passages
-        if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
-            raise KvfError(f"{where}: \"passages\" must be a list of document ids of the workspace's corpus; {QUESTIONS_FIX}")
-        questions.append(replace(question, context_ids=list(passages)))
+        what = "of document ids of the workspace's corpus"
+        passages = [digits_of(p) for p in listed_passages(row, where, what)]
+        if not all(isinstance(p, str) for p in passages):
+            raise KvfError(f"{where}: \"passages\" must be a list {what}; {QUESTIONS_FIX}")
+        questions.append(replace(question, context_ids=passages))
     return questions
+
+
+def listed_passages(row: dict, where: str, what: str) -> list:
+    """A question line's "passages": a list (absent or null: none named, so retrieve). Anything else is refused:
+    a bare string would be read letter by letter, and one {"title", "text"} object key by key."""
+    passages = row.get("passages")
+    if passages is None:
+        return []
+    if not isinstance(passages, list):
+        raise KvfError(f"{where}: \"passages\" must be a list {what}, even of one; this one is {shown(passages)}")
+    return passages
 
 
 def read_question_lines(path: Path, flag: str, id_prefix: str) -> list[tuple[str, dict, Question]]:

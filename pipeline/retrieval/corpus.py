@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvf.errors import KvfError, warn
+from kvf.errors import KvfError, shown, warn
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl", ".jsonl.gz")
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
@@ -161,15 +161,21 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: not valid JSON ({e.msg}); {ROW_SHAPE}") from e
     if not isinstance(row, dict):
         raise KvfError(f"{where}: {ROW_SHAPE}")
-    doc_id = next((row[f] for f in ID_FIELDS if row.get(f) not in (None, "")), None)
+    id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
+    doc_id = row[id_field] if id_field else None
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
     if "question" in row and text is None:   # kvf run -q's file given as the corpus
         raise KvfError(f"{where}: a question, not a document; this is a questions file (kvf run -q reads it): pass the "
                        "folder or file of your documents")
     if doc_id is None or not isinstance(text, str):
         raise KvfError(f"{where}: {ROW_SHAPE}; this one has {', '.join(map(repr, row)) or 'no fields'}")
-    title = row.get("title") or ""
-    return Document(doc_id=str(doc_id), title=str(title), text=text, source_file=where)
+    # a list, an object or true/false would become Python's text of it ("['x']"): a document id or a title no one wrote
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+        raise KvfError(f"{where}: \"{id_field}\" must be a string or a whole number; this one is {shown(doc_id)}")
+    title = row.get("title")
+    if title is not None and (isinstance(title, bool) or not isinstance(title, (str, int, float))):
+        raise KvfError(f"{where}: \"title\" must be a string (or left out); this one is {shown(title)}")
+    return Document(doc_id=str(doc_id), title=str(title or ""), text=text, source_file=where)
 
 
 def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:

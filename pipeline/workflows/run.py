@@ -395,11 +395,17 @@ class ChunkPicker:
                                f"text, not a document id of workspace {self.ws.root}; to bring passages with the "
                                "questions, write them as {\"title\", \"text\"} and run `kvf data prepare custom --input "
                                "FILE -o DIR`, then `kvf run -d DIR`")
+            if missing and corpus is None:   # your own --questions file: a mistyped id as likely as another corpus
+                example = next(iter(self.doc_chunks), None)
+                raise KvfError(f"question {q.qid} cites passage {missing[0]!r}, which is not a document of workspace "
+                               f"{self.ws.root} (its ids are file names, or a .jsonl's \"id\": e.g. {example!r}); check "
+                               "the id, or, if the workspace was built from another corpus, rebuild it from the one "
+                               "that has it (`kvf build-cache CORPUS -w WS`) or pass the workspace built for it (-w)")
             if missing:
-                build = f"`kvf build-cache {corpus} -w {self.ws.root}`" if corpus else "`kvf build-cache CORPUS -w WS`"
                 raise KvfError(f"question {q.qid} cites passage {missing[0]}, which has no chunks in workspace {self.ws.root}: "
-                               f"the workspace was built from another corpus; rebuild it from this one with {build} "
-                               "(chunks it already holds keep their stored KVs), or pass the workspace built for it (-w)")
+                               f"the workspace was built from another corpus; rebuild it from this one with "
+                               f"`kvf build-cache {corpus} -w {self.ws.root}` (chunks it already holds keep their stored "
+                               "KVs), or pass the workspace built for it (-w)")
 
     def chunk_ids(self, q: Question) -> list[str]:
         if q.qid not in self._chunk_ids_of:
