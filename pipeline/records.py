@@ -142,6 +142,15 @@ def parse_record(data: Any, where: str) -> RunRecord:
         raise KvfError(f"{where}: not a kvf run record ({field}: {first['msg']})") from None
 
 
+def looks_like_record(line: bytes) -> bool:
+    """A JSON object with a record's own fields: a damaged record (its line is named), not another kind of file."""
+    try:
+        data = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"method", "settings"} <= set(data)
+
+
 def is_run_file(path: Path) -> bool:
     """A file named as `kvf run` writes them (.jsonl), or as committed evidence is kept (.jsonl.gz)."""
     return path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz"))
@@ -263,7 +272,7 @@ class RunFile:
                 if last and not complete and records:  # killed mid-write: only this line is lost
                     self.warn(f"--out {self.path}: cut a torn last line (a run killed mid-write); it will be re-run")
                     break
-                if not records and lineno == 1:
+                if not records and lineno == 1 and not looks_like_record(raw):   # said so before appending to it
                     raise KvfError(f"--out {self.path} is not a kvf run file (line 1 is not a run record); "
                                    "pass a new --out, or --overwrite to replace it") from None
                 reason = str(e) if isinstance(e, KvfError) else f"--out {self.path} line {lineno}: malformed JSON"

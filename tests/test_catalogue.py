@@ -641,6 +641,17 @@ def test_resumed_run_with_other_settings_is_refused(data, tmp_path, capsys, monk
         assert_one_line(code, err, f"--out {out}", "other settings", "--overwrite")
     assert run_cli(run_args(data, out, "--max-new-tokens", "3", "--overwrite"), capsys, monkeypatch)[0] == 0
     assert json.loads(out.read_text().splitlines()[0])["settings"]["max_new_tokens"] == 3
+    # a record lacking a setting its run holds as null was refused naming nothing: "other settings ()"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["settings"]["retriever"] is None
+    del records[0]["settings"]["retriever"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, err = run_cli(run_args(data, out, "--max-new-tokens", "3"), capsys, monkeypatch)
+    assert_one_line(code, err, "other settings (retriever (none) -> None)")
+    # a damaged first record was "not a kvf run file" in a file of good ones: its line and field are named
+    out.write_text("".join(json.dumps({**r, "qid": 7} if i == 0 else r) + "\n" for i, r in enumerate(records)))
+    code, _, err = run_cli(run_args(data, out, "--max-new-tokens", "3"), capsys, monkeypatch)
+    assert_one_line(code, err, f"--out {out} line 1: not a kvf run record (qid:", "fix or remove that line")
 
 
 def test_run_file_that_is_not_kvf_s_is_refused_and_only_a_torn_last_line_is_cut(data, tmp_path, capsys, monkeypatch):

@@ -285,10 +285,15 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
         have = comparable({**default_settings(record.method), **record.settings})  # knobs added since: default
         want = comparable(want)
         if have != want:
-            names = sorted(n for n in set(have) | set(want) if have.get(n) != want.get(n))
-            diff = ", ".join(f"{n} {have.get(n)!r} -> {want.get(n)!r}" for n in names[:4])
+            # a setting the record lacks differs from one it holds as null: named, never an empty "()"
+            names = sorted(n for n in set(have) | set(want) if n not in have or n not in want or have[n] != want[n])
+            diff = ", ".join(f"{n} {setting_text(have, n)} -> {setting_text(want, n)}" for n in names[:4])
             raise KvfError(f"--out {out} holds {record.method} records run with other settings ({diff}); "
                            "pass a new --out, or --overwrite to replace them")
+
+
+def setting_text(settings: dict, name: str) -> str:
+    return repr(settings[name]) if name in settings else "(none)"
 
 
 def check_same_questions(existing: list[RunRecord], questions: list[Question], opts: RunOptions,
