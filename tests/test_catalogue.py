@@ -864,6 +864,13 @@ def test_damaged_workspace_files_are_one_line_and_build_cache_repairs_them(ws_co
     code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)
     assert_one_line(code, err, "doc_chunks.json is damaged", "kvf build-cache")
     (ws / "doc_chunks.json").write_text(doc_chunks)
+    manifest = json.loads((ws / "manifest.json").read_text())
+    for field, value in (("store", 7), ("indexes", "x")):   # a hand edit: an internal error where it was next read
+        (ws / "manifest.json").write_text(json.dumps({**manifest, field: value}))
+        for args in (["search", "capital", "-w", ws], ["store", "info", ws]):
+            code, _, err = run_cli(args, capsys, monkeypatch)
+            assert_one_line(code, err, "manifest.json is damaged", f'its "{field}" is {json.dumps(value)}', "kvf build-cache")
+    (ws / "manifest.json").write_text(json.dumps(manifest))
     faiss_file = ws / "dense" / "index.faiss"
     faiss_file.write_bytes(faiss_file.read_bytes()[:100])
     code, _, err = run_cli([*shared, "--retriever", "dense"], capsys, monkeypatch)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, shown
 from kvf.cachestore import entry_key
 from kvf.pipeline.files import other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, holds_documents
@@ -100,6 +100,25 @@ def instead_of_documents(path: Path) -> tuple[str, str | None] | None:
     if kind == "dataset" and (path / "corpus").is_dir():
         return "dataset", str(path / "corpus")
     return None
+
+
+# each field build-cache writes into manifest.json, by kind (any may be null): [str] a list of strings,
+# {str} an object of strings
+MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "model": str, "model_arg": str,
+                  "model_fingerprint": str, "tokenizer_fingerprint": str, "embedder": str, "format": str, "dtype": str,
+                  "compute_dtype": str, "chunk_tokens": int, "overlap": int, "n_neighbours": int, "bm25": bool,
+                  "dense": bool, "indexes": {str}, "variants": [str], "extras_for": [str]}
+
+
+def of_kind(value, kind) -> bool:
+    """A manifest field's value is None or of its MANIFEST_KINDS kind (true/false is not a number)."""
+    if value is None:
+        return True
+    if isinstance(kind, list):
+        return isinstance(value, list) and all(of_kind(v, kind[0]) and v is not None for v in value)
+    if isinstance(kind, set):
+        return isinstance(value, dict) and all(of_kind(v, next(iter(kind))) for v in value.values())
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 class Workspace:
@@ -211,11 +230,14 @@ class Workspace:
         manifest = self._read_json(self.manifest_path)
         if not isinstance(manifest, dict):
             raise self.damaged(self.manifest_path)
+        wrong = next((name for name, kind in MANIFEST_KINDS.items() if not of_kind(manifest.get(name), kind)), None)
+        if wrong is not None:   # a hand edit: named here, not a TypeError wherever the field is next read
+            raise self.damaged(self.manifest_path, f"its \"{wrong}\" is {shown(manifest[wrong])}")
         return manifest
 
-    def damaged(self, path: Path) -> KvfError:
-        return KvfError(f"{path} is damaged; rebuild it with `kvf build-cache CORPUS --workspace {self.root}` "
-                        "(stored KV entries are kept)")
+    def damaged(self, path: Path, why: str = "") -> KvfError:
+        return KvfError(f"{path} is damaged{f' ({why})' if why else ''}; rebuild it with `kvf build-cache CORPUS "
+                        f"--workspace {self.root}` (stored KV entries are kept)")
 
     def _read_json(self, path: Path):
         try:
