@@ -551,6 +551,12 @@ def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatc
         (dataset / "questions.jsonl").write_text(json.dumps({**rows[0], **damage}) + "\n")
         code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
         assert_one_line(code, err, "questions.jsonl line 1", fragment)
+    (dataset / "questions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prepared = json.loads((dataset / "prepared.json").read_text())
+    for damaged in (json.dumps({**prepared, "dataset": ["x"]}), b"\xff\xfe"):   # was the name "['x']"; internal error
+        (dataset / "prepared.json").write_bytes(damaged.encode() if isinstance(damaged, str) else damaged)
+        code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+        assert_one_line(code, err, "prepared.json is damaged", "kvf data prepare")
     (dataset / "questions.jsonl").write_text("")
     code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
     assert_one_line(code, err, "holds no questions")

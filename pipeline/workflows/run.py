@@ -609,12 +609,15 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
 
 def dataset_name(directory: Path) -> str:
     manifest = directory / "prepared.json"
-    if manifest.is_file():
-        try:
-            return str(json.loads(manifest.read_text()).get("dataset") or directory.name)
-        except (json.JSONDecodeError, AttributeError):
-            raise KvfError(f"{manifest} is damaged; re-run `kvf data prepare`") from None
-    return directory.name
+    if not manifest.is_file():
+        return directory.name
+    try:
+        name = json.loads(manifest.read_text(encoding="utf-8")).get("dataset") or directory.name
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        name = None
+    if not isinstance(name, str):   # records and tables are grouped by it: never Python's text of a list
+        raise KvfError(f"{manifest} is damaged; re-run `kvf data prepare`")
+    return name
 
 
 # ---- the run -------------------------------------------------------------------------------------
