@@ -129,6 +129,12 @@ CASES = {
     "prepare custom \"passages\": one object": (lambda d, t: ["data", "prepare", "custom", "-o", t / "p", "--input", write(
         t / "c.jsonl", b'{"question": "q", "passages": {"title": "T", "text": "Acme makes kites."}}')],
         ['"passages" must be a list of {"title", "text"} passages', "even of one"]),
+    "prepare custom a passage title that is a list": (lambda d, t: ["data", "prepare", "custom", "-o", t / "p", "--input", write(
+        t / "c.jsonl", b'{"question": "q", "passages": [{"title": ["Acme"], "text": "Acme makes kites."}]}')],
+        ["c.jsonl line 1", "passage title is list, not a string"]),   # was the title "['Acme']"
+    "prepare nq a question that is null": (lambda d, t: ["data", "prepare", "nq", "-o", t / "p", "--input", write(
+        t / "nq.jsonl", b'{"question": null, "answers": ["a"], "ctxs": [{"title": "T", "text": "x y"}]}')],
+        ["record 0: no question", "--skip-bad"]),   # was asked as the question "None"
     "run -q \"passages\": a bare id": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
         t / "q.jsonl", b'{"question": "q", "passages": "acme.txt"}')], ['"passages" must be a list', '"acme.txt"']),
     "run -q \"id\": NaN": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(

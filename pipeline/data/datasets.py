@@ -260,9 +260,12 @@ def _join_sentences(sentences: list[str]) -> str:
 
 
 def make_passage(title, text) -> Passage:
-    """A passage from a record; a text that is not a string (null, a number) is a bad record."""
+    """A passage from a record; a text that is not a string (null, a number) is a bad record, and so is a title
+    that is a list or an object (it would be the title "['x']")."""
     if not isinstance(text, str):
         raise ValueError(f"passage text is {type(text).__name__}, not a string")
+    if title is not None and (isinstance(title, bool) or not isinstance(title, (str, int, float))):
+        raise ValueError(f"passage title is {type(title).__name__}, not a string")
     return Passage(str(title or ""), text)
 
 
@@ -344,6 +347,9 @@ def parse_records(name: str, path: Path, records: list[dict]) -> tuple[list[Ques
             continue
         # an empty passage holds nothing and the corpus reader skips it: drop it here too
         passages = [p for p in passages if p.text.strip()]
+        if not isinstance(question, str) or not question.strip():   # null was asked as the question "None"
+            bad.append(f"record {index}: no question (a non-empty string)")
+            continue
         if not answers:
             bad.append(f"record {index}: no answers")
             continue
@@ -355,7 +361,7 @@ def parse_records(name: str, path: Path, records: list[dict]) -> tuple[list[Ques
         if qid in seen:
             qid = f"{qid}-{index}"
         seen.add(qid)
-        questions.append(Question(qid, str(question), answers, passages))
+        questions.append(Question(qid, question, answers, passages))
     return questions, fmt, bad
 
 
@@ -512,7 +518,10 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
                                    f"{corpus or '(none given)'}; {fix_id}, or give the passage as {{title, text}}")
                 passages.append(Passage(documents[item].title, documents[item].text))
             elif isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():
-                passages.append(Passage(str(item.get("title") or ""), item["text"]))
+                try:
+                    passages.append(make_passage(item.get("title"), item["text"]))
+                except ValueError as e:   # a title that is a list or an object
+                    raise KvfError(f"{where}: {e}") from None
             else:
                 raise KvfError(f"{where}: each passage is a document id or {{\"title\", \"text\"}} with a non-empty text")
         questions.append(replace(question, contexts=passages, context_ids=[p.id for p in passages]))
