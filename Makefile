@@ -31,7 +31,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test probe-flags quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,10 @@ test: setup
 # on demand (about 17 minutes): every flag of every command given bad values; each is accepted or one line
 probe-flags: setup
 	KVF_PROBE_FLAGS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_flag_probe.py
+
+# on demand: every field of every JSON file kvf reads given values of the wrong kind; each is accepted or one line
+probe-files: setup
+	KVF_PROBE_FILES=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_file_probe.py
 
 # ---- reproduction -----------------------------------------------------------------------------
 $(WORK)/%/questions.jsonl: | setup

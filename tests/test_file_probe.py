@@ -1,0 +1,136 @@
+"""On demand (`make probe-files`, about 6 minutes): every field of every JSON file kvf reads, given each of a few
+values of the wrong kind or left out, as a hand edit, a converted export or another tool's file would give it,
+through the real `kvf` program. A value may be accepted (an id of 7 is the id "7"); a refusal must be exactly one
+line, `kvf: error: ...`, with no traceback and no internal error. It found "passages": 7 failing as "'int' object
+is not iterable", a manifest's "store": 7 as "argument of type 'int' is not iterable", and lists and objects taken
+as Python's text of them ("['x']") where kvf now refuses them (tests/test_catalogue.py keeps one case of each).
+
+What it cannot tell is whether an accepted value was read as meant: those are the catalogue's cases."""
+import copy
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+from conftest import run_cli
+
+PROBE = os.environ.get("KVF_PROBE_FILES") == "1"
+LEFT_OUT = object()
+VALUES = {"left out": LEFT_OUT, "null": None, "a word": "x", "empty": "", "7": 7, "-1": -1, "NaN": math.nan,
+          "true": True, "[]": [], "{}": {}, '["x"]': ["x"], "[7]": [7], "[null]": [None], "[{}]": [{}]}
+
+
+def field_paths(record: dict, parent: tuple = ()) -> list[tuple]:
+    """Every field of a JSON object, and every field of the objects inside it: ("settings", "ratio")."""
+    paths = []
+    for name, value in record.items():
+        paths.append((*parent, name))
+        if isinstance(value, dict):
+            paths += field_paths(value, (*parent, name))
+    return paths
+
+
+def with_field(record: dict, path: tuple, value) -> dict:
+    """A copy of record with the field at path set to value (or removed, for LEFT_OUT)."""
+    record = copy.deepcopy(record)
+    holder = record
+    for name in path[:-1]:
+        holder = holder[name]
+    if value is LEFT_OUT:
+        del holder[path[-1]]
+    else:
+        holder[path[-1]] = value
+    return record
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_lines(path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def verdict(code: int, err: str) -> str | None:
+    """None when the command ran, or refused in one `kvf: error:` line; else what was wrong."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    if code == 0:
+        return None
+    if "Traceback" in err or "internal error" in err:
+        return err.strip()[-300:]
+    if len(lines) != 1 or not lines[0].startswith("kvf: error:"):
+        return f"{len(lines)} lines: {' | '.join(lines)[-300:]}"
+    return None
+
+
+def probe_file(name: str, target, records: list[dict], commands: list[list], capsys, monkeypatch) -> list[str]:
+    """Each field of records[0] set to each VALUES value in `target` (the rest as they are), then each command.
+    The file is restored afterwards -> one line per failure."""
+    failures = []
+    original = target.read_bytes()
+    for path in field_paths(records[0]):
+        for label, value in VALUES.items():
+            write_lines(target, [with_field(records[0], path, value), *records[1:]])
+            for args in commands:
+                code, _, err = run_cli(args, capsys, monkeypatch)
+                why = verdict(code, err)
+                if why:
+                    failures.append(f"{name} {'.'.join(path)} = {label}: kvf {' '.join(map(str, args))}: {why}")
+    target.write_bytes(original)
+    return failures
+
+
+def one_line_json(target) -> None:
+    """manifest.json is one object written over lines: as one line, so that write_lines can rewrite it."""
+    target.write_text(json.dumps(json.loads(target.read_text())) + "\n")
+
+
+@pytest.mark.skipif(not PROBE, reason="on demand: make probe-files (KVF_PROBE_FILES=1), about 6 minutes")
+def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_path, capsys, monkeypatch):
+    shutil.copytree(built / "data", tmp_path / "data")
+    shutil.copytree(built / "ws", tmp_path / "ws")
+    dataset, ws, out = tmp_path / "data", tmp_path / "ws", tmp_path / "out"
+    run_file = tmp_path / "run.jsonl"
+    assert run_cli(["run", "-d", dataset, "-w", ws, "-m", "full,reuse", "-n", "2", "--max-new-tokens", "2",
+                    "--no-show-answers", "-o", run_file], capsys, monkeypatch)[0] == 0
+    prepared = read_lines(dataset / "questions.jsonl")
+    passages = {p["id"]: p for p in read_lines(dataset / "corpus" / "passages.jsonl")}
+    own = tmp_path / "own.jsonl"            # kvf run -q: passages by document id
+    write_lines(own, [{"id": q["id"], "question": q["question"], "answers": q["answers"], "passages": q["context_ids"]}
+                      for q in prepared[:2]])
+    custom = tmp_path / "custom.jsonl"      # kvf data prepare custom: passages carried as {title, text}
+    write_lines(custom, [{"id": q["id"], "question": q["question"], "answers": q["answers"],
+                          "passages": [{"title": passages[i]["title"], "text": passages[i]["text"]} for i in q["context_ids"]]}
+                         for q in prepared[:2]])
+    corpus = tmp_path / "docs.jsonl"        # kvf build-cache: a .jsonl corpus
+    write_lines(corpus, list(passages.values())[:3])
+    nq_rows = [{"question": q["question"], "answers": q["answers"],
+                "ctxs": [{"title": passages[i]["title"], "text": passages[i]["text"]} for i in q["context_ids"]]}
+               for q in prepared[:2]]
+    one_line_json(ws / "manifest.json")
+    one_run = ["-m", "reuse", "--max-new-tokens", "1", "-n", "1", "--no-show-answers", "-o", out / "o.jsonl",
+               "--overwrite"]
+    failures = []
+    failures += probe_file("run record", run_file, read_lines(run_file),
+                           [["eval", run_file, "-o", out / "eval"], ["compare", run_file, "--a", "reuse", "--b", "full"]],
+                           capsys, monkeypatch)
+    failures += probe_file("-q questions", own, read_lines(own), [["run", "-w", ws, "-q", own, *one_run]],
+                           capsys, monkeypatch)
+    failures += probe_file("custom --input", custom, read_lines(custom),
+                           [["data", "prepare", "custom", "--input", custom, "-o", out / "custom"]],
+                           capsys, monkeypatch)
+    failures += probe_file(".jsonl corpus", corpus, read_lines(corpus),
+                           [["build-cache", corpus, "-w", out / "ws", "--no-bm25", "--no-dense", "--chunk-tokens", "64",
+                             "--neighbours", "1"]], capsys, monkeypatch)
+    failures += probe_file("prepared questions", dataset / "questions.jsonl", prepared,
+                           [["run", "-d", dataset, "-w", ws, *one_run]], capsys, monkeypatch)
+    failures += probe_file("workspace manifest", ws / "manifest.json", read_lines(ws / "manifest.json"),
+                           [["search", "capital", "-w", ws], ["store", "info", ws], ["run", "-w", ws, "-q", own, *one_run]],
+                           capsys, monkeypatch)
+    nq = tmp_path / "nq.jsonl"              # kvf data prepare nq: DPR-style records
+    write_lines(nq, nq_rows)
+    failures += probe_file("nq record", nq, nq_rows, [["data", "prepare", "nq", "--input", nq, "-o", out / "nq"]],
+                           capsys, monkeypatch)
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
