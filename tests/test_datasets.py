@@ -101,6 +101,13 @@ def test_2wiki_original_and_pandas_columns(tmp_path):
     assert qs[0].contexts == load_dataset("2wikimqa", tmp_path / "dev.json")[0].contexts
 
 
+def test_2wiki_context_whose_sentences_are_one_string_is_that_text(tmp_path):
+    """A converted file's [title, "whole text"] was read letter by letter: the passage "X   w a s ..."."""
+    joined = [{**TWOWIKI[0], "context": [[title, " ".join(sentences)] for title, sentences in TWOWIKI[0]["context"]]}]
+    qs = load_dataset("2wikimqa", write_json(tmp_path / "dev.json", joined))
+    assert qs[0].contexts == load_dataset("2wikimqa", write_json(tmp_path / "as_lists.json", TWOWIKI))[0].contexts
+
+
 def test_list_of_lists_answers_are_flattened(tmp_path):
     rec = {"question": "q", "answers": [["Iranian hospital Dubai"], ["Dubai"]], "ctxs": [{"title": "", "text": "t"}]}
     assert load_dataset("2wikimqa", write_json(tmp_path / "w.json", [rec]))[0].answers == ["Iranian hospital Dubai", "Dubai"]

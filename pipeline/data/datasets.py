@@ -249,8 +249,10 @@ def flatten_answers(value) -> list[str]:
     return out
 
 
-def _join_sentences(sentences: list[str]) -> str:
+def _join_sentences(sentences: list[str] | str) -> str:
     # 2Wiki sentences carry no separating whitespace; HotpotQA's do: add a space only when missing
+    if isinstance(sentences, str):   # a converted file's whole text: one sentence, not one per letter ("a b c")
+        return sentences
     text = ""
     for s in sentences:
         if text and not text[-1].isspace() and not s[:1].isspace():
