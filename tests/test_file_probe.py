@@ -23,12 +23,16 @@ VALUES = {"left out": LEFT_OUT, "null": None, "a word": "x", "empty": "", "7": 7
 
 
 def field_paths(record: dict, parent: tuple = ()) -> list[tuple]:
-    """Every field of a JSON object, and every field of the objects inside it: ("settings", "ratio")."""
+    """Every field of a JSON object, and every field of the objects inside it, of a list's first one included:
+    ("settings", "ratio"), ("ctxs", 0, "title")."""
     paths = []
     for name, value in record.items():
-        paths.append((*parent, name))
+        path = (*parent, name)
+        paths.append(path)
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            path, value = (*path, 0), value[0]          # a list of objects: its first one stands for the rest
         if isinstance(value, dict):
-            paths += field_paths(value, (*parent, name))
+            paths += field_paths(value, path)
     return paths
 
 
@@ -70,6 +74,9 @@ def probe_file(name: str, target, records: list[dict], commands: list[list], cap
     The file is restored afterwards -> one line per failure."""
     failures = []
     original = target.read_bytes()
+    for args in commands:   # the file as it is must be taken: else every damage would be "refused" for nothing
+        code, _, err = run_cli(args, capsys, monkeypatch)
+        assert code == 0, f"{name}: the undamaged file is refused: {err}"
     for path in field_paths(records[0]):
         for label, value in VALUES.items():
             write_lines(target, [with_field(records[0], path, value), *records[1:]])
@@ -77,7 +84,7 @@ def probe_file(name: str, target, records: list[dict], commands: list[list], cap
                 code, _, err = run_cli(args, capsys, monkeypatch)
                 why = verdict(code, err)
                 if why:
-                    failures.append(f"{name} {'.'.join(path)} = {label}: kvf {' '.join(map(str, args))}: {why}")
+                    failures.append(f"{name} {'.'.join(map(str, path))} = {label}: kvf {' '.join(map(str, args))}: {why}")
     target.write_bytes(original)
     return failures
 
@@ -106,9 +113,6 @@ def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_
                          for q in prepared[:2]])
     corpus = tmp_path / "docs.jsonl"        # kvf build-cache: a .jsonl corpus
     write_lines(corpus, list(passages.values())[:3])
-    nq_rows = [{"question": q["question"], "answers": q["answers"],
-                "ctxs": [{"title": passages[i]["title"], "text": passages[i]["text"]} for i in q["context_ids"]]}
-               for q in prepared[:2]]
     one_line_json(ws / "manifest.json")
     one_run = ["-m", "reuse", "--max-new-tokens", "1", "-n", "1", "--no-show-answers", "-o", out / "o.jsonl",
                "--overwrite"]
@@ -129,8 +133,19 @@ def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_
     failures += probe_file("workspace manifest", ws / "manifest.json", read_lines(ws / "manifest.json"),
                            [["search", "capital", "-w", ws], ["store", "info", ws], ["run", "-w", ws, "-q", own, *one_run]],
                            capsys, monkeypatch)
-    nq = tmp_path / "nq.jsonl"              # kvf data prepare nq: DPR-style records
-    write_lines(nq, nq_rows)
-    failures += probe_file("nq record", nq, nq_rows, [["data", "prepare", "nq", "--input", nq, "-o", out / "nq"]],
-                           capsys, monkeypatch)
+    nq_rows = [{"question": q["question"], "answers": q["answers"],
+                "ctxs": [{"title": passages[i]["title"], "text": passages[i]["text"]} for i in q["context_ids"]]}
+               for q in prepared[:2]]
+    musique_rows = [{"id": q["id"], "question": q["question"], "answer": q["answers"][0], "answer_aliases": [],
+                     "paragraphs": [{"idx": j, "title": passages[i]["title"], "paragraph_text": passages[i]["text"],
+                                     "is_supporting": j == 0} for j, i in enumerate(q["context_ids"])]}
+                    for q in prepared[:2]]
+    wiki_rows = [{"_id": q["id"], "question": q["question"], "answer": q["answers"][0],
+                  "context": [[passages[i]["title"], passages[i]["text"].split(". ")] for i in q["context_ids"]]}
+                 for q in prepared[:2]]
+    for name, rows in (("nq", nq_rows), ("musique", musique_rows), ("2wikimqa", wiki_rows)):   # benchmark records
+        source = tmp_path / f"{name}.jsonl"
+        write_lines(source, rows)
+        failures += probe_file(f"{name} record", source, rows,
+                               [["data", "prepare", name, "--input", source, "-o", out / name]], capsys, monkeypatch)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
