@@ -1,11 +1,13 @@
 """On demand (`make probe-files`, about 6 minutes): every field of every JSON file kvf reads, given each of a few
 values of the wrong kind or left out, as a hand edit, a converted export or another tool's file would give it,
 through the real `kvf` program. A value may be accepted (an id of 7 is the id "7"); a refusal must be exactly one
-line, `kvf: error: ...`, with no traceback and no internal error. It found "passages": 7 failing as "'int' object
-is not iterable", a manifest's "store": 7 as "argument of type 'int' is not iterable", and lists and objects taken
-as Python's text of them ("['x']") where kvf now refuses them (tests/test_catalogue.py keeps one case of each).
+line, `kvf: error: ...`, with no traceback and no internal error. On the code before it, it fails 34 times:
+"passages": 7 was "'int' object is not iterable", a manifest's "store": 7 "argument of type 'int' is not iterable".
 
-What it cannot tell is whether an accepted value was read as meant: those are the catalogue's cases."""
+What it cannot tell is whether an accepted value was read as meant. Reading what its first runs accepted found
+lists and objects taken as Python's text of them (the title "['x']"), a null question asked as "None" and a
+sentence list given as one string read letter by letter: those are cases in tests/test_catalogue.py and
+tests/test_datasets.py, as any such reading found later must be."""
 import copy
 import json
 import math
