@@ -59,7 +59,8 @@ test: setup
 probe-flags: setup
 	KVF_PROBE_FLAGS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_flag_probe.py
 
-# on demand: every field of every JSON file kvf reads given values of the wrong kind; each is accepted or one line
+# on demand (about 5 minutes): every field of every JSON file kvf reads given values of the wrong kind; each is
+# accepted (and not written back as Python text) or refused in one line
 probe-files: setup
 	KVF_PROBE_FILES=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_file_probe.py
 

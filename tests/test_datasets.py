@@ -101,6 +101,16 @@ def test_2wiki_original_and_pandas_columns(tmp_path):
     assert qs[0].contexts == load_dataset("2wikimqa", tmp_path / "dev.json")[0].contexts
 
 
+def test_benchmark_ids_and_titles_that_are_not_text(tmp_path):
+    """A record id that is a list, true or NaN was the question id "['x']", "True" or "nan": the record's index
+    stands in. A passage title of NaN (a table's missing value) was the title "nan": it is no title."""
+    rows = [{**MUSIQUE[0], "id": ["x"]}, {**MUSIQUE[0], "id": True}, {**MUSIQUE[0], "id": float("nan")}]
+    rows[0]["paragraphs"] = [{**p, "title": float("nan")} for p in rows[0]["paragraphs"]]
+    qs = load_dataset("musique", write_jsonl(tmp_path / "m.jsonl", rows))
+    assert [q.qid for q in qs] == ["musique-0", "musique-1", "musique-2"]
+    assert qs[0].contexts[0].title == "" and qs[1].contexts[0].title == MUSIQUE[0]["paragraphs"][0]["title"]
+
+
 def test_2wiki_context_whose_sentences_are_one_string_is_that_text(tmp_path):
     """A converted file's [title, "whole text"] was read letter by letter: the passage "X   w a s ..."."""
     joined = [{**TWOWIKI[0], "context": [[title, " ".join(sentences)] for title, sentences in TWOWIKI[0]["context"]]}]

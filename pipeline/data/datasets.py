@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean, shown
 from kvf.pipeline.files import check_writable_dir, other_files, write_atomic
+from kvf.pipeline.retrieval.corpus import read_corpus, title_text
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
 QUESTIONS_FIX = "see README, 'Your own documents and questions'"
@@ -266,9 +267,9 @@ def make_passage(title, text) -> Passage:
     that is a list or an object (it would be the title "['x']")."""
     if not isinstance(text, str):
         raise ValueError(f"passage text is {type(text).__name__}, not a string")
-    if title is not None and (isinstance(title, bool) or not isinstance(title, (str, int, float))):
+    if title_text(title) is None:
         raise ValueError(f"passage title is {type(title).__name__}, not a string")
-    return Passage(str(title or ""), text)
+    return Passage(title_text(title), text)
 
 
 def _dpr_passages(ctxs) -> list[Passage]:
@@ -325,8 +326,10 @@ PARSERS = {"dpr": _parse_dpr, "2wiki": _parse_2wiki, "musique": _parse_musique, 
 def _source_qid(rec: dict) -> str | None:
     # 2Wiki's _id is renamed _1 by pandas; its `id` column is then only the dev.json row index
     for key in ("_id", "_1", "id", "qid"):
-        if rec.get(key) not in (None, ""):
-            return str(rec[key])
+        value = rec.get(key)
+        # a string or a whole number; a list, true or NaN is no id (it was the id "['x']"): the record's index stands in
+        if (isinstance(value, str) and value) or (isinstance(value, int) and not isinstance(value, bool)):
+            return str(value)
     return None
 
 
@@ -494,7 +497,6 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     "id" and "answers" are optional (without answers, a question is scored against full prefill's answer
     only); leave "passages" out (or empty) to retrieve from the whole corpus at run time.
     """
-    from kvf.pipeline.retrieval.corpus import read_corpus
     path = Path(input_file)
     if limit is not None and limit < 1:
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")

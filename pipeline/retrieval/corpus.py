@@ -2,6 +2,7 @@
 import codecs
 import gzip
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterator
@@ -172,10 +173,20 @@ def parse_jsonl_row(line: str, where: str) -> Document:
     # a list, an object or true/false would become Python's text of it ("['x']"): a document id or a title no one wrote
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
         raise KvfError(f"{where}: \"{id_field}\" must be a string or a whole number; this one is {shown(doc_id)}")
-    title = row.get("title")
-    if title is not None and (isinstance(title, bool) or not isinstance(title, (str, int, float))):
-        raise KvfError(f"{where}: \"title\" must be a string (or left out); this one is {shown(title)}")
-    return Document(doc_id=str(doc_id), title=str(title or ""), text=text, source_file=where)
+    title = title_text(row.get("title"))
+    if title is None:
+        raise KvfError(f"{where}: \"title\" must be a string (or left out); this one is {shown(row['title'])}")
+    return Document(doc_id=str(doc_id), title=title, text=text, source_file=where)
+
+
+def title_text(value) -> str | None:
+    """A record's title as text: a string, or a number as written; null or NaN (a table's missing value) is no
+    title, "". None for what is no title at all: a list, an object or true/false, which str() would make "['x']"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    return str(value)
 
 
 def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
