@@ -127,6 +127,19 @@ def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
     return (0 if code is None else code), out, err
 
 
+def probe_verdict(code: int, err: str, prefix: str = "kvf: error:") -> str | None:
+    """The probes' rule (make probe-flags, make probe-files): None when the command ran, or refused in one line
+    starting with `prefix`; else what was wrong (a traceback, an internal error, or several lines)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    if code == 0:
+        return None
+    if "Traceback" in err or "internal error" in err:
+        return err.strip()[-400:]
+    if len(lines) != 1 or not lines[0].startswith(prefix):
+        return f"{len(lines)} lines: {' | '.join(lines)[-400:]}"
+    return None
+
+
 def assert_one_line(code: int, err: str, *fragments: str) -> str:
     """A failed command's stderr is one line, 'kvf: ...', holding every fragment, with no traceback -> that line."""
     lines = [line for line in err.splitlines() if line.strip()]

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import probe_verdict, run_cli
 
 PROBE = os.environ.get("KVF_PROBE_FILES") == "1"
 LEFT_OUT = object()
@@ -59,18 +59,6 @@ def write_lines(path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def verdict(code: int, err: str) -> str | None:
-    """None when the command ran, or refused in one `kvf: error:` line; else what was wrong."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    if code == 0:
-        return None
-    if "Traceback" in err or "internal error" in err:
-        return err.strip()[-300:]
-    if len(lines) != 1 or not lines[0].startswith("kvf: error:"):
-        return f"{len(lines)} lines: {' | '.join(lines)[-300:]}"
-    return None
-
-
 # Python's text of a list, null, true or NaN, as a JSON string: found in a file kvf wrote, such a value was taken
 # as text (the title "['x']", the question "None") where it should have been refused
 PYTHON_TEXT = [json.dumps(text) for text in ("['x']", "[None]", "None", "True", "nan")]
@@ -101,7 +89,7 @@ def probe_file(name: str, target, records: list[dict], commands: list[list], cap
             write_lines(target, [with_field(records[0], path, value), *records[1:]])
             for args in commands:
                 code, _, err = run_cli(args, capsys, monkeypatch)
-                why = verdict(code, err) or (misread(written) if code == 0 else None)
+                why = probe_verdict(code, err) or (misread(written) if code == 0 else None)
                 if why:
                     failures.append(f"{name} {'.'.join(map(str, path))} = {label}: kvf {' '.join(map(str, args))}: {why}")
     target.write_bytes(original)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import run_cli
+from conftest import probe_verdict, run_cli
 from test_catalogue import SUB_ENV, value_flags
 
 BAD_VALUES = ("-1", "x", "nan", "{cwd}/none/d/f")
@@ -78,14 +78,7 @@ def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsy
                                   timeout=300, env=SUB_ENV, cwd=cwd, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return args, "timed out after 300 s"
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        if done.returncode == 0:
-            return args, None
-        if "Traceback" in done.stderr or "internal error" in done.stderr:
-            return args, done.stderr[-400:]
-        if len(lines) != 1 or not lines[0].startswith("kvf: "):
-            return args, f"{len(lines)} lines: {' | '.join(lines)[-400:]}"
-        return args, None
+        return args, probe_verdict(done.returncode, done.stderr, prefix="kvf: ")
 
     with ThreadPoolExecutor(2) as pool:
         failures = [(args, why) for args, why in pool.map(probe, jobs) if why is not None]

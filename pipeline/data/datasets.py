@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean, shown
 from kvf.pipeline.files import check_writable_dir, other_files, write_atomic
-from kvf.pipeline.retrieval.corpus import read_corpus, title_text
+from kvf.pipeline.retrieval.corpus import id_text, read_corpus, title_text
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
 QUESTIONS_FIX = "see README, 'Your own documents and questions'"
@@ -267,9 +267,10 @@ def make_passage(title, text) -> Passage:
     that is a list or an object (it would be the title "['x']")."""
     if not isinstance(text, str):
         raise ValueError(f"passage text is {type(text).__name__}, not a string")
-    if title_text(title) is None:
+    title_string = title_text(title)
+    if title_string is None:
         raise ValueError(f"passage title is {type(title).__name__}, not a string")
-    return Passage(title_text(title), text)
+    return Passage(title_string, text)
 
 
 def _dpr_passages(ctxs) -> list[Passage]:
@@ -326,10 +327,9 @@ PARSERS = {"dpr": _parse_dpr, "2wiki": _parse_2wiki, "musique": _parse_musique, 
 def _source_qid(rec: dict) -> str | None:
     # 2Wiki's _id is renamed _1 by pandas; its `id` column is then only the dev.json row index
     for key in ("_id", "_1", "id", "qid"):
-        value = rec.get(key)
-        # a string or a whole number; a list, true or NaN is no id (it was the id "['x']"): the record's index stands in
-        if (isinstance(value, str) and value) or (isinstance(value, int) and not isinstance(value, bool)):
-            return str(value)
+        qid = id_text(rec.get(key))   # a list, true or NaN is no id (it was "['x']"): the next field, or the index
+        if qid is not None:
+            return qid
     return None
 
 

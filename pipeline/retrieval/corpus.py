@@ -163,20 +163,27 @@ def parse_jsonl_row(line: str, where: str) -> Document:
     if not isinstance(row, dict):
         raise KvfError(f"{where}: {ROW_SHAPE}")
     id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
-    doc_id = row[id_field] if id_field else None
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
     if "question" in row and text is None:   # kvf run -q's file given as the corpus
         raise KvfError(f"{where}: a question, not a document; this is a questions file (kvf run -q reads it): pass the "
                        "folder or file of your documents")
-    if doc_id is None or not isinstance(text, str):
+    if id_field is None or not isinstance(text, str):
         raise KvfError(f"{where}: {ROW_SHAPE}; this one has {', '.join(map(repr, row)) or 'no fields'}")
-    # a list, an object or true/false would become Python's text of it ("['x']"): a document id or a title no one wrote
-    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
-        raise KvfError(f"{where}: \"{id_field}\" must be a string or a whole number; this one is {shown(doc_id)}")
+    doc_id = id_text(row[id_field])
+    if doc_id is None:
+        raise KvfError(f"{where}: \"{id_field}\" must be a string or a whole number; this one is {shown(row[id_field])}")
     title = title_text(row.get("title"))
     if title is None:
         raise KvfError(f"{where}: \"title\" must be a string (or left out); this one is {shown(row['title'])}")
-    return Document(doc_id=str(doc_id), title=title, text=text, source_file=where)
+    return Document(doc_id=doc_id, title=title, text=text, source_file=where)
+
+
+def id_text(value) -> str | None:
+    """A record's id as text: a non-empty string, or a whole number as its digits. None for what is no id: a list,
+    an object, true/false or NaN, which str() would make "['x']", "True" or "nan"."""
+    if isinstance(value, str):
+        return value or None
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def title_text(value) -> str | None:
