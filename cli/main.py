@@ -11,15 +11,18 @@ import os
 import re
 import sys
 
-import typer
-
-from kvf import __version__
-from kvf.cli.entry import Interrupted, Stopped
-from kvf.cli.options import command_group, thousands
-from kvf.errors import KvfError, disk_full
-
+# kvf shows its own progress (rich). Set before anything imports tqdm: tqdm reads TQDM_* when imported,
+# and transformers' GGUF de-quantiser draws a tqdm bar of its own.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # kvf shows its own progress
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import typer  # noqa: E402
+
+from kvf import __version__  # noqa: E402
+from kvf.cli.entry import Interrupted, Stopped  # noqa: E402
+from kvf.cli.options import command_group, thousands  # noqa: E402
+from kvf.errors import KvfError, disk_full  # noqa: E402
 
 app = command_group("kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.")
 DEBUG = {"on": False}

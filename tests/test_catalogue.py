@@ -1005,6 +1005,49 @@ def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path, monkeypatch)
     assert _weights_fingerprint(original) == _weights_fingerprint(original)  # cached, stable
 
 
+
+@pytest.mark.parametrize("value,fragments", [
+    (" ", ["KVF_CACHE is blank", "unset it, or set it to the folder"]),
+    ("a file", ["KVF_CACHE (", "cannot make the folder", "Not a directory", "point KVF_CACHE at a writable folder"])])
+def test_a_model_cache_that_cannot_be_a_folder_is_one_line_naming_kvf_cache(value, fragments, data, tmp_path, capsys,
+                                                                           monkeypatch):
+    """KVF_CACHE naming a file said ".../models: Not a directory (check the path and its permissions)", naming
+    no variable; KVF_CACHE=" " made a folder called " " wherever kvf ran, and kept the model there."""
+    if value == "a file":
+        value = str(write(tmp_path / "a file", b"x"))
+    monkeypatch.setenv("KVF_CACHE", value)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, *fragments)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_model_cache_follows_the_xdg_rules(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME="" (set but empty) put the converted model in ./kvf of whatever folder kvf ran in; the XDG
+    spec says an empty or relative XDG_CACHE_HOME is ignored. KVF_CACHE="~/x" made a folder called "~"."""
+    from kvf.pipeline.workflows.weights import cache_dir
+    monkeypatch.delenv("KVF_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for xdg in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == tmp_path / ".cache" / "kvf"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kvf"
+    monkeypatch.setenv("KVF_CACHE", "~/models")
+    assert cache_dir() == tmp_path / "models"
+
+
+def test_the_cli_draws_no_tqdm_bar():
+    """A first run de-quantises the embedded GGUF, and transformers drew its own tqdm bar for it ("Converting and
+    de-quantizing GGUF tensors...: 13%|█▎ ...") among kvf's rich output. tqdm reads TQDM_DISABLE when it is
+    imported, so kvf's CLI sets it before importing anything."""
+    code = "import kvf.cli.main; from tqdm.auto import tqdm; list(tqdm(range(3), desc='a tqdm bar'))"
+    env = {k: v for k, v in SUB_ENV.items() if k != "TQDM_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a tqdm bar" not in done.stderr, done.stderr
+
 # ---- signals once the JVM is loaded ---------------------------------------------------------------------
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_ctrl_c_and_sigterm_after_the_jvm_is_up_exit_cleanly(tmp_path, sig, code, word):

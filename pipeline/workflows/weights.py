@@ -33,11 +33,36 @@ class LoadedModel:
     fingerprint: str             # identity of the weights, for the KV store
 
 
+def cache_root() -> tuple[Path, str]:
+    """Where converted models live, and what chose it (for errors): $KVF_CACHE, else $XDG_CACHE_HOME/kvf,
+    else ~/.cache/kvf. An empty variable counts as unset and a relative XDG_CACHE_HOME is ignored, as the
+    XDG spec says; otherwise `XDG_CACHE_HOME=` would put the cache in ./kvf of whatever folder kvf ran in."""
+    kvf_cache = os.environ.get("KVF_CACHE", "")
+    if kvf_cache:
+        if not kvf_cache.strip():
+            raise KvfError("KVF_CACHE is blank; unset it, or set it to the folder where kvf keeps converted models")
+        return Path(kvf_cache).expanduser(), "KVF_CACHE"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "kvf", "XDG_CACHE_HOME"
+    return Path.home() / ".cache" / "kvf", "the default cache folder"
+
+
 def cache_dir() -> Path:
-    """Where converted models live: $KVF_CACHE, else $XDG_CACHE_HOME/kvf, else ~/.cache/kvf."""
-    if os.environ.get("KVF_CACHE"):
-        return Path(os.environ["KVF_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvf"
+    return cache_root()[0]
+
+
+def cache_folder(name: str) -> Path:
+    """cache_dir()/name, made if missing; a cache path that cannot be a folder is the user's to fix."""
+    root, origin = cache_root()
+    folder = root / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fix = f"point {origin} at a writable folder" if origin != "the default cache folder" else \
+            "set KVF_CACHE to a writable folder"
+        raise KvfError(f"{origin} ({root}): cannot make the folder {folder} there ({e.strerror}); {fix}") from None
+    return folder
 
 
 def embedded_gguf_path() -> Path:
@@ -97,18 +122,20 @@ def _check_architecture(model_type: str | None, source: str) -> None:
 
 
 def _converted_dir_for(gguf: Path) -> Path:
-    return cache_dir() / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    return cache_folder("models") / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """De-quantise a GGUF to float32 safetensors once; atomic (tmp dir, then rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantiser prints its own tqdm bar
+    from rich.console import Console
+    hf_logging.disable_progress_bar()  # the de-quantiser's own tqdm bar is off where kvf's CLI starts
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with Console(stderr=True).status(f"de-quantising {gguf.name} once, into {out_dir.parent} "
+                                         "(later runs reuse it)"):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for a damaged file
         raise KvfError(f"--model {gguf}: cannot load this GGUF ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                        "the file is truncated or unsupported — download it again") from None
