@@ -5,7 +5,8 @@ any error (disk full, Ctrl-C). New files get the usual permissions (0666 less th
 mkstemp's 0600, so a workspace built by one user can be read by another.
 
 Also here: the work directory of a benchmark (`work_dir`: a temp one is removed however the run
-ends), and the reader of files that list one item per line (`read_listed`).
+ends), the reader of files that list one item per line (`read_listed`), and a folder named by an
+environment variable (`env_folder`).
 """
 from __future__ import annotations
 
@@ -128,3 +129,15 @@ def check_writable_dir(path: str | Path, flag: str) -> Path:
     except OSError as e:
         raise KvfError(f"{flag} {path} is not writable ({e.strerror}); pass a writable directory") from None
     return path
+
+
+def env_folder(var: str, what: str) -> Path | None:
+    """The folder environment variable `var` names (~ expanded), or None when it is unset or empty; one of
+    only spaces is refused (a stray quote in a shell profile), since kvf would make a folder called " "."""
+    from kvf.errors import KvfError
+    value = os.environ.get(var, "")
+    if not value:
+        return None
+    if not value.strip():
+        raise KvfError(f"{var} is blank; unset it, or set it to {what}")
+    return Path(value).expanduser()

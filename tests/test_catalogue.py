@@ -1038,6 +1038,31 @@ def test_the_model_cache_follows_the_xdg_rules(tmp_path, monkeypatch):
     assert cache_dir() == tmp_path / "models"
 
 
+
+@pytest.mark.parametrize("value,fragments", [
+    (" ", ["KVF_DATA is blank", "the folder that holds the benchmark files"]),
+    ("a file", ["(from KVF_DATA) is a file, not a folder", "--input FILE"])])
+def test_a_data_directory_that_is_not_a_folder_is_one_line_naming_kvf_data(value, fragments, tmp_path, capsys,
+                                                                          monkeypatch):
+    """KVF_DATA naming a file said the data directory "does not exist"; KVF_DATA=" " said "dataset file  /nq/...
+    is missing", naming a path under the root."""
+    if value == "a file":
+        value = str(write(tmp_path / "a file", b"x"))
+    monkeypatch.setenv("KVF_DATA", value)
+    code, _, err = run_cli(["data", "prepare", "nq", "-o", tmp_path / "out"], capsys, monkeypatch)
+    assert_one_line(code, err, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_kvf_data_takes_a_home_relative_folder(tmp_path, monkeypatch):
+    """KVF_DATA="~/data" (quoted in a profile, so the shell left ~ alone) was a folder called "~" in the working one."""
+    from kvf.pipeline.data.datasets import data_dir
+    (tmp_path / "data").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVF_DATA", "~/data")
+    assert data_dir() == tmp_path / "data"
+
+
 def test_the_cli_draws_no_tqdm_bar():
     """A first run de-quantises the embedded GGUF, and transformers drew its own tqdm bar for it ("Converting and
     de-quantizing GGUF tensors...: 13%|█▎ ...") among kvf's rich output. tqdm reads TQDM_DISABLE when it is

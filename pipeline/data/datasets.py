@@ -24,7 +24,6 @@ import gzip
 import hashlib
 import json
 import math
-import os
 import re
 import textwrap
 import warnings
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean, shown
-from kvf.pipeline.files import check_writable_dir, other_files, write_atomic
+from kvf.pipeline.files import check_writable_dir, env_folder, other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import id_text, read_corpus, title_text
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
@@ -105,16 +104,17 @@ def passage_id(title: str, text: str) -> str:
 def data_dir(flag: str | None = None) -> Path:
     """--data-dir, else $KVF_DATA, else ../shared/data beside the repo if it exists."""
     if flag:
-        path, origin = Path(flag), "--data-dir"
-    elif os.environ.get("KVF_DATA"):
-        path, origin = Path(os.environ["KVF_DATA"]), "KVF_DATA"
+        path, origin = Path(flag).expanduser(), "--data-dir"
+    elif (env := env_folder("KVF_DATA", "the folder that holds the benchmark files")) is not None:
+        path, origin = env, "KVF_DATA"
     else:
         path = REPO_ROOT.parent / "shared" / "data"
         if not path.is_dir():
             raise KvfError(f"no data directory: pass --data-dir DIR or set KVF_DATA ({path} does not exist)")
         return path
     if not path.is_dir():
-        raise KvfError(f"data directory {path} (from {origin}) does not exist; pass the folder that holds the "
+        state = "is a file, not a folder" if path.exists() else "does not exist"
+        raise KvfError(f"data directory {path} (from {origin}) {state}; pass the folder that holds the "
                        f"benchmark files (e.g. {next(iter(DATASET_FILES.values()))}), or --input FILE")
     return path
 

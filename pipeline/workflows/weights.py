@@ -37,11 +37,10 @@ def cache_root() -> tuple[Path, str]:
     """Where converted models live, and what chose it (for errors): $KVF_CACHE, else $XDG_CACHE_HOME/kvf,
     else ~/.cache/kvf. An empty variable counts as unset and a relative XDG_CACHE_HOME is ignored, as the
     XDG spec says; otherwise `XDG_CACHE_HOME=` would put the cache in ./kvf of whatever folder kvf ran in."""
-    kvf_cache = os.environ.get("KVF_CACHE", "")
+    from kvf.pipeline.files import env_folder
+    kvf_cache = env_folder("KVF_CACHE", "the folder where kvf keeps converted models")
     if kvf_cache:
-        if not kvf_cache.strip():
-            raise KvfError("KVF_CACHE is blank; unset it, or set it to the folder where kvf keeps converted models")
-        return Path(kvf_cache).expanduser(), "KVF_CACHE"
+        return kvf_cache, "KVF_CACHE"
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if xdg and Path(xdg).is_absolute():
         return Path(xdg) / "kvf", "XDG_CACHE_HOME"
