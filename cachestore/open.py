@@ -135,6 +135,8 @@ def _resolve(path: str):
     if "://" not in path:
         root = os.path.abspath(os.path.expanduser(path))
         return LocalFS(root), root
+    if path.startswith("s3://"):
+        check_endpoint_variable()
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
@@ -147,6 +149,15 @@ def _resolve(path: str):
     if isinstance(fs, LocalFileSystem):
         return LocalFS(os.path.abspath(root)), os.path.abspath(root)
     return FsspecFS(fs), root.rstrip("/")
+
+
+def check_endpoint_variable() -> None:
+    """AWS_ENDPOINT_URL, which botocore reads, must be a URL: botocore's "Invalid endpoint" surfaced as the store's
+    marker being unreadable ("is this a kvf store?"), as if the store were at fault."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint and not endpoint.strip().startswith(("http://", "https://")):
+        raise KvfError(f"AWS_ENDPOINT_URL {endpoint!r}: not an endpoint URL; set it to one such as "
+                       "http://localhost:9000, or unset it to use AWS")
 
 
 def _detect(fs, root: str, path: str, create: bool = True) -> str | None:

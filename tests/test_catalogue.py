@@ -1063,6 +1063,18 @@ def test_kvf_data_takes_a_home_relative_folder(tmp_path, monkeypatch):
     assert data_dir() == tmp_path / "data"
 
 
+
+@pytest.mark.parametrize("endpoint", ["localhost:9000", " "])
+def test_an_aws_endpoint_url_that_is_not_a_url_is_one_line_naming_it(endpoint, tmp_path, capsys, monkeypatch):
+    """AWS_ENDPOINT_URL=localhost:9000 (no http://) said "store s3://b/p: cannot read zarr.json (Invalid endpoint:
+    localhost:9000); is this a kvf store?", blaming the store; --s3-endpoint's own value was already checked."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    code, _, err = run_cli(["store", "info", "s3://bucket/prefix"], capsys, monkeypatch)
+    assert_one_line(code, err, f"AWS_ENDPOINT_URL '{endpoint}': not an endpoint URL", "http://localhost:9000",
+                    "unset it to use AWS")
+
+
 def test_the_cli_draws_no_tqdm_bar():
     """A first run de-quantises the embedded GGUF, and transformers drew its own tqdm bar for it ("Converting and
     de-quantizing GGUF tensors...: 13%|█▎ ...") among kvf's rich output. tqdm reads TQDM_DISABLE when it is
