@@ -82,6 +82,9 @@ def remote_errors(fs, path: str):
     except KvfError:
         raise
     except Exception as e:  # botocore, aiohttp and s3fs raise many types; classify by what they say
+        setting = aws_setting(e)
+        if setting:
+            raise KvfError(f"--store {path}: {setting}") from None
         text = f"{type(e).__name__}: {e}"
         first = text.splitlines()[0][:160]
         if "NoSuchBucket" in text or ("bucket" in text.lower() and isinstance(e, FileNotFoundError)):
@@ -96,6 +99,26 @@ def remote_errors(fs, path: str):
             raise KvfError(f"--store {path}: cannot reach the object store ({first}); check --s3-endpoint "
                            "(or AWS_ENDPOINT_URL) and that the server is up") from None
         raise
+
+
+def aws_setting(e: Exception) -> str | None:
+    """What a botocore error says is wrong in the user's AWS settings, and the fix; None for any other error.
+    These came out as internal errors (a missing AWS_PROFILE, an unparsable config file) or as the store's
+    marker being unreadable (a malformed region)."""
+    try:
+        from botocore import exceptions as aws
+    except ImportError:
+        return None
+    if isinstance(e, aws.ProfileNotFound):
+        return (f"AWS_PROFILE {e.kwargs.get('profile')!r} is not a profile in the AWS config; set AWS_PROFILE to "
+                "one of its profiles, or unset it")
+    if isinstance(e, aws.ConfigParseError):
+        return (f"the AWS config file {e.kwargs.get('path')} cannot be parsed; fix it, or point AWS_CONFIG_FILE "
+                "at another")
+    if isinstance(e, aws.InvalidRegionError):
+        return (f"{e.kwargs.get('region_name')!r} is not an AWS region name; fix AWS_DEFAULT_REGION (or "
+                "AWS_REGION, or the profile's region)")
+    return None
 
 
 def check_meta(path: str, stored: dict, wanted: dict) -> None:
@@ -168,8 +191,8 @@ def _detect(fs, root: str, path: str, create: bool = True) -> str | None:
         try:
             identity = cls.read_identity(fs, root)
         except (ValueError, OSError) as e:
-            if not fs.local and not isinstance(e, ValueError):
-                raise  # an object store's own failure (access, endpoint): remote_errors says which
+            if not fs.local and (not isinstance(e, ValueError) or aws_setting(e)):
+                raise  # an object store's own failure (access, endpoint, settings): remote_errors says which
             raise KvfError(f"store {path}: cannot read {cls.MARKER} ({e}); is this a kvf store?") from e
         if identity == {}:
             inside_a_store(fs, root, path)

@@ -29,8 +29,9 @@ from pathlib import Path
 from kvf.errors import KvfError
 
 WORKER_ENV = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "KVF_CACHE", "KVF_DATA", "AWS_ACCESS_KEY_ID",
-              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE",
-              "KVF_METHOD_PATH", "KVF_RAY_PID_DIR")
+              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL",
+              "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "KVF_METHOD_PATH", "KVF_RAY_PID_DIR",
+              "TQDM_DISABLE")
 
 
 def start_ray(address: str | None, threads: int = 1):
