@@ -247,6 +247,20 @@ class KVStore:
         """Whether every read is a network request (an object store): readers then ask side by side."""
         return not self.fs.local
 
+    def free_bytes(self) -> int | None:
+        """Bytes free on the disk that holds a local store (to the user, not to root's reserve); None on an
+        object store, which does not fill up."""
+        if not self.fs.local:
+            return None
+        disk = os.statvfs(self.root if os.path.isdir(self.root) else os.path.dirname(self.root))
+        return disk.f_bavail * disk.f_frsize
+
+    def kv_nbytes(self, tokens: int) -> int:
+        """Bytes the KV of `tokens` tokens takes in this store's layout, uncompressed (a compressed store takes
+        at most this): layers x [2, kv_heads, tokens, head_dim] x the store dtype's size."""
+        meta = self.meta
+        return meta["layers"] * 2 * meta["kv_heads"] * tokens * meta["head_dim"] * itemsize(self.dtype)
+
     def keys(self) -> list[str]:
         """Committed keys, sorted."""
         return sorted(self._committed_keys())

@@ -14,7 +14,7 @@ from rich.text import Text
 from kvf.cachestore import open_store
 from kvf.errors import KvfError
 from kvf.cli.options import command_group
-from kvf.pipeline.workflows.display import progress_bar
+from kvf.pipeline.workflows.display import progress_bar, size_text
 
 store_app = command_group("Inspect and maintain a chunk KV store (info, verify, gc).")
 console = Console()
@@ -26,15 +26,6 @@ WhereArg = Annotated[Optional[str], typer.Argument(
     metavar="STORE|WORKSPACE", show_default=False,
     help="A store path or URL (kv.zarr, kv.h5, s3://bucket/prefix), or a workspace folder; or use --store / -w.")]
 EndpointOpt = Annotated[Optional[str], typer.Option("--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores [default: AWS, or $AWS_ENDPOINT_URL].")]
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
 
 
 def resolve_store(store: str | None, workspace: Path | None, endpoint: str | None = None,
@@ -93,12 +84,12 @@ def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt
         table.add_row(f"meta.{field}", str(value))
     table.add_row("entries", f"{i['entries']}" + (f" ({i['unreadable_entries']} unreadable)" if i["unreadable_entries"] else ""))
     table.add_row("tokens", str(i["tokens"]))
-    table.add_row("bytes on disk", _size(i["bytes"]))
+    table.add_row("bytes on disk", size_text(i["bytes"]))
     if i["bytes_per_token"] is not None:
         table.add_row("bytes / token", f"{i['bytes_per_token']:.1f} (data {i['payload_bytes_per_token']:.1f}, "
                                        f"overhead {100 * i['overhead']:.2f}%)")
     table.add_row("variants", ", ".join(f"{v}: {n}" for v, n in sorted(i["variants"].items())) or "-")
-    table.add_row("temp / garbage", f"{i['temp_items']} items, {_size(i['temp_bytes'])}")
+    table.add_row("temp / garbage", f"{i['temp_items']} items, {size_text(i['temp_bytes'])}")
     console.print(table)
 
 

@@ -756,6 +756,31 @@ def test_gc_refuses_keep_lists_that_keep_nothing_and_previews_by_default(ws_copy
     assert code == 0 and len(open_store(str(ws / "kv.zarr")).keys()) == n    # only the foreign entry went
 
 
+
+def test_a_build_its_disk_cannot_hold_is_refused_before_computing(ws_copy, capsys, monkeypatch):
+    """A store on a disk too small for the build stopped with "disk full" only after hours of computing. The
+    entries still to build (a resumed build's missing ones alone) are sized as the store will hold them: one byte
+    less free than their payload is refused, with nothing computed; exactly their payload free, the build runs."""
+    from kvf.cachestore import open_store
+    from kvf.cachestore.base import KVStore
+    data, ws = ws_copy
+    store = open_store(ws / "kv.zarr")
+    keys = chunk_entry_keys(store)
+    missing = keys[:2]
+    payload = sum(store.header(k).layers * store.header(k).layer_nbytes for k in missing)
+    for key in missing:
+        store.delete(key)
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: payload - 1)
+    code, _, err = run_cli(["build-cache", data / "corpus", "-w", ws], capsys, monkeypatch)
+    assert_one_line(code, err, f"--store {ws / 'kv.zarr'}: the 2 entries still to build need about", "free space",
+                    "pass --store on a larger disk")
+    assert len(chunk_entry_keys(open_store(ws / "kv.zarr"))) == len(keys) - 2
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: payload)
+    code, _, err = run_cli(["build-cache", data / "corpus", "-w", ws], capsys, monkeypatch)
+    assert code == 0, err
+    assert sorted(chunk_entry_keys(open_store(ws / "kv.zarr"))) == sorted(keys)
+
+
 def test_a_path_with_brackets_is_printed_as_it_is(ws_copy, tmp_path, capsys, monkeypatch):
     """rich read "[v2]" in a path as a markup tag and dropped it: `kvf store info "ws [v2]"` titled its table
     with a store path that does not exist, and gc said it would remove entries "from .../ws /kv.zarr"."""

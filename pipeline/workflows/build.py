@@ -33,7 +33,7 @@ from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS, discover
 from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
-from kvf.pipeline.workflows.display import description_column, notice, progress_bar
+from kvf.pipeline.workflows.display import description_column, notice, progress_bar, size_text
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest, instead_of_documents
 
@@ -511,6 +511,31 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
     return stats
 
 
+def check_room(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours) -> None:
+    """A build its disk cannot hold stopped with "disk full" after hours of computing: the entries still to store
+    (a resumed build counts only those) are sized from the store's layout and compared with the free space first.
+    Uncompressed sizes, so a compressed store needs at most this; an object store is not checked."""
+    free = builder.store.free_bytes()
+    if free is None:
+        return
+    mine = shard_ids(chunks, opts.shard)
+    todo = [builder.missing_ids(variant, chunks, mine, neighbours) for variant in opts.variants]
+    entries = sum(len(ids) for ids in todo)
+    wrapper = len(builder.template.chunk_segment([]))   # the tokens an entry holds around its chunk's own
+    tokens = sum(chunks.tokens(ids) for ids in todo) + entries * wrapper
+    needed = builder.store.kv_nbytes(tokens)
+    if needed <= free:
+        return
+    fixes = ["free space", "pass --store on a larger disk"]
+    if builder.store.dtype == "float32":
+        fixes.append("store float16 (--dtype float16, half the bytes)")
+    if len(opts.variants) > 1:
+        fixes.append(f"build one --variant ({' and '.join(opts.variants)} each take the same bytes)")
+    raise KvfError(f"--store {builder.store.path}: the {entries:,} entries still to build need about {size_text(needed)} "
+                   f"({tokens:,} tokens x {size_text(builder.store.kv_nbytes(1))}), and its disk has {size_text(free)} "
+                   f"free; {', '.join(fixes[:-1])}, or {fixes[-1]}")
+
+
 # the least room a prompt needs beside S and one chunk: a short question and answer (`kvf run` checks
 # every real prompt in full; this only catches a chunk that can never fit)
 QUESTION_ROOM = 32
@@ -613,6 +638,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for, dtype=model_dtype)
+    check_room(opts, builder, chunks, neighbours)
     with store.shared_lock():  # gc refuses while a build writes
         if opts.ray is not None:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray

@@ -24,6 +24,16 @@ def progress_bar(console: Console, *columns: str | ProgressColumn) -> Progress:
                     disable=not (console.is_terminal or console.is_jupyter))
 
 
+def size_text(nbytes: float | None) -> str:
+    """A byte count as people read it: "512 B", "22.5 KiB", "3.4 GiB" ("-" for unknown)."""
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+
+
 def notice(console: Console) -> Callable[[str], None]:
     """A printer for plain notices in yellow (e.g. "waiting for another build"): the text as given, no markup."""
     return lambda message: console.print(message, style="yellow", markup=False, highlight=False)
