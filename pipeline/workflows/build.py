@@ -419,7 +419,7 @@ class EntryBuilder:
             self.store.delete(key)
         if self.store.put(key, kv, attrs=attrs, extras=extras):
             self.entries_written += 1
-            self.bytes_written += kv.numel() * self.store_itemsize()
+            self.bytes_written += self.store.kv_nbytes(kv.shape[3])   # kv: [L, 2, KV, t, d]
 
     @torch.inference_mode()
     def _store_behind(self, key: str, kv: torch.Tensor, attrs: dict, extras: dict) -> None:
@@ -478,9 +478,6 @@ class EntryBuilder:
             self.compute("prefix", chunk, None, by_id)
             self._wait_for_writes(0)
         return self.store.get(key).float()
-
-    def store_itemsize(self) -> int:
-        return {"float16": 2, "bfloat16": 2, "float32": 4}[self.store.dtype]
 
 
 def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours, console: Console,
