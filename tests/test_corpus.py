@@ -48,6 +48,26 @@ def test_reads_txt_md_and_jsonl_recursively(tmp_path):
     assert docs["q1"].source_file.endswith("rows.jsonl:1")
 
 
+
+def test_a_linked_folder_is_read_once_and_a_broken_link_is_said(tmp_path, capsys):
+    """corpus/wiki -> /data/wiki (a data folder linked in, not copied) was skipped without a word: pathlib's rglob
+    does not enter linked folders. It is read now; a link back up the tree is not walked again (no loop, no
+    document twice), hidden folders stay out, and a link whose target is gone is a warning naming it."""
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    (corpus / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (corpus / "a.txt").write_text("in the corpus")
+    (elsewhere / "w.txt").write_text("linked in")
+    (corpus / "wiki").symlink_to(elsewhere)
+    (corpus / "sub" / "up").symlink_to(corpus)              # a loop
+    (corpus / ".hidden").symlink_to(elsewhere)              # hidden: never read
+    (corpus / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    docs = {d.doc_id: d.text for d in read_corpus(corpus)}
+    assert docs == {"a.txt": "in the corpus", "wiki/w.txt": "linked in"}
+    err = capsys.readouterr().err
+    assert "skipped 1 link(s) whose target is missing" in err and "gone.txt" in err
+
+
 def test_a_jsonl_corpus_is_read_a_line_at_a_time_with_the_same_checks(tmp_path, capsys):
     """A JSONL corpus is streamed (it may be larger than memory) with read_text_file's checks, made a block
     at a time: a character split across two blocks is fine, a bad byte anywhere skips the whole file before

@@ -3,6 +3,7 @@ import codecs
 import gzip
 import json
 import math
+import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -33,9 +34,11 @@ def list_corpus_files(root: Path) -> list[Path]:
         if not is_supported(root):
             raise KvfError(f"corpus file {root} is not a supported type; use one of {', '.join(SUPPORTED_EXTENSIONS)}")
         return [root]
-    # hidden files and folders (.git, .DS_Store) are never corpus content
-    files = sorted(p for p in root.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    found = files_under(root)
+    files = [p for p in found if p.is_file()]
+    broken = [p for p in found if not p.exists()]
+    if broken:
+        warn(f"skipped {len(broken)} link(s) whose target is missing, e.g. {broken[0]} -> {os.readlink(broken[0])}")
     if not files:
         raise KvfError(f"corpus folder {root} is empty; put {', '.join(SUPPORTED_EXTENSIONS)} files in it")
     supported = [p for p in files if is_supported(p)]
@@ -47,6 +50,22 @@ def list_corpus_files(root: Path) -> list[Path]:
         warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]} "
              f"(kvf reads {', '.join(SUPPORTED_EXTENSIONS)} files; convert the others to text)")
     return supported
+
+
+def files_under(root: Path) -> list[Path]:
+    """Every name under root that is not a folder, sorted so document order is reproducible. Hidden files and
+    folders (.git, .DS_Store) are never corpus content. A linked folder (corpus/wiki -> /data/wiki) is read like
+    any other, once: pathlib's rglob skipped it without a word, and a link back up the tree would loop."""
+    found, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:   # reached again through a link
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        found += [Path(folder) / name for name in names if not name.startswith(".")]
+    return sorted(found)
 
 
 def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS) -> bool:
