@@ -188,7 +188,9 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         ax.set_xlim(0, axis_top(rows, column, high))
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"{title} ({count_questions(rows)}; bars: 95% bootstrap intervals; "
-                 "black: full prefill, grey: reuse)", fontsize=10)
+    # the colour key names only the reference rows this figure has
+    key = [f"{colour}: {name}" for method, colour, name in (("full", "black", "full prefill"), ("reuse", "grey", "reuse"))
+           if method in set(rows.method)]
+    fig.suptitle(f"{title} ({'; '.join([count_questions(rows), 'bars: 95% bootstrap intervals', *key])})", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.95), w_pad=3)   # room between the panels' end and start ticks
     save_figure(fig, path)

@@ -658,6 +658,18 @@ def test_a_score_of_zero_is_drawn_above_the_frame_and_one_question_is_not_questi
     assert "(n = 1 question;" in figure.texts[0].get_text()
 
 
+
+def test_a_ranking_s_colour_key_names_only_the_reference_rows_it_draws(tmp_path, monkeypatch):
+    """A run of full and cacheblend drew no grey bar, yet its ranking said "black: full prefill, grey: reuse"."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    run = write_run(tmp_path / "r.jsonl", [record("q1-0", "full", "London"), record("q1-0", "cacheblend", "x", ratio=0.2)])
+    evaluate([run], tmp_path / "out")
+    title = next(f for name, f in figures.items() if name.startswith("ranking_")).texts[0].get_text()
+    assert "black: full prefill" in title and "reuse" not in title
+
+
 def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     from kvf.eval.plots import _palette
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
