@@ -66,6 +66,7 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
     common = [q for q in a.index if q in b.index]
     if not common:
         raise KvfError("the two runs share no question; compare runs of the same dataset")
+    full_side = "A" if (a.method == "full").all() else "B" if (b.method == "full").all() else None
     rows = []
     for qid in common:
         ra, rb = a.loc[qid], b.loc[qid]
@@ -76,7 +77,7 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
                      f"{metric}_a": ra[metric], f"{metric}_b": rb[metric],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
                      "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
-                     "kl_a": ra.kl_full, "kl_b": rb.kl_full})
+                     "kl_a": ra.kl_full, "kl_b": rb.kl_full, "full_side": full_side})
     return pd.DataFrame(rows)
 
 
@@ -101,8 +102,10 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
         heading.append("\ngold: " + (r.gold or "-"), style="italic")
         out.add_row(Text("question", style="dim"), heading)
         out.add_row("A", Text(r.answer_a), _fmt(r[f"{metric}_a"]), _fmt(r.fidelity_a))
-        out.add_row("B", Text(r.answer_b), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_b))
-        out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
+        full_is_a_side = bool(r.get("full_side"))   # where A or B is full prefill, its answer is already there
+        out.add_row("B", Text(r.answer_b), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_b), end_section=full_is_a_side)
+        if not full_is_a_side:
+            out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
     return out
 
 

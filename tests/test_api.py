@@ -117,6 +117,7 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
         code, stdout, err = cli(["compare", *files, "--a", "cacheblend@0.15", "--b", "full"], capsys, monkeypatch)
         assert code == 0, err
         assert f"{out} cacheblend@0.15 (A) vs {out} full (B): 2 questions" in " ".join(stdout.split())
+        assert "│ full " not in stdout   # B is full prefill: its answers are not printed again as a "full" row
     code, _, err = cli(["compare", out, out], capsys, monkeypatch)    # one file, two runs: which?
     assert code == 1 and err.count("\n") == 1 and "pick one with --a" in err and "cacheblend@0.15" in err, err
     own = tmp_path / "own_passages.jsonl"   # questions that name their documents are answered from them
