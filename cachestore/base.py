@@ -298,6 +298,7 @@ class KVStore:
             "overhead": disk / payload - 1.0 if payload else None,
             "variants": variants,
             "temp_items": len(temp), "temp_bytes": sum(self.fs.size(p) for p in temp),
+            "free_bytes": self.free_bytes(),
         }
 
     def bytes_per_token(self) -> float | None:

@@ -90,6 +90,9 @@ def info(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceOpt
                                        f"overhead {100 * i['overhead']:.2f}%)")
     table.add_row("variants", ", ".join(f"{v}: {n}" for v, n in sorted(i["variants"].items())) or "-")
     table.add_row("temp / garbage", f"{i['temp_items']} items, {size_text(i['temp_bytes'])}")
+    if i["free_bytes"] is not None:   # what build-cache checks a build against (a local store's disk)
+        room = f" (about {int(i['free_bytes'] / i['bytes_per_token']):,} more tokens)" if i["bytes_per_token"] else ""
+        table.add_row("free on its disk", size_text(i["free_bytes"]) + room)
     console.print(table)
 
 

@@ -934,6 +934,7 @@ def test_cli_builds_prefix_and_fusion_with_cachecraft_extras(tmp_path, short_doc
             assert store.get_extras(key)["cc_inter"].shape == (3, store.header(key).tokens)  # S + 2 neighbours
     info = kvf_cli("store", "info", "--store", ws / "kv.zarr")
     assert info.returncode == 0 and f"fusion: {len(chunks)}, prefix: {len(chunks)}, system: 1" in info.stdout
+    assert re.search(r"free on its disk +│ [\d.]+ [KMGT]iB \(about [\d,]+ more tokens\)", info.stdout), info.stdout
 
 
 def test_cli_missing_corpus_is_one_line_without_traceback(tmp_path):
