@@ -34,8 +34,11 @@ def prepare_command(
     if name == "custom":
         from kvf.errors import KvfError
         from kvf.pipeline.data.datasets import prepare_custom
+        from kvf.pipeline.workflows.workspace import check_corpus_folder
         if input_file is None:
             raise KvfError("kvf data prepare custom needs --input FILE (JSON Lines of {question, answers, passages})")
+        if corpus is not None:
+            check_corpus_folder(corpus)
         manifest = prepare_custom(input_file, out, corpus, limit)
     else:
         path = input_file or find_dataset_file(name, data_dir)

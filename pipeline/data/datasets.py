@@ -472,20 +472,6 @@ def check_not_anothers_file(name: str, path: Path) -> None:
                            f"(kvf data prepare {other} --input {path}), or rename the file if it holds {name}'s questions")
 
 
-def check_corpus_folder(corpus: Path) -> None:
-    """--corpus names documents: a workspace or a prepared dataset there had its own files read as documents
-    (a questions file among them), after a warning about the rest."""
-    from kvf.pipeline.workflows.workspace import instead_of_documents
-    found = instead_of_documents(corpus)
-    if found is None:
-        return
-    kind, documents = found
-    if kind == "workspace":
-        fix = f"pass the documents it was built from: --corpus {documents}" if documents else "pass your documents"
-        raise KvfError(f"--corpus {corpus} is a workspace (kvf build-cache made it); {fix}")
-    raise KvfError(f"--corpus {corpus} is a prepared dataset; pass its documents: --corpus {documents}")
-
-
 def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Path | None = None,
                    limit: int | None = None) -> dict:
     """`kvf data prepare custom --input FILE [--corpus DOCS]`: your own questions -> a prepared directory.
@@ -500,8 +486,6 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
     path = Path(input_file)
     if limit is not None and limit < 1:
         raise KvfError(f"--limit {limit}: must be >= 1 (leave it out for every question)")
-    if corpus is not None:
-        check_corpus_folder(Path(corpus))
     documents = {d.doc_id: d for d in read_corpus(corpus)} if corpus is not None else {}
     questions = []
     for where, row, question in read_question_lines(path, "--input", id_prefix="custom"):

@@ -102,6 +102,19 @@ def instead_of_documents(path: Path) -> tuple[str, str | None] | None:
     return None
 
 
+def check_corpus_folder(corpus: Path) -> None:
+    """`data prepare custom --corpus` names documents: a workspace or a prepared dataset there had its own files
+    read as documents (a questions file among them), after a warning about the rest."""
+    found = instead_of_documents(corpus)
+    if found is None:
+        return
+    kind, documents = found
+    if kind == "workspace":
+        fix = f"pass the documents it was built from: --corpus {documents}" if documents else "pass your documents"
+        raise KvfError(f"--corpus {corpus} is a workspace (kvf build-cache made it); {fix}")
+    raise KvfError(f"--corpus {corpus} is a prepared dataset; pass its documents: --corpus {documents}")
+
+
 # each field build-cache writes into manifest.json, by kind (any may be null): [str] a list of strings,
 # {str} an object of strings
 MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "model": str, "model_arg": str,
