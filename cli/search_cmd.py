@@ -29,16 +29,15 @@ def doc_label(chunk) -> str:
     return chunk.doc_id if not title or title in (chunk.doc_id, Path(chunk.doc_id).stem) else f"{chunk.doc_id} · {title}"
 
 
-def hits_table(hits, chunks_by_id, title: str, snippet_width: int) -> Table:
+def hits_table(hits, chunks, title: str, snippet_width: int) -> Table:
     table = Table(title=Text(title))  # Text, not str: corpus text may contain [brackets] rich reads as markup
     table.add_column("rank", justify="right", no_wrap=True, min_width=4)
     table.add_column("score", justify="right", no_wrap=True, min_width=6)
     table.add_column("chunk", no_wrap=True, min_width=12)
     table.add_column("doc", overflow="fold", min_width=8, max_width=30)
     table.add_column("text")
-    for rank, (chunk_id, score) in enumerate(hits, start=1):
-        chunk = chunks_by_id[chunk_id]
-        table.add_row(str(rank), f"{score:.3f}", chunk_id[:12], Text(doc_label(chunk)),
+    for rank, ((_, score), chunk) in enumerate(zip(hits, chunks), start=1):
+        table.add_row(str(rank), f"{score:.3f}", chunk.chunk_id[:12], Text(doc_label(chunk)),
                       Text(snippet(chunk.text, snippet_width)))
     return table
 
@@ -69,15 +68,10 @@ def search_command(
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)
     hits = ws.open_searcher(mode.value).search(query, k)
-    chunks_by_id = ChunkTable(ws.chunks_path)
-    unknown = [cid for cid, _ in hits if cid not in chunks_by_id]
-    if unknown:
-        raise KvfError(f"the {mode.value} index in {workspace} names chunks missing from chunks.parquet "
-                       f"(e.g. {unknown[0][:12]}); rebuild with `kvf build-cache CORPUS --workspace {workspace}`")
+    chunks = ws.indexed_chunks(ChunkTable(ws.chunks_path), [cid for cid, _ in hits], mode.value)
     if json_out:
-        rows = [(i + 1, score, chunks_by_id[cid]) for i, (cid, score) in enumerate(hits)]
         print(json.dumps([{"rank": rank, "score": score, "chunk_id": c.chunk_id, "doc_id": c.doc_id, "title": c.title,
-                           "text": c.text} for rank, score, c in rows]))
+                           "text": c.text} for rank, ((_, score), c) in enumerate(zip(hits, chunks), start=1)]))
         return
     console = Console()
     if not hits:
@@ -85,4 +79,4 @@ def search_command(
         return
     # snippets sized to what the other columns leave, so each hit stays on one line and the table is scannable
     snippet_width = max(30, console.width - 60)
-    console.print(hits_table(hits, chunks_by_id, f"{mode.value} top {len(hits)} for {query!r}", snippet_width))
+    console.print(hits_table(hits, chunks, f"{mode.value} top {len(hits)} for {query!r}", snippet_width))

@@ -781,6 +781,27 @@ def test_a_build_its_disk_cannot_hold_is_refused_before_computing(ws_copy, capsy
     assert sorted(chunk_entry_keys(open_store(ws / "kv.zarr"))) == sorted(keys)
 
 
+
+def test_an_index_naming_a_chunk_the_workspace_lacks_is_one_line_alike_everywhere(ws_copy, capsys, monkeypatch):
+    """kvf search and the Python API (and kvf run, through the same session) each wrote their own line for an
+    index naming a chunk chunks.parquet lacks; one check now says it for all, naming the chunk and the rebuild."""
+    import kvf
+    from kvf.pipeline.workflows.workspace import Workspace
+    _, ws = ws_copy
+
+    class StaleIndex:
+        def search(self, query, k):
+            return [("f00dfeedbeef0123", 1.0)]
+    monkeypatch.setattr(Workspace, "open_searcher", lambda self, retriever: StaleIndex())
+    fragments = ["the bm25 index of workspace", "names chunk f00dfeedbeef missing from chunks.parquet",
+                 f"kvf build-cache CORPUS -w {ws}"]
+    code, _, err = run_cli(["search", "anything", "-w", ws], capsys, monkeypatch)
+    assert_one_line(code, err, *fragments)
+    with pytest.raises(kvf.KvfError) as raised:
+        kvf.open_workspace(ws).search("anything")
+    assert all(fragment in str(raised.value) for fragment in fragments), raised.value
+
+
 def test_a_path_with_brackets_is_printed_as_it_is(ws_copy, tmp_path, capsys, monkeypatch):
     """rich read "[v2]" in a path as a markup tag and dropped it: `kvf store info "ws [v2]"` titled its table
     with a store path that does not exist, and gc said it would remove entries "from .../ws /kv.zarr"."""

@@ -67,11 +67,7 @@ class Session:
         return self._neighbours
 
     def chunks(self, chunk_ids: list[str], index: str = "retrieval") -> list[Chunk]:
-        unknown = [cid for cid in chunk_ids if cid not in self.chunks_by_id]
-        if unknown:
-            raise KvfError(f"the {index} index of workspace {self.ws.root} names chunk {unknown[0][:12]} missing from "
-                           f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {self.ws.root}`")
-        return [self.chunks_by_id[cid] for cid in chunk_ids]
+        return self.ws.indexed_chunks(self.chunks_by_id, chunk_ids, index)
 
     def prompt(self, chunks: list[Chunk], question: str) -> FusedPrompt:
         return self.answerer.prompt([c.token_ids for c in chunks], question)

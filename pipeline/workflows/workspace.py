@@ -218,6 +218,15 @@ class Workspace:
             fmt = "hdf5"
         return str(self.root / ("kv.h5" if fmt == "hdf5" else "kv.zarr"))
 
+    def indexed_chunks(self, table, chunk_ids: list[str], index: str) -> list:
+        """The chunks an index named, from the workspace's chunk table; an id the table lacks means the index was
+        built over other chunks than chunks.parquet holds."""
+        unknown = [cid for cid in chunk_ids if cid not in table]
+        if unknown:
+            raise KvfError(f"the {index} index of workspace {self.root} names chunk {unknown[0][:12]} missing from "
+                           f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {self.root}`")
+        return [table[cid] for cid in chunk_ids]
+
     def not_built(self, named: str = "--workspace ") -> KvfError:
         """The error for a folder without a manifest: none is written until a build's last stage ends, so a
         first build stopped midway (chunks and indexes there) is told apart from no build at all."""
