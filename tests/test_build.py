@@ -141,7 +141,7 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     with open(corpus / "passages.jsonl", "w") as f:
-        for i in range(24):
+        for i in range(12):
             f.write(json.dumps({"id": f"p{i}", "title": f"Place {i}",
                                 "text": f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 2}) + "\n")
     one_go = build_cache(opts_for(tmp_path / "one-go", corpus, dtype="float32", variants=["prefix", "fusion"]), QUIET)
@@ -161,7 +161,7 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
     monkeypatch.setattr(chunking, "OBJECT_ROWS", 4)
     opts = opts_for(tmp_path, corpus, dtype="float32", variants=["prefix", "fusion"], bm25=True)
     summary = build_cache(opts, QUIET)
-    assert summary.chunks == one_go.chunks >= 40
+    assert summary.chunks == one_go.chunks >= 20   # 5 batches of 4 or more
     assert live["peak"] <= 16   # a batch written, a batch read, a document's chunks, a fusion entry's neighbours
     monkeypatch.undo()
     batched, whole = (open_store(root / "ws" / "kv.zarr", readonly=True) for root in (tmp_path, tmp_path / "one-go"))
