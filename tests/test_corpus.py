@@ -68,6 +68,27 @@ def test_a_linked_folder_is_read_once_and_a_broken_link_is_said(tmp_path, capsys
     assert "skipped 1 link(s) whose target is missing" in err and "gone.txt" in err
 
 
+
+def test_a_folder_kvf_cannot_read_is_a_warning_naming_it(tmp_path, capsys, monkeypatch):
+    """os.walk (and rglob before it) skips a folder it cannot list, so a subfolder of another user's documents
+    went missing without a word. (Root reads every folder, so listing it is made to fail here.)"""
+    import errno
+    corpus = tmp_path / "corpus"
+    (corpus / "locked").mkdir(parents=True)
+    (corpus / "a.txt").write_text("readable")
+    (corpus / "locked" / "b.txt").write_text("behind a permission")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert [d.doc_id for d in read_corpus(corpus)] == ["a.txt"]
+    err = capsys.readouterr().err
+    assert "skipped 1 folder(s) kvf cannot read" in err and str(corpus / "locked") in err and "Permission denied" in err
+
+
 def test_a_jsonl_corpus_is_read_a_line_at_a_time_with_the_same_checks(tmp_path, capsys):
     """A JSONL corpus is streamed (it may be larger than memory) with read_text_file's checks, made a block
     at a time: a character split across two blocks is fine, a bad byte anywhere skips the whole file before

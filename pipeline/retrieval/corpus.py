@@ -56,8 +56,8 @@ def files_under(root: Path) -> list[Path]:
     """Every name under root that is not a folder, sorted so document order is reproducible. Hidden files and
     folders (.git, .DS_Store) are never corpus content. A linked folder (corpus/wiki -> /data/wiki) is read like
     any other, once: pathlib's rglob skipped it without a word, and a link back up the tree would loop."""
-    found, seen = [], set()
-    for folder, subfolders, names in os.walk(root, followlinks=True):
+    found, seen, unreadable = [], set(), []
+    for folder, subfolders, names in os.walk(root, followlinks=True, onerror=unreadable.append):
         real = os.path.realpath(folder)
         if real in seen:   # reached again through a link
             subfolders[:] = []
@@ -65,6 +65,10 @@ def files_under(root: Path) -> list[Path]:
         seen.add(real)
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         found += [Path(folder) / name for name in names if not name.startswith(".")]
+    if unreadable:   # os.walk skips a folder it cannot list; its documents would be missing without a word
+        first = unreadable[0]
+        warn(f"skipped {len(unreadable)} folder(s) kvf cannot read, e.g. {first.filename} ({first.strerror}); "
+             "fix their permissions to include their documents")
     return sorted(found)
 
 
