@@ -171,6 +171,24 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
         tmp_path / "one-go" / "ws" / "chunks.parquet")
 
 
+
+def test_the_room_a_fusion_build_needs_counts_its_neighbours_prefix_entries(tmp_path, monkeypatch):
+    """A --variant fusion build also stores the prefix entries its fusion entries attend to (their neighbours'), and
+    the room check counted only the fusion entries, about half of what the build writes. With one byte less free
+    than the build writes it is refused; with exactly that, it builds."""
+    from kvf.cachestore.base import KVStore
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"d{i}.txt").write_text(f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 3)
+    written = build_cache(opts_for(tmp_path / "a", corpus, variants=["fusion"]), QUIET).bytes_written
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: written - 1)
+    with pytest.raises(KvfError, match="entries still to build need about"):
+        build_cache(opts_for(tmp_path / "b", corpus, variants=["fusion"]), QUIET)
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: written)
+    assert build_cache(opts_for(tmp_path / "b", corpus, variants=["fusion"]), QUIET).bytes_written == written
+
+
 def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built, monkeypatch):
     """kvf run (each Ray worker, each API session) held every chunk of the workspace as Python objects, a
     Python int per token: 1.3 GB for 100K chunks of 256 tokens, 13 GB for a million. The table now stays

@@ -508,26 +508,48 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
     return stats
 
 
-def check_room(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours) -> None:
+def build_order(variants) -> list[str]:
+    """prefix before fusion: fusion entries read their neighbours' prefix entries."""
+    return ["prefix"] + [v for v in variants if v != "prefix"] if "fusion" in variants else list(variants)
+
+
+def neighbour_chunk_ids(ids: list[str], neighbours: Mapping | None, chunks) -> list[str]:
+    """The chunks whose prefix entries the fusion entries of `ids` read (what a one-process build
+    computes on demand)."""
+    wanted = {nid for cid in ids for nid in (neighbours or {}).get(cid, [])}
+    return [nid for nid in sorted(wanted) if nid in chunks]
+
+
+def missing_entries(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours) -> dict[str, list[str]]:
+    """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
+    entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for."""
+    mine = shard_ids(chunks, opts.shard)
+    todo = {}
+    for variant in build_order(opts.variants):
+        wanted = mine if variant in opts.variants else neighbour_chunk_ids(mine, neighbours, chunks)
+        todo[variant] = builder.missing_ids(variant, chunks, wanted, neighbours)
+    return todo
+
+
+def check_room(builder: EntryBuilder, chunks: ChunkTable, todo: dict[str, list[str]], variants) -> None:
     """A build its disk cannot hold stopped with "disk full" after hours of computing: the entries still to store
-    (a resumed build counts only those) are sized from the store's layout and compared with the free space first.
-    Uncompressed sizes, so a compressed store needs at most this; an object store is not checked."""
+    (`todo`, from missing_entries: a resumed build counts only those, and a fusion build its neighbours' prefix
+    entries too) are sized from the store's layout and compared with the free space first. Uncompressed sizes, so
+    a compressed store needs at most this; an object store is not checked."""
     free = builder.store.free_bytes()
     if free is None:
         return
-    mine = shard_ids(chunks, opts.shard)
-    todo = [builder.missing_ids(variant, chunks, mine, neighbours) for variant in opts.variants]
-    entries = sum(len(ids) for ids in todo)
+    entries = sum(len(ids) for ids in todo.values())
     wrapper = len(builder.template.chunk_segment([]))   # the tokens an entry holds around its chunk's own
-    tokens = sum(chunks.tokens(ids) for ids in todo) + entries * wrapper
+    tokens = sum(chunks.tokens(ids) for ids in todo.values()) + entries * wrapper
     needed = builder.store.kv_nbytes(tokens)
     if needed <= free:
         return
     fixes = ["free space", "pass --store on a larger disk"]
     if builder.store.dtype == "float32":
         fixes.append("store float16 (--dtype float16, half the bytes)")
-    if len(opts.variants) > 1:
-        fixes.append(f"build one --variant ({' and '.join(opts.variants)} each take the same bytes)")
+    if len(variants) > 1:
+        fixes.append(f"build one --variant ({' and '.join(variants)} each take the same bytes)")
     raise KvfError(f"--store {builder.store.path}: the {entries:,} entries still to build need about {size_text(needed)} "
                    f"({tokens:,} tokens x {size_text(builder.store.kv_nbytes(1))}), and its disk has {size_text(free)} "
                    f"free; {', '.join(fixes[:-1])}, or {fixes[-1]}")
@@ -635,11 +657,12 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for, dtype=model_dtype)
-    check_room(opts, builder, chunks, neighbours)
+    todo = missing_entries(opts, builder, chunks, neighbours)
+    check_room(builder, chunks, todo, opts.variants)
     with store.shared_lock():  # gc refuses while a build writes
         if opts.ray is not None:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray
-            summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary)
+            summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary, todo)
         else:
             summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
     with ws.files_lock(waiting):

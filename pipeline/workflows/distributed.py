@@ -256,13 +256,15 @@ def remote_class(impl: type):
     return ray.remote(max_restarts=3, max_task_retries=3)(impl)
 
 
-def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console, summary) -> list:
-    """The KV stage of build-cache on Ray actors (see the module docstring). Returns StageStats.
-    Actors (a model load each) start only for work that is missing, and no more than its batches."""
+def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console, summary,
+                      todo: dict[str, list[str]]) -> list:
+    """The KV stage of build-cache on Ray actors (see the module docstring); `todo`: build.missing_entries. Returns
+    StageStats. Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
-    from kvf.pipeline.workflows.build import StageStat
+    from kvf.pipeline.workflows.build import StageStat, shard_ids
     ray = start_ray(opts.ray, opts.threads)
-    todo = missing_entries(opts, builder, chunks, neighbours, summary)
+    mine = len(shard_ids(chunks, opts.shard))
+    summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
     n_batches = max(-(-len(missing) // opts.batch) for missing in todo.values())
     n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), n_batches)
     if n_workers == 0:   # a resumed or grown-by-nothing build: no actor loads the model for nothing
@@ -280,20 +282,6 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console
         for w in workers:
             ray.kill(w)
     return stats
-
-
-def missing_entries(opts, builder, chunks, neighbours: Mapping | None, summary) -> dict[str, list[str]]:
-    """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
-    entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for.
-    chunks: the workspace's ChunkTable."""
-    from kvf.pipeline.workflows.build import shard_ids
-    mine = shard_ids(chunks, opts.shard)
-    todo = {}
-    for variant in build_order(opts.variants):
-        wanted = mine if variant in opts.variants else neighbour_ids(mine, neighbours, chunks)
-        todo[variant] = builder.missing_ids(variant, chunks, wanted, neighbours)
-        summary.entries_skipped += len(wanted) - len(todo[variant]) if variant in opts.variants else 0
-    return todo
 
 
 def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks, neighbours: Mapping | None, console,
@@ -321,18 +309,6 @@ def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks
         stat.note = "" if missing else "all entries present"
         stats.append(stat)
     return stats
-
-
-def build_order(variants) -> list[str]:
-    """prefix before fusion: fusion entries read their neighbours' prefix entries."""
-    return ["prefix"] + [v for v in variants if v != "prefix"] if "fusion" in variants else list(variants)
-
-
-def neighbour_ids(ids: list[str], neighbours: Mapping | None, chunks) -> list[str]:
-    """The chunks whose prefix entries the fusion entries of `ids` read (what a one-process build
-    computes on demand)."""
-    wanted = {nid for cid in ids for nid in (neighbours or {}).get(cid, [])}
-    return [nid for nid in sorted(wanted) if nid in chunks]
 
 
 def fusion_context(variant: str, batch: list, neighbours: Mapping | None, by_id) -> tuple[dict | None, dict]:
