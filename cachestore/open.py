@@ -174,11 +174,16 @@ def _resolve(path: str):
     return FsspecFS(fs), root.rstrip("/")
 
 
+def is_endpoint_url(value: str) -> bool:
+    """An S3 endpoint as botocore takes it (--s3-endpoint, AWS_ENDPOINT_URL): an http(s) URL."""
+    return value.startswith(("http://", "https://"))
+
+
 def check_endpoint_variable() -> None:
     """AWS_ENDPOINT_URL, which botocore reads, must be a URL: botocore's "Invalid endpoint" surfaced as the store's
     marker being unreadable ("is this a kvf store?"), as if the store were at fault."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-    if endpoint and not endpoint.strip().startswith(("http://", "https://")):
+    if endpoint and not is_endpoint_url(endpoint):
         raise KvfError(f"AWS_ENDPOINT_URL {endpoint!r}: not an endpoint URL; set it to one such as "
                        "http://localhost:9000, or unset it to use AWS")
 

@@ -49,13 +49,13 @@ def use_store_flags(store: str | None, endpoint: str | None) -> None:
     the store is, when known here; an endpoint beside a store not on S3 would be ignored, so it is refused."""
     import os
 
-    from kvf.cachestore import check_url
+    from kvf.cachestore import check_url, is_endpoint_url
     from kvf.errors import KvfError
     if store:
         check_url(store)
     if not endpoint:
         return
-    if not endpoint.startswith(("http://", "https://")):
+    if not is_endpoint_url(endpoint):
         raise KvfError(f"--s3-endpoint {endpoint}: not an endpoint URL; pass one such as http://localhost:9000")
     if store is not None and not store.startswith("s3://"):
         raise KvfError(f"--s3-endpoint {endpoint}: the store {store} is not on S3 (s3://bucket/prefix), so no endpoint "
