@@ -161,7 +161,9 @@ def _resolve(path: str):
     if path.startswith("s3://"):
         check_endpoint_variable()
     try:
-        fs, root = fsspec.core.url_to_fs(path)
+        # a filesystem of its own: fsspec's per-process cache kept the first one's AWS settings, so a notebook
+        # that fixed its credentials or endpoint after a refusal was refused again with the old ones
+        fs, root = fsspec.core.url_to_fs(path, skip_instance_cache=True)
     except (ImportError, ValueError) as e:  # unknown protocol, or its package (s3fs, gcsfs) missing
         if isinstance(e, ImportError) and path.startswith("s3"):
             raise KvfError(f"--store {path}: S3 stores need s3fs; pip install 'kvf[s3]'") from e

@@ -1110,19 +1110,10 @@ def test_kvf_data_takes_a_home_relative_folder(tmp_path, monkeypatch):
 
 
 
-def fresh_s3_filesystems(request) -> None:
-    """fsspec keeps one S3 filesystem per process, made with the AWS settings of its time: a test that changes
-    them starts and ends without one."""
-    s3fs = pytest.importorskip("s3fs")
-    s3fs.S3FileSystem.clear_instance_cache()
-    request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)
-
-
 @pytest.mark.parametrize("endpoint", ["localhost:9000", " "])
-def test_an_aws_endpoint_url_that_is_not_a_url_is_one_line_naming_it(endpoint, tmp_path, capsys, monkeypatch, request):
+def test_an_aws_endpoint_url_that_is_not_a_url_is_one_line_naming_it(endpoint, tmp_path, capsys, monkeypatch):
     """AWS_ENDPOINT_URL=localhost:9000 (no http://) said "store s3://b/p: cannot read zarr.json (Invalid endpoint:
     localhost:9000); is this a kvf store?", blaming the store; --s3-endpoint's own value was already checked."""
-    fresh_s3_filesystems(request)
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     code, _, err = run_cli(["store", "info", "s3://bucket/prefix"], capsys, monkeypatch)
     assert_one_line(code, err, f"AWS_ENDPOINT_URL '{endpoint}': not an endpoint URL", "http://localhost:9000",
@@ -1135,10 +1126,9 @@ def test_an_aws_endpoint_url_that_is_not_a_url_is_one_line_naming_it(endpoint, t
     ("AWS_CONFIG_FILE", "a file", ["the AWS config file", "cannot be parsed", "AWS_CONFIG_FILE"]),
     ("AWS_DEFAULT_REGION", "eu west", ["'eu west' is not an AWS region name", "AWS_DEFAULT_REGION"])])
 def test_aws_settings_botocore_cannot_use_are_one_line_naming_them(variable, value, fragments, tmp_path, capsys,
-                                                                   monkeypatch, request):
+                                                                   monkeypatch):
     """A missing AWS_PROFILE and an unparsable AWS config file were internal errors (ProfileNotFound,
     ConfigParseError); a malformed region read as the store's marker being unreadable ("is this a kvf store?")."""
-    fresh_s3_filesystems(request)
     if value == "a file":
         value = str(write(tmp_path / "config", b"[default\nregion = x"))
     for name in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL"):

@@ -78,33 +78,34 @@ def test_round_trip_verify_corruption_gc_and_refusal(s3):
         open_store("s3://kvf/roundtrip", meta={**META, "model": "other"})
 
 
-@pytest.fixture
-def fresh_clients():
-    """s3fs caches clients per process; the endpoint changes below must not leak into other tests."""
-    import s3fs
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
-def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch, fresh_clients):
+def test_a_store_opened_after_fixing_the_aws_settings_uses_the_new_ones(s3, monkeypatch, tmp_path):
+    """fsspec kept one S3 filesystem per process, made with the AWS settings of the first store opened: a notebook
+    that was refused (here: an endpoint nothing listens on), set the right endpoint and opened the store again was
+    refused again, with the old settings."""
     from kvf.cachestore import open_store
-    import s3fs
+    open_store("s3://kvf/settings", meta=META, create=True).put("%064x" % 7, kv(7))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(KvfError, match="cannot reach the object store"):
+        open_store("s3://kvf/settings", meta=META)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)   # the fix the line names
+    assert open_store("s3://kvf/settings", meta=META).keys() == ["%064x" % 7]
+    assert open_store(f"file://{tmp_path}/local", meta=META, create=True).keys() == []   # not only S3 takes the flag
+
+
+def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch):
+    from kvf.cachestore import open_store
     with pytest.raises(KvfError, match="bucket does not exist"):
         open_store("s3://no-such-bucket/kv", meta=META, create=True).put("%064x" % 9, kv(9))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
         open_store("s3://kvf/roundtrip", meta=META)
     proc, url = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        s3fs.S3FileSystem.clear_instance_cache()
         with pytest.raises(KvfError, match="access denied"):
             open_store("s3://kvf/anything", meta=META, create=True)
     finally:
         proc.kill()
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_build_cache_and_run_on_s3_equal_a_local_build(s3, tmp_path, short_docs):
@@ -168,8 +169,6 @@ def test_a_ray_build_reaches_the_s3_store_at_the_workspaces_endpoint(s3, tmp_pat
                            "--chunk-tokens", "32", "--no-bm25", "--no-dense", "--ray", "local", "--workers", "1"],
                           capture_output=True, text=True, env=no_endpoint)
     assert proc.returncode == 0, proc.stderr
-    import s3fs
-    s3fs.S3FileSystem.clear_instance_cache()   # this process's listing of the bucket predates the build
     assert len(set(open_store("s3://kvf/ray-build").keys()) - before) >= 1
 
 
