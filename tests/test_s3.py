@@ -84,6 +84,7 @@ def test_a_store_opened_after_fixing_the_aws_settings_uses_the_new_ones(s3, monk
     refused again, with the old settings."""
     from kvf.cachestore import open_store
     open_store("s3://kvf/settings", meta=META, create=True).put("%064x" % 7, kv(7))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # botocore's retries of the refused connection: seconds
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(KvfError, match="cannot reach the object store"):
         open_store("s3://kvf/settings", meta=META)
@@ -96,6 +97,7 @@ def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, mo
     from kvf.cachestore import open_store
     with pytest.raises(KvfError, match="bucket does not exist"):
         open_store("s3://no-such-bucket/kv", meta=META, create=True).put("%064x" % 9, kv(9))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # botocore's retries of the refused connection: seconds
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
         open_store("s3://kvf/roundtrip", meta=META)
