@@ -24,7 +24,7 @@ from kvf.errors import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
 from kvf.pipeline.data.synthetic import make_synthetic
-from kvf.pipeline.workflows.build import BuildOptions, build_cache, in_shard, store_meta
+from kvf.pipeline.workflows.build import BuildOptions, EntryBuilder, build_cache, in_shard, store_meta
 from kvf.pipeline.retrieval.chunking import ChunkTable, chunk_id_for, read_chunks_table, tokenizer_fingerprint
 from kvf.pipeline.fusion.sources import InMemoryKV
 from kvf.pipeline.retrieval.neighbours import load_neighbours
@@ -186,7 +186,17 @@ def test_the_room_a_fusion_build_needs_counts_its_neighbours_prefix_entries(tmp_
     with pytest.raises(KvfError, match="entries still to build need about"):
         build_cache(opts_for(tmp_path / "b", corpus, variants=["fusion"]), QUIET)
     monkeypatch.setattr(KVStore, "free_bytes", lambda self: written)
-    assert build_cache(opts_for(tmp_path / "b", corpus, variants=["fusion"]), QUIET).bytes_written == written
+    asked, real_missing_ids = [], EntryBuilder.missing_ids
+    monkeypatch.setattr(EntryBuilder, "missing_ids", lambda self, variant, *a: asked.append(variant) or
+                        real_missing_ids(self, variant, *a))
+    summary = build_cache(opts_for(tmp_path / "b", corpus, variants=["fusion"]), QUIET)
+    assert summary.bytes_written == written
+    # one plan, sized and then built (the build asked the store about every entry again); its prefix stage is
+    # a row of its own, saying whose entries it holds, as on Ray
+    assert asked == ["prefix", "fusion"]
+    rows = {s.name: s for s in summary.stages if s.name.startswith("kv")}
+    assert list(rows) == ["kv prefix", "kv fusion"] and rows["kv prefix"].note == "for fusion"
+    assert rows["kv prefix"].items == rows["kv fusion"].items == summary.chunks   # each chunk a neighbour of some
 
 
 def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built, monkeypatch):

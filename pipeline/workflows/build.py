@@ -481,31 +481,38 @@ class EntryBuilder:
 
 
 def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours, console: Console,
-             summary: BuildSummary) -> list[StageStat]:
+             summary: BuildSummary, todo: dict[str, list[str]]) -> list[StageStat]:
+    """Each variant's missing entries (`todo`: missing_entries, the plan the room check sized), in build order."""
     stats = []
-    mine = shard_ids(chunks, opts.shard)
-    for variant in opts.variants:
-        todo = builder.missing_ids(variant, chunks, mine, neighbours)
-        summary.entries_skipped += len(mine) - len(todo)
-        stat = StageStat(f"kv {variant}", len(todo), chunks.tokens(todo))
-        if todo:
+    mine = len(shard_ids(chunks, opts.shard))
+    summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
+    for variant, missing in todo.items():
+        stat = StageStat(f"kv {variant}", len(missing), chunks.tokens(missing))
+        if missing:
             builder.system_kv()
             started = time.perf_counter()
             with build_progress(console) as progress, builder.writing_behind():
-                task = progress.add_task(f"KV {variant}", total=len(todo), rate="")
+                task = progress.add_task(f"KV {variant}", total=len(missing), rate="")
                 done_tokens = 0
-                for chunk in chunks.chunks(todo):
+                for chunk in chunks.chunks(missing):
                     builder.compute(variant, chunk, neighbours, chunks)
                     done_tokens += len(chunk.token_ids)
                     rate = done_tokens / max(1e-9, time.perf_counter() - started)
                     progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
             stat.seconds = time.perf_counter() - started
-        else:
-            stat.note = "all entries present"
+        stat.note = kv_stage_note(variant, opts.variants, missing)
         stats.append(stat)
-    # counted by the builder: neighbours' prefix entries built for the fusion variant count too
+    # counted by the builder: a neighbour's prefix entry another shard had not built yet counts too
     summary.entries_written, summary.bytes_written = builder.entries_written, builder.bytes_written
     return stats
+
+
+def kv_stage_note(variant: str, variants, missing: list[str]) -> str:
+    """The note of a KV stage's summary row. A fusion build plans its fusion entries' neighbours' prefix entries
+    as a prefix stage even when prefix is not a variant asked for: its row says so."""
+    if variant not in variants:
+        return "for fusion" + ("" if missing else ", all present")   # short: the table is 80 columns wide
+    return "" if missing else "all entries present"
 
 
 def build_order(variants) -> list[str]:
@@ -664,7 +671,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray
             summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary, todo)
         else:
-            summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary)
+            summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary, todo)
     with ws.files_lock(waiting):
         ws.check_chunks_are(chunks.ids)
         write_workspace_manifest(ws, opts, model_ref, store, index_state,

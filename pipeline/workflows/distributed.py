@@ -261,14 +261,14 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console
     """The KV stage of build-cache on Ray actors (see the module docstring); `todo`: build.missing_entries. Returns
     StageStats. Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
-    from kvf.pipeline.workflows.build import StageStat, shard_ids
+    from kvf.pipeline.workflows.build import StageStat, kv_stage_note, shard_ids
     ray = start_ray(opts.ray, opts.threads)
     mine = len(shard_ids(chunks, opts.shard))
     summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
     n_batches = max(-(-len(missing) // opts.batch) for missing in todo.values())
     n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), n_batches)
     if n_workers == 0:   # a resumed or grown-by-nothing build: no actor loads the model for nothing
-        return [StageStat(f"kv {variant}", 0, 0, 0.0, "all entries present") for variant in todo]
+        return [StageStat(f"kv {variant}", 0, 0, 0.0, kv_stage_note(variant, opts.variants, [])) for variant in todo]
     model = str(absolute(opts.model)) if opts.model else None
     workers = [actor_class(ray, KVWorkerImpl, opts).remote(model, store_address(builder.store), builder.store.dtype,
                                                            opts.device, tuple(m.name for m in builder.extras_methods), opts.threads,
@@ -289,7 +289,7 @@ def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks
     """Each variant's missing entries, in batches of --batch chunks, over the actor pool. A batch's chunks
     become Chunk objects as it is sent."""
     import time
-    from kvf.pipeline.workflows.build import StageStat, stage
+    from kvf.pipeline.workflows.build import StageStat, kv_stage_note, stage
     stats = []
     for variant, missing in todo.items():
         stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(missing), chunks.tokens(missing))
@@ -306,7 +306,7 @@ def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks
                 summary.entries_written += result["entries_written"]
                 summary.bytes_written += result["bytes_written"]
         stat.seconds = time.perf_counter() - started
-        stat.note = "" if missing else "all entries present"
+        stat.note = kv_stage_note(variant, opts.variants, missing)
         stats.append(stat)
     return stats
 
