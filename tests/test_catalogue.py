@@ -1110,6 +1110,19 @@ def test_kvf_data_takes_a_home_relative_folder(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.parametrize("store", [None, ""])
+def test_a_workspace_manifest_naming_no_store_uses_the_workspaces_own(store, tmp_path, monkeypatch):
+    """A manifest whose "store" is null or blank (an older or hand-edited one) meant the default store, but that
+    path was relative to the working folder and was joined to the workspace again: `kvf run -w ws` computed every
+    KV into a new ws/ws/kv.zarr, without a word."""
+    from kvf.pipeline.workflows.workspace import Workspace
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "ws" / "manifest.json", json.dumps({"store": store}).encode())
+    assert Workspace(Path("ws")).store_location() == str(tmp_path / "ws" / "kv.zarr")
+    (tmp_path / "ws" / "kv.h5").touch()   # an hdf5 workspace's own
+    assert Workspace(Path("ws")).store_location() == str(tmp_path / "ws" / "kv.h5")
+
+
 @pytest.mark.parametrize("endpoint", ["localhost:9000", " "])
 def test_an_aws_endpoint_url_that_is_not_a_url_is_one_line_naming_it(endpoint, tmp_path, capsys, monkeypatch):
     """AWS_ENDPOINT_URL=localhost:9000 (no http://) said "store s3://b/p: cannot read zarr.json (Invalid endpoint:

@@ -270,7 +270,7 @@ class Workspace:
     def store_location(self) -> str:
         """The workspace's store: a URL, an absolute path, or a path relative to the workspace (so a
         moved workspace keeps using its own store, never the old location)."""
-        location = self.manifest().get("store") or self.default_store(None)
+        location = self.manifest().get("store") or os.path.abspath(self.default_store(None))   # none named: its own
         if "://" in location or Path(location).is_absolute():
             return location
         return str((self.root / location).resolve())
