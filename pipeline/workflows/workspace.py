@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from kvf.errors import KvfError, shown
-from kvf.cachestore import entry_key
+from kvf.cachestore import FORMATS, entry_key
+from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.files import other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, holds_documents
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
@@ -121,6 +122,12 @@ MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "model": str,
                   "model_fingerprint": str, "tokenizer_fingerprint": str, "embedder": str, "format": str, "dtype": str,
                   "compute_dtype": str, "chunk_tokens": int, "overlap": int, "n_neighbours": int, "bm25": bool,
                   "dense": bool, "indexes": {str}, "variants": [str], "extras_for": [str]}
+
+# the values kvf writes there: another (a hand edit) is the manifest's damage, not a flag the user never gave
+MANIFEST_VALUES = {"dtype": lambda v, m: v in STORE_DTYPES, "format": lambda v, m: v in FORMATS,
+                   "compute_dtype": lambda v, m: v in COMPUTE_DTYPES, "variants": lambda v, m: set(v) <= set(VARIANTS),
+                   "chunk_tokens": lambda v, m: v >= 1, "overlap": lambda v, m: 0 <= v < (m.get("chunk_tokens") or v + 1),
+                   "n_neighbours": lambda v, m: v >= 1}
 
 
 def of_kind(value, kind) -> bool:
@@ -253,6 +260,9 @@ class Workspace:
         if not isinstance(manifest, dict):
             raise self.damaged(self.manifest_path)
         wrong = next((name for name, kind in MANIFEST_KINDS.items() if not of_kind(manifest.get(name), kind)), None)
+        if wrong is None:
+            wrong = next((name for name, fits in MANIFEST_VALUES.items()
+                          if manifest.get(name) is not None and not fits(manifest[name], manifest)), None)
         if wrong is not None:   # a hand edit: named here, not a TypeError wherever the field is next read
             raise self.damaged(self.manifest_path, f"its \"{wrong}\" is {shown(manifest[wrong])}")
         return manifest
