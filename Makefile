@@ -1,5 +1,5 @@
 # kvf: reproduction targets. Everything runs on CPU with the embedded SmolLM2-135M-Instruct.
-#   make demo    set up, then build a store for a synthetic corpus and answer with full / reuse / cacheblend
+#   make demo    set up, then build a store for generated RULER-style questions and answer with full / reuse / cacheblend
 #   make test    set up, then run the test suite (what CI runs)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvf.errors import KvfError, warn
-from kvf.eval.metrics import (exact_match, gold_values_present, normalized_f1, substring_accuracy, token_f1)
+from kvf.eval.metrics import accuracy, exact_match, is_suite_dataset, normalized_f1, substring_accuracy, token_f1
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
 from kvf.pipeline.records import RunRecord, read_records, run_files_of
@@ -114,8 +114,7 @@ def score(df: pd.DataFrame) -> pd.DataFrame:
     def per(fn):
         return [fn(a, g) if g else math.nan for a, g in zip(df.answer, df.gold)]
     df["em"], df["f1"], df["substring"] = per(exact_match), per(token_f1), per(substring_accuracy)
-    df["acc"] = [(gold_values_present(a, g) if mode == "all" else substring_accuracy(a, g)) if g else math.nan
-                 for a, g, mode in zip(df.answer, df.gold, df.gold_mode)]
+    df["acc"] = [accuracy(a, g, mode) if g else math.nan for a, g, mode in zip(df.answer, df.gold, df.gold_mode)]
     return df
 
 
@@ -226,7 +225,7 @@ def warn_unscored(summary: pd.DataFrame) -> None:
 def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
     """A generated suite's records ("ruler-2048/alias", ...) once more under "ruler-2048 (all tasks)":
     per task n is small, pooled over tasks the paired intervals can separate methods."""
-    tasks = df[df.dataset.str.contains("/", regex=False)]
+    tasks = df[df.dataset.map(is_suite_dataset)]
     suites = tasks.dataset.str.split("/").str[0]
     many = tasks.groupby(suites).dataset.transform("nunique") > 1
     pooled = tasks[many].assign(dataset=suites[many] + POOLED)
@@ -281,7 +280,7 @@ POOLED = " (all tasks)"
 def primary_metric(rows: pd.DataFrame) -> str:
     """acc (RULER: share of gold values present) for a generated suite's tasks ("suite/task", and their
     pooled rows) and wherever answers need all gold values; else F1."""
-    suite = rows.dataset.str.contains("/", regex=False) | rows.dataset.str.endswith(POOLED)
+    suite = rows.dataset.map(is_suite_dataset) | rows.dataset.str.endswith(POOLED)
     return "acc" if (rows.gold_mode == "all").any() or suite.any() else "f1"
 
 

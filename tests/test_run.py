@@ -511,6 +511,20 @@ def test_bad_method_entries_are_one_line_errors(entry, fragment):
         parse_methods(entry)
 
 
+def test_answers_table_scores_a_generated_suite_s_answers_as_kvf_eval_does():
+    """On a RULER-style task the table gave token F1 against gold (0.25 for "The special magic number for kernel is
+    6682266.", a right answer), where kvf eval scores acc; it now shows acc there, and F1 elsewhere."""
+    from kvf.cli.tables import answers_rows_table
+    record = dict(qid="b-0", question="What is the special magic number for kernel?", gold=["6682266"], method="full",
+                  settings=dict(ratio=1.0), answer="The special magic number for kernel is 6682266.", gold_mode="any",
+                  recomputed_tokens=723, chunk_tokens=723, timings=dict(first_token=1.2), dataset="ruler-1024/boundary")
+    for dataset, header, value in (("ruler-1024/boundary", "acc", "1.00"), ("nq", "F1", "0.25")):
+        table = answers_rows_table([dict(record, dataset=dataset)], "t")
+        cells = {c.header: [str(v) for v in c._cells] for c in table.columns}
+        assert cells[header][1] == value, cells
+        assert table.caption.startswith("acc: " if header == "acc" else "F1: ")
+
+
 def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_at_80_columns():
     from kvf.cli.tables import answers_rows_table
     answers = {"full": "Huszim Works, founded in the north by the spouse", "cacheblend": "Vartroucko province"}
@@ -566,18 +580,19 @@ def test_run_refuses_zero_ray_workers(tmp_path):
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    """`make demo`'s command (README's first line), small: the synthetic corpus is built, stored and answered by
-    full, reuse and cacheblend, and the summary gives each its TTFT against full's and its answers' F1 against
-    full's (full's own: 1.00)."""
-    proc = subprocess.run([sys.executable, "-m", "kvf", "demo", "-n", "1", "--max-new-tokens", "4", "-w", str(tmp_path)],
+    """`make demo`'s command (README's first line), small: RULER-style boundary questions are generated, stored
+    and answered by full, reuse and cacheblend, and the summary gives each its TTFT against full's, how many it
+    answered right, and its answers' F1 against full's. The demo's questions are ones the embedded model answers
+    right with full prefill (on the synthetic two-hop set it did before, full scored F1 0.00 on all three)."""
+    proc = subprocess.run([sys.executable, "-m", "kvf", "demo", "-n", "1", "--max-new-tokens", "16", "-w", str(tmp_path)],
                           capture_output=True, text=True,
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "COLUMNS": "160"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    assert "build-cache:" in out and "kvf demo: 1 synthetic two-hop questions" in out
+    assert "build-cache:" in out and "kvf demo: 1 RULER-style boundary questions" in out
     summary = {line.split(":")[0].strip(): line for line in out.splitlines() if "median TTFT" in line}
     assert sorted(summary) == ["cacheblend", "full", "reuse"]
-    assert "(1.00 x full), answers vs full's F1 1.00" in summary["full"]
+    assert "(1.00 x full), right 1 of 1, answers vs full's F1 1.00" in summary["full"]
     assert (tmp_path / "ws" / "kv.zarr").is_dir() and (tmp_path / "runs" / "demo.jsonl").is_file()
 
 
