@@ -10,7 +10,7 @@ MAX_ROWS = 40
 
 
 def answers_rows_table(records: list[dict], title: str) -> Table:
-    """method, answer, F1 vs gold, F1 vs full prefill's answer, recomputed tokens, TTFT; one row per record.
+    """method, answer, acc or F1 vs gold, F1 vs full prefill's answer, recomputed tokens, TTFT; one row per record.
     A question's records sit under one heading row (the question, its gold answers) and end with a line, so a
     narrow terminal spends its width on the answers rather than on repeating the question in a column."""
     from kvf.eval.metrics import accuracy, is_suite_dataset, token_f1
@@ -18,6 +18,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     # against gold, as kvf eval scores it: acc on a generated suite's tasks (a sentence around the right value is
     # right), else token F1
     acc = any(is_suite_dataset(r.get("dataset", "")) or r.get("gold_mode") == "all" for r in records)
+    score = accuracy if acc else (lambda answer, golds, gold_mode: token_f1(answer, golds))
     table = Table(title=title, expand=True)
     table.add_column("method", max_width=20)   # a long labelled name wraps, and leaves the answers their width
     table.add_column("answer", overflow="fold", ratio=1)
@@ -31,10 +32,10 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
             heading.append("\ngold: " + (" / ".join(r["gold"]) or "-"), style="italic")
             table.add_row(Text("question", style="dim"), heading)
         method = run_name(r)                                                    # an ablation row shows its label
-        gold = accuracy(r["answer"], r["gold"], r.get("gold_mode", "any")) if acc else token_f1(r["answer"], r["gold"])
+        gold = f"{score(r['answer'], r['gold'], r.get('gold_mode', 'any')):.2f}" if r["gold"] else "-"   # none given
         vs_full = f"{f1_full[i]:.2f}" if f1_full[i] is not None else "-"
         last = i == len(shown) - 1 or shown[i + 1]["question"] != r["question"]
-        table.add_row(Text(method), Text(r["answer"]), f"{gold:.2f}" if r["gold"] else "-", vs_full,
+        table.add_row(Text(method), Text(r["answer"]), gold, vs_full,
                       f"{r['recomputed_tokens']}/{r['chunk_tokens']}", f"{1000 * r['timings']['first_token']:.0f}",
                       end_section=last)
     against_gold = ("acc: the gold value is in the answer (RULER's score)" if acc else "F1: against gold")

@@ -523,6 +523,8 @@ def test_answers_table_scores_a_generated_suite_s_answers_as_kvf_eval_does():
         cells = {c.header: [str(v) for v in c._cells] for c in table.columns}
         assert cells[header][1] == value, cells
         assert table.caption.startswith("acc: " if header == "acc" else "F1: ")
+        no_gold = answers_rows_table([dict(record, dataset=dataset, gold=[])], "t")   # a question asked without answers
+        assert [str(v) for v in no_gold.columns[2]._cells][1] == "-"
 
 
 def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_at_80_columns():
