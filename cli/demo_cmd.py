@@ -29,8 +29,8 @@ def demo_command(
         check_demo_folder(workspace)
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)
-    console.print(answers_rows_table(rows, f"kvf demo: {questions} RULER-style {DEMO_TASK} questions (the number's "
-                                           "sentence is cut by a chunk boundary)"))
+    asked = f"{questions} RULER-style {DEMO_TASK} question{'s' if questions > 1 else ''}"
+    console.print(answers_rows_table(rows, f"kvf demo: {asked} (the number's sentence is cut by a chunk boundary)"))
     console.print("TTFT = load + select + recompute + first token, stored KVs read from the store on disk.")
     from kvf.cli.tables import f1_to_full
     from kvf.eval.metrics import accuracy
@@ -46,8 +46,8 @@ def demo_command(
         console.print(f"{method:>16}: median TTFT {1000 * statistics.median(times):.0f} ms "
                       f"({statistics.median(times) / full_ttft:.2f} x full), right {sum(right[method]):.0f} of "
                       f"{len(right[method])}, answers vs full's F1 {statistics.mean(vs_full[method]):.2f}")
-    console.print(f"{questions} question{'s' if questions > 1 else ''} show the idea, not a measurement: results/ruler.md "
-                  "measures this task (50 samples at 2K, 95% intervals; `make ruler`)", markup=False)
+    console.print("These answers illustrate the idea; they are not a measurement: results/ruler.md measures this task "
+                  "(50 samples at 2K, 95% intervals; `make ruler`)", markup=False)
 
 
 DEMO_FOLDERS = {"ruler", "ws", "runs", "synthetic"}   # what kvf demo keeps in its --workspace (synthetic: before)

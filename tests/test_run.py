@@ -591,7 +591,7 @@ def test_demo_runs_end_to_end(tmp_path):
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "COLUMNS": "160"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    assert "build-cache:" in out and "kvf demo: 1 RULER-style boundary questions" in out
+    assert "build-cache:" in out and "kvf demo: 1 RULER-style boundary question (" in out
     summary = {line.split(":")[0].strip(): line for line in out.splitlines() if "median TTFT" in line}
     assert sorted(summary) == ["cacheblend", "full", "reuse"]
     assert "(1.00 x full), right 1 of 1, answers vs full's F1 1.00" in summary["full"]

@@ -25,7 +25,8 @@ def run_demo(model: str | None, n_questions: int, ratio: float, max_new_tokens: 
              console: Console) -> list[dict]:
     data = workspace / "ruler"
     make_ruler(data, open_model(model).tokenizer, [DEMO_TASK], DEMO_LENGTH, n_questions, DEMO_SEED)
-    console.print(f"RULER-style {DEMO_TASK} task, {DEMO_LENGTH} tokens: {n_questions} questions -> {data}", markup=False)
+    console.print(f"RULER-style {DEMO_TASK} task, {DEMO_LENGTH} tokens: {n_questions} question"
+                  f"{'s' if n_questions > 1 else ''} -> {data}", markup=False)
     summary = build_cache(BuildOptions(corpus=data / "corpus", workspace=workspace / "ws", model=model,
                                        variants=("prefix",), n_neighbours=3), console)
     console.print(summary_table(summary))
