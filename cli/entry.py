@@ -5,10 +5,15 @@ line, "interrupted; re-run the same command to resume", and exit 130 / 143, what
 (model, store writes, the JVM: it is started with -Xrs and leaves the signals to us). They are
 BaseExceptions on purpose: no library's `except Exception` can swallow them.
 
-One place can still swallow them: a signal that lands while Python runs a callback whose exceptions
-are "unraisable" (a weakref callback inside an import, a __del__) is printed as "Exception ignored"
-and lost, and the build would go on. Our unraisable hook sees that one, prints nothing, and sends
-the same signal again a moment later, when ordinary code runs.
+Two places can still swallow them:
+- a signal that lands while Python runs a callback whose exceptions are "unraisable" (a weakref callback
+  inside an import, a __del__) is printed as "Exception ignored" and lost, and the build would go on. Our
+  unraisable hook sees that one, prints nothing, and sends the same signal again a moment later, when
+  ordinary code runs;
+- library code that catches everything (a bare `except:` around an optional import, of which the dense
+  stage's imports hold many) drops it without a word: a SIGTERM sent as the dense stage began left a
+  build-cache running. A watcher started by the first signal sends it again while kvf has neither reached
+  its one line nor is unwinding with the exception (cleanup in `finally` blocks runs undisturbed).
 """
 import os
 import signal
@@ -38,10 +43,41 @@ class Terminated(Stopped):
     code, word, signum = 143, "terminated", signal.SIGTERM
 
 
+RESEND_S = 1.0   # how often the watcher looks; it sends the signal again after two looks find it dropped
+_exiting = threading.Event()   # set as kvf ends: from then on no signal is sent again
+_watching = threading.Event()
+
+
 def _raise(exc_type):
     def handler(signum, frame):
+        _watch(signum)
         raise exc_type()
     return handler
+
+
+def _unwinding(thread_id: int) -> bool:
+    """Whether that thread is handling a Stopped (in an except, finally or __exit__ on its way out)."""
+    current = sys._current_exceptions().get(thread_id)
+    exc = current[1] if isinstance(current, tuple) else current   # 3.11: exc_info tuples; 3.12 on: the exception
+    return isinstance(exc, Stopped)
+
+
+def _watch(signum: int) -> None:
+    """After the first signal: send it again while kvf neither ends nor unwinds with it, i.e. some library dropped
+    it. Two looks in a row, RESEND_S apart, so a cleanup that handles an exception of its own is not hit."""
+    if _watching.is_set():
+        return
+    _watching.set()
+    main_thread, dropped = threading.main_thread().ident, 0
+
+    def watch():
+        nonlocal dropped
+        while not _exiting.wait(RESEND_S):
+            dropped = 0 if _unwinding(main_thread) else dropped + 1
+            if dropped >= 2:
+                os.kill(os.getpid(), signum)
+                dropped = 0
+    threading.Thread(target=watch, name="kvf-signal-watch", daemon=True).start()
 
 
 def _redeliver_swallowed_signals(unraisable):
@@ -56,7 +92,10 @@ def main():
     signal.signal(signal.SIGINT, _raise(Interrupted))
     signal.signal(signal.SIGTERM, _raise(Terminated))
     try:
-        from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
-    except Stopped as e:
-        e.exit()
-    cli_main()
+        try:
+            from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
+        except Stopped as e:
+            e.exit()
+        cli_main()
+    finally:
+        _exiting.set()   # kvf has said its line (or is done): interpreter shutdown is left alone

@@ -1223,6 +1223,49 @@ def test_a_signal_python_swallows_in_a_callback_still_stops_kvf(tmp_path, exc, c
     assert_one_line(proc.returncode, proc.stderr, word, "re-run")   # and no "Exception ignored" traceback
 
 
+DROPPED_SIGNAL = """
+import os, signal, sys, time
+import kvf.cli.main
+from kvf.cli import entry
+
+def app(**_):
+    {cleanup}
+    try:   # library code that catches everything (a bare except around an optional import) drops the signal
+        os.kill(os.getpid(), signal.{sig})
+        time.sleep(5)
+    except:
+        pass
+    time.sleep(30)   # without the watcher kvf would go on working here
+    return 0
+
+kvf.cli.main.app = app
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("sig,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_signal_library_code_drops_still_stops_kvf(tmp_path, sig, code, word):
+    """A SIGTERM sent as build-cache's dense stage began left it building (a test's build ran on for minutes):
+    the dense stage's imports hold bare excepts, which drop kvf's exception without a word."""
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-c", DROPPED_SIGNAL.format(sig=sig, cleanup="")], cwd=tmp_path,
+                          env=SUB_ENV, capture_output=True, text=True, timeout=25)
+    assert proc.returncode == code, proc.stderr
+    assert_one_line(proc.returncode, proc.stderr, word, "re-run")
+    assert time.time() - started < 20   # sent again within seconds, not after the 30 s of work
+
+
+def test_cleanup_on_the_way_out_of_a_signal_is_not_interrupted(tmp_path):
+    """The watcher sends a dropped signal again, but never while kvf unwinds with it: a `finally` that takes
+    longer than the watcher's two looks (waiting for a store's last writes) runs to its end."""
+    cleanup = ("try: os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+               "    finally: time.sleep(3.5); print('cleanup finished', file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", DROPPED_SIGNAL.format(sig="SIGTERM", cleanup=cleanup)], cwd=tmp_path,
+                          env=SUB_ENV, capture_output=True, text=True, timeout=25)
+    assert proc.returncode == 143, proc.stderr
+    assert [line[:15] for line in proc.stderr.splitlines()] == ["cleanup finished"[:15], "kvf: terminated"], proc.stderr
+
+
 def test_records_made_before_a_knob_existed_resume_as_its_default(data, tmp_path, capsys, monkeypatch):
     """A knob added to a method defaults to the method as it was: records without it resume (nothing is
     re-run), and records whose recorded knob differs are still refused."""
