@@ -10,10 +10,11 @@ Two places can still swallow them:
   inside an import, a __del__) is printed as "Exception ignored" and lost, and the build would go on. Our
   unraisable hook sees that one, prints nothing, and sends the same signal again a moment later, when
   ordinary code runs;
-- library code that catches everything (a bare `except:` around an optional import, of which the dense
-  stage's imports hold many) drops it without a word: a SIGTERM sent as the dense stage began left a
-  build-cache running. A watcher started by the first signal sends it again while kvf has neither reached
-  its one line nor is unwinding with the exception (cleanup in `finally` blocks runs undisturbed).
+- code that catches every exception (a bare `except:`, or C code that clears any error it meets, as
+  PyObject_HasAttr does) drops it without a word: a SIGTERM sent as build-cache's dense stage began (its
+  imports and model load) once left the build running for minutes; where it was dropped is not known. A
+  watcher started by the first signal sends it again while kvf has neither reached its one line nor is
+  unwinding with the exception (cleanup in `finally` blocks runs undisturbed).
 """
 import os
 import signal
