@@ -13,7 +13,7 @@ Two places can still swallow them:
 - code that catches every exception (a bare `except:`, or C code that clears any error it meets, as
   PyObject_HasAttr does) drops it without a word: a SIGTERM sent as build-cache's dense stage began (its
   imports and model load) once left the build running for minutes; where it was dropped is not known. A
-  watcher started by the first signal sends it again while kvf has neither reached its one line nor is
+  watcher thread, started with kvf, sends the first signal again while kvf has neither reached its one line nor is
   unwinding with the exception (cleanup in `finally` blocks runs undisturbed).
 """
 import os
@@ -46,12 +46,13 @@ class Terminated(Stopped):
 
 RESEND_S = 1.0   # how often the watcher looks; it sends the signal again after two looks find it dropped
 _exiting = threading.Event()   # set as kvf ends: from then on no signal is sent again
-_watching = threading.Event()
+_first_signal: list[int] = []  # what the handlers caught first; a list append takes no lock a handler could wait on
 
 
 def _raise(exc_type):
     def handler(signum, frame):
-        _watch(signum)
+        if not _first_signal:
+            _first_signal.append(signum)
         raise exc_type()
     return handler
 
@@ -63,22 +64,18 @@ def _unwinding(thread_id: int) -> bool:
     return isinstance(exc, Stopped)
 
 
-def _watch(signum: int) -> None:
-    """After the first signal: send it again while kvf neither ends nor unwinds with it, i.e. some library dropped
-    it. Two looks in a row, RESEND_S apart, so a cleanup that handles an exception of its own is not hit."""
-    if _watching.is_set():
-        return
-    _watching.set()
+def _watch() -> None:
+    """Once a signal came: send it again while kvf neither ends nor unwinds with it, i.e. some code dropped it. Two
+    looks in a row, RESEND_S apart, so a cleanup that handles an exception of its own is not hit. Started before
+    any signal: starting a thread inside a handler could wait forever on a lock the interrupted code holds."""
     main_thread, dropped = threading.main_thread().ident, 0
-
-    def watch():
-        nonlocal dropped
-        while not _exiting.wait(RESEND_S):
-            dropped = 0 if _unwinding(main_thread) else dropped + 1
-            if dropped >= 2:
-                os.kill(os.getpid(), signum)
-                dropped = 0
-    threading.Thread(target=watch, name="kvf-signal-watch", daemon=True).start()
+    while not _exiting.wait(RESEND_S):
+        if not _first_signal:
+            continue
+        dropped = 0 if _unwinding(main_thread) else dropped + 1
+        if dropped >= 2:
+            os.kill(os.getpid(), _first_signal[0])
+            dropped = 0
 
 
 def _redeliver_swallowed_signals(unraisable):
@@ -92,6 +89,7 @@ def main():
     sys.unraisablehook = _redeliver_swallowed_signals  # before the handlers: no signal can miss it
     signal.signal(signal.SIGINT, _raise(Interrupted))
     signal.signal(signal.SIGTERM, _raise(Terminated))
+    threading.Thread(target=_watch, name="kvf-signal-watch", daemon=True).start()
     try:
         try:
             from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
