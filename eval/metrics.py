@@ -100,4 +100,3 @@ def accuracy(pred: str, golds, gold_mode: str) -> float:
 def is_suite_dataset(dataset: str) -> bool:
     """A generated suite's task ("ruler-2048/boundary"), scored by `acc` rather than F1."""
     return "/" in dataset
-
