@@ -199,6 +199,30 @@ def test_the_room_a_fusion_build_needs_counts_its_neighbours_prefix_entries(tmp_
     assert rows["kv prefix"].items == rows["kv fusion"].items == summary.chunks   # each chunk a neighbour of some
 
 
+def test_shards_of_a_fusion_build_at_once_compute_each_neighbour_prefix_entry_once(tmp_path, monkeypatch):
+    """A fusion build plans its neighbours' prefix entries up front, and those neighbours belong to every shard: a
+    shard that planned them before another stored them computed them again (N shards: up to N times the work)."""
+    import kvf.pipeline.workflows.build as build_module
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"d{i}.txt").write_text(f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 3)
+    computed, real_compute, real_stage_kv = [], EntryBuilder.compute, build_module.stage_kv
+    monkeypatch.setattr(EntryBuilder, "compute", lambda self, variant, chunk, *a: computed.append(
+        (variant, chunk.chunk_id)) or real_compute(self, variant, chunk, *a))
+
+    def other_shard_meanwhile(opts, *args):   # shard 0 builds between shard 1's plan and its KV stage
+        monkeypatch.setattr(build_module, "stage_kv", real_stage_kv)
+        build_cache(replace(opts, shard=(0, 2)), QUIET)
+        return real_stage_kv(opts, *args)
+    monkeypatch.setattr(build_module, "stage_kv", other_shard_meanwhile)
+    build_cache(opts_for(tmp_path, corpus, variants=["fusion"], shard=(1, 2)), QUIET)
+    prefix = [cid for variant, cid in computed if variant == "prefix"]
+    assert len(prefix) == len(set(prefix)) > 0
+    fusion = [cid for variant, cid in computed if variant == "fusion"]   # each shard its own half, once
+    assert sorted(fusion) == sorted(c.chunk_id for c in read_chunks_table(tmp_path / "ws" / "chunks.parquet"))
+
+
 def test_a_session_makes_chunk_objects_only_for_the_chunks_it_is_asked_for(built, monkeypatch):
     """kvf run (each Ray worker, each API session) held every chunk of the workspace as Python objects, a
     Python int per token: 1.3 GB for 100K chunks of 256 tokens, 13 GB for a million. The table now stays

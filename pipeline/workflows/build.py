@@ -488,6 +488,9 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
     summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
     for variant, missing in todo.items():
         stat = StageStat(f"kv {variant}", len(missing), chunks.tokens(missing))
+        # the fusion entries' neighbours belong to every shard: while others build at once, one may have stored a
+        # neighbour's prefix entry since the plan, so each is asked about again (all of them, N times over, else)
+        recheck = variant not in opts.variants and opts.shard[1] > 1
         if missing:
             builder.system_kv()
             started = time.perf_counter()
@@ -495,7 +498,8 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
                 task = progress.add_task(f"KV {variant}", total=len(missing), rate="")
                 done_tokens = 0
                 for chunk in chunks.chunks(missing):
-                    builder.compute(variant, chunk, neighbours, chunks)
+                    if not (recheck and builder.store.has(builder.key(variant, chunk, None))):
+                        builder.compute(variant, chunk, neighbours, chunks)
                     done_tokens += len(chunk.token_ids)
                     rate = done_tokens / max(1e-9, time.perf_counter() - started)
                     progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
