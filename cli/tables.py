@@ -13,11 +13,11 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     """method, answer, acc or F1 vs gold, F1 vs full prefill's answer, recomputed tokens, TTFT; one row per record.
     A question's records sit under one heading row (the question, its gold answers) and end with a line, so a
     narrow terminal spends its width on the answers rather than on repeating the question in a column."""
-    from kvf.eval.metrics import accuracy, is_suite_dataset, token_f1
+    from kvf.eval.metrics import accuracy, scored_by_accuracy, token_f1
     from kvf.pipeline.records import run_name
     # against gold, as kvf eval scores it: acc on a generated suite's tasks (a sentence around the right value is
     # right), else token F1
-    acc = any(is_suite_dataset(r.get("dataset", "")) or r.get("gold_mode") == "all" for r in records)
+    acc = any(scored_by_accuracy(r.get("dataset", ""), r.get("gold_mode", "any")) for r in records)
     score = accuracy if acc else (lambda answer, golds, gold_mode: token_f1(answer, golds))
     table = Table(title=title, expand=True)
     table.add_column("method", max_width=20)   # a long labelled name wraps, and leaves the answers their width

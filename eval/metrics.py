@@ -98,5 +98,11 @@ def accuracy(pred: str, golds, gold_mode: str) -> float:
 
 
 def is_suite_dataset(dataset: str) -> bool:
-    """A generated suite's task ("ruler-2048/boundary"), scored by `acc` rather than F1."""
+    """A generated suite's task ("ruler-2048/boundary")."""
     return "/" in dataset
+
+
+def scored_by_accuracy(dataset: str, gold_mode: str) -> bool:
+    """Whether answers to these questions are scored by `acc` rather than F1: a generated suite's tasks, and
+    questions whose answers need every gold value."""
+    return is_suite_dataset(dataset) or gold_mode == "all"

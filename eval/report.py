@@ -34,7 +34,8 @@ import numpy as np
 import pandas as pd
 
 from kvf.errors import KvfError, warn
-from kvf.eval.metrics import accuracy, exact_match, is_suite_dataset, normalized_f1, substring_accuracy, token_f1
+from kvf.eval.metrics import (accuracy, exact_match, is_suite_dataset, normalized_f1, scored_by_accuracy,
+                              substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
 from kvf.pipeline.records import RunRecord, read_records, run_files_of
@@ -280,8 +281,8 @@ POOLED = " (all tasks)"
 def primary_metric(rows: pd.DataFrame) -> str:
     """acc (RULER: share of gold values present) for a generated suite's tasks ("suite/task", and their
     pooled rows) and wherever answers need all gold values; else F1."""
-    suite = rows.dataset.map(is_suite_dataset) | rows.dataset.str.endswith(POOLED)
-    return "acc" if (rows.gold_mode == "all").any() or suite.any() else "f1"
+    by_accuracy = [scored_by_accuracy(d, mode) for d, mode in zip(rows.dataset, rows.gold_mode)]
+    return "acc" if any(by_accuracy) or rows.dataset.str.endswith(POOLED).any() else "f1"
 
 
 # ---------------------------------------------------------------------------------------------

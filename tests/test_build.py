@@ -170,6 +170,13 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
     assert read_chunks_table(tmp_path / "ws" / "chunks.parquet") == read_chunks_table(
         tmp_path / "one-go" / "ws" / "chunks.parquet")
 
+def town_corpus(root: Path, n: int) -> Path:
+    """n short documents, a chunk each."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(n):
+        (corpus / f"d{i}.txt").write_text(f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 3)
+    return corpus
 
 
 def test_the_room_a_fusion_build_needs_counts_its_neighbours_prefix_entries(tmp_path, monkeypatch):
@@ -177,10 +184,7 @@ def test_the_room_a_fusion_build_needs_counts_its_neighbours_prefix_entries(tmp_
     the room check counted only the fusion entries, about half of what the build writes. With one byte less free
     than the build writes it is refused; with exactly that, it builds."""
     from kvf.cachestore.base import KVStore
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(4):
-        (corpus / f"d{i}.txt").write_text(f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 3)
+    corpus = town_corpus(tmp_path, 4)
     written = build_cache(opts_for(tmp_path / "a", corpus, variants=["fusion"]), QUIET).bytes_written
     monkeypatch.setattr(KVStore, "free_bytes", lambda self: written - 1)
     with pytest.raises(KvfError, match="entries still to build need about"):
@@ -203,10 +207,7 @@ def test_shards_of_a_fusion_build_at_once_compute_each_neighbour_prefix_entry_on
     """A fusion build plans its neighbours' prefix entries up front, and those neighbours belong to every shard: a
     shard that planned them before another stored them computed them again (N shards: up to N times the work)."""
     import kvf.pipeline.workflows.build as build_module
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"d{i}.txt").write_text(f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 3)
+    corpus = town_corpus(tmp_path, 6)
     computed, real_compute, real_stage_kv = [], EntryBuilder.compute, build_module.stage_kv
     monkeypatch.setattr(EntryBuilder, "compute", lambda self, variant, chunk, *a: computed.append(
         (variant, chunk.chunk_id)) or real_compute(self, variant, chunk, *a))

@@ -68,7 +68,6 @@ def test_a_linked_folder_is_read_once_and_a_broken_link_is_said(tmp_path, capsys
     assert "skipped 1 link(s) whose target is missing" in err and "gone.txt" in err
 
 
-
 def test_a_folder_kvf_cannot_read_is_a_warning_naming_it(tmp_path, capsys, monkeypatch):
     """os.walk (and rglob before it) skips a folder it cannot list, so a subfolder of another user's documents
     went missing without a word. (Root reads every folder, so listing it is made to fail here.)"""

@@ -484,8 +484,6 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
              summary: BuildSummary, todo: dict[str, list[str]]) -> list[StageStat]:
     """Each variant's missing entries (`todo`: missing_entries, the plan the room check sized), in build order."""
     stats = []
-    mine = len(shard_ids(chunks, opts.shard))
-    summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
     for variant, missing in todo.items():
         stat = StageStat(f"kv {variant}", len(missing), chunks.tokens(missing))
         # the fusion entries' neighbours belong to every shard: while others build at once, one may have stored a
@@ -531,10 +529,10 @@ def neighbour_chunk_ids(ids: list[str], neighbours: Mapping | None, chunks) -> l
     return [nid for nid in sorted(wanted) if nid in chunks]
 
 
-def missing_entries(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours) -> dict[str, list[str]]:
-    """variant -> the ids of the chunks (of this shard) whose entries are missing, in build order. The fusion
+def missing_entries(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours,
+                    mine: list[str]) -> dict[str, list[str]]:
+    """variant -> the ids of the chunks (`mine`: this shard's) whose entries are missing, in build order. The fusion
     entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for."""
-    mine = shard_ids(chunks, opts.shard)
     todo = {}
     for variant in build_order(opts.variants):
         wanted = mine if variant in opts.variants else neighbour_chunk_ids(mine, neighbours, chunks)
@@ -668,7 +666,9 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for, dtype=model_dtype)
-    todo = missing_entries(opts, builder, chunks, neighbours)
+    mine = shard_ids(chunks, opts.shard)
+    todo = missing_entries(opts, builder, chunks, neighbours, mine)
+    summary.entries_skipped += sum(len(mine) - len(todo[variant]) for variant in opts.variants)   # on either path
     check_room(builder, chunks, todo, opts.variants)
     with store.shared_lock():  # gc refuses while a build writes
         if opts.ray is not None:

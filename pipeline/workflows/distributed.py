@@ -261,10 +261,8 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console
     """The KV stage of build-cache on Ray actors (see the module docstring); `todo`: build.missing_entries. Returns
     StageStats. Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
-    from kvf.pipeline.workflows.build import StageStat, kv_stage_note, shard_ids
+    from kvf.pipeline.workflows.build import StageStat, kv_stage_note
     ray = start_ray(opts.ray, opts.threads)
-    mine = len(shard_ids(chunks, opts.shard))
-    summary.entries_skipped += sum(mine - len(todo[variant]) for variant in opts.variants)
     n_batches = max(-(-len(missing) // opts.batch) for missing in todo.values())
     n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), n_batches)
     if n_workers == 0:   # a resumed or grown-by-nothing build: no actor loads the model for nothing
