@@ -924,11 +924,13 @@ def test_damaged_workspace_files_are_one_line_and_build_cache_repairs_them(ws_co
     (ws / "doc_chunks.json").write_text(doc_chunks)
     manifest = json.loads((ws / "manifest.json").read_text())
     # a hand edit: an internal error where it was next read; a value kvf never writes was blamed on a flag not given
-    # ("--dtype float8: unknown" from build-cache, "this run needs dtype='float8'" from run)
+    # ("--dtype float8: unknown" from build-cache, "this run needs dtype='float8'" from run, "--extras-for full:
+    # full stores nothing at build time" from run)
     for field, value in (("store", 7), ("indexes", "x"), ("dtype", "float8"), ("variants", ["both"]),
-                         ("format", "parquet"), ("chunk_tokens", 0), ("overlap", 999), ("n_neighbours", -1)):
+                         ("format", "parquet"), ("chunk_tokens", 0), ("overlap", 999), ("n_neighbours", -1),
+                         ("extras_for", ["bogus"]), ("extras_for", ["full"])):
         (ws / "manifest.json").write_text(json.dumps({**manifest, field: value}))
-        runs = [run_args((data, ws), tmp_path / "o.jsonl")] if field == "dtype" else []
+        runs = [run_args((data, ws), tmp_path / "o.jsonl")] if field in ("dtype", "extras_for") else []
         for args in (["search", "capital", "-w", ws], ["store", "info", ws], *runs):
             code, _, err = run_cli(args, capsys, monkeypatch)
             assert_one_line(code, err, "manifest.json is damaged", f'its "{field}" is {json.dumps(value)}', "kvf build-cache")

@@ -127,7 +127,17 @@ MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "model": str,
 MANIFEST_VALUES = {"dtype": lambda v, m: v in STORE_DTYPES, "format": lambda v, m: v in FORMATS,
                    "compute_dtype": lambda v, m: v in COMPUTE_DTYPES, "variants": lambda v, m: set(v) <= set(VARIANTS),
                    "chunk_tokens": lambda v, m: v >= 1, "overlap": lambda v, m: 0 <= v < (m.get("chunk_tokens") or v + 1),
-                   "n_neighbours": lambda v, m: v >= 1}
+                   "n_neighbours": lambda v, m: v >= 1, "extras_for": lambda v, m: stores_extras(v)}
+
+
+def stores_extras(names: list[str]) -> bool:
+    """Each name is a method with build-time extras (what `--extras-for` accepts, resolved as build-cache writes
+    it); the registry is read only for a manifest that names some."""
+    if not names:
+        return True
+    from kvf.pipeline.fusion.methods import METHODS, discover
+    discover()
+    return all(name in METHODS and METHODS[name].extras_hook is not None for name in names)
 
 
 def of_kind(value, kind) -> bool:
