@@ -68,13 +68,23 @@ OPTIONAL_VALUES = {"--ray": "local"}
 
 
 def with_optional_values(args: list[str]) -> list[str]:
-    """`--ray` with no value after it (the last word, or another option next) -> `--ray local`."""
+    """`--ray` with no value after it (the last word, or another option next) -> `--ray local`. A negative
+    number next (`--ray -1`) is its value, checked where values are, not an option click never heard of."""
     out = []
     for i, word in enumerate(args):
         out.append(word)
-        if word in OPTIONAL_VALUES and (i + 1 == len(args) or args[i + 1].startswith("-")):
+        if word in OPTIONAL_VALUES and (i + 1 == len(args) or args[i + 1].startswith("-")
+                                        and not is_number(args[i + 1])):
             out.append(OPTIONAL_VALUES[word])
     return out
+
+
+def is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def empty_value(args: list[str]) -> str | None:

@@ -81,6 +81,9 @@ CASES = {
                                                         ["--keep-workspace", "it holds documents, not a workspace"]),
     "run --ray 4 (a worker count)": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "4"),
                                      ["--ray 4: --ray takes where Ray runs, not how many workers", "--ray local --workers 4"]),
+    # a negative number after --ray was read as an option click had never heard of ("No such option: -1")
+    "build-cache --ray -1": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--ray", "-1"],
+                             ["--ray -1: --ray takes where Ray runs, not how many workers", "--workers N (N at least 1)"]),
     # other tools' names for kvf's values
     "build-cache --variant both": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--variant", "both"],
                                    ["--variant both: unknown (for both, --variant prefix,fusion)"]),

@@ -159,9 +159,10 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
     import socket
     if address in (None, "", "local", "auto"):
         return
-    if address.isdigit():   # a worker count where the address goes
-        raise KvfError(f"--ray {address}: --ray takes where Ray runs, not how many workers; for {address} workers "
-                       f"here pass --ray local --workers {address}")
+    if address.lstrip("-").isdigit():   # a worker count where the address goes
+        workers = address if address.isdigit() and int(address) >= 1 else "N"
+        raise KvfError(f"--ray {address}: --ray takes where Ray runs, not how many workers; for {workers} workers "
+                       f"here pass --ray local --workers {workers}" + (" (N at least 1)" if workers == "N" else ""))
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise KvfError(f"--ray {address}: expected local, auto, HOST:PORT (the head's GCS port, 6379) or "
