@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvf.errors import KvfError, disk_full, warn
 
@@ -101,6 +101,15 @@ class RunRecord(BaseModel):
             raise ValueError("settings.variant must be a string")
         return settings
 
+    @model_validator(mode="after")
+    def _token_counts(self):
+        # recomputed <= chunk <= prompt: a record past them (a hand edit) would score a ratio above 1 as measured
+        if self.recomputed_tokens > self.chunk_tokens:
+            raise ValueError(f"recomputed_tokens {self.recomputed_tokens} exceeds chunk_tokens {self.chunk_tokens}")
+        if self.chunk_tokens > self.prompt_tokens:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} exceeds prompt_tokens {self.prompt_tokens}")
+        return self
+
     # ---- derived --------------------------------------------------------------------------------
     @property
     def ratio(self) -> float:
@@ -139,7 +148,8 @@ def parse_record(data: Any, where: str) -> RunRecord:
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "record"
-        raise KvfError(f"{where}: not a kvf run record ({field}: {first['msg']})") from None
+        problem = first["msg"].removeprefix("Value error, ")   # pydantic's prefix for a validator's own words
+        raise KvfError(f"{where}: not a kvf run record ({field}: {problem})") from None
 
 
 def looks_like_record(line: bytes) -> bool:

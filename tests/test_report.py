@@ -363,6 +363,12 @@ def test_bad_run_files(tmp_path, runs, capsys):
         (tmp_path / "bad.jsonl").write_text(json.dumps({**record("q1-0", "full", "Paris"), field: value}) + "\n")
         with pytest.raises(KvfError, match=f"bad.jsonl line 1: not a kvf run record \\({field}"):
             evaluate([tmp_path / "bad.jsonl"], tmp_path / "out")
+    # counts past each other (a hand edit) were scored as they stood: a recomputed share above 1
+    for counts, words in (({"recomputed_tokens": 450}, "recomputed_tokens 450 exceeds chunk_tokens 400"),
+                          ({"chunk_tokens": 600}, "chunk_tokens 600 exceeds prompt_tokens 500")):
+        (tmp_path / "counts.jsonl").write_text(json.dumps({**record("q1-0", "full", "Paris"), **counts}) + "\n")
+        with pytest.raises(KvfError, match=f"counts.jsonl line 1: not a kvf run record \\(record: {words}\\)$"):
+            evaluate([tmp_path / "counts.jsonl"], tmp_path / "out")
     nan_timing = json.dumps(record("q1-0", "full", "Paris")).replace('"load": 0.1', '"load": NaN')
     (tmp_path / "nan.jsonl").write_text(nan_timing + "\n")
     with pytest.raises(KvfError, match="nan.jsonl line 1: not a kvf run record \\(timings.load"):

@@ -85,7 +85,7 @@ def test_a_rerun_checks_every_answer_against_the_committed_records(tmp_path):
     for min_equal, ok in ((1 - 1 / len(lines), True), (1 - 0.5 / len(lines), False)):
         oks, report = compare(moved, min_equal)
         assert oks == [ok] and "not'" in report[0][1], report
-    recomputed = "\n".join([json.dumps({**first, "recomputed_tokens": first["recomputed_tokens"] + 1})] + lines[1:]) + "\n"
+    recomputed = "\n".join([json.dumps({**first, "recomputed_tokens": first["recomputed_tokens"] - 1})] + lines[1:]) + "\n"
     oks, report = compare(recomputed, 1 - 1 / len(lines))   # a different token count is never a near-tie
     assert oks == [False, True] and f"{len(lines) - 1} of {len(lines)}" in report[1][1], report
     oks, report = compare("\n".join(lines[1:]) + "\n")
