@@ -21,7 +21,8 @@ def open_workspace(path, model: str | None = None, device: str = "cpu", dtype: s
     return WorkspaceSession(path, model=model, device=device, dtype=dtype)
 
 
-def evaluate(run_files, out=None, complete_only: bool = False):
-    """Score run files (as `kvf eval`): the summary DataFrame; with `out`, also writes tables and plots there."""
+def evaluate(run_files, out=None, complete_only: bool = False, exclude_questions=None):
+    """Score run files (as `kvf eval`): the summary DataFrame; with `out`, also writes tables and plots there.
+    exclude_questions: question ids to leave out (a list, or a file of one id per line), e.g. a dev split."""
     from kvf.eval.api import evaluate_runs
-    return evaluate_runs(run_files, out, complete_only)
+    return evaluate_runs(run_files, out, complete_only, exclude_questions)

@@ -176,27 +176,39 @@ def complete_questions(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def read_question_ids(path: Path) -> set[str]:
+def read_question_ids(path: Path, flag: str = "--exclude-questions") -> set[str]:
     """Question ids, one per line (blank lines and `#` comments ignored), e.g. a method's dev split."""
-    qids = read_listed(path, "--exclude-questions", "question id")
+    qids = read_listed(path, flag, "question id")
     if not qids:
-        raise KvfError(f"--exclude-questions: {path} names no question id; write one id per line")
+        raise KvfError(f"{flag}: {path} names no question id; write one id per line")
     return qids
 
 
-def without_questions(df: pd.DataFrame, path: Path) -> pd.DataFrame:
-    """The records of every question but those listed in `path` (a split used to tune a method)."""
-    qids, scored = read_question_ids(path), set(df.qid)
+def excluded_ids(listed, flag: str) -> tuple[set[str], str]:
+    """What --exclude-questions (a file) or kvf.evaluate's exclude_questions (a file, or the ids themselves)
+    names -> (the ids, where they came from, as the lines about them say it)."""
+    if isinstance(listed, (str, Path)) and str(listed).strip():
+        return read_question_ids(Path(listed), flag), f"in {listed}"
+    qids = set(listed) if isinstance(listed, (list, tuple, set, frozenset)) else None
+    if not qids or not all(isinstance(q, str) and q.strip() for q in qids):
+        raise KvfError(f"{flag}={listed!r}: pass a file of question ids (one per line), or a list of the ids")
+    return qids, "given"
+
+
+def without_questions(df: pd.DataFrame, listed, flag: str = "--exclude-questions") -> pd.DataFrame:
+    """The records of every question but those listed (a split used to tune a method): a file of ids, or
+    from Python the ids themselves."""
+    (qids, where), scored = excluded_ids(listed, flag), set(df.qid)
     if not qids & scored:
-        raise KvfError(f"--exclude-questions: none of the {len(qids)} ids in {path} is in the run files; "
+        raise KvfError(f"{flag}: none of the {len(qids)} ids {where} is in the run files; "
                        f"check the ids (e.g. {sorted(qids)[0]!r}) against the records' qid")
     unknown = sorted(qids - scored)
     if unknown:   # a typo would leave a tuned-on question in the held-out scores without a word
-        warn(f"--exclude-questions: {len(unknown)} of the {len(qids)} ids in {path} are in no run file "
+        warn(f"{flag}: {len(unknown)} of the {len(qids)} ids {where} are in no run file "
              f"(e.g. {unknown[0]!r}); check them against the records' qid")
     out = df[~df.qid.isin(qids)]
     if out.empty:
-        raise KvfError(f"--exclude-questions: {path} lists every question of the run files; nothing is left to score")
+        raise KvfError(f"{flag}: the ids {where} name every question of the run files; nothing is left to score")
     return out
 
 
@@ -615,16 +627,16 @@ def _safe_name(text: str) -> str:
 
 
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
-             exclude_questions: Path | None = None, track=no_progress) -> pd.DataFrame:
+             exclude_questions=None, track=no_progress, exclude_flag: str = "--exclude-questions") -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
     complete_only: score only questions every method answered (see complete_questions).
-    exclude_questions: a file of question ids left out (see without_questions).
+    exclude_questions: a file of question ids left out, or the ids (see without_questions), named as exclude_flag.
     The written paths are in `summary.attrs["written"]`. track(items, description=...) -> items shows
     progress (rich's Progress.track; a large eval takes a minute)."""
     check_writable_dir(out_dir, "--out")
     df = load_runs([Path(p) for p in run_files], track)
     if exclude_questions is not None:
-        df = without_questions(df, exclude_questions)
+        df = without_questions(df, exclude_questions, exclude_flag)
     if complete_only:
         df = complete_questions(df)
     df = with_pooled_tasks(df)

@@ -246,6 +246,23 @@ def test_exclude_questions_scores_the_held_out_questions_only(runs, tmp_path, ca
         evaluate(runs, tmp_path / "none", exclude_questions=everything)
 
 
+def test_a_notebook_leaves_questions_out_by_their_ids(runs, tmp_path, capsys):
+    """kvf.evaluate had no exclude_questions: a notebook could not score a held-out split as `kvf eval` does."""
+    import kvf
+    dev_ids = [f"q1-{rep}" for rep in range(REPS)]
+    (tmp_path / "dev.txt").write_text("\n".join(dev_ids) + "\n")
+    from_list = kvf.evaluate(runs, exclude_questions=dev_ids)
+    from_file = kvf.evaluate(runs, exclude_questions=tmp_path / "dev.txt")
+    assert set(from_list.n) == {3 * REPS}
+    pd.testing.assert_frame_equal(from_list, from_file)
+    kvf.evaluate(runs, exclude_questions=[*dev_ids, "q1-O"])
+    assert "exclude_questions: 1 of the 7 ids given are in no run file (e.g. 'q1-O')" in capsys.readouterr().err
+    for bad in ("nope.txt", [], [3], "", {"q1-0": 1}):
+        with pytest.raises(KvfError) as caught:
+            kvf.evaluate(runs, exclude_questions=bad)
+        assert str(caught.value).startswith("exclude_questions") and "\n" not in str(caught.value), caught.value
+
+
 def test_gzipped_run_files_score_the_same(runs, tmp_path):
     # committed evidence is kept as .jsonl.gz: the same records give the same table
     zipped = []
