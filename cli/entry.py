@@ -22,6 +22,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from kvf.errors import KvfError
+
 
 class Stopped(BaseException):
     """A signal turned into an exception; ends kvf in its one line."""
@@ -95,6 +97,9 @@ def main():
             from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
         except Stopped as e:
             e.exit()
+        except KvfError as e:   # the CLI's flags come from the method files: one the user wrote may not load
+            print(f"kvf: error: {e}", file=sys.stderr)
+            sys.exit(1)
         cli_main()
     finally:
         _exiting.set()   # kvf has said its line (or is done): interpreter shutdown is left alone

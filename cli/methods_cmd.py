@@ -47,9 +47,7 @@ WIDE = 140  # columns the table needs before its summaries read as sentences
 
 def method_row(cls, name: str, detail: bool = False) -> dict:
     """detail: each knob with its help (`kvf methods NAME`), and the method's file."""
-    import inspect
-
-    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, flag_name, knob_help
+    from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, defined_in, flag_name, knob_help
     if detail:
         knobs = [(flag_name(f.name), knob_help(f)) for f in dataclasses.fields(cls.Knobs)]
     else:
@@ -58,7 +56,7 @@ def method_row(cls, name: str, detail: bool = False) -> dict:
     ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
             "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-",
-            "file": inspect.getsourcefile(cls) if detail else None}
+            "file": defined_in(cls) if detail else None}
 
 
 def method_json(cls, name: str) -> dict:

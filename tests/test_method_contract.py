@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import FAMILIES, oracle_method, recomputes_chunks, stored_prefix_kvs, tiny_model
+from conftest import FAMILIES, assert_one_line, oracle_method, recomputes_chunks, stored_prefix_kvs, tiny_model
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
@@ -232,6 +232,44 @@ def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(built, tmp_path
     record = json.loads(out.read_text().splitlines()[0])
     assert record["method"] == "mine" and (record["settings"]["ratio"], record["settings"]["from_end"]) == (0.5, True)
     assert abs(record["recomputed_tokens"] - round(0.5 * record["chunk_tokens"])) <= len(record["chunk_ids"])
+
+
+BROKEN_METHOD_FILES = {   # a method file of one's own that does not load: a traceback from the CLI's import was all
+    "syntax.py": ("x = 1\ndef f(:\n", "syntax.py line 2: SyntaxError: invalid syntax"),
+    "missing.py": ("import os\nimport no_such_package_kvf\n", "missing.py line 2: ModuleNotFoundError: No module named"),
+    "unnamed.py": ("from kvf.pipeline.fusion.methods import FusionMethod, register\n@register\n"
+                   "class Unnamed(FusionMethod):\n    summary = 'x'\n", "unnamed.py line 2: TypeError: Unnamed has no `name`"),
+    "twice.py": ("from kvf.pipeline.fusion.methods import FusionMethod, register\n@register\n"
+                 "class Full(FusionMethod):\n    name = 'full'\n", "method name 'full' is registered twice"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_METHOD_FILES))
+def test_a_method_file_that_does_not_load_is_one_line_naming_it(tmp_path, name):
+    text, expected = BROKEN_METHOD_FILES[name]
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / name).write_text(text)
+    env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "methods"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "kvf", "methods"], capture_output=True, text=True, env=env)
+    assert_one_line(proc.returncode, proc.stderr, expected)
+    if name != "twice.py":
+        assert f"fix the method file, or move it out of {tmp_path / 'methods'}" in proc.stderr
+
+
+def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(built, tmp_path):
+    """It was "internal error ... (please report it)": an error of kvf's, in a method kvf never saw."""
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "boom.py").write_text(
+        "from kvf.pipeline.fusion.methods import FusionMethod, register\n\n\n@register\nclass Boom(FusionMethod):\n"
+        "    name, summary = 'boom', 'raises'\n\n    def initial_chunk_rows(self, prompt):\n"
+        "        raise RuntimeError('no rows today')\n")
+    env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "methods"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", built / "data", "-w", built / "ws", "-m", "boom",
+                           "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl"],
+                          capture_output=True, text=True, env=env)
+    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'methods' / 'boom.py'} line 9 (a method file of "
+                    "KVF_METHOD_PATH) raised RuntimeError: no rows today; fix the method")
+    assert proc.returncode == 1
 
 
 def test_the_recipe_method_passes_the_contract(tmp_path):

@@ -231,10 +231,19 @@ def register(cls):
         raise TypeError(f"{cls.__qualname__} has no `name`")
     known = METHODS.get(cls.name)
     if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise KvfError(f"method name {cls.name!r} is registered twice: by {known.__module__} and by {cls.__module__}; "
+        raise KvfError(f"method name {cls.name!r} is registered twice: by {defined_in(known)} and by {defined_in(cls)}; "
                        "rename one of them")
     METHODS[cls.name] = cls
     return cls
+
+
+def defined_in(cls) -> str:
+    """A method class's file (`kvf methods NAME` says it; a module name when it has none)."""
+    import inspect
+    try:
+        return inspect.getsourcefile(cls) or cls.__module__
+    except TypeError:   # a class made where no file is (a notebook cell)
+        return cls.__module__
 
 
 _discovered = False
@@ -254,12 +263,39 @@ def discover() -> dict[str, type[FusionMethod]]:
         if not Path(directory).is_dir():
             raise KvfError(f"{METHOD_PATH_ENV}={directory}: not a directory of method files")
         for path in sorted(Path(directory).glob("*.py")):
-            module_name = f"kvf_user_methods.{path.stem}"
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
+            load_method_file(path, directory)
     return METHODS
+
+
+USER_METHOD_FILES: list[str] = []   # the $KVF_METHOD_PATH files loaded, absolute: where their errors are blamed
+
+
+def load_method_file(path: Path, directory: str) -> None:
+    """One $KVF_METHOD_PATH file, imported; an error in it (a typo, a missing import) is one line naming the
+    file and its line, since it is the user's code and not kvf's."""
+    module_name = f"kvf_user_methods.{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    USER_METHOD_FILES.append(str(path.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except KvfError:   # register()'s own line (a name registered twice)
+        raise
+    except Exception as e:
+        found = user_method_line(e)
+        line = e.lineno if isinstance(e, SyntaxError) else found[1] if found else None
+        message = e.msg if isinstance(e, SyntaxError) else str(e).splitlines()[0] if str(e) else ""
+        raise KvfError(f"{METHOD_PATH_ENV}: {path}{f' line {line}' if line else ''}: {type(e).__name__}: {message}; "
+                       f"fix the method file, or move it out of {directory}") from None
+
+
+def user_method_line(error: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the innermost traceback frame in a $KVF_METHOD_PATH file, or None when the error did
+    not pass through one (the CLI then calls it kvf's own bug)."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename in USER_METHOD_FILES]
+    return (frames[-1].filename, frames[-1].lineno) if frames else None
 
 
 def method_names() -> list[str]:
