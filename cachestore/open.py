@@ -58,7 +58,7 @@ def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) 
     cls = FORMATS[found]
     identity = cls.read_identity(fs, root)
     if meta:
-        check_meta(path, identity.get("meta", {}), meta)
+        check_meta(path, identity.get("meta", {}), meta, entries=lambda: len(cls(fs, root, path, identity, True, None)))
     if readonly is None:
         readonly = fs.local and not os.access(root, os.W_OK)
     if not readonly and fs.local and not os.access(root, os.W_OK):
@@ -121,14 +121,16 @@ def aws_setting(e: Exception) -> str | None:
     return None
 
 
-def check_meta(path: str, stored: dict, wanted: dict) -> None:
-    """Every field the caller gives must equal the stored one (compared as JSON, so tuples == lists)."""
+def check_meta(path: str, stored: dict, wanted: dict, entries=lambda: None) -> None:
+    """Every field the caller gives must equal the stored one (compared as JSON, so tuples == lists).
+    entries() counts the store's entries, asked only on a mismatch: a store with none was left by a first build
+    that stopped before writing one (e.g. a model whose weights did not load), and deleting it loses nothing."""
     for field, want in wanted.items():
         have = stored.get(field, _ABSENT)
         if _canon(have) != _canon(want):
-            raise StoreMismatch(
-                f"store {path} holds {field}={have!r} but this run needs {field}={want!r}; "
-                f"use another --store path or rebuild the store")
+            fix = ("it holds no entry yet (a first build stopped before writing one): delete it and re-run, or use "
+                   "another --store path") if entries() == 0 else "use another --store path or rebuild the store"
+            raise StoreMismatch(f"store {path} holds {field}={have!r} but this run needs {field}={want!r}; {fix}")
 
 
 def _canon(value) -> str:

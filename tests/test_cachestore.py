@@ -450,6 +450,17 @@ def test_meta_mismatch_is_refused(tmp_path, fmt):
         open_store(path, meta={"rope_theta": 10000})
     assert open_store(path, meta={"model": "model-fp", "layers": 4}).format == fmt  # a matching subset is fine
     assert open_store(path, create=True, meta={**META}).keys() == store.keys()  # create=True reopens
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_store_with_no_entry_says_deleting_it_loses_nothing(tmp_path, fmt):
+    """A first build whose model did not load left a store named after it, and the fixed model was refused by it."""
+    store, path = new_store(tmp_path, fmt), str(tmp_path / "store")
+    with pytest.raises(StoreMismatch, match="it holds no entry yet .*: delete it and re-run"):
+        open_store(path, meta={**META, "model": "other-fp"})
+    store.put(key_of(0), rand_kv())
+    with pytest.raises(StoreMismatch, match="use another --store path or rebuild the store$"):
+        open_store(path, meta={**META, "model": "other-fp"})
     other = "hdf5" if fmt == "zarr" else "zarr"
     with pytest.raises(KvfError, match=f"is a {fmt} store"):
         open_store(path, other)

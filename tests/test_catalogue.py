@@ -214,6 +214,18 @@ CASES = {
                              ["--model meta-llama/Llama-3-8B: no such file", "kvf downloads nothing", "--local-dir DIR"]),
     "run --model without model_type": (lambda d, t: run_args(d, t / "o.jsonl", "--model", write(t / "m" / "config.json", b"{}").parent),
                                        ["config.json names no model_type", "llama"]),
+    # a model folder that is not whole: an internal error from transformers (no tokenizer), a traceback (config.json
+    # not an object), or a build that chunked and indexed before finding no weights
+    "build-cache --model config.json a list": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                             write(t / "m" / "config.json", b"[1]").parent],
+                                               ["--model", "config.json is not a JSON object"]),
+    "build-cache --model without weights": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                          write(t / "m" / "config.json", b'{"model_type": "llama"}').parent],
+                                            ["--model", "no weight files (*.safetensors or *.bin)", "download"]),
+    "build-cache --model without tokenizer": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                            (write(t / "m" / "model.safetensors", b"x"),
+                                                             write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
+                                              ["--model", "cannot load its tokenizer", "tokenizer.json"]),
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
     "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),
     "run -o DIR": (lambda d, t: run_args(d, t), ["--out", "is a directory"]),

@@ -183,7 +183,12 @@ class ModelRef:
     @functools.cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(self.model_dir)
+        try:
+            return AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError, TypeError) as e:   # no tokenizer files, or damaged ones
+            raise KvfError(f"--model {self.name}: cannot load its tokenizer ({str(e).splitlines()[0][:120].strip()}); "
+                           "the directory needs the model's tokenizer files (tokenizer.json or tokenizer.model, with "
+                           "tokenizer_config.json): copy them from where the model came from") from None
 
     def load(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
         from transformers import AutoModelForCausalLM
@@ -228,7 +233,18 @@ def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise KvfError(f"--model {name}: no config.json in {model_dir}; pass a Hugging Face model directory or a .gguf file")
-    _check_architecture(json.loads(config_path.read_text()).get("model_type"), name)
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise KvfError(f"--model {name}: {config_path} is not a JSON object; pass a Hugging Face model directory "
+                       "(its config.json may be damaged: download it again)")
+    _check_architecture(config.get("model_type"), name)
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
+        # said now, not after a build's chunks and indexes (and a store named after weights it never had)
+        raise KvfError(f"--model {name}: no weight files (*.safetensors or *.bin) in {model_dir}; download the "
+                       "model's weights into it, or pass another model directory")
     return ModelRef(model_dir, name)
 
 
