@@ -294,6 +294,8 @@ CASES = {
                                                                                 "--quality-floor", "nan", "-o", t / "o.jsonl"],
                                                                                ["--quality-floor nan: not a number"]),
     "bench --repeats 0": (lambda d, t: ["bench", "--repeats", "0"], ["--repeats"]),
+    # what kvf's benchmark scripts and the README call them ("No such option: --rounds")
+    "bench --rounds 0": (lambda d, t: ["bench", "--rounds", "0"], ["--rounds 0: input should be greater than or equal to 1"]),
     "bench --lengths past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "full", "--lengths", "20000",
                                                      "-o", t / "b"], ["--lengths 20000", "4,096 positions", "up to 4,096"]),
     "bench --check-layer past the model": (lambda d, t: ["bench", "--random-weights", "tiny", "-m", "cacheblend:check_layer=9",
