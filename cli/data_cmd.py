@@ -25,7 +25,7 @@ def prepare_command(
         "--data-dir", help="Data directory for the default input [default: $KVF_DATA, else ../shared/data].")] = None,
     corpus: Annotated[Optional[Path], typer.Option(
         "--corpus", help="custom: documents whose ids your questions' passages name (a folder or file, as for build-cache).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="Keep only the first N questions.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-n", "--n", min=1, help="Keep only the first N questions.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad/--no-skip-bad", help="Skip records with no answers or no passages (with a warning) instead of failing.")] = False,
 ):

@@ -16,14 +16,14 @@ console = Console(stderr=True)
 @with_method_knobs
 def run_command(
     out: Path = typer.Option(..., "--out", "-o", help="Run file (JSON lines); re-running skips questions already in it."),
-    method: str = typer.Option(..., "--method", "-m", help="Fusion method(s), comma-separated, or all (see `kvf methods`)."),
+    method: str = typer.Option(..., "--method", "-m", "--methods", help="Fusion method(s), comma-separated, or all (see `kvf methods`)."),
     dataset: Optional[Path] = typer.Option(None, "--dataset", "-d", help="Prepared dataset dir (corpus/ + questions.jsonl), see `kvf data`."),
     questions: Optional[Path] = typer.Option(None, "--questions", "-q", help="Your own questions, JSON Lines {question, answers?, id?, passages?}, answered from --workspace."),
-    ratio: Optional[str] = typer.Option(None, "--ratio", "-r", show_default=False, help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller) [default: 0.15]."),
+    ratio: Optional[str] = typer.Option(None, "--ratio", "-r", "--ratios", show_default=False, help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller) [default: 0.15]."),
     quality_floor: Optional[float] = typer.Option(None, "--quality-floor", min=0.0, max=1.0, show_default=False, help="With --ratio auto: never recompute less than this [default: 0.15]."),
     workspace: Optional[Path] = typer.Option(None, "--workspace", "-w", help="Workspace from build-cache [default: DATASET/workspace with --dataset, else ./workspace]."),
     variant: Optional[str] = typer.Option(None, "--variant", help="Stored KV variant: prefix or fusion [default: each method's own]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", min=1, show_default=False, help="Chunks retrieved per question in the shared setting [default: 5]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", "--k", min=1, show_default=False, help="Chunks retrieved per question in the shared setting [default: 5]."),
     limit: Optional[int] = typer.Option(None, "--limit", "-n", min=1, help="Answer only the first N questions [default: all]."),
     offset: int = typer.Option(0, "--offset", min=0, help="Skip the first N questions (with -n: a held-out slice, e.g. --offset 100 -n 50)."),
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto."),
