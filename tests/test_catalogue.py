@@ -191,7 +191,11 @@ CASES = {
                                          ["--quality-floor 0.3", "-r auto"]),
     "run -m NAME:no_such_knob": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:nope=1",
                                                "-o", t / "o.jsonl"], ["--method cacheblend:nope=1", "no knob"]),
-    "run --offset past the end": (lambda d, t: run_args(d, t / "o.jsonl", "--offset", "100000"), ["--offset 100000", "only"]),
+    "run --offset past the end": (lambda d, t: run_args(d, t / "o.jsonl", "--offset", "100000"),
+                                  ["--offset 100000", "has only", "pass an --offset below"]),
+    # it blamed the file ("has only 1 questions") for what --qid had picked
+    "run --offset past --qid": (lambda d, t: run_args(d, t / "o.jsonl", "--qid", "syn1-0000", "--offset", "1"),
+                                ["--offset 1: --qid picks only 1 question; pass an --offset below 1"]),
     "run -k where questions bring passages": (lambda d, t: run_args(d, t / "o.jsonl", "-k", "3"),
                                               ["--top-k 3", "per-question setting", "--setting shared"]),
     "run --retriever where questions bring passages": (lambda d, t: run_args(d, t / "o.jsonl", "--retriever", "dense"),

@@ -600,7 +600,9 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
         questions = [q for q in questions if q.qid in set(opts.qids)]
     if opts.offset:
         if opts.offset >= len(questions):
-            raise KvfError(f"--offset {opts.offset}: {opts.dataset or opts.questions} has only {len(questions)} questions")
+            held = "--qid picks only" if opts.qids else f"{opts.dataset or opts.questions} has only"
+            raise KvfError(f"--offset {opts.offset}: {held} {len(questions)} question{'s' * (len(questions) != 1)}; "
+                           f"pass an --offset below {len(questions)}")
         questions = questions[opts.offset:]
     if opts.limit is not None:
         questions = questions[: opts.limit]
