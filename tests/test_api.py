@@ -148,3 +148,10 @@ def test_evaluate_refuses_what_is_not_a_run_file_path():
             kvf.evaluate(bad)
     with pytest.raises(kvf.KvfError, match=re.escape("open_workspace(5): pass the workspace's folder")):
         kvf.open_workspace(5)   # it raised a TypeError from pathlib
+    # an AttributeError ('int' object has no attribute 'startswith') and a TypeError from os.fspath
+    for argument, expected in ((dict(device=3), "device=3: pass 'cpu' or 'cuda'"), (dict(dtype=16), "dtype=16: pass"),
+                               (dict(model=["m.gguf"]), "model=['m.gguf']: pass a model folder")):
+        with pytest.raises(kvf.KvfError, match=re.escape(expected)):
+            kvf.open_workspace("workspace", **argument)
+    with pytest.raises(kvf.KvfError, match=re.escape("out=5: pass a folder's path")):
+        kvf.evaluate("runs/x.jsonl", out=5)
