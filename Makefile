@@ -1,12 +1,16 @@
 # kvf: reproduction targets. Everything runs on CPU with the embedded SmolLM2-135M-Instruct.
+#   make help    this list
 #   make demo    set up, then build a store for generated RULER-style questions and answer with full / reuse / cacheblend
 #   make test    set up, then run the test suite (what CI runs)
+#   make probe-flags / probe-files  on demand: every flag, and every field of every JSON file kvf reads, given bad
+#                values (about 17 and 5 minutes)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
 #   make ruler   every method on the calibrated RULER-style tasks: 2K and 4K at ratios {0,.15,.3}; results/ruler.md (RULER_N=)
 #   make hotpotqa  every method at 15% on HotpotQA (dev, fullwiki), then results/hotpotqa.md            (HOTPOTQA_N=)
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
+#   make ceiling  what the store's rounding costs (`ceiling`) and a deviation-ranked oracle, results/ceiling.md
 #   make ttft    TTFT ratio vs context length                                         (REPEATS=)
 #   make bench-build  build throughput, bytes per token, per-layer read time
 #   make bench-scale  Ray workers vs one process, shared vs lone sweep work (synthetic and MuSiQue), 1M-chunk cost projection
@@ -16,6 +20,8 @@
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
 #   make verify-smoke  the same on a few questions per file, against the committed records (minutes; part of make test)
+#   make gpu-checks  on a CUDA machine only: what only a GPU can check (scripts/gpu_checks.sh)
+#   make clean   remove work/ (WORK=) and runs/, where the targets above write their runs
 # Defaults equal the conditions of the committed results (tests/test_results.py checks it).
 # Real data is read from $(KVF_DATA) (default ../shared/data); it is never copied here.
 
@@ -31,9 +37,12 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
+
+help:   # the header above, the comment marks taken off
+	@sed -n '2,/^# Defaults/p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml

@@ -26,3 +26,13 @@ def test_kvf_help_from_another_directory(tmp_path):
     assert proc.returncode == 0
     for command in ("demo", "build-cache", "run", "eval", "bench", "search", "store", "data"):
         assert command in proc.stdout
+
+
+def test_make_help_names_only_targets_the_makefile_has():
+    """`make help` prints the Makefile's header; each `make X` in it must be a target (make -n finds a rule)."""
+    listed = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    targets = {word.strip("`:(),;.") for line in listed.splitlines() for i, word in enumerate(line.split())
+               if i and line.split()[i - 1].strip("`") == "make" and not word.startswith("-")}
+    assert {"demo", "test", "help", "verify", "kvfuse-curve"} <= targets, targets
+    for target in sorted(targets):   # -q: asks whether it is up to date, runs nothing; 2 = no such rule
+        assert subprocess.run(["make", "-q", target], cwd=ROOT, capture_output=True).returncode != 2, target
