@@ -23,6 +23,23 @@ def fmt(number: dict) -> str:
     return f"{number['name']}: {text}{number.get('unit', '')}"
 
 
+# the conditions a README line carries beside its numbers, in this order; the rest are in results/expected.yaml
+SHOWN_CONDITIONS = ("model", "machine", "N", "N_NQ", "samples_per_task", "lengths", "data", "endpoint", "repeats")
+
+
+def conditions_line(conditions: dict) -> str:
+    """model = ..., N = 50, data = musique/musique_s.json, ... (a data entry by its files under $KVF_DATA)."""
+    shown = []
+    for key in SHOWN_CONDITIONS:
+        value = conditions.get(key)
+        if value is None:
+            continue
+        if key == "data" and isinstance(value, dict):
+            value = ", ".join(d["file"] for d in value.values())
+        shown.append(f"{key} = {value}")
+    return ", ".join(shown)
+
+
 def render(expected: dict | None = None) -> str:
     expected = expected or load_expected()
     lines = [BEGIN]
@@ -30,9 +47,7 @@ def render(expected: dict | None = None) -> str:
         shown = [n for n in entry.get("numbers", []) if n.get("readme")]
         if not shown:
             continue
-        c = entry.get("conditions", {})
-        where = ", ".join(f"{k} = {v}" for k, v in c.items() if k in ("N", "N_NQ", "samples_per_task", "lengths", "model"))
-        lines.append(f"- `{name}` (`{entry['command']}`; {where}):")
+        lines.append(f"- `{name}` (`{entry['command']}`; {conditions_line(entry.get('conditions', {}))}):")
         lines += [f"  - {fmt(n)}" for n in shown]
     lines.append(END)
     return "\n".join(lines)

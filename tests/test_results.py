@@ -39,6 +39,11 @@ def test_a_stale_interval_fails_even_when_the_value_holds(tmp_path):
 def test_readme_numbers_are_generated_from_expected_yaml():
     assert readme.current_block(), "README.md lost its results markers"
     assert readme.current_block() == readme.render(), "README numbers are stale: run `python -m kvf.scripts.readme --write`"
+    # each file's numbers carry their conditions: results/s3.md's line once read "(`make bench-s3`; )"
+    for line in readme.render().splitlines():
+        if line.startswith("- `results/"):
+            conditions = line.split("`; ", 1)[1]
+            assert conditions.strip("):") and ("model = " in conditions or "endpoint = " in conditions), line
 
 
 def makefile_defaults() -> dict:
