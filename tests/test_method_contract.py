@@ -263,11 +263,12 @@ def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(built, tmp_path)
         "from kvf.pipeline.fusion.methods import FusionMethod, register\n\n\n@register\nclass Boom(FusionMethod):\n"
         "    name, summary = 'boom', 'raises'\n\n    def initial_chunk_rows(self, prompt):\n"
         "        raise RuntimeError('no rows today')\n")
-    env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "methods"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    (tmp_path / "linked").symlink_to(tmp_path / "methods")   # a folder reached through a link is the same files
+    env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "linked"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", built / "data", "-w", built / "ws", "-m", "boom",
                            "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl"],
                           capture_output=True, text=True, env=env)
-    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'methods' / 'boom.py'} line 9 (a method file of "
+    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'linked' / 'boom.py'} line 9 (a method file of "
                     "KVF_METHOD_PATH) raised RuntimeError: no rows today; fix the method")
     assert proc.returncode == 1
 

@@ -277,7 +277,7 @@ def load_method_file(path: Path, directory: str) -> None:
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    USER_METHOD_FILES.append(str(path.resolve()))
+    USER_METHOD_FILES.append(os.path.realpath(path))
     try:
         spec.loader.exec_module(module)
     except KvfError:   # register()'s own line (a name registered twice)
@@ -294,7 +294,8 @@ def user_method_line(error: BaseException) -> tuple[str, int] | None:
     """(file, line) of the innermost traceback frame in a $KVF_METHOD_PATH file, or None when the error did
     not pass through one (the CLI then calls it kvf's own bug)."""
     import traceback
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename in USER_METHOD_FILES]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f.filename in USER_METHOD_FILES or os.path.realpath(f.filename) in USER_METHOD_FILES]
     return (frames[-1].filename, frames[-1].lineno) if frames else None
 
 
