@@ -41,9 +41,10 @@ class WorkspaceSession:
     def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu", dtype: str | None = None):
         if not isinstance(path, (str, Path)):
             raise KvfError(f"open_workspace({path!r}): pass the workspace's folder, e.g. open_workspace(\"workspace\")")
-        for name, value, example in (("model", model, "a model folder or .gguf file"), ("device", device, "'cpu' or 'cuda'"),
-                                     ("dtype", dtype, "'float32', 'bfloat16' or 'float16'")):
-            if value is not None and not isinstance(value, (str, Path) if name == "model" else str):
+        for name, value, kinds, example in (("model", model, (str, Path), "a model folder or .gguf file"),
+                                            ("device", device, str, "'cpu' or 'cuda'"),
+                                            ("dtype", dtype, str, "'float32', 'bfloat16' or 'float16'")):
+            if value is not None and not isinstance(value, kinds):
                 raise KvfError(f"{name}={value!r}: pass {example}")   # an AttributeError deep in kvf otherwise
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():

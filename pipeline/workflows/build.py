@@ -30,7 +30,8 @@ from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter
                                              tokenizer_fingerprint, validate_chunking)
 from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
 from kvf.pipeline.files import atomic_path, check_writable_dir
-from kvf.pipeline.fusion.methods import METHODS, discover
+from kvf.pipeline.fusion.methods import METHODS
+from kvf.pipeline.fusion.methods.base import methods_with_extras
 from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar, size_text
@@ -741,8 +742,7 @@ def previous_manifest(ws: Workspace, console: Console) -> dict:
 
 def extras_methods(names) -> list[str]:
     """The methods named (comma lists allowed; "all" = every method with a build-time hook), checked."""
-    discover()
-    with_hook = sorted(name for name, cls in METHODS.items() if cls.extras_hook is not None)
+    with_hook = methods_with_extras()
     out = []
     for name in (n.strip() for item in names for n in str(item).split(",")):
         if not name:

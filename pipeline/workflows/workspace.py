@@ -135,9 +135,8 @@ def stores_extras(names: list[str]) -> bool:
     it); the registry is read only for a manifest that names some."""
     if not names:
         return True
-    from kvf.pipeline.fusion.methods import METHODS, discover
-    discover()
-    return all(name in METHODS and METHODS[name].extras_hook is not None for name in names)
+    from kvf.pipeline.fusion.methods.base import methods_with_extras
+    return set(names) <= set(methods_with_extras())
 
 
 def of_kind(value, kind) -> bool:

@@ -267,7 +267,7 @@ def discover() -> dict[str, type[FusionMethod]]:
     return METHODS
 
 
-USER_METHOD_FILES: list[str] = []   # the $KVF_METHOD_PATH files loaded, absolute: where their errors are blamed
+USER_METHOD_FILES: set[str] = set()   # the $KVF_METHOD_PATH files loaded, links resolved: where errors are blamed
 
 
 def load_method_file(path: Path, directory: str) -> None:
@@ -277,7 +277,7 @@ def load_method_file(path: Path, directory: str) -> None:
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    USER_METHOD_FILES.append(os.path.realpath(path))
+    USER_METHOD_FILES.add(os.path.realpath(path))
     try:
         spec.loader.exec_module(module)
     except KvfError:   # register()'s own line (a name registered twice)
@@ -294,13 +294,17 @@ def user_method_line(error: BaseException) -> tuple[str, int] | None:
     """(file, line) of the innermost traceback frame in a $KVF_METHOD_PATH file, or None when the error did
     not pass through one (the CLI then calls it kvf's own bug)."""
     import traceback
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if f.filename in USER_METHOD_FILES or os.path.realpath(f.filename) in USER_METHOD_FILES]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) in USER_METHOD_FILES]
     return (frames[-1].filename, frames[-1].lineno) if frames else None
 
 
 def method_names() -> list[str]:
     return sorted(discover())
+
+
+def methods_with_extras() -> list[str]:
+    """The methods whose build-time hook stores extras with every entry (what `--extras-for` may name)."""
+    return sorted(name for name, cls in discover().items() if cls.extras_hook is not None)
 
 
 def check_method_name(name: str, given: str | None = None) -> None:
