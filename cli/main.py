@@ -23,7 +23,7 @@ from kvf import __version__  # noqa: E402
 from kvf.cli.entry import Interrupted, Stopped  # noqa: E402
 from kvf.cli.options import command_group, thousands  # noqa: E402
 from kvf.errors import KvfError, disk_full  # noqa: E402
-from kvf.pipeline.fusion.methods.base import METHOD_PATH_ENV, user_method_line  # noqa: E402
+from kvf.pipeline.fusion.methods.base import user_method_error  # noqa: E402
 
 app = command_group("kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.")
 DEBUG = {"on": False}
@@ -252,12 +252,11 @@ def main():
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
         if debug:
             raise
-        message = str(e).splitlines()[0][:200] if str(e) else ""
-        blamed = user_method_line(e)
+        blamed = user_method_error(e)
         if blamed is not None:   # raised in a method file of $KVF_METHOD_PATH: the user's code, not kvf's
-            print(f"kvf: error: {blamed[0]} line {blamed[1]} (a method file of {METHOD_PATH_ENV}) raised "
-                  f"{type(e).__name__}: {message}; fix the method (--debug shows the traceback)", file=sys.stderr)
+            print(f"kvf: error: {blamed} (--debug shows the traceback)", file=sys.stderr)
             sys.exit(1)
+        message = str(e).splitlines()[0][:200] if str(e) else ""
         print(f"kvf: internal error: {type(e).__name__}: {message} (please report it; re-run with --debug for the "
               "traceback)", file=sys.stderr)
         sys.exit(2)

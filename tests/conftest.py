@@ -149,3 +149,15 @@ def assert_one_line(code: int, err: str, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+RAISING_METHOD_ERROR = "line 9 (a method file of KVF_METHOD_PATH) raised RuntimeError: no rows today; fix the method"
+
+
+def write_raising_method(folder):
+    """A method of one's own (a KVF_METHOD_PATH folder) whose selection raises: boom.py line 9."""
+    folder.mkdir()
+    (folder / "boom.py").write_text(
+        "from kvf.pipeline.fusion.methods import FusionMethod, register\n\n\n@register\nclass Boom(FusionMethod):\n"
+        "    name, summary = 'boom', 'raises'\n\n    def initial_chunk_rows(self, prompt):\n"
+        "        raise RuntimeError('no rows today')\n")

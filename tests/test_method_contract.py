@@ -20,7 +20,8 @@ import textwrap
 import pytest
 import torch
 
-from conftest import FAMILIES, assert_one_line, oracle_method, recomputes_chunks, stored_prefix_kvs, tiny_model
+from conftest import (FAMILIES, RAISING_METHOD_ERROR, assert_one_line, oracle_method, recomputes_chunks,
+                      stored_prefix_kvs, tiny_model, write_raising_method)
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
@@ -258,18 +259,13 @@ def test_a_method_file_that_does_not_load_is_one_line_naming_it(tmp_path, name):
 
 def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(built, tmp_path):
     """It was "internal error ... (please report it)": an error of kvf's, in a method kvf never saw."""
-    (tmp_path / "methods").mkdir()
-    (tmp_path / "methods" / "boom.py").write_text(
-        "from kvf.pipeline.fusion.methods import FusionMethod, register\n\n\n@register\nclass Boom(FusionMethod):\n"
-        "    name, summary = 'boom', 'raises'\n\n    def initial_chunk_rows(self, prompt):\n"
-        "        raise RuntimeError('no rows today')\n")
+    write_raising_method(tmp_path / "methods")
     (tmp_path / "linked").symlink_to(tmp_path / "methods")   # a folder reached through a link is the same files
     env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "linked"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", built / "data", "-w", built / "ws", "-m", "boom",
                            "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl"],
                           capture_output=True, text=True, env=env)
-    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'linked' / 'boom.py'} line 9 (a method file of "
-                    "KVF_METHOD_PATH) raised RuntimeError: no rows today; fix the method")
+    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'linked' / 'boom.py'} {RAISING_METHOD_ERROR}")
     assert proc.returncode == 1
 
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 from rich.console import Console
 
+from conftest import RAISING_METHOD_ERROR, assert_one_line, write_raising_method
+
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
 
 QUIET = Console(file=io.StringIO())
@@ -142,6 +144,18 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkey
         m.setattr(distributed, "actor_class", lambda *a: pytest.fail("an actor started with nothing to answer"))
         run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
     assert answers(corpus / "ray.jsonl") == (one, 9)
+
+
+def test_an_error_in_a_method_of_ones_own_on_a_worker_is_blamed_on_its_file(corpus, tmp_path):
+    """It read "a Ray worker failed: no rows today": the file and line were in the worker's traceback only."""
+    write_raising_method(tmp_path / "methods")
+    proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", corpus / "data", "-w", corpus / "one", "-m", "boom",
+                           "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl", "--ray", "local",
+                           "--workers", "1"], capture_output=True, text=True,
+                          env={**ENV, "KVF_METHOD_PATH": str(tmp_path / "methods")})
+    assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'methods' / 'boom.py'} {RAISING_METHOD_ERROR} (run "
+                    "without --ray, with --debug, for the traceback)")
+    assert proc.returncode == 1
 
 
 def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, tmp_path):

@@ -388,12 +388,16 @@ def actor_class(ray, impl: type, opts):
 def task_errors(ray):
     """A KvfError raised in a worker is re-raised here as itself (one line); a worker that keeps dying
     is one line too."""
+    from kvf.pipeline.fusion.methods.base import user_method_error
     try:
         yield
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, KvfError):
             raise KvfError(str(cause)) from None
+        blamed = user_method_error(cause, str(e)) if cause is not None else None
+        if blamed is not None:   # a $KVF_METHOD_PATH method raised on the worker: the user's code, not Ray's
+            raise KvfError(f"{blamed} (run without --ray, with --debug, for the traceback)") from None
         raise KvfError(f"a Ray worker failed: {str(cause or e).strip().splitlines()[-1][:200]}") from None
     except ray.exceptions.RayActorError as e:
         if getattr(e, "actor_init_failed", False):   # its __init__ raised (e.g. it cannot load the model): say why

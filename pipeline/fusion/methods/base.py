@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import re
 import sys
 import typing
 from contextlib import contextmanager
@@ -290,12 +291,26 @@ def load_method_file(path: Path, directory: str) -> None:
                        f"fix the method file, or move it out of {directory}") from None
 
 
-def user_method_line(error: BaseException) -> tuple[str, int] | None:
-    """(file, line) of the innermost traceback frame in a $KVF_METHOD_PATH file, or None when the error did
-    not pass through one (the CLI then calls it kvf's own bug)."""
+def user_method_line(error: BaseException, traceback_text: str = "") -> tuple[str, int] | None:
+    """(file, line) of the innermost frame in a $KVF_METHOD_PATH file, from the error's traceback or, for an
+    error that crossed processes (a Ray worker's), from its printed traceback; None when the error did not
+    pass through one (the CLI then calls it kvf's own bug)."""
     import traceback
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) in USER_METHOD_FILES]
-    return (frames[-1].filename, frames[-1].lineno) if frames else None
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(error.__traceback__)]
+    frames += [(path, int(line)) for path, line in re.findall(r'File "([^"]+)", line (\d+)', traceback_text)]
+    frames = [(path, line) for path, line in frames if os.path.realpath(path) in USER_METHOD_FILES]
+    return frames[-1] if frames else None
+
+
+def user_method_error(error: BaseException, traceback_text: str = "") -> str | None:
+    """The one line for an error raised inside a $KVF_METHOD_PATH method: the user's code, blamed on its file
+    and line; None when the error is not from one."""
+    blamed = user_method_line(error, traceback_text)
+    if blamed is None:
+        return None
+    message = str(error).splitlines()[0][:200] if str(error) else ""
+    return (f"{blamed[0]} line {blamed[1]} (a method file of {METHOD_PATH_ENV}) raised {type(error).__name__}: "
+            f"{message}; fix the method")
 
 
 def method_names() -> list[str]:
