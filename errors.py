@@ -1,5 +1,12 @@
-"""kvf's one user-facing error type, and its warnings (their own module, so the store can import them
+"""kvf's one user-facing error type, its warnings, and the Python API's naming of its lines (their own module, so the store can import them
 without the rest of kvf)."""
+
+
+import functools
+import inspect
+import re
+from contextlib import contextmanager
+from pathlib import PurePath
 
 
 class KvfError(Exception):
@@ -46,3 +53,49 @@ def warn(message: str) -> None:
     """A non-fatal problem with the input: one yellow line on stderr, and kvf carries on."""
     from rich.console import Console
     Console(stderr=True).print(f"warning: {message}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+
+
+def as_arguments(message: str, arguments: dict[str, tuple[str, object]]) -> str:
+    """A line that names the CLI's flags, naming a Python call's arguments instead: "--device cuda: ...; use
+    --device cpu" -> "device='cuda': ...; use device='cpu'". arguments: flag -> (argument, value passed). A
+    `kvf ...` command quoted in the line is a command to type, and stays as it is."""
+    parts = message.split("`")
+    for i in range(0, len(parts), 2):   # the parts outside backquotes
+        for flag, (name, value) in arguments.items():
+            if value is not None and not isinstance(value, bool):
+                passed = str(value) if isinstance(value, PurePath) else value   # as it was passed: '0.5', 3
+                parts[i] = parts[i].replace(f"{flag} {value}", f"{name}={passed!r}")
+            # a fix that names a value ("or use --device cpu"), then the flag alone ("omit --model for ...")
+            parts[i] = re.sub(rf"{re.escape(flag)} ([^\s;,()]+?)(?=[:.,;)]|$)", lambda m: f"{name}={m[1]!r}", parts[i])
+            parts[i] = re.sub(rf"{re.escape(flag)}(?![\w-])", name, parts[i])
+    return "`".join(parts)
+
+
+@contextmanager
+def named_as_arguments(arguments: dict[str, tuple[str, object]]):
+    """kvf's checks name the CLI's flags; a line raised inside, called from Python, names the arguments."""
+    try:
+        yield
+    except KvfError as e:
+        raise KvfError(as_arguments(str(e), arguments)) from None
+
+
+def errors_name_arguments(flags: dict[str, str] | None = None, more=lambda self: {}):
+    """A Python API function whose KvfError lines name its own arguments (top_k=0), not the CLI's flags
+    (--top-k 0). Each argument is the flag of its name (max_new_tokens: --max-new-tokens) unless `flags` maps
+    it to another (path: --workspace); more(self) adds what an object was opened with."""
+    def wrap(function):
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def named(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            given = {name: value for name, value in bound.arguments.items()
+                     if signature.parameters[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name != "self"}
+            arguments = {(flags or {}).get(name, "--" + name.replace("_", "-")): (name, value)
+                         for name, value in given.items()}
+            with named_as_arguments({**(more(args[0]) if "self" in signature.parameters else {}), **arguments}):
+                return function(*args, **kwargs)
+        return named
+    return wrap

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, errors_name_arguments
 from kvf.eval.report import evaluate
 
 
+@errors_name_arguments()
 def evaluate_runs(run_files, out=None, complete_only: bool = False, exclude_questions=None) -> pd.DataFrame:
     """The summary `kvf eval` prints, as a DataFrame (its scored records in .attrs["records"]).
     With `out`, the tables and plots are written there too. exclude_questions: question ids left out (e.g. the

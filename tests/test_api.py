@@ -155,3 +155,33 @@ def test_evaluate_refuses_what_is_not_a_run_file_path():
             kvf.open_workspace("workspace", **argument)
     with pytest.raises(kvf.KvfError, match=re.escape("out=5: pass a folder's path")):
         kvf.evaluate("runs/x.jsonl", out=5)
+
+
+def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monkeypatch):
+    """Checks kvf shares with the CLI named its flags to a notebook ("--device cuda: ...; use --device cpu",
+    "--out r is a file"), flags it never typed. They name the arguments passed now; a `kvf ...` command
+    quoted as a fix stays a command."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "a_file").write_text("")
+    missing = tmp_path / "no-model"
+    for argument, said in ((dict(device="cuda"), "^device='cuda': this torch sees no CUDA GPU.* or use device='cpu'$"),
+                           (dict(device="gpu"), "^device='gpu': kvf runs on cpu or cuda"),
+                           (dict(dtype="float8"), "^dtype='float8': use one of float32"),
+                           (dict(model=missing), f"^model='{missing}': no such file or directory.* or omit model for "
+                                                 "the embedded")):
+        with pytest.raises(kvf.KvfError, match=said) as raised:
+            kvf.open_workspace(built / "ws", **argument)
+        assert "--" not in str(raised.value), raised.value
+    with pytest.raises(kvf.KvfError, match=re.escape(f"path='{tmp_path / 'a_file'}' is a file; pass a directory (build "
+                                                     "one with `kvf build-cache CORPUS -w DIR`)")):
+        kvf.open_workspace(tmp_path / "a_file")
+    from kvf.pipeline.workflows.weights import embedded_gguf_path
+    ws = kvf.open_workspace(built / "ws", model=embedded_gguf_path())   # a Path: it raised an AttributeError
+    first_doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    assert ws.answer("q", method="reuse", documents=[first_doc], max_new_tokens=1).text is not None
+    with pytest.raises(kvf.KvfError, match=re.escape("use fewer chunks (top_k), smaller --chunk-tokens or a lower "
+                                                     "max_new_tokens")):   # --chunk-tokens: a build's flag
+        ws.answer("q", documents=[first_doc], max_new_tokens=100_000)
+    with pytest.raises(kvf.KvfError, match=re.escape(f"out='{tmp_path / 'a_file'}' is a file; pass a directory")):
+        kvf.evaluate("runs/x.jsonl", out=tmp_path / "a_file")

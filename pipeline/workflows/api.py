@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, errors_name_arguments
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
@@ -38,6 +38,7 @@ class WorkspaceAnswer:
 class WorkspaceSession:
     """kvf.open_workspace(path): `answer()` retrieves (or takes) chunks and fuses their stored KVs."""
 
+    @errors_name_arguments({"path": "--workspace"})
     def __init__(self, path: str | Path, model: str | None = None, device: str = "cpu", dtype: str | None = None):
         if not isinstance(path, (str, Path)):
             raise KvfError(f"open_workspace({path!r}): pass the workspace's folder, e.g. open_workspace(\"workspace\")")
@@ -52,7 +53,10 @@ class WorkspaceSession:
         self.session = Session(ws, model, device, dtype)
         check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
+        # a model that fails to load on the first answer is named model=..., as open_workspace() took it
+        self.opened_with = {"--model": ("model", model), "--device": ("device", device), "--dtype": ("dtype", dtype)}
 
+    @errors_name_arguments(more=lambda self: self.opened_with)
     def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[SearchHit]:
         """The top-k chunks for a question, best first: each one's chunk id, score, document id and text
         (retriever: bm25, or dense in a workspace built --no-bm25, unless given)."""
@@ -68,6 +72,7 @@ class WorkspaceSession:
         chunks = self.session.chunks([cid for cid, _ in found], retriever)
         return [SearchHit(cid, score, chunk.doc_id, chunk.text) for (cid, score), chunk in zip(found, chunks)]
 
+    @errors_name_arguments(more=lambda self: self.opened_with)
     def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int | None = None,
                retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
                max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:

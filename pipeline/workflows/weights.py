@@ -211,6 +211,7 @@ def open_model(model: str | None = None) -> ModelRef:
         gguf = embedded_gguf_path()
         name = "SmolLM2-135M-Instruct"
     else:
+        model = str(model)   # the Python API takes a Path too
         path = Path(model).expanduser()
         if not path.exists():
             # kvf never downloads (offline by design): a hub id such as meta-llama/Llama-3-8B is not fetched
