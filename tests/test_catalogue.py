@@ -803,6 +803,31 @@ def test_a_build_its_disk_cannot_hold_is_refused_before_computing(ws_copy, capsy
 
 
 
+def test_a_run_whose_kvs_its_disk_cannot_hold_is_refused_before_answering(ws_copy, tmp_path, capsys, monkeypatch):
+    """`kvf run` computes the stored KVs its questions need as it reaches them, and a disk too small stopped it with
+    "disk full" part-way. The entries the questions still need are sized first, as build-cache sizes its own."""
+    from kvf.cachestore import open_store
+    from kvf.cachestore.base import KVStore
+    data, ws = ws_copy
+    question = json.loads((data / "questions.jsonl").read_text().splitlines()[0])
+    doc_chunks = json.loads((ws / "doc_chunks.json").read_text())
+    needed = {cid for pid in question["context_ids"] for cid in doc_chunks[pid]}
+    store = open_store(ws / "kv.zarr")
+    missing = [k for k in chunk_entry_keys(store) if store.attrs(k)["chunk_id"] in needed]
+    payload = sum(store.header(k).layers * store.header(k).layer_nbytes for k in missing)
+    for key in missing:
+        store.delete(key)
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: payload - 1)
+    code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, f"--store {ws / 'kv.zarr'}: the {len(missing)} entries still to compute for these "
+                    "questions need about", "free space, or pass --store on a larger disk")
+    assert (tmp_path / "o.jsonl").read_text() == "" and len(chunk_entry_keys(open_store(ws / "kv.zarr"))) == len(
+        chunk_entry_keys(store))
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: payload)
+    code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert code == 0 and len((tmp_path / "o.jsonl").read_text().splitlines()) == 1, err
+
+
 def test_an_index_naming_a_chunk_the_workspace_lacks_is_one_line_alike_everywhere(ws_copy, capsys, monkeypatch):
     """kvf search and the Python API (and kvf run, through the same session) each wrote their own line for an
     index naming a chunk chunks.parquet lacks; one check now says it for all, naming the chunk and the rebuild."""

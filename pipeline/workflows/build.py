@@ -530,22 +530,25 @@ def neighbour_chunk_ids(ids: list[str], neighbours: Mapping | None, chunks) -> l
     return [nid for nid in sorted(wanted) if nid in chunks]
 
 
-def missing_entries(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours,
+def missing_entries(variants, builder: EntryBuilder, chunks: ChunkTable, neighbours,
                     mine: list[str]) -> dict[str, list[str]]:
-    """variant -> the ids of the chunks (`mine`: this shard's) whose entries are missing, in build order. The fusion
-    entries' neighbours' prefix entries count as prefix work even when prefix is not a variant asked for."""
+    """variant -> the ids of the chunks (`mine`: this shard's, or a run's questions') whose entries are missing, in
+    build order. The fusion entries' neighbours' prefix entries count as prefix work even when prefix is not a
+    variant asked for."""
     todo = {}
-    for variant in build_order(opts.variants):
-        wanted = mine if variant in opts.variants else neighbour_chunk_ids(mine, neighbours, chunks)
+    for variant in build_order(variants):
+        wanted = mine if variant in variants else neighbour_chunk_ids(mine, neighbours, chunks)
         todo[variant] = builder.missing_ids(variant, chunks, wanted, neighbours)
     return todo
 
 
-def check_room(builder: EntryBuilder, chunks: ChunkTable, todo: dict[str, list[str]], variants) -> None:
+def check_room(builder: EntryBuilder, chunks: ChunkTable, todo: dict[str, list[str]], fixes: list[str],
+               what: str = "entries still to build") -> None:
     """A build its disk cannot hold stopped with "disk full" after hours of computing: the entries still to store
     (`todo`, from missing_entries: a resumed build counts only those, and a fusion build its neighbours' prefix
     entries too) are sized from the store's layout and compared with the free space first. Uncompressed sizes, so
-    a compressed store needs at most this; an object store is not checked."""
+    a compressed store needs at most this; an object store is not checked. fixes: besides freeing space and a
+    larger disk, what the caller's flags can change."""
     free = builder.store.free_bytes()
     if free is None:
         return
@@ -555,14 +558,18 @@ def check_room(builder: EntryBuilder, chunks: ChunkTable, todo: dict[str, list[s
     needed = builder.store.kv_nbytes(tokens)
     if needed <= free:
         return
-    fixes = ["free space", "pass --store on a larger disk"]
-    if builder.store.dtype == "float32":
-        fixes.append("store float16 (--dtype float16, half the bytes)")
-    if len(variants) > 1:
-        fixes.append(f"build one --variant ({' and '.join(variants)} each take the same bytes)")
-    raise KvfError(f"--store {builder.store.path}: the {entries:,} entries still to build need about {size_text(needed)} "
+    fixes = ["free space", "pass --store on a larger disk", *fixes]
+    raise KvfError(f"--store {builder.store.path}: the {entries:,} {what} need about {size_text(needed)} "
                    f"({tokens:,} tokens x {size_text(builder.store.kv_nbytes(1))}), and its disk has {size_text(free)} "
                    f"free; {', '.join(fixes[:-1])}, or {fixes[-1]}")
+
+
+def build_fixes(store, variants) -> list[str]:
+    """What build-cache's flags can do for a store its disk cannot hold."""
+    fixes = ["store float16 (--dtype float16, half the bytes)"] if store.dtype == "float32" else []
+    if len(variants) > 1:
+        fixes.append(f"build one --variant ({' and '.join(variants)} each take the same bytes)")
+    return fixes
 
 
 # the least room a prompt needs beside S and one chunk: a short question and answer (`kvf run` checks
@@ -668,9 +675,9 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
     builder = EntryBuilder(model_ref, store, opts.device, extras_for, dtype=model_dtype)
     mine = shard_ids(chunks, opts.shard)
-    todo = missing_entries(opts, builder, chunks, neighbours, mine)
+    todo = missing_entries(opts.variants, builder, chunks, neighbours, mine)
     summary.entries_skipped += sum(len(mine) - len(todo[variant]) for variant in opts.variants)   # on either path
-    check_room(builder, chunks, todo, opts.variants)
+    check_room(builder, chunks, todo, build_fixes(store, opts.variants))
     with store.shared_lock():  # gc refuses while a build writes
         if opts.ray is not None:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray

@@ -28,8 +28,9 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
-from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, index_digests, open_workspace_store,
-                                          settle_settings, stage_chunks, stage_indexes, write_workspace_manifest)
+from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, check_room, index_digests, missing_entries,
+                                          open_workspace_store, settle_settings, stage_chunks, stage_indexes,
+                                          write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
@@ -458,6 +459,20 @@ def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_
                            f"or leave the question out of {source.name}")
 
 
+def check_run_room(session: Session, picker: ChunkPicker, todo: list[list[Planned]], questions: list[Question]) -> None:
+    """A run computes the stored KVs its questions need as it reaches them: a disk that could not hold them all
+    stopped it with "disk full" hours in. The entries still missing are sized first, as build-cache does (a
+    local store; todo[i]: what question i has left to run)."""
+    pending = [(q, {p.variant for p in left if p.method.uses_store}) for q, left in zip(questions, todo)]
+    variants = set().union(*(needed for _, needed in pending))
+    if not variants or session.store.free_bytes() is None:
+        return
+    ids = list(dict.fromkeys(cid for q, needed in pending if needed for cid in picker.chunk_ids(q)))
+    neighbours = session.neighbours() if "fusion" in variants else None
+    missing = missing_entries(variants, session.builder, session.chunks_by_id, neighbours, ids)
+    check_room(session.builder, session.chunks_by_id, missing, [], what="entries still to compute for these questions")
+
+
 def stale_indexes(ws: Workspace, manifest: dict) -> list[str]:
     """The indexes the manifest says were built from another chunks table than the workspace's (an index
     built before indexes recorded their chunk set is taken as fresh)."""
@@ -734,6 +749,8 @@ def run(opts: RunOptions, console: Console) -> Path:
         # questions already answered in full proved that they fit: a resumed sweep does not search them again
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
+        if opts.ray is None:
+            check_run_room(session, picker, [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)
         say_resumed(console, opts.out, len(questions) * len(planned), sum(len(todo) for todo in todo_of.values()))
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
