@@ -48,7 +48,7 @@ def prepare_command(
         for w in caught:
             typer.echo(f"warning: {w.message}", err=True)
     short = f" (-n {limit} asked: that is all there are)" if limit is not None and manifest["questions"] < limit else ""
-    typer.echo(f"{name}: {manifest['questions']} questions{short}, {manifest['passages']} distinct passages "
+    typer.echo(f"{name}: {manifest['questions']} question{'s' * (manifest['questions'] != 1)}{short}, {manifest['passages']} distinct passages "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
 
 
@@ -78,7 +78,7 @@ def synthetic_command(
     with progress_bar(Console(stderr=True)) as progress:
         questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed,
                                    track=lambda items, total: progress.track(items, total, description="synthetic"))
-    typer.echo(f"synthetic: {len(questions)} questions, {len(questions) * passages} passages (seed {seed}) -> {out}")
+    typer.echo(f"synthetic: {len(questions)} question{'s' * (len(questions) != 1)}, {len(questions) * passages} passages (seed {seed}) -> {out}")
 
 
 @data_app.command("ruler")
