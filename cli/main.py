@@ -80,6 +80,17 @@ def with_optional_values(args: list[str]) -> list[str]:
     return out
 
 
+def with_home_expanded(args: list[str]) -> list[str]:
+    """`--workspace=~/ws` -> `--workspace=/home/me/ws`: the shell expands ~ in `-w ~/ws` but leaves it after
+    `=`, and kvf took it for a folder named "~" in the current one."""
+    out = []
+    for word in args:
+        flag, sep, value = word.partition("=")
+        home = flag.startswith("-") and sep and (value == "~" or value.startswith("~/"))
+        out.append(f"{flag}={os.path.expanduser(value)}" if home else word)
+    return out
+
+
 def is_number(word: str) -> bool:
     try:
         float(word)
@@ -217,7 +228,8 @@ def main():
         if (empty := empty_value(sys.argv[1:])) is not None:
             raise KvfError(f"{empty} (see `{command_path(sys.argv[1:])} --help`)")
         # click's usage errors come to us, to be printed on one line
-        code = app(args=with_optional_values(sys.argv[1:]), prog_name="kvf", standalone_mode=False)
+        code = app(args=with_optional_values(with_home_expanded(sys.argv[1:])), prog_name="kvf",
+                   standalone_mode=False)
         if code == 130:  # typer turns a KeyboardInterrupt it sees into this code
             raise KeyboardInterrupt
         sys.exit(code if isinstance(code, int) else 0)

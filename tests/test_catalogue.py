@@ -890,6 +890,18 @@ def test_damaged_or_misplaced_entries_are_refused_before_they_are_read(ws_copy, 
     assert code == 1 and "header checksum mismatch" in out
 
 
+def test_a_home_folder_after_an_equals_sign_is_the_home_folder(built, tmp_path, capsys, monkeypatch):
+    """The shell expands `-w ~/ws` but not `--workspace=~/ws`, and kvf looked for a folder named "~" here
+    ("no workspace there", naming the path the user meant). kvf expands it as the shell would have."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ws").symlink_to(built / "ws")
+    monkeypatch.chdir(tmp_path)
+    by_path = run_cli(["store", "info", "--json", "--workspace", tmp_path / "ws"], capsys, monkeypatch)
+    assert by_path[0] == 0 and run_cli(["store", "info", "--json", "--workspace=~/ws"], capsys, monkeypatch) == by_path
+    code, out, _ = run_cli(["search", "capital", "--workspace=~/ws", "-k", "1"], capsys, monkeypatch)
+    assert code == 0 and "capital" in out.lower()
+
+
 def test_store_commands_take_the_store_or_workspace_as_an_argument(built, tmp_path, capsys, monkeypatch):
     """`kvf store info PATH`: what a new user types first. A workspace folder stands for its store, any other
     path for a store; the answer is the one --store / -w give. Named twice, or not a store: one line."""
