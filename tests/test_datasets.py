@@ -221,11 +221,11 @@ def test_cli_prepare(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [DPR[0], {"question": "q", "answers": [], "ctxs": []}])
     result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o"), "--skip-bad"])
     assert result.exit_code == 0, result.output
-    assert "1 questions" in result.output and "1 skipped" in result.output
+    assert "1 question," in result.output and "1 skipped" in result.output
     # -n past the file's end: what the user asked for is not silently cut to what there is
     result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o"),
                                       "--skip-bad", "-n", "50"])
-    assert "1 questions (-n 50 asked: that is all there are)" in " ".join(result.output.split()), result.output
+    assert "1 question (-n 50 asked: that is all there are)" in " ".join(result.output.split()), result.output
     result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o")])
     assert isinstance(result.exception, KvfError)
 
