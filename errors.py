@@ -1,5 +1,5 @@
-"""kvf's one user-facing error type, its warnings, and the Python API's naming of its lines (their own module, so the store can import them
-without the rest of kvf)."""
+"""kvf's one user-facing error type, its warnings, and the Python API's naming of its lines (their own
+module, so the store can import them without the rest of kvf)."""
 
 
 import functools
