@@ -158,6 +158,36 @@ def test_an_error_in_a_method_of_ones_own_on_a_worker_is_blamed_on_its_file(corp
     assert proc.returncode == 1
 
 
+def test_a_ray_run_whose_kvs_its_disk_cannot_hold_is_refused_before_its_workers_start(ray_local, corpus, tmp_path,
+                                                                                        monkeypatch):
+    """The run's workers compute the stored KVs its questions need; a local store's disk too small for them
+    stopped the run with "disk full" part-way. The driver sizes them first, as a one-process run does."""
+    from kvf.cachestore import open_store
+    from kvf.cachestore.base import KVStore
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows import distributed
+    from kvf.pipeline.workflows.run import RunOptions, run
+    shutil.copytree(corpus / "one", tmp_path / "ws")
+    store = open_store(tmp_path / "ws" / "kv.zarr")
+    for key in [k for k in store.keys() if store.attrs(k).get("variant") == "fusion"]:
+        store.delete(key)
+    monkeypatch.setattr(KVStore, "free_bytes", lambda self: 1)
+    class WorkersStarted(Exception):
+        pass
+
+    def run_with_ray(*args):
+        raise WorkersStarted
+
+    monkeypatch.setattr(distributed, "run_with_ray", run_with_ray)
+    common = dict(out=tmp_path / "o.jsonl", dataset=corpus / "data", workspace=tmp_path / "ws", ray="local", workers=1,
+                  warmup=False)
+    with pytest.raises(KvfError, match=rf"^--store {tmp_path / 'ws' / 'kv.zarr'}: the \d+ entries still to compute for "
+                                       "these questions need about .* free space, or pass --store on a larger disk$"):
+        run(RunOptions(methods=["fusionrag"], **common), QUIET)
+    with pytest.raises(WorkersStarted):   # every prefix entry is there: nothing to size, the workers start
+        run(RunOptions(methods=["reuse"], **common), QUIET)
+
+
 def test_a_worker_that_cannot_load_the_model_is_one_line_naming_why(ray_local, tmp_path):
     """Issue 18's bad input: an actor whose model does not load fails the call with the worker's own one-line
     reason (the flag and the fix), not Ray's traceback."""

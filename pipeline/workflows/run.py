@@ -28,13 +28,15 @@ from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
-from kvf.pipeline.workflows.build import (BuildOptions, check_chunk_fits, check_room, index_digests, missing_entries,
-                                          open_workspace_store, settle_settings, stage_chunks, stage_indexes,
-                                          write_workspace_manifest)
+from kvf.pipeline.retrieval.neighbours import load_neighbours
+from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chunk_fits, check_room, index_digests,
+                                          missing_entries, open_workspace_store, settle_settings, stage_chunks,
+                                          stage_indexes, write_workspace_manifest)
 from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
-from kvf.pipeline.workflows.session import Session, check_entries_dtype, check_workspace_model, workspace_path
+from kvf.pipeline.workflows.session import (Session, check_entries_dtype, check_workspace_model, open_run_store,
+                                            run_extras, workspace_path)
 from kvf.pipeline.workflows.weights import open_model
 from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant, folder_kind
 
@@ -459,18 +461,19 @@ def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_
                            f"or leave the question out of {source.name}")
 
 
-def check_run_room(session: Session, picker: ChunkPicker, todo: list[list[Planned]], questions: list[Question]) -> None:
-    """A run computes the stored KVs its questions need as it reaches them: a disk that could not hold them all
-    stopped it with "disk full" hours in. The entries still missing are sized first, as build-cache does (a
-    local store; todo[i]: what question i has left to run)."""
+def check_run_room(builder: EntryBuilder, chunks: ChunkTable, neighbours_of, picker: ChunkPicker,
+                   todo: list[list[Planned]], questions: list[Question]) -> None:
+    """A run computes the stored KVs its questions need as it reaches them (on its Ray workers too): a disk that
+    could not hold them all stopped it with "disk full" hours in. The entries still missing are sized first, as
+    build-cache does (a local store; todo[i]: what question i has left to run)."""
     pending = [(q, {p.variant for p in left if p.method.uses_store}) for q, left in zip(questions, todo)]
     variants = set().union(*(needed for _, needed in pending))
-    if not variants or session.store.free_bytes() is None:
+    if not variants or builder.store.free_bytes() is None:
         return
     ids = list(dict.fromkeys(cid for q, needed in pending if needed for cid in picker.chunk_ids(q)))
-    neighbours = session.neighbours() if "fusion" in variants else None
-    missing = missing_entries(variants, session.builder, session.chunks_by_id, neighbours, ids)
-    check_room(session.builder, session.chunks_by_id, missing, [], what="entries still to compute for these questions")
+    neighbours = neighbours_of() if "fusion" in variants else None
+    missing = missing_entries(variants, builder, chunks, neighbours, ids)
+    check_room(builder, chunks, missing, [], what="entries still to compute for these questions")
 
 
 def stale_indexes(ws: Workspace, manifest: dict) -> list[str]:
@@ -723,8 +726,8 @@ def run(opts: RunOptions, console: Console) -> Path:
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
         dtype = compute_dtype(opts.device, opts.dtype)
         check_entries_dtype(ws, dtype_name(dtype))
+        extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
         if opts.ray is None:
-            extras_for = {p.method.name for p in planned if p.method.extras_hook is not None}
             session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
             model_name = session.model_ref.name
             prompt_of = lambda q: session.prompt(session.chunks(picker.chunk_ids(q), opts.retriever), q.question)  # noqa: E731
@@ -750,7 +753,13 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
                           console)
         if opts.ray is None:
-            check_run_room(session, picker, [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)
+            builder, chunk_table, neighbours_of = session.builder, session.chunks_by_id, session.neighbours
+        else:   # the driver sizes what its workers will compute (an EntryBuilder loads the model only to compute)
+            builder = EntryBuilder(model_ref, open_run_store(ws, model_ref, opts.store), opts.device,
+                                   run_extras(ws, extras_for), dtype=dtype)
+            chunk_table, neighbours_of = chunks_by_id, lambda: load_neighbours(ws.neighbours_file, chunks_by_id)
+        check_run_room(builder, chunk_table, neighbours_of, picker,
+                       [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)
         say_resumed(console, opts.out, len(questions) * len(planned), sum(len(todo) for todo in todo_of.values()))
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

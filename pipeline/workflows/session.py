@@ -31,6 +31,22 @@ class Fused:
     read_seconds: float | None     # total store read time (None: the method read nothing)
 
 
+def open_run_store(ws: Workspace, model_ref, store: str | None):
+    """The store a run reads (--store, else the workspace's), created when missing. A store this process cannot
+    write (a shared read-only copy) is read: only a missing entry needs writing."""
+    opened = open_workspace_store(ws, model_ref, store or ws.reach_store(), None, ws.manifest().get("dtype", "float16"),
+                                  create=True, readonly=None)
+    if opened.created:   # a mistyped --store, or a deleted kv.zarr: everything is recomputed, untimed
+        warn(f"no store at {opened.path} yet: created it; every KV this run needs is computed into it "
+             "first (untimed), check --store if you meant an existing one")
+    return opened
+
+
+def run_extras(ws: Workspace, extras_for) -> tuple[str, ...]:
+    """The methods whose build-time extras a run's new entries carry: its own, and the workspace's promise."""
+    return tuple(sorted(set(extras_for) | set(workspace_extras(ws.manifest()))))
+
+
 class Session:
     def __init__(self, ws: Workspace, model: str | None = None, device: str = "cpu", dtype: str | None = None,
                  store: str | None = None, extras_for: tuple[str, ...] = ()):
@@ -41,15 +57,10 @@ class Session:
         self.dtype = compute_dtype(device, dtype)
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
-        # a store this process cannot write (a shared read-only copy) is read: only a missing entry needs writing
-        self.store = open_workspace_store(ws, self.model_ref, store or ws.reach_store(), None,
-                                          self.manifest.get("dtype", "float16"), create=True, readonly=None)
-        if self.store.created:   # a mistyped --store, or a deleted kv.zarr: everything is recomputed, untimed
-            warn(f"no store at {self.store.path} yet: created it; every KV this run needs is computed into it "
-                 "first (untimed), check --store if you meant an existing one")
+        self.store = open_run_store(ws, self.model_ref, store)
         self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
         self._store_lock.__enter__()
-        self.extras_for = tuple(sorted(set(extras_for) | set(workspace_extras(self.manifest))))
+        self.extras_for = run_extras(ws, extras_for)
         self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
         self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
         self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
