@@ -80,14 +80,19 @@ def with_optional_values(args: list[str]) -> list[str]:
     return out
 
 
-def with_home_expanded(args: list[str]) -> list[str]:
-    """`--workspace=~/ws` -> `--workspace=/home/me/ws`: the shell expands ~ in `-w ~/ws` but leaves it after
-    `=`, and kvf took it for a folder named "~" in the current one."""
+def with_equals_values(args: list[str]) -> list[str]:
+    """A value after `=` as the shell would have given it apart: `--workspace=~/ws` -> `--workspace=/home/me/ws`
+    (the shell expands ~ in `-w ~/ws` but leaves it after `=`, and kvf took it for a folder named "~" here), and
+    `-w=ws` -> `-w ws` (click took "=ws" for the value: "--workspace =ws: no workspace there")."""
     out = []
     for word in args:
         flag, sep, value = word.partition("=")
-        home = flag.startswith("-") and sep and (value == "~" or value.startswith("~/"))
-        out.append(f"{flag}={os.path.expanduser(value)}" if home else word)
+        if not (flag.startswith("-") and sep):
+            out.append(word)
+            continue
+        if value == "~" or value.startswith("~/"):
+            value = os.path.expanduser(value)
+        out += [flag, value] if re.fullmatch(r"-[A-Za-z]", flag) else [f"{flag}={value}"]
     return out
 
 
@@ -103,15 +108,14 @@ def empty_value(args: list[str]) -> str | None:
     """The line for an empty word (`-w "$WS"` with WS unset, or `--store=`): an empty path meant the current
     folder, so a build went among the files there, and an empty name silently meant the default."""
     for i, word in enumerate(args):
-        if word.startswith("--") and word.endswith("="):
-            flag = word[:-1]
-        elif not word.strip():
-            flag = args[i - 1] if i and args[i - 1].startswith("-") else None
-            if flag is None:
+        flag, sep, value = word.partition("=")
+        if not (word.startswith("-") and sep and not value.strip()):   # --store=, -w=, --store=" "
+            if word.strip():
+                continue
+            if not (i and args[i - 1].startswith("-")):
                 where = f"after {args[i - 1]}" if i else "before the command"
                 return f'an empty argument ("") {where}; give it a value (is a shell variable unset?) or leave it out'
-        else:
-            continue
+            flag = args[i - 1]
         return f'{flag} is given an empty value; give it one (is a shell variable unset?) or leave {flag} out'
     return None
 
@@ -228,7 +232,7 @@ def main():
         if (empty := empty_value(sys.argv[1:])) is not None:
             raise KvfError(f"{empty} (see `{command_path(sys.argv[1:])} --help`)")
         # click's usage errors come to us, to be printed on one line
-        code = app(args=with_optional_values(with_home_expanded(sys.argv[1:])), prog_name="kvf",
+        code = app(args=with_optional_values(with_equals_values(sys.argv[1:])), prog_name="kvf",
                    standalone_mode=False)
         if code == 130:  # typer turns a KeyboardInterrupt it sees into this code
             raise KeyboardInterrupt

@@ -379,6 +379,11 @@ CASES = {
                                                    ["-w is given an empty value", "leave -w out", "kvf build-cache --help"]),
     "run --store= (an empty value)": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "--store=", "-o", t / "o.jsonl"],
                                       ["--store is given an empty value", "leave --store out"]),
+    # -w= split into -w "" (a value after "=" is taken apart) would have meant the current folder
+    "build-cache -w= (a short flag's empty value)": (lambda d, t: ["build-cache", d[0] / "corpus", "-w="],
+                                                     ["-w is given an empty value", "leave -w out"]),
+    "run --store=\" \" (a blank value)": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "--store= ", "-o", t / "o.jsonl"],
+                                          ["--store is given an empty value", "leave --store out"]),
     "search \"\" (an empty query)": (lambda d, t: ["search", "", "-w", d[1]], ['an empty argument ("") after search']),
     # a first build went into any folder given, its chunks table, indexes and store among the user's own files
     "build-cache -w a folder of other files": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", write(
@@ -890,14 +895,21 @@ def test_damaged_or_misplaced_entries_are_refused_before_they_are_read(ws_copy, 
     assert code == 1 and "header checksum mismatch" in out
 
 
-def test_a_home_folder_after_an_equals_sign_is_the_home_folder(built, tmp_path, capsys, monkeypatch):
+def test_a_value_after_an_equals_sign_is_the_one_the_shell_would_have_given(built, tmp_path, capsys, monkeypatch):
     """The shell expands `-w ~/ws` but not `--workspace=~/ws`, and kvf looked for a folder named "~" here
-    ("no workspace there", naming the path the user meant). kvf expands it as the shell would have."""
+    ("no workspace there", naming the path the user meant). kvf expands it as the shell would have, and takes
+    `-w=ws` as `-w ws` (a short flag's "=" was read as the value's first letter: "--workspace =ws")."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "ws").symlink_to(built / "ws")
     monkeypatch.chdir(tmp_path)
-    by_path = run_cli(["store", "info", "--json", "--workspace", tmp_path / "ws"], capsys, monkeypatch)
-    assert by_path[0] == 0 and run_cli(["store", "info", "--json", "--workspace=~/ws"], capsys, monkeypatch) == by_path
+
+    def store_path(*spelled):
+        code, out, err = run_cli(["store", "info", "--json", *spelled], capsys, monkeypatch)
+        assert code == 0, (spelled, err)
+        return json.loads(out)["path"]
+
+    for spelled in (["--workspace=~/ws"], ["-w=~/ws"], ["-w=ws"]):
+        assert store_path(*spelled) == store_path("--workspace", tmp_path / "ws"), spelled
     code, out, _ = run_cli(["search", "capital", "--workspace=~/ws", "-k", "1"], capsys, monkeypatch)
     assert code == 0 and "capital" in out.lower()
 
