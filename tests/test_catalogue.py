@@ -104,6 +104,9 @@ CASES = {
                   ["--ratio 15", "within [0, 1]", "pass --ratio 0.15"]),
     "run -r 5%,15%": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "5%,15%", "-o", t / "o.jsonl"],
                       ["--ratio 5%,15%", "not a percentage", "pass --ratio 0.05,0.15"]),
+    # a decimal comma reads as the two ratios 0 and 15
+    "run -r 0,15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "0,15", "-o", t / "o.jsonl"],
+                    ["--ratio 0,15", "within [0, 1]", "for the ratio 0.15 write a decimal point"]),
     "run -m in another spelling": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,Cache_Blend", "-o", t / "o.jsonl"],
                                    ["--method Cache_Blend: unknown method", "did you mean cacheblend?"]),
     "methods unknown name": (lambda d, t: ["methods", "cacheblnd"], ["kvf methods cacheblnd: unknown method", "cacheblend"]),

@@ -106,8 +106,11 @@ def parse_ratios(text: str) -> list[float]:
                        f"for percentages pass --ratio {as_fractions(items)}")
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if not ratios or bad:
+        # "0,15": a decimal comma, read as the two ratios 0 and 15
+        decimal = f"; for the ratio {items[0]}.{items[1]} write a decimal point" if (
+            len(items) == 2 and items[0] == "0" and items[1].isdigit()) else ""
         raise KvfError(f"--ratio {text if text.strip() else repr(text)}: every ratio must be within [0, 1], "
-                       "e.g. 0.15 or 0,0.05,0.15")
+                       f"e.g. 0.15 or 0,0.05,0.15{decimal}")
     return ratios
 
 
