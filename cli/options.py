@@ -15,12 +15,43 @@ class CommandGroup(TyperGroup):
     with '...'. kvf's apps use plain help because typer's rich tables squeeze an option's help into
     ~17 columns on an 80-column terminal."""
 
+    def resolve_command(self, ctx, args):
+        """The (sub)command the words name; a command's list option given twice is refused here, before click
+        keeps its last value only."""
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and not isinstance(command, TyperGroup):
+            from kvf.errors import KvfError
+            if (twice := repeated_list_option(command, rest)) is not None:
+                raise KvfError(f"{twice} (see `{ctx.command_path} {name} --help`)")
+        return name, command, rest
+
     def format_commands(self, ctx, formatter) -> None:
         rows = [(name, cmd.get_short_help_str(limit=10_000)) for name in self.list_commands(ctx)
                 if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+def repeated_list_option(command, args: list[str]) -> str | None:
+    """The line for a list option given twice (`-m reuse -m cacheblend`): click keeps the last value and drops
+    the first without a word, so a sweep ran one method where the user asked for two. (A single-value option
+    given twice keeps its last, as in most tools: a script may append an override.)"""
+    lists = {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
+             and "comma" in (param.help or "").lower() for opt in param.opts + param.secondary_opts}
+    given: dict[str, tuple[str, str]] = {}   # param name -> (the flag as written, its value)
+    for i, word in enumerate(args):
+        flag, sep, value = word.partition("=") if word.startswith("--") else (word, "", "")
+        param = lists.get(flag)
+        if param is None:
+            continue
+        value = value if sep else (args[i + 1] if i + 1 < len(args) else "")
+        if param.name in given:
+            first, first_value = given[param.name]
+            return (f"{flag} is given twice ({first_value}, then {value}), and only the last would count; give "
+                    f"them in one, comma-separated: {first} {first_value},{value}")
+        given[param.name] = (flag, value)
+    return None
 
 
 def command_group(help: str) -> typer.Typer:
