@@ -34,9 +34,10 @@ class CommandGroup(TyperGroup):
 
 
 def repeated_list_option(command, args: list[str]) -> str | None:
-    """The line for a list option given twice (`-m reuse -m cacheblend`): click keeps the last value and drops
-    the first without a word, so a sweep ran one method where the user asked for two. (A single-value option
-    given twice keeps its last, as in most tools: a script may append an override.)"""
+    """The line for a list option (one whose help says it is comma-separated) given twice, `-m reuse -m
+    cacheblend`: click keeps the last value and drops the first without a word, so a sweep ran one method where
+    the user asked for two. A single-value option given twice keeps its last, as in most tools: a script may
+    append an override."""
     lists = {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
              and "comma" in (param.help or "").lower() for opt in param.opts + param.secondary_opts}
     given: dict[str, tuple[str, str]] = {}   # param name -> (the flag as written, its value)
