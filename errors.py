@@ -43,6 +43,11 @@ def shown(value) -> str:
     return textwrap.shorten(json.dumps(value, ensure_ascii=False), 40, placeholder="...")
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 question', '3 questions': a count as a line says it."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def disk_full(e: OSError) -> bool:
     """A write that failed for want of space (the disk, or the user's quota): said as such, with its fix."""
     import errno

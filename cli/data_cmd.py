@@ -7,6 +7,7 @@ import typer
 from rich.console import Console
 
 from kvf.cli.options import command_group
+from kvf.errors import counted
 from kvf.pipeline.workflows.display import progress_bar
 from kvf.pipeline.data.datasets import ACCEPTED_FORMATS, find_dataset_file, prepare
 from kvf.pipeline.data.synthetic import make_synthetic
@@ -48,7 +49,7 @@ def prepare_command(
         for w in caught:
             typer.echo(f"warning: {w.message}", err=True)
     short = f" (-n {limit} asked: that is all there are)" if limit is not None and manifest["questions"] < limit else ""
-    typer.echo(f"{name}: {manifest['questions']} question{'s' * (manifest['questions'] != 1)}{short}, {manifest['passages']} distinct passages "
+    typer.echo(f"{name}: {counted(manifest['questions'], 'question')}{short}, {manifest['passages']} distinct passages "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
 
 
@@ -78,7 +79,7 @@ def synthetic_command(
     with progress_bar(Console(stderr=True)) as progress:
         questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed,
                                    track=lambda items, total: progress.track(items, total, description="synthetic"))
-    typer.echo(f"synthetic: {len(questions)} question{'s' * (len(questions) != 1)}, {len(questions) * passages} passages (seed {seed}) -> {out}")
+    typer.echo(f"synthetic: {counted(len(questions), 'question')}, {len(questions) * passages} passages (seed {seed}) -> {out}")
 
 
 @data_app.command("ruler")

@@ -6,7 +6,7 @@ import re
 
 import pandas as pd
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
 from kvf.eval.report import auto_label, label_before_auto, primary_metric, reference_rows
 
@@ -88,7 +88,7 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
     from rich.text import Text
     metric = next(c[:-2] for c in table.columns if c.endswith("_a") and c not in ("answer_a", "fidelity_a", "kl_a"))
     # Text, not markup: a labelled run's name ends in "[label]", which markup would swallow as a style tag
-    out = Table(title=Text(f"{name_a} (A) vs {name_b} (B): {len(table)} question{'s' * (len(table) != 1)}"), expand=True,
+    out = Table(title=Text(f"{name_a} (A) vs {name_b} (B): {counted(len(table), 'question')}"), expand=True,
                 caption=Text(f"A = {name_a}, B = {name_b}; {metric}: against gold; "
                              "vs full: answer F1 against full prefill's answer"))
     out.add_column("", no_wrap=True)

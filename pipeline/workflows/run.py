@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvf.errors import KvfError, warn
+from kvf.errors import KvfError, counted, warn
 from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file, looks_like_text
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
@@ -622,7 +622,7 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
     if opts.offset:
         if opts.offset >= len(questions):
             held = "--qid picks only" if opts.qids else f"{opts.dataset or opts.questions} has only"
-            raise KvfError(f"--offset {opts.offset}: {held} {len(questions)} question{'s' * (len(questions) != 1)}; "
+            raise KvfError(f"--offset {opts.offset}: {held} {counted(len(questions), 'question')}; "
                            f"pass an --offset below {len(questions)}")
         questions = questions[opts.offset:]
     if opts.limit is not None:
@@ -758,8 +758,9 @@ def run(opts: RunOptions, console: Console) -> Path:
         if opts.ray is None:
             builder, chunk_table, neighbours_of = session.builder, session.chunks_by_id, session.neighbours
         else:   # the driver sizes what its workers will compute (an EntryBuilder loads the model only to compute)
-            builder = EntryBuilder(model_ref, open_run_store(ws, model_ref, opts.store), opts.device,
-                                   run_extras(ws, extras_for), dtype=dtype)
+            manifest = ws.manifest()
+            builder = EntryBuilder(model_ref, open_run_store(ws, manifest, model_ref, opts.store), opts.device,
+                                   run_extras(manifest, extras_for), dtype=dtype)
             chunk_table, neighbours_of = chunks_by_id, lambda: load_neighbours(ws.neighbours_file, chunks_by_id)
         check_run_room(builder, chunk_table, neighbours_of, picker,
                        [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)

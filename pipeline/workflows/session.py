@@ -31,10 +31,10 @@ class Fused:
     read_seconds: float | None     # total store read time (None: the method read nothing)
 
 
-def open_run_store(ws: Workspace, model_ref, store: str | None):
+def open_run_store(ws: Workspace, manifest: dict, model_ref, store: str | None):
     """The store a run reads (--store, else the workspace's), created when missing. A store this process cannot
     write (a shared read-only copy) is read: only a missing entry needs writing."""
-    opened = open_workspace_store(ws, model_ref, store or ws.reach_store(), None, ws.manifest().get("dtype", "float16"),
+    opened = open_workspace_store(ws, model_ref, store or ws.reach_store(), None, manifest.get("dtype", "float16"),
                                   create=True, readonly=None)
     if opened.created:   # a mistyped --store, or a deleted kv.zarr: everything is recomputed, untimed
         warn(f"no store at {opened.path} yet: created it; every KV this run needs is computed into it "
@@ -42,9 +42,9 @@ def open_run_store(ws: Workspace, model_ref, store: str | None):
     return opened
 
 
-def run_extras(ws: Workspace, extras_for) -> tuple[str, ...]:
+def run_extras(manifest: dict, extras_for) -> tuple[str, ...]:
     """The methods whose build-time extras a run's new entries carry: its own, and the workspace's promise."""
-    return tuple(sorted(set(extras_for) | set(workspace_extras(ws.manifest()))))
+    return tuple(sorted(set(extras_for) | set(workspace_extras(manifest))))
 
 
 class Session:
@@ -57,10 +57,10 @@ class Session:
         self.dtype = compute_dtype(device, dtype)
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
-        self.store = open_run_store(ws, self.model_ref, store)
+        self.store = open_run_store(ws, self.manifest, self.model_ref, store)
         self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
         self._store_lock.__enter__()
-        self.extras_for = run_extras(ws, extras_for)
+        self.extras_for = run_extras(self.manifest, extras_for)
         self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
         self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
         self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
