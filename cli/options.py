@@ -21,8 +21,8 @@ class CommandGroup(TyperGroup):
         name, command, rest = super().resolve_command(ctx, args)
         if command is not None and not isinstance(command, TyperGroup):
             from kvf.errors import KvfError
-            if (twice := repeated_list_option(command, rest)) is not None:
-                raise KvfError(f"{twice} (see `{ctx.command_path} {name} --help`)")
+            if (line := repeated_list_option(command, rest) or dash_path(command, rest)) is not None:
+                raise KvfError(f"{line} (see `{ctx.command_path} {name} --help`)")
         return name, command, rest
 
     def format_commands(self, ctx, formatter) -> None:
@@ -52,6 +52,45 @@ def repeated_list_option(command, args: list[str]) -> str | None:
             return (f"{flag} is given twice ({first_value}, then {value}), and only the last would count; give "
                     f"them in one, comma-separated: {first} {first_value},{value}")
         given[param.name] = (flag, value)
+    return None
+
+
+# str options and arguments that name a file, a folder or a store (the rest of kvf's paths are typed Path)
+PATH_NAMES = {"store", "where", "model", "data_dir"}
+
+
+def takes_path(command, param) -> bool:
+    """Whether a parameter names a file, a folder or a store (annotated Path, list[Path], or in PATH_NAMES)."""
+    annotation = inspect.signature(command.callback).parameters[param.name].annotation
+    return param.name in PATH_NAMES or "Path" in str(annotation)
+
+
+def dash_path(command, args: list[str]) -> str | None:
+    """The line for "-" given as a path (`-q -`, `-o -`, `kvf eval -`). kvf reads and writes named files: a
+    resumed run reads its questions again and appends to its run file, and a write is a rename. `-q -` said
+    the file "-" was missing, and `-o -` wrote a run file named "-"."""
+    options = {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
+               for opt in param.opts + param.secondary_opts}
+    arguments = [param for param in command.params if param.param_type_name == "argument"]
+    pending, position = None, 0   # (flag, option) the next word is the value of; how many arguments came before
+    for word in args:
+        if pending is not None:
+            (named, param), pending = pending, None
+        elif word.startswith("--") and "=" in word:
+            named, _, word = word.partition("=")
+            param = options.get(named)
+        elif word in options:
+            pending = (word, options[word])
+            continue
+        elif word == "-" or not word.startswith("-"):   # an argument ("-" alone is one, to click)
+            param = arguments[min(position, len(arguments) - 1)] if arguments else None
+            named = param and (param.metavar or param.name.upper())
+            position += 1
+        else:
+            continue   # a flag
+        if word == "-" and param is not None and takes_path(command, param):
+            return (f'{named} -: kvf takes a named file or folder here, not standard input or output; pass a '
+                    f'path (./- for a file named "-")')
     return None
 
 

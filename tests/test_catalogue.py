@@ -111,6 +111,15 @@ CASES = {
                        ["--ratios is given twice (0.1, then 0.3)", "-r 0.1,0.3", "kvf bench --help"]),
     "data ruler --tasks twice": (lambda d, t: ["data", "ruler", "--tasks", "niah_single_1", "--tasks", "boundary", "-o", t / "r"],
                                  ["--tasks is given twice", "--tasks niah_single_1,boundary", "kvf data ruler --help"]),
+    # "-" is a file's name to kvf: -q - said the file "-" was missing, and -o - wrote a run file named "-"
+    "run -q - (standard input)": (lambda d, t: ["run", "-w", d[1], "-q", "-", "-m", "reuse", "-o", t / "o.jsonl"],
+                                  ["-q -: kvf takes a named file or folder here, not standard input or output", "./-"]),
+    "run -o - (standard output)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:-2], "--out=-"],
+                                   ["--out -: kvf takes a named file", "kvf run --help"]),
+    "eval - (standard input)": (lambda d, t: ["eval", t / "a.jsonl", "-"], ["RUN_FILES -: kvf takes a named file"]),
+    "store info - (standard input)": (lambda d, t: ["store", "info", "-"], ["STORE|WORKSPACE -: kvf takes a named file"]),
+    "data prepare --input -": (lambda d, t: ["data", "prepare", "custom", "--input", "-", "-o", t / "p"],
+                               ["--input -: kvf takes a named file"]),
     # a decimal comma reads as the two ratios 0 and 15
     "run -r 0,15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "0,15", "-o", t / "o.jsonl"],
                     ["--ratio 0,15", "within [0, 1]", "for the ratio 0.15 write a decimal point"]),
