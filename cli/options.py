@@ -95,9 +95,11 @@ def dash_path(command, args: list[str]) -> str | None:
 
 
 def command_group(help: str) -> typer.Typer:
-    """A kvf command group (the root app, `kvf data`, `kvf store`): plain help, no arguments = help."""
+    """A kvf command group (the root app, `kvf data`, `kvf store`): plain help, no arguments = help, and -h
+    as --help (most tools take it; its commands inherit it)."""
     return typer.Typer(help=help, cls=CommandGroup, rich_markup_mode=None, no_args_is_help=True,
-                       pretty_exceptions_enable=False, add_completion=False)
+                       pretty_exceptions_enable=False, add_completion=False,
+                       context_settings={"help_option_names": ["-h", "--help"]})
 
 
 ModelOption = Annotated[Optional[str], typer.Option(

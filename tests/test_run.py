@@ -386,6 +386,7 @@ def test_help_on_every_command(capsys, monkeypatch):
     for cmd in ([], ["demo"], ["build-cache"], ["run"], ["eval"], ["search"], ["store", "info"], ["data", "prepare"]):
         code, out, _ = kvf_main(*cmd, "--help")
         assert code == 0 and "Usage" in out, cmd
+        assert kvf_main(*cmd, "-h") == (0, out, ""), cmd   # -h, as most tools take it ("No such option: -h")
     for group in ([], ["store"], ["data"]):   # a group alone prints its help, not an error
         code, out, err = kvf_main(*group)
         assert code == 0 and out.startswith("Usage: kvf") and not err, group
