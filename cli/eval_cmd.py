@@ -34,18 +34,22 @@ def eval_command(
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
     """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT); write summary.md and plots."""
+    from kvf.eval.compare import comparison_table, per_question, select
     from kvf.eval.report import evaluate, summary_table
     from kvf.pipeline.workflows.display import progress_bar
+
+    def check_compare(records):   # a --compare run not in the files is said before the tables are written
+        for selector in compare or ():
+            select(records, selector)
     with progress_bar(output_console(160, stderr=True)) as progress:
         summary = evaluate(run_files, out, complete_only, command=_command_line(),
-                           exclude_questions=exclude_questions, track=progress.track)
+                           exclude_questions=exclude_questions, track=progress.track, check_records=check_compare)
     console = output_console(160, stderr=json_out)   # --json: stdout holds the JSON alone
     if json_out:
         print(summary.to_json(orient="records"))
     else:
         console.print(summary_table(summary, width=console.width))
     if compare:
-        from kvf.eval.compare import comparison_table, per_question, select
         df = summary.attrs["records"]
         table = per_question(df, select(df, compare[0]), select(df, compare[1]))
         console.print(comparison_table(table, *compare))

@@ -627,12 +627,14 @@ def _safe_name(text: str) -> str:
 
 
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
-             exclude_questions=None, track=no_progress, exclude_flag: str = "--exclude-questions") -> pd.DataFrame:
+             exclude_questions=None, track=no_progress, exclude_flag: str = "--exclude-questions",
+             check_records=None) -> pd.DataFrame:
     """Score run files and write the summary and plots to out_dir; returns the summary.
     complete_only: score only questions every method answered (see complete_questions).
     exclude_questions: a file of question ids left out, or the ids (see without_questions), named as exclude_flag.
     The written paths are in `summary.attrs["written"]`. track(items, description=...) -> items shows
-    progress (rich's Progress.track; a large eval takes a minute)."""
+    progress (rich's Progress.track; a large eval takes a minute). check_records(records), when given, is the
+    caller's check of the records to score, before anything is scored or written (kvf eval --compare's runs)."""
     check_writable_dir(out_dir, "--out")
     df = load_runs([Path(p) for p in run_files], track)
     if exclude_questions is not None:
@@ -640,6 +642,8 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     if complete_only:
         df = complete_questions(df)
     df = with_pooled_tasks(df)
+    if check_records is not None:
+        check_records(df)
     summary = summarize(df, track)
     warn_unscored(summary)
     warn_other_requests(summary)

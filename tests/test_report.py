@@ -433,6 +433,22 @@ def test_rich_table_and_cli(runs, tmp_path):
     assert "question q2-0" in result.output                                   # each question heads its answers
 
 
+def test_a_compare_run_not_in_the_files_is_refused_before_anything_is_written(runs, tmp_path, capsys, monkeypatch):
+    """`kvf eval --compare cacheblend@0.2 nope` printed the whole summary and wrote every table and plot, then
+    failed on the second run's name."""
+    import sys
+
+    from kvf.cli.main import main
+    monkeypatch.setattr(sys, "argv", ["kvf", "eval", *map(str, runs), "-o", str(tmp_path / "out"),
+                                      "--compare", "cacheblend@0.2", "nope"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1 and not out
+    assert err.startswith("kvf: error: --compare nope: no records match; the runs there are ") and "cacheblend@0.2" in err
+    assert not list((tmp_path / "out").glob("*"))   # no summary, no plot
+
+
 def test_a_label_in_brackets_is_printed_as_it_is(tmp_path):
     """rich read a label "[v2]" as a markup tag: the summary table's label cell came out empty."""
     from rich.console import Console
