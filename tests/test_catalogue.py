@@ -310,6 +310,13 @@ CASES = {
                                                            "--out", t / "r"], ["--length 1024", "use --chunk-tokens"]),
     "data ruler chunks too big for this length": (lambda d, t: ["data", "ruler", "--length", "1024", "--chunk-tokens", "1000",
                                                             "--out", t / "r"], ["--length 1024", "use --length 2"]),
+    # below the template's own length: "leaves room for -1 chunks" and "use --chunk-tokens -25 or fewer"
+    "data ruler length below the template's": (lambda d, t: ["data", "ruler", "--length", "100", "--chunk-tokens", "5000",
+                                                             "--out", t / "r"],
+                                               ["--length 100: leaves room for no chunk of 5000 tokens",
+                                                "use --chunk-tokens 64 and --length 278 or more"]),
+    "data ruler length for one chunk": (lambda d, t: ["data", "ruler", "--length", "600", "--out", t / "r"],
+                                        ["leaves room for 1 chunk of 256 tokens; the tasks need 2", "--length 662"]),
     "bench --chunk-tokens 0": (lambda d, t: ["bench", "--chunk-tokens", "0"], ["--chunk-tokens"]),
     "bench --model beside --random-weights": (lambda d, t: ["bench", "--random-weights", "tiny", "--model", t / "m.gguf",
                                                             "-o", t / "b"], ["--random-weights tiny: give one"]),

@@ -30,11 +30,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError, did_you_mean
+from kvf.errors import KvfError, counted, did_you_mean
 from kvf.pipeline.data.datasets import Passage, Question, write_prepared
 from kvf.pipeline.data.synthetic import NameMaker, filler_sentence
 
 TEMPLATE_TOKENS = 150  # chat template, system prompt and question: what a length leaves out of the passages
+MIN_CHUNK_TOKENS = 64  # the smallest chunk the suite is made with
 KEYS = ["apple", "river", "candle", "falcon", "garden", "harbor", "island", "jacket", "kettle", "lantern", "marble",
         "needle", "orchid", "pepper", "quartz", "rocket", "saddle", "tunnel", "velvet", "walnut", "anchor", "bamboo",
         "cactus", "dolphin", "engine", "feather", "glacier", "hammer", "iceberg", "jungle", "kayak", "lemon",
@@ -215,17 +216,23 @@ def check_args(tasks: list[str], length: int, n: int, chunk_tokens: int, max_pos
         raise KvfError(f"--tasks {','.join(unknown) or '(none)'}: unknown task{hint}; known: {', '.join(TASKS)}")
     if n < 1:
         raise KvfError(f"--n {n}: must be >= 1 samples per task")
-    if chunk_tokens < 64:
-        raise KvfError(f"--chunk-tokens {chunk_tokens}: must be >= 64")
+    if chunk_tokens < MIN_CHUNK_TOKENS:
+        raise KvfError(f"--chunk-tokens {chunk_tokens}: must be >= {MIN_CHUNK_TOKENS}")
     if length > max_positions:
         raise KvfError(f"--length {length}: longer than the model's {max_positions} positions; use at most {max_positions}")
     k = (length - TEMPLATE_TOKENS) // chunk_tokens
     need = max(MIN_CHUNKS.get(t, 1) for t in tasks)
     if k < need:
         shortest = TEMPLATE_TOKENS + need * chunk_tokens
-        fix = (f"use --length {shortest} or more" if shortest <= max_positions else   # past the model: chunks must shrink
-               f"use --chunk-tokens {(length - TEMPLATE_TOKENS) // need} or fewer")
-        raise KvfError(f"--length {length}: leaves room for {k} chunks of {chunk_tokens} tokens; the tasks need "
+        fitting = (length - TEMPLATE_TOKENS) // need   # the chunk size this length holds enough of
+        if shortest <= max_positions:
+            fix = f"use --length {shortest} or more"
+        elif fitting >= MIN_CHUNK_TOKENS:   # past the model: chunks must shrink
+            fix = f"use --chunk-tokens {fitting} or fewer"
+        else:
+            fix = f"use --chunk-tokens {MIN_CHUNK_TOKENS} and --length {TEMPLATE_TOKENS + need * MIN_CHUNK_TOKENS} or more"
+        room = counted(k, "chunk") if k > 0 else "no chunk"   # below the template's own length k was -1
+        raise KvfError(f"--length {length}: leaves room for {room} of {chunk_tokens} tokens; the tasks need "
                        f"{need}; {fix}")
     return k
 
