@@ -349,6 +349,11 @@ CASES = {
     "build-cache --neighbours past the model": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws",
                                                               "--variant", "fusion", "--neighbours", "40"],
                                                  ["--neighbours 40", "8,192 positions", "at most 30 neighbours"]),
+    # chunks so long that no neighbour fits beside one: "use at most 0 neighbours", which --neighbours refuses
+    "build-cache --neighbours with chunks too long for one": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws",
+                                                                            "--variant", "fusion", "--chunk-tokens", "5000",
+                                                                            "--neighbours", "3"],
+                                                               ["--neighbours 3", "use --chunk-tokens 20", "or fewer (or --variant prefix)"]),
     "build-cache --compute-dtype bogus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--compute-dtype", "bf15"],
                                           ["--compute-dtype bf15", "float32, bfloat16, float16"]),
     "build-cache --dtype against the workspace's store": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", d[1], "--dtype",

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from kvf.errors import KvfError, did_you_mean, disk_full
+from kvf.errors import KvfError, counted, did_you_mean, disk_full
 from kvf.cachestore import open_store
 from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
@@ -588,9 +588,12 @@ def check_chunk_fits(opts: BuildOptions, model_ref: ModelRef) -> None:
         raise KvfError(f"--chunk-tokens {opts.chunk_tokens}: a chunk must fit the model's {limit:,} positions with "
                        f"the system prompt and room for a question and its answer; use at most {room:,} (256-512 is usual)")
     if "fusion" in opts.variants and (opts.n_neighbours + 1) * opts.chunk_tokens > room:
+        most = room // opts.chunk_tokens - 1   # 0 when not even one neighbour fits beside a chunk this long
+        fix = (f"use at most {counted(most, 'neighbour')} (or smaller --chunk-tokens)" if most >= 1 else
+               f"use --chunk-tokens {room // (opts.n_neighbours + 1)} or fewer (or --variant prefix)")
         raise KvfError(f"--neighbours {opts.n_neighbours}: a fusion entry is computed after its neighbours, and "
                        f"{opts.n_neighbours + 1} chunks of up to {opts.chunk_tokens} tokens exceed the model's {limit:,} "
-                       f"positions; use at most {room // opts.chunk_tokens - 1} neighbours (or smaller --chunk-tokens)")
+                       f"positions; {fix}")
 
 
 def check_corpus_kind(corpus: Path) -> None:
