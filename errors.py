@@ -71,9 +71,19 @@ def as_arguments(message: str, arguments: dict[str, tuple[str, object]]) -> str:
                 passed = str(value) if isinstance(value, PurePath) else value   # as it was passed: '0.5', 3
                 parts[i] = parts[i].replace(f"{flag} {value}", f"{name}={passed!r}")
             # a fix that names a value ("or use --device cpu"), then the flag alone ("omit --model for ...")
-            parts[i] = re.sub(rf"{re.escape(flag)} ([^\s;,()]+?)(?=[:.,;)]|$)", lambda m: f"{name}={m[1]!r}", parts[i])
+            # (a point ends the value only where no digit follows: "--ratio 0.15" is not "ratio='0'.15")
+            parts[i] = re.sub(rf"{re.escape(flag)} ([^\s;,()]+?)(?=[:,;)]|\.(?!\d)|$)", lambda m: f"{name}={python_literal(m[1])}", parts[i])
             parts[i] = re.sub(rf"{re.escape(flag)}(?![\w-])", name, parts[i])
     return "`".join(parts)
+
+
+def python_literal(word: str) -> str:
+    """A value the line names, as Python writes it: a number as it is (ratio=0.3), a word quoted (device='cpu')."""
+    try:
+        float(word)
+    except ValueError:
+        return repr(word)
+    return word
 
 
 @contextmanager

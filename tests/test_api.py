@@ -76,7 +76,11 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"documents": first_doc}, f"documents={first_doc!r}: pass a list of document ids"),
                                 ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,"),
                                 ("q", {"method": "cacheblend:check_layer=2:deviation=v"},   # kvf run -m's spelling
-                                 "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')")):
+                                 "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')"),
+                                # kvf eval's METHOD@RATIO; the line named the command line's flag, cut at its point:
+                                # "cacheblend with ratio='0'.15 on the command line"
+                                ("q", {"method": "cacheblend@0.15"},
+                                 "(the ratio is given apart: method='cacheblend', ratio=0.15); known methods")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer(question, **bad)
     # a knob's error named its CLI flag ("--check-layer '2': expected int"); from Python it names the argument
@@ -155,6 +159,16 @@ def test_evaluate_refuses_what_is_not_a_run_file_path():
             kvf.open_workspace("workspace", **argument)
     with pytest.raises(kvf.KvfError, match=re.escape("out=5: pass a folder's path")):
         kvf.evaluate("runs/x.jsonl", out=5)
+
+
+def test_a_flag_s_value_in_a_line_becomes_the_argument_whole():
+    """A flag's value the line names becomes the argument as Python writes it: a number as it is, whole past its
+    point ("--ratio 0.15" became "ratio='0'.15"), a word quoted; a bare flag before a word is the name alone."""
+    from kvf.errors import as_arguments
+    line = "--ratio 1.5: must be within [0, 1]; use --ratio 0.15. --device cuda: use --device cpu; omit --model for it"
+    arguments = {"--ratio": ("ratio", "1.5"), "--device": ("device", "cuda"), "--model": ("model", None)}
+    assert as_arguments(line, arguments) == ("ratio='1.5': must be within [0, 1]; use ratio=0.15. device='cuda': use "
+                                             "device='cpu'; omit model for it")
 
 
 def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monkeypatch):

@@ -97,7 +97,7 @@ CASES = {
     "bench --lengths 2k,4K": (lambda d, t: ["bench", "--lengths", "2k,4K"], ["--lengths 2k,4K: expected comma-separated integers", "write 2k,4K as 2048,4096"]),
     "demo -w a workspace": (lambda d, t: ["demo", "-w", d[1]], ["--workspace", "holds other files", "kvf demo keeps", "a folder of its own"]),
     "run -m METHOD@RATIO (kvf eval's name of a run)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend@0.15", "-o", t / "o.jsonl"],
-                                                       ["--method cacheblend@0.15: unknown method", "cacheblend with --ratio 0.15"]),
+                                                       ["--method cacheblend@0.15: unknown method", "(the ratio is given apart: -m cacheblend --ratio 0.15)"]),
     "run -m NAME:KNOB VALUE (no =)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:check_layer", "3", "-o", t / "o.jsonl"],
                                       ["unexpected extra argument", "written NAME:KNOB=VALUE: -m cacheblend:check_layer=3"]),
     "run -r 15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "15", "-o", t / "o.jsonl"],

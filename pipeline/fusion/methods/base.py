@@ -328,12 +328,14 @@ def check_method_name(name: str, given: str | None = None) -> None:
     known = method_names()
     if name not in known:
         words, (method, at, ratio) = name.split(), name.partition("@")
+        python = (given or "").startswith("method=")   # named as a Python call's argument
         if len(words) > 1 and set(words) <= set(known):
             hint = f" (separate methods with commas: {','.join(words)})"
         elif at and method in known:   # kvf eval's and compare's METHOD@RATIO
-            hint = f" (the ratio is given apart: {method} with --ratio {ratio} on the command line, ratio={ratio} in Python)"
+            hint = (f" (the ratio is given apart: method={method!r}, ratio={ratio})" if python else
+                    f" (the ratio is given apart: -m {method} --ratio {ratio})")
         elif name.split(":")[0] in known:   # kvf run -m's NAME:KNOB=VALUE where a bare name goes
-            hint = knobs_apart(name, python=(given or "").startswith("method="))
+            hint = knobs_apart(name, python)
         else:
             hint = did_you_mean(name, known)
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
