@@ -2,6 +2,7 @@
 and `kvf run -w WS -q my_questions.jsonl` on documents built with `kvf build-cache my_docs/`."""
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -159,6 +160,26 @@ def test_evaluate_refuses_what_is_not_a_run_file_path():
             kvf.open_workspace("workspace", **argument)
     with pytest.raises(kvf.KvfError, match=re.escape("out=5: pass a folder's path")):
         kvf.evaluate("runs/x.jsonl", out=5)
+
+
+def test_cachecraft_answers_from_python_as_kvf_run_does(built, tmp_path, capsys, monkeypatch):
+    """In a workspace built without cachecraft's summaries, kvf run computes entries that carry them, where the
+    API said "the store's entries carry none; rebuild them with `kvf build-cache --extras-for cachecraft`". It
+    computes them too now, and answers as the run does."""
+    for copy in ("ws-run", "ws-api"):   # the shared workspace stays as built; each side computes its own
+        shutil.copytree(built / "ws", tmp_path / copy)
+    first_doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    question = "Where was the subject born?"
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": question, "passages": [first_doc]}) + "\n")
+    code, _, err = cli(["run", "-w", tmp_path / "ws-run", "-q", tmp_path / "q.jsonl", "-m", "cachecraft",
+                        "--max-new-tokens", "3", "--no-show-answers", "-o", tmp_path / "r.jsonl"], capsys, monkeypatch)
+    assert code in (0, None), err
+    record = json.loads((tmp_path / "r.jsonl").read_text())
+    answer = kvf.open_workspace(tmp_path / "ws-api").answer(question, method="cachecraft", documents=[first_doc],
+                                                            max_new_tokens=3)
+    assert (answer.text, answer.chunk_ids, answer.recomputed_tokens) == (record["answer"], record["chunk_ids"],
+                                                                        record["recomputed_tokens"])
+    assert 0 < answer.recomputed_tokens < answer.chunk_tokens
 
 
 def test_a_flag_s_value_in_a_line_becomes_the_argument_whole():

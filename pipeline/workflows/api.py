@@ -115,6 +115,7 @@ class WorkspaceSession:
         chunks = s.chunks(chunk_ids, retriever)
         prompt = s.prompt(chunks, question)
         variant = variant or fusion.offline_variant
+        s.serve_extras(fusion)   # cachecraft's entries carry summaries: computed here, as kvf run computes them
         keys = s.entries(variant, chunks) if fusion.uses_store else None
         fused = s.answer(prompt, fusion, keys, max_new_tokens)
         record = fused.answer.record()

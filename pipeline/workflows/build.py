@@ -320,8 +320,7 @@ class EntryBuilder:
         self.store = store
         # given an engine, its model's dtype is the one entries are computed in
         self.device, self.dtype = device, engine.model.dtype if engine is not None else dtype
-        self.extras_methods = [METHODS[name] for name in extras_methods(extras_for)]
-        self.extras_names = {n for m in self.extras_methods for n in m.extras_names}
+        self.use_extras(extras_for)
         self.template = make_template(model_ref.tokenizer)
         self.keys = EntryKeys(model_ref.fingerprint, self.template.prefix_ids, dtype_name(self.dtype))
         self._engine = engine
@@ -332,6 +331,12 @@ class EntryBuilder:
         self.model_seconds = 0.0
         self.entries_written = 0   # every entry this builder committed (neighbours' included)
         self.bytes_written = 0     # their KV payload bytes
+
+    def use_extras(self, extras_for: Iterable[str]) -> None:
+        """The methods whose build-time extras every entry computed from now on carries; an entry without them
+        is missing to this builder."""
+        self.extras_methods = [METHODS[name] for name in extras_methods(tuple(extras_for))]
+        self.extras_names = {n for m in self.extras_methods for n in m.extras_names}
 
     @property
     def engine(self):

@@ -83,6 +83,13 @@ class Session:
     def prompt(self, chunks: list[Chunk], question: str) -> FusedPrompt:
         return self.answerer.prompt([c.token_ids for c in chunks], question)
 
+    def serve_extras(self, method: FusionMethod) -> None:
+        """Entries computed from now on carry `method`'s build-time extras too, as a run's do for its methods (a
+        notebook's first cachecraft answer, in a session opened before it was asked for)."""
+        if method.extras_hook is not None and method.name not in self.extras_for:
+            self.extras_for = tuple(sorted({*self.extras_for, method.name}))
+            self.builder.use_extras(self.extras_for)
+
     def entries(self, variant: str, chunks: list[Chunk], on_missing=None, on_done=None) -> list[str]:
         """Store keys of these chunks' `variant` KVs, computing missing entries now (offline work, untimed).
         on_missing(n) is told how many will be computed, on_done() after each one."""

@@ -61,7 +61,8 @@ from kvf.pipeline.model.prompt import FusedPrompt
 
 EXTRAS = ("cc_inter", "cc_intra", "cc_context_lengths", "cc_context_keys")
 MISSING_META = ("cachecraft needs per-chunk attention summaries, but the store's entries carry none; "
-                "rebuild them with `kvf build-cache --extras-for cachecraft` (kvf run adds them to entries it builds)")
+                "rebuild them with `kvf build-cache --extras-for cachecraft` (kvf run and the Python API add them to "
+                "entries they compute)")
 
 
 # ---- build time: attention summaries ------------------------------------------------------------
