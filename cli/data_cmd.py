@@ -49,7 +49,7 @@ def prepare_command(
         for w in caught:
             typer.echo(f"warning: {w.message}", err=True)
     short = f" (-n {limit} asked: that is all there are)" if limit is not None and manifest["questions"] < limit else ""
-    typer.echo(f"{name}: {counted(manifest['questions'], 'question')}{short}, {manifest['passages']} distinct passages "
+    typer.echo(f"{name}: {counted(manifest['questions'], 'question')}{short}, {counted(manifest['passages'], 'distinct passage')} "
                f"({manifest['format']} format, {manifest['skipped']} skipped) -> {out}")
 
 
@@ -79,7 +79,7 @@ def synthetic_command(
     with progress_bar(Console(stderr=True)) as progress:
         questions = make_synthetic(out, n_questions=n, passages_per_question=passages, seed=seed,
                                    track=lambda items, total: progress.track(items, total, description="synthetic"))
-    typer.echo(f"synthetic: {counted(len(questions), 'question')}, {len(questions) * passages} passages (seed {seed}) -> {out}")
+    typer.echo(f"synthetic: {counted(len(questions), 'question')}, {counted(len(questions) * passages, 'passage')} (seed {seed}) -> {out}")
 
 
 @data_app.command("ruler")

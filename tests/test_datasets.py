@@ -222,6 +222,9 @@ def test_cli_prepare(tmp_path):
     result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o"), "--skip-bad"])
     assert result.exit_code == 0, result.output
     assert "1 question," in result.output and "1 skipped" in result.output
+    one = write_jsonl(tmp_path / "one.jsonl", [DPR[1]])   # it said "1 distinct passages"
+    result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(one), "--out", str(tmp_path / "o1")])
+    assert result.exit_code == 0 and "nq: 1 question, 1 distinct passage (dpr format" in result.output, result.output
     # -n past the file's end: what the user asked for is not silently cut to what there is
     result = CliRunner().invoke(app, ["data", "prepare", "nq", "--input", str(path), "--out", str(tmp_path / "o"),
                                       "--skip-bad", "-n", "50"])
