@@ -43,9 +43,9 @@ def shown(value) -> str:
     return textwrap.shorten(json.dumps(value, ensure_ascii=False), 40, placeholder="...")
 
 
-def counted(n: int, noun: str) -> str:
-    """'1 question', '3 questions': a count as a line says it."""
-    return f"{n} {noun}{'s' * (n != 1)}"
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 question', '3 questions' ('1 entry', '3 entries' given the plural): a count as a line says it."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def disk_full(e: OSError) -> bool:

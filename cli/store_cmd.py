@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvf.cachestore import open_store
-from kvf.errors import KvfError
+from kvf.errors import KvfError, counted
 from kvf.cli.options import command_group
 from kvf.pipeline.workflows.display import progress_bar, size_text
 
@@ -111,10 +111,10 @@ def verify(where: WhereArg = None, store: StoreOpt = None, workspace: WorkspaceO
         if delete_bad:
             s.delete(key)
     if not bad:
-        console.print(f"[green]{n} entries OK[/green] in {escape(str(location))}", soft_wrap=True)  # a path is not cut
+        console.print(f"[green]{counted(n, 'entry', 'entries')} OK[/green] in {escape(str(location))}", soft_wrap=True)  # a path is not cut
         return
     action = "deleted; rebuild to recompute them" if delete_bad else "re-run with --delete-bad, then rebuild"
-    console.print(f"[red]{len(bad)} of {n} entries bad[/red] in {escape(str(location))} ({action})", soft_wrap=True)
+    console.print(f"[red]{len(bad)} of {counted(n, 'entry', 'entries')} bad[/red] in {escape(str(location))} ({action})", soft_wrap=True)
     raise typer.Exit(1)
 
 

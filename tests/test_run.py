@@ -152,10 +152,10 @@ def test_a_full_disk_cuts_the_record_back_and_the_rerun_resumes(built, tmp_path)
     said = Console(file=io.StringIO(), width=200)
     run(opts, said)
     assert len(out.read_text().splitlines()) == 4
-    assert f"{out}: resuming; 1 of the 4 answers asked for are there already, 3 to run" in said.file.getvalue()
+    assert f"{out}: resuming; 1 answer of the 4 asked for already there, 3 to run" in said.file.getvalue()
     said = Console(file=io.StringIO(), width=200)
     run(opts, said)                                       # a re-run over a complete file said nothing of it
-    assert f"{out}: the 4 answers asked for are all there already; nothing to run" in said.file.getvalue()
+    assert f"{out}: every answer asked for (4) is there already; nothing to run" in said.file.getvalue()
 
 
 def test_a_failed_atomic_write_names_the_file_not_its_temp(tmp_path, monkeypatch):

@@ -236,7 +236,7 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console 
             raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
     ws.write_doc_chunks(doc_chunks)
     return ChunkTable(ws.chunks_path), StageStat("chunk", table.chunks, table.tokens, time.perf_counter() - started,
-                                                 f"{n_docs} documents")
+                                                 counted(n_docs, "document"))
 
 
 # ---- stage 2: indexes and neighbours ----------------------------------------------------------
@@ -784,7 +784,7 @@ def _load_neighbours(ws: Workspace) -> Mapping[str, list[str]]:
 
 
 def summary_table(summary: BuildSummary) -> Table:
-    table = Table(title=Text(f"build-cache: {summary.chunks} chunks, {summary.tokens:,} tokens; store {summary.store}"))
+    table = Table(title=Text(f"build-cache: {counted(summary.chunks, 'chunk')}, {summary.tokens:,} tokens; store {summary.store}"))
     for col in ("stage", "items", "tokens", "seconds", "items/s", "tokens/s", "note"):
         table.add_column(col, justify="right" if col not in ("stage", "note") else "left")
     for s in summary.stages:

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvf.cachestore import open_store
-from kvf.errors import KvfError, warn
+from kvf.errors import KvfError, counted, warn
 from kvf.pipeline.files import read_listed
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
@@ -78,11 +78,13 @@ def collect(location: str, fmt: str | None, keep_file: Path | None, keep_workspa
             hint_unused(existing, named_workspace, console)
         if not yes:
             nbytes = sum(store.fs.size(p) for p in garbage) + sum(store._entry_bytes(k) for k in entries)
-            console.print(f"would remove {len(garbage)} temp/garbage items and {len(entries)} of {len(existing)} entries "
+            console.print(f"would remove {counted(len(garbage), 'temp/garbage item')} and {len(entries)} of "
+                          f"{counted(len(existing), 'entry', 'entries')} "
                           f"({nbytes / 2**20:.1f} MiB) from {location}; re-run with --yes to delete them", soft_wrap=True, markup=False)
             return {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0, "would_remove": len(entries)}
         freed = store.gc(keep=keep)
-        console.print(f"removed {freed['garbage_removed']} temp/garbage items and {freed['entries_removed']} entries, "
+        console.print(f"removed {counted(freed['garbage_removed'], 'temp/garbage item')} and "
+                      f"{counted(freed['entries_removed'], 'entry', 'entries')}, "
                       f"freed {freed['bytes_freed'] / 2**20:.1f} MiB in {location}", soft_wrap=True, markup=False)
         return freed
 
@@ -92,6 +94,7 @@ def hint_unused(existing: set[str], workspace: Path, console: Console) -> None:
     Not done unasked: another workspace may share the store and use them."""
     unused = len(existing - workspace_keys(workspace))
     if unused:
-        console.print(f"{unused} of {len(existing)} entries are not used by workspace {workspace} (documents removed or "
+        console.print(f"{unused} of {counted(len(existing), 'entry', 'entries')} {'is' if unused == 1 else 'are'} not used "
+                      f"by workspace {workspace} (documents removed or "
                       f"changed since they were stored); add --keep-workspace {workspace} to remove them, unless "
                       "another workspace shares this store", soft_wrap=True, markup=False)

@@ -664,11 +664,12 @@ def say_resumed(console: Console, out: Path, total: int, todo: int) -> None:
     if todo == total:
         return
     if todo == 0:
-        console.print(f"{out}: the {total} answers asked for are all there already; nothing to run (--overwrite "
+        console.print(f"{out}: every answer asked for ({total}) is there already; nothing to run (--overwrite "
                       "answers again)",
                       highlight=False, markup=False)
     else:
-        console.print(f"{out}: resuming; {total - todo} of the {total} answers asked for are there already, {todo} to run",
+        console.print(f"{out}: resuming; {counted(total - todo, 'answer')} of the {total} asked for already there, "
+                      f"{todo} to run",
                       highlight=False, markup=False)
 
 
