@@ -126,6 +126,8 @@ CASES = {
     "run -m in another spelling": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,Cache_Blend", "-o", t / "o.jsonl"],
                                    ["--method Cache_Blend: unknown method", "did you mean cacheblend?"]),
     "methods unknown name": (lambda d, t: ["methods", "cacheblnd"], ["kvf methods cacheblnd: unknown method", "cacheblend"]),
+    "methods NAME@RATIO": (lambda d, t: ["methods", "cacheblend@0.15"],   # it said "-m cacheblend --ratio 0.15"
+                           ["kvf methods cacheblend@0.15: unknown method (a ratio is no part of its name: kvf methods cacheblend)"]),
     "store info --s3-endpoint beside a local store": (lambda d, t: ["store", "info", d[1], "--s3-endpoint", "http://localhost:9000"],
                                                       ["--s3-endpoint http://localhost:9000", "is not on S3", "leave --s3-endpoint out"]),
     "run --s3-endpoint without its scheme": (lambda d, t: run_args(d, t / "o.jsonl", "--s3-endpoint", "localhost:9000"),
@@ -808,7 +810,7 @@ def test_gc_refuses_keep_lists_that_keep_nothing_and_previews_by_default(ws_copy
     # it said only "would remove 0 of N entries": it now says which the workspace leaves unused, and how
     code, out, _ = run_cli(["store", "gc", ws], capsys, monkeypatch)
     assert code == 0 and "would remove 0 temp/garbage items and 0 of" in out
-    assert f"1 of {n + 1} entries are not used by workspace {ws}" in out and f"add --keep-workspace {ws}" in out
+    assert f"1 of {n + 1} entries is not used by workspace {ws}" in out and f"add --keep-workspace {ws}" in out
     code, _, _ = run_cli(["store", "gc", "-w", ws, "--keep-workspace", ws, "--yes"], capsys, monkeypatch)
     assert code == 0 and len(open_store(str(ws / "kv.zarr")).keys()) == n    # only the foreign entry went
 

@@ -332,8 +332,12 @@ def check_method_name(name: str, given: str | None = None) -> None:
         if len(words) > 1 and set(words) <= set(known):
             hint = f" (separate methods with commas: {','.join(words)})"
         elif at and method in known:   # kvf eval's and compare's METHOD@RATIO
-            hint = (f" (the ratio is given apart: method={method!r}, ratio={ratio})" if python else
-                    f" (the ratio is given apart: -m {method} --ratio {ratio})")
+            if python:
+                hint = f" (the ratio is given apart: method={method!r}, ratio={ratio})"
+            elif (given or "").startswith("kvf methods"):   # which lists a method's knobs, at no ratio
+                hint = f" (a ratio is no part of its name: kvf methods {method})"
+            else:
+                hint = f" (the ratio is given apart: -m {method} --ratio {ratio})"
         elif name.split(":")[0] in known:   # kvf run -m's NAME:KNOB=VALUE where a bare name goes
             hint = knobs_apart(name, python)
         else:
