@@ -14,7 +14,7 @@ import pytest
 from conftest import probe_verdict, run_cli
 from test_catalogue import SUB_ENV, value_flags
 
-BAD_VALUES = ("-1", "x", "nan", "{cwd}/none/d/f")
+BAD_VALUES = ("-1", "x", "nan", "{cwd}/none/d/f", "-")   # "-": standard input or output, to most tools
 PROBE = os.environ.get("KVF_PROBE_FLAGS") == "1"
 
 
