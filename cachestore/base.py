@@ -593,8 +593,8 @@ class KVStore:
             with self._flock(fcntl.LOCK_EX | fcntl.LOCK_NB):
                 yield self
         except BlockingIOError:
-            raise KvfError(f"store {self.path} is in use by another kvf process (a run or a build); "
-                           "run gc when it has finished") from None
+            raise KvfError(f"store {self.path} is in use by another kvf process (a run, a build, or a notebook's "
+                           "kvf.open_workspace: ws.close() lets it go); run gc when it has finished") from None
 
     @contextmanager
     def _flock(self, mode: int):

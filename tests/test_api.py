@@ -182,6 +182,27 @@ def test_cachecraft_answers_from_python_as_kvf_run_does(built, tmp_path, capsys,
     assert 0 < answer.recomputed_tokens < answer.chunk_tokens
 
 
+def test_a_closed_workspace_lets_gc_run_and_answers_no_more(built, tmp_path, capsys, monkeypatch):
+    """A notebook's open workspace held the store's lock until the notebook ended: `kvf store gc` said the store
+    was "in use by another kvf process (a run or a build)", and there was no way to let it go but to restart."""
+    shutil.copytree(built / "ws", tmp_path / "ws")
+    gc = ["store", "gc", tmp_path / "ws", "--yes"]
+    with kvf.open_workspace(tmp_path / "ws") as ws:
+        code, _, err = cli(gc, capsys, monkeypatch)
+        assert code == 1 and "in use by another kvf process (a run, a build, or a notebook's kvf.open_workspace: " \
+                             "ws.close() lets it go)" in err
+        assert ws.search("capital", top_k=1)
+    assert cli(gc, capsys, monkeypatch)[0] in (0, None)   # the with block's end let it go
+    for call in (lambda: ws.search("capital"), lambda: ws.answer("q", method="reuse")):
+        with pytest.raises(kvf.KvfError, match=r"^this workspace was closed .*open it again with kvf.open_workspace"):
+            call()
+    ws.close()   # closing twice is no error
+    again = kvf.open_workspace(tmp_path / "ws")
+    assert cli(gc, capsys, monkeypatch)[0] == 1
+    again.close()
+    assert cli(gc, capsys, monkeypatch)[0] in (0, None)
+
+
 def test_a_flag_s_value_in_a_line_becomes_the_argument_whole():
     """A flag's value the line names becomes the argument as Python writes it: a number as it is, whole past its
     point ("--ratio 0.15" became "ratio='0'.15"), a word quoted; a bare flag before a word is the name alone."""

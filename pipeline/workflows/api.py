@@ -50,11 +50,31 @@ class WorkspaceSession:
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
             raise ws.not_built(named="")
-        self.session = Session(ws, model, device, dtype)
+        self._session = Session(ws, model, device, dtype)
         check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
         # a model that fails to load on the first answer is named model=..., as open_workspace() took it
         self.opened_with = {"--model": ("model", model), "--device": ("device", device), "--dtype": ("dtype", dtype)}
+
+    def close(self) -> None:
+        """Release the workspace's store (`kvf store gc` refuses while a session holds it) and the model;
+        answer() and search() refuse after. `with kvf.open_workspace(...) as ws:` closes it at the block's end."""
+        if self._session is not None:
+            self._session.close()
+            self._session, self._searchers = None, {}
+
+    def __enter__(self) -> "WorkspaceSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise KvfError("this workspace was closed (ws.close(), or the end of its with block); open it again "
+                           "with kvf.open_workspace(...)")
+        return self._session
 
     @errors_name_arguments(more=lambda self: self.opened_with)
     def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[SearchHit]:

@@ -66,6 +66,14 @@ class Session:
         self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
         self._neighbours = None
 
+    def close(self) -> None:
+        """Let the store go: kvf store gc refuses while any session holds it, and a notebook's session is held
+        until the notebook ends unless closed."""
+        if self._store_lock is not None:
+            self._store_lock.__exit__(None, None, None)   # closes the lock file, which releases the lock
+            self._store_lock = None
+        self.store.close()
+
     @property
     def n_layers(self) -> int:
         return self.answerer.transformer.n_layers
