@@ -188,6 +188,9 @@ def test_a_closed_workspace_lets_gc_run_and_answers_no_more(built, tmp_path, cap
     shutil.copytree(built / "ws", tmp_path / "ws")
     gc = ["store", "gc", tmp_path / "ws", "--yes"]
     with kvf.open_workspace(tmp_path / "ws") as ws:
+        n_chunks = sum(map(len, json.loads((tmp_path / "ws" / "doc_chunks.json").read_text()).values()))
+        assert repr(ws) == (f"<kvf workspace {tmp_path / 'ws'}: {n_chunks} chunks (up to 64 tokens), KV variants "
+                            "prefix; SmolLM2-135M-Instruct on cpu, float32>")   # what a notebook shows for `ws`
         code, _, err = cli(gc, capsys, monkeypatch)
         assert code == 1 and "in use by another kvf process (a run, a build, or a notebook's kvf.open_workspace: " \
                              "ws.close() lets it go)" in err
@@ -197,6 +200,7 @@ def test_a_closed_workspace_lets_gc_run_and_answers_no_more(built, tmp_path, cap
         with pytest.raises(kvf.KvfError, match=r"^this workspace was closed .*open it again with kvf.open_workspace"):
             call()
     ws.close()   # closing twice is no error
+    assert repr(ws) == f"<kvf workspace {tmp_path / 'ws'} (closed)>"
     again = kvf.open_workspace(tmp_path / "ws")
     assert cli(gc, capsys, monkeypatch)[0] == 1
     again.close()

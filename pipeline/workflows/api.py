@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError, errors_name_arguments
+from kvf.errors import KvfError, counted, errors_name_arguments
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
@@ -50,6 +50,7 @@ class WorkspaceSession:
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
             raise ws.not_built(named="")
+        self.path = ws.root
         self._session = Session(ws, model, device, dtype)
         check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
         self._searchers: dict[str, object] = {}
@@ -62,6 +63,15 @@ class WorkspaceSession:
         if self._session is not None:
             self._session.close()
             self._session, self._searchers = None, {}
+
+    def __repr__(self) -> str:
+        """What a notebook shows for `ws`: the workspace, its size, and what answers from it."""
+        if self._session is None:
+            return f"<kvf workspace {self.path} (closed)>"
+        s = self._session
+        return (f"<kvf workspace {self.path}: {counted(len(s.chunks_by_id), 'chunk')} (up to "
+                f"{s.manifest['chunk_tokens']} tokens), KV variants {', '.join(s.manifest['variants']) or 'none yet'}; "
+                f"{s.model_ref.name} on {s.device}, {dtype_name(s.dtype)}>")
 
     def __enter__(self) -> "WorkspaceSession":
         return self
