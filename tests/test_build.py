@@ -797,6 +797,45 @@ def test_two_shards_into_one_file_url_store_equal_one_full_build(built, tmp_path
         assert entry_bytes(sharded, key) == entry_bytes(full, key), key
 
 
+def test_a_build_beside_another_goes_in_reverse_and_skips_what_the_other_stored(built, tmp_path, monkeypatch):
+    """Two build-caches of one workspace at once (a second terminal): the second computed every entry the first
+    did, in the same order, and said "entries written 0, already present 0". A build that finds another
+    computing KVs builds in reverse and asks the store again every few chunks, so the two meet in the middle; the
+    store is still a one-go build's, byte for byte."""
+    import kvf.pipeline.workflows.build as build_module
+    monkeypatch.setattr(build_module, "RECHECK_EVERY", 2, raising=False)
+    opts = opts_for(tmp_path, built.corpus, dtype="float32")
+    full = open_store(built.summary.store, readonly=True)
+    order = [c.chunk_id for c in built.chunks]          # the plan's order: the chunks table's
+    other_stores = order[: len(order) // 2]             # what the other build, going forward, stores meanwhile
+    assert len(other_stores) >= 2
+    computed = []
+    real_compute = EntryBuilder.compute
+
+    def compute(builder, variant, chunk, neighbours, by_id):
+        if not computed:   # the other build is under way: the first half of the plan lands while this one runs
+            for chunk_id in other_stores:
+                key = builder.key("prefix", by_id[chunk_id], None)
+                builder.store.put(key, full.get(key), attrs={"variant": "prefix", "chunk_id": chunk_id})
+        computed.append(chunk.chunk_id)
+        return real_compute(builder, variant, chunk, neighbours, by_id)
+    monkeypatch.setattr(EntryBuilder, "compute", compute)
+    (tmp_path / "ws").mkdir()
+    with Workspace(tmp_path / "ws").kv_stage_turn() as first:   # held by the other build
+        assert first
+        summary = build_cache(opts, QUIET)
+    assert computed == order[len(other_stores):][::-1]   # from the end, and none of what the other stored
+    assert (summary.entries_written, summary.entries_found) == (len(order) - len(other_stores), len(other_stores))
+    shown = Console(record=True, width=300)
+    shown.print(build_module.summary_table(summary))   # it said "entries written 0 (0.0 MiB), already present 0"
+    assert (f"already present 0, stored meanwhile by another build {len(other_stores)}"
+            in " ".join(shown.export_text().split()))
+    store = open_store(summary.store, readonly=True)
+    assert store.keys() == full.keys()
+    for key in full.keys():
+        assert entry_bytes(store, key) == entry_bytes(full, key), key
+
+
 @pytest.mark.parametrize("behind", [False, True], ids=["writes-inline", "writes-behind"])
 def test_disk_full_mid_build_keeps_committed_entries(built, tmp_path, capsys, monkeypatch, behind):
     """Also with the writes behind (a GPU's or an object store's build): the same one line, the same entries

@@ -123,6 +123,7 @@ class BuildSummary:
     tokens: int = 0
     entries_written: int = 0
     entries_skipped: int = 0
+    entries_found: int = 0      # planned, then stored by another build first (found before computing, or lost the race)
     bytes_written: int = 0
     store: str = ""
     stages: list[StageStat] = field(default_factory=list)
@@ -330,6 +331,7 @@ class EntryBuilder:
         self._write_failed = False                       # a write behind failed: the rest queued are dropped
         self.model_seconds = 0.0
         self.entries_written = 0   # every entry this builder committed (neighbours' included)
+        self.entries_found = 0     # planned here, but another writer stored it first
         self.bytes_written = 0     # their KV payload bytes
 
     def use_extras(self, extras_for: Iterable[str]) -> None:
@@ -426,6 +428,8 @@ class EntryBuilder:
         if self.store.put(key, kv, attrs=attrs, extras=extras):
             self.entries_written += 1
             self.bytes_written += self.store.kv_nbytes(kv.shape[3])   # kv: [L, 2, KV, t, d]
+        else:
+            self.entries_found += 1
 
     @torch.inference_mode()
     def _store_behind(self, key: str, kv: torch.Tensor, attrs: dict, extras: dict) -> None:
@@ -486,32 +490,45 @@ class EntryBuilder:
         return self.store.get(key).float()
 
 
+RECHECK_EVERY = 16   # chunks a build computes on its plan before asking the store about the next ones again
+
+
 def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neighbours, console: Console,
-             summary: BuildSummary, todo: dict[str, list[str]]) -> list[StageStat]:
-    """Each variant's missing entries (`todo`: missing_entries, the plan the room check sized), in build order."""
+             summary: BuildSummary, todo: dict[str, list[str]], first: bool = True) -> list[StageStat]:
+    """Each variant's missing entries (`todo`: missing_entries, the plan the room check sized), in build order,
+    or in reverse when another build computes KVs into this workspace now (`first` False): two builds of one
+    corpus (a second terminal) then meet in the middle, each skipping what the other has stored, where in the
+    same order they computed every entry twice."""
     stats = []
     for variant, missing in todo.items():
         stat = StageStat(f"kv {variant}", len(missing), chunks.tokens(missing))
-        # the fusion entries' neighbours belong to every shard: while others build at once, one may have stored a
-        # neighbour's prefix entry since the plan, so each is asked about again (all of them, N times over, else)
-        recheck = variant not in opts.variants and opts.shard[1] > 1
         if missing:
             builder.system_kv()
             started = time.perf_counter()
             with build_progress(console) as progress, builder.writing_behind():
                 task = progress.add_task(f"KV {variant}", total=len(missing), rate="")
                 done_tokens = 0
-                for chunk in chunks.chunks(missing):
-                    if not (recheck and builder.store.has(builder.key(variant, chunk, None))):
-                        builder.compute(variant, chunk, neighbours, chunks)
-                    done_tokens += len(chunk.token_ids)
-                    rate = done_tokens / max(1e-9, time.perf_counter() - started)
-                    progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+                order = missing if first else missing[::-1]
+                for start in range(0, len(order), RECHECK_EVERY):
+                    batch = list(chunks.chunks(order[start:start + RECHECK_EVERY]))
+                    # stored since the plan by another build, or another shard (fusion entries' neighbours):
+                    # asked about side by side, once a batch
+                    keys = [builder.key(variant, chunk, neighbours) for chunk in batch]
+                    unserved = set(builder.unserved(keys))
+                    for chunk, key in zip(batch, keys):
+                        if key in unserved:
+                            builder.compute(variant, chunk, neighbours, chunks)
+                        else:
+                            builder.entries_found += 1
+                        done_tokens += len(chunk.token_ids)
+                        rate = done_tokens / max(1e-9, time.perf_counter() - started)
+                        progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
             stat.seconds = time.perf_counter() - started
         stat.note = kv_stage_note(variant, opts.variants, missing)
         stats.append(stat)
     # counted by the builder: a neighbour's prefix entry another shard had not built yet counts too
     summary.entries_written, summary.bytes_written = builder.entries_written, builder.bytes_written
+    summary.entries_found = builder.entries_found
     return stats
 
 
@@ -691,7 +708,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
             from kvf.pipeline.workflows.distributed import build_kv_with_ray
             summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary, todo)
         else:
-            summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary, todo)
+            with ws.kv_stage_turn() as first:
+                summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary, todo, first)
     with ws.files_lock(waiting):
         ws.check_chunks_are(chunks.ids)
         write_workspace_manifest(ws, opts, model_ref, store, index_state,
@@ -791,5 +809,6 @@ def summary_table(summary: BuildSummary) -> Table:
         rate = lambda x: f"{x / s.seconds:,.1f}" if s.seconds > 0 and x else "-"  # noqa: E731
         table.add_row(s.name, f"{s.items:,}", f"{s.tokens:,}", f"{s.seconds:.2f}", rate(s.items), rate(s.tokens), s.note)
     table.caption = (f"entries written {summary.entries_written:,} ({summary.bytes_written / 2**20:,.1f} MiB), "
-                     f"already present {summary.entries_skipped:,}")
+                     f"already present {summary.entries_skipped:,}"
+                     + (f", stored meanwhile by another build {summary.entries_found:,}" if summary.entries_found else ""))
     return table

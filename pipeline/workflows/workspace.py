@@ -219,6 +219,18 @@ class Workspace:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             yield   # closing the file releases the lock
 
+    @contextmanager
+    def kv_stage_turn(self):
+        """Held by a build while it computes KVs: yields True to the first build, False to one that finds
+        another computing KVs into this workspace now (it then builds in reverse; see stage_kv)."""
+        with open(self.root / ".kvf-kv.lock", "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True   # closing the file releases the lock
+
     def check_chunks_are(self, chunk_ids: list[str]) -> None:
         """Before a build writes the manifest: the chunks table must still be the one it built, not one
         that a build with other settings wrote while this one computed KVs."""
