@@ -72,18 +72,20 @@ def as_arguments(message: str, arguments: dict[str, tuple[str, object]]) -> str:
                 parts[i] = parts[i].replace(f"{flag} {value}", f"{name}={passed!r}")
             # a fix that names a value ("or use --device cpu"), then the flag alone ("omit --model for ...")
             # (a point ends the value only where no digit follows: "--ratio 0.15" is not "ratio='0'.15")
-            parts[i] = re.sub(rf"{re.escape(flag)} ([^\s;,()]+?)(?=[:,;)]|\.(?!\d)|$)", lambda m: f"{name}={python_literal(m[1])}", parts[i])
+            parts[i] = re.sub(rf"{re.escape(flag)} ([^\s;,()]+?)(?=[:,;)]|\.(?!\d)|$)",
+                              lambda m: f"{name}={m[1] if is_number(m[1]) else repr(m[1])}", parts[i])
             parts[i] = re.sub(rf"{re.escape(flag)}(?![\w-])", name, parts[i])
     return "`".join(parts)
 
 
-def python_literal(word: str) -> str:
-    """A value the line names, as Python writes it: a number as it is (ratio=0.3), a word quoted (device='cpu')."""
+def is_number(word: str) -> bool:
+    """Whether a word reads as a number: a value Python writes as it is (ratio=0.3), where a word is quoted
+    (device='cpu'); a negative number after an option is its value, not another option."""
     try:
         float(word)
     except ValueError:
-        return repr(word)
-    return word
+        return False
+    return True
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import typer  # noqa: E402
 from kvf import __version__  # noqa: E402
 from kvf.cli.entry import Interrupted, Stopped  # noqa: E402
 from kvf.cli.options import command_group, thousands  # noqa: E402
-from kvf.errors import KvfError, disk_full  # noqa: E402
+from kvf.errors import KvfError, disk_full, is_number  # noqa: E402
 from kvf.pipeline.fusion.methods.base import user_method_error  # noqa: E402
 
 app = command_group("kvf: fuse stored chunk KV caches for RAG prefill, and measure each method side by side.")
@@ -94,14 +94,6 @@ def with_equals_values(args: list[str]) -> list[str]:
             value = os.path.expanduser(value)
         out += [flag, value] if re.fullmatch(r"-[A-Za-z]", flag) else [f"{flag}={value}"]
     return out
-
-
-def is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 def empty_value(args: list[str]) -> str | None:

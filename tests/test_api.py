@@ -95,6 +95,7 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                        ((None,), "question=None: pass the question")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.search(*args)
+    ws.close()   # the shared workspace's store: a later test's gc of it must not find it held
 
 
 def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypatch, short_docs):
@@ -243,5 +244,6 @@ def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monke
     with pytest.raises(kvf.KvfError, match=re.escape("use fewer chunks (top_k), smaller --chunk-tokens or a lower "
                                                      "max_new_tokens")):   # --chunk-tokens: a build's flag
         ws.answer("q", documents=[first_doc], max_new_tokens=100_000)
+    ws.close()   # the shared workspace's store: a later test's gc of it must not find it held
     with pytest.raises(kvf.KvfError, match=re.escape(f"out='{tmp_path / 'a_file'}' is a file; pass a directory")):
         kvf.evaluate("runs/x.jsonl", out=tmp_path / "a_file")

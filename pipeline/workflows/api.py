@@ -52,7 +52,11 @@ class WorkspaceSession:
             raise ws.not_built(named="")
         self.path = ws.root
         self._session = Session(ws, model, device, dtype)
-        check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
+        try:
+            check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
+        except KvfError:
+            self.close()   # refused: the store is let go now, not when the half-made object is collected
+            raise
         self._searchers: dict[str, object] = {}
         # a model that fails to load on the first answer is named model=..., as open_workspace() took it
         self.opened_with = {"--model": ("model", model), "--device": ("device", device), "--dtype": ("dtype", dtype)}

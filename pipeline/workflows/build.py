@@ -509,20 +509,15 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
                 task = progress.add_task(f"KV {variant}", total=len(missing), rate="")
                 done_tokens = 0
                 order = missing if first else missing[::-1]
-                for start in range(0, len(order), RECHECK_EVERY):
-                    batch = list(chunks.chunks(order[start:start + RECHECK_EVERY]))
-                    # stored since the plan by another build, or another shard (fusion entries' neighbours):
-                    # asked about side by side, once a batch
-                    keys = [builder.key(variant, chunk, neighbours) for chunk in batch]
-                    unserved = set(builder.unserved(keys))
-                    for chunk, key in zip(batch, keys):
-                        if key in unserved:
-                            builder.compute(variant, chunk, neighbours, chunks)
-                        else:
-                            builder.entries_found += 1
-                        done_tokens += len(chunk.token_ids)
-                        rate = done_tokens / max(1e-9, time.perf_counter() - started)
-                        progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+
+                def done(chunk: Chunk) -> None:
+                    nonlocal done_tokens
+                    done_tokens += len(chunk.token_ids)
+                    rate = done_tokens / max(1e-9, time.perf_counter() - started)
+                    progress.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+                for batch in chunks.batches(order):   # Chunk objects a table batch at a time
+                    for start in range(0, len(batch), RECHECK_EVERY):
+                        compute_unstored(builder, variant, batch[start:start + RECHECK_EVERY], neighbours, chunks, done)
             stat.seconds = time.perf_counter() - started
         stat.note = kv_stage_note(variant, opts.variants, missing)
         stats.append(stat)
@@ -530,6 +525,20 @@ def stage_kv(opts: BuildOptions, builder: EntryBuilder, chunks: ChunkTable, neig
     summary.entries_written, summary.bytes_written = builder.entries_written, builder.bytes_written
     summary.entries_found = builder.entries_found
     return stats
+
+
+def compute_unstored(builder: EntryBuilder, variant: str, group: list[Chunk], neighbours, by_id, done) -> None:
+    """The group's entries the store still lacks, computed; done(chunk) after each chunk. Another build (or
+    another shard, for fusion entries' neighbours) may have stored some since the plan: asked about side by side,
+    once a group, they are counted as found instead."""
+    keys = [builder.key(variant, chunk, neighbours) for chunk in group]
+    unserved = set(builder.unserved(keys))
+    for chunk, key in zip(group, keys):
+        if key in unserved:
+            builder.compute(variant, chunk, neighbours, by_id)
+        else:
+            builder.entries_found += 1
+        done(chunk)
 
 
 def kv_stage_note(variant: str, variants, missing: list[str]) -> str:
