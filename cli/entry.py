@@ -46,6 +46,21 @@ class Terminated(Stopped):
     code, word, signum = 143, "terminated", signal.SIGTERM
 
 
+def signal_beneath(error: BaseException) -> Stopped | None:
+    """The signal an error was raised over, if any. Code between the signal and kvf may wrap what it catches:
+    Python 3.11 wraps an exception raised while a class body is made (__set_name__) in a RuntimeError, so a
+    Ctrl-C during a library's import read "internal error: RuntimeError: Error calling __set_name__"."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, Stopped):
+            return error
+        if isinstance(error, KeyboardInterrupt):
+            return Interrupted()
+        error = error.__cause__ or error.__context__
+    return None
+
+
 RESEND_S = 1.0   # how often the watcher looks; it sends the signal again after two looks find it dropped
 _exiting = threading.Event()   # set as kvf ends: from then on no signal is sent again
 _first_signal: list[int] = []  # what the handlers caught first; a list append takes no lock a handler could wait on
@@ -97,6 +112,10 @@ def main():
             from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
         except Stopped as e:
             e.exit()
+        except Exception as e:   # a signal an import wrapped (see signal_beneath)
+            if (stopped := signal_beneath(e)) is None:
+                raise
+            stopped.exit()
         except KvfError as e:   # the CLI's flags come from the method files: one the user wrote may not load
             print(f"kvf: error: {e}", file=sys.stderr)
             sys.exit(1)

@@ -20,7 +20,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import typer  # noqa: E402
 
 from kvf import __version__  # noqa: E402
-from kvf.cli.entry import Interrupted, Stopped  # noqa: E402
+from kvf.cli.entry import Interrupted, Stopped, signal_beneath  # noqa: E402
 from kvf.cli.options import command_group, thousands  # noqa: E402
 from kvf.errors import KvfError, disk_full, is_number  # noqa: E402
 from kvf.pipeline.fusion.methods.base import user_method_error  # noqa: E402
@@ -245,6 +245,8 @@ def main():
     except (KeyboardInterrupt, typer.Abort):
         Interrupted().exit(resumes(sys.argv[1:]))
     except KvfError as e:
+        if (stopped := signal_beneath(e)) is not None:   # a check that caught a wrapped signal as its failure
+            stopped.exit(resumes(sys.argv[1:]))
         print(f"kvf: error: {e}", file=sys.stderr)
         sys.exit(1)
     except OSError as e:
@@ -258,6 +260,8 @@ def main():
             print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
+        if (stopped := signal_beneath(e)) is not None:
+            stopped.exit(resumes(sys.argv[1:]))
         if debug:
             raise
         blamed = user_method_error(e)
