@@ -112,13 +112,13 @@ def main():
             from kvf.cli.main import main as cli_main  # torch and friends take seconds to import
         except Stopped as e:
             e.exit()
+        except KvfError as e:   # the CLI's flags come from the method files: one the user wrote may not load
+            print(f"kvf: error: {e}", file=sys.stderr)
+            sys.exit(1)
         except Exception as e:   # a signal an import wrapped (see signal_beneath)
             if (stopped := signal_beneath(e)) is None:
                 raise
             stopped.exit()
-        except KvfError as e:   # the CLI's flags come from the method files: one the user wrote may not load
-            print(f"kvf: error: {e}", file=sys.stderr)
-            sys.exit(1)
         cli_main()
     finally:
         _exiting.set()   # kvf has said its line (or is done): interpreter shutdown is left alone
