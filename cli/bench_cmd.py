@@ -1,6 +1,7 @@
 """`kvf bench`: TTFT of each method vs full prefill across context lengths, measured in one process."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -65,12 +66,12 @@ def bench_command(
                         model=model, random_weights=random_weights, device=device, dtype_compute=dtype, out=out,
                         knobs=knobs, store_url=store, versus=versus)
     console = output_console(140, stderr=json_out)   # --json: stdout holds the JSON alone
-    if repeats == 1:
-        console.print("warning: --repeats 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
-                      "so treat single-repeat ratios as noise", style="yellow")
+    if repeats == 1:   # named as typed: --rounds (the README's word) or --repeats
+        typed = next((w.split("=")[0] for w in sys.argv[1:] if w.split("=")[0] in ("--rounds", "--repeats")), "--rounds")
+        console.print(f"warning: {typed} 1 gives one timing per setting; CPU timings vary by 10-30% run to run, "
+                      "so treat single-round ratios as noise", style="yellow")
     df = bench(opts, console)
     label = f"{random_weights or model or 'SmolLM2-135M-Instruct'} on {device}"
-    import sys
     written = write_results(df, out, label, "kvf " + " ".join(sys.argv[1:]), repeats, versus)
     if json_out:
         print(df.to_json(orient="records"))

@@ -265,4 +265,9 @@ def test_bench_json_is_the_only_thing_on_stdout(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert exit_info.value.code in (0, None), err
     assert {row["method"] for row in json.loads(out)} == {"full", "reuse"}
-    assert "wrote" in err and "--repeats 1" in err
+    assert "wrote" in err and "--repeats 1 gives one timing" in err
+    argv = [w if w != "--repeats" else "--rounds" for w in sys.argv]   # it said "--repeats 1" to --rounds 1
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code in (0, None) and "--rounds 1 gives one timing" in capsys.readouterr().err
