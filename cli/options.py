@@ -33,13 +33,18 @@ class CommandGroup(TyperGroup):
                 formatter.write_dl(rows)
 
 
+def value_options(command) -> dict:
+    """Each name of each option that takes a value (not a flag), as written (-m, --method): its parameter."""
+    return {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
+            for opt in param.opts + param.secondary_opts}
+
+
 def repeated_list_option(command, args: list[str]) -> str | None:
     """The line for a list option (one whose help says it is comma-separated) given twice, `-m reuse -m
     cacheblend`: click keeps the last value and drops the first without a word, so a sweep ran one method where
     the user asked for two. A single-value option given twice keeps its last, as in most tools: a script may
     append an override."""
-    lists = {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
-             and "comma" in (param.help or "").lower() for opt in param.opts + param.secondary_opts}
+    lists = {opt: param for opt, param in value_options(command).items() if "comma" in (param.help or "").lower()}
     given: dict[str, tuple[str, str]] = {}   # param name -> (the flag as written, its value)
     for i, word in enumerate(args):
         flag, sep, value = word.partition("=") if word.startswith("--") else (word, "", "")
@@ -69,8 +74,7 @@ def dash_path(command, args: list[str]) -> str | None:
     """The line for "-" given as a path (`-q -`, `-o -`, `kvf eval -`). kvf reads and writes named files: a
     resumed run reads its questions again and appends to its run file, and a write is a rename. `-q -` said
     the file "-" was missing, and `-o -` wrote a run file named "-"."""
-    options = {opt: param for param in command.params if param.param_type_name == "option" and not param.is_flag
-               for opt in param.opts + param.secondary_opts}
+    options = value_options(command)
     arguments = [param for param in command.params if param.param_type_name == "argument"]
     pending, position = None, 0   # (flag, option) the next word is the value of; how many arguments came before
     for word in args:
