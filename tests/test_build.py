@@ -828,7 +828,7 @@ def test_a_build_beside_another_goes_in_reverse_and_skips_what_the_other_stored(
     assert (summary.entries_written, summary.entries_found) == (len(order) - len(other_stores), len(other_stores))
     shown = Console(record=True, width=300)
     shown.print(build_module.summary_table(summary))   # it said "entries written 0 (0.0 MiB), already present 0"
-    assert (f"already present 0, stored meanwhile by another build {len(other_stores)}"
+    assert (f"already present 0, stored meanwhile by another writer {len(other_stores)}"
             in " ".join(shown.export_text().split()))
     store = open_store(summary.store, readonly=True)
     assert store.keys() == full.keys()

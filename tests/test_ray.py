@@ -84,6 +84,46 @@ def test_ray_build_equals_one_process_build(ray_local, corpus, tmp_path, monkeyp
         ["kv prefix (ray ×1)", "kv fusion (ray ×1)"]
 
 
+def test_a_ray_build_beside_another_hands_out_its_batches_in_reverse(ray_local, corpus, tmp_path, monkeypatch):
+    """Two Ray builds of one workspace at once handed out their batches in the same order, each batch checked
+    against the store when it started, so they computed much of the store twice. A build that finds another
+    computing KVs (its lock held) hands out the last batch first; what the other stored meanwhile is found, not
+    computed, and counted; the store is the one-process build's, byte for byte."""
+    from kvf.cachestore import open_store
+    from kvf.pipeline.workflows import build as build_module, distributed
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    from kvf.pipeline.workflows.workspace import Workspace
+    reference = open_store(str(corpus / "one" / "kv.zarr"))
+    plan, sent = [], []
+    real_missing_entries, real_fusion_context = build_module.missing_entries, distributed.fusion_context
+
+    def missing_entries(variants, builder, chunks, neighbours, mine):   # the other build, going forward, stores
+        todo = real_missing_entries(variants, builder, chunks, neighbours, mine)   # the plan's first half meanwhile
+        plan.extend(todo["prefix"])
+        for chunk in chunks.chunks(plan[: len(plan) // 2]):
+            key = builder.key("prefix", chunk, None)
+            builder.store.put(key, reference.get(key), attrs={"variant": "prefix", "chunk_id": chunk.chunk_id})
+        return todo
+
+    def fusion_context(variant, batch, neighbours, by_id):   # called on the driver as each batch is sent
+        sent.extend(c.chunk_id for c in batch)
+        return real_fusion_context(variant, batch, neighbours, by_id)
+    monkeypatch.setattr(build_module, "missing_entries", missing_entries)
+    monkeypatch.setattr(distributed, "fusion_context", fusion_context)
+    (tmp_path / "ws").mkdir()
+    with Workspace(tmp_path / "ws").kv_stage_turn() as first:   # held by the other build
+        assert first
+        summary = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=tmp_path / "ws", ray="local",
+                                           workers=1, batch=4, **{**BUILD, "variants": ("prefix",)}), QUIET)
+    stored_meanwhile = len(plan) // 2
+    assert len(plan) > 50 and sent == plan[::-1]   # the last batch first: one actor takes them in the order sent
+    assert (summary.entries_written, summary.entries_found) == (len(plan) - stored_meanwhile, stored_meanwhile)
+    store = open_store(str(tmp_path / "ws" / "kv.zarr"))
+    assert len(store.keys()) == len(plan) + 1 and set(store.keys()) <= set(reference.keys())   # and S's entry
+    for key in store.keys():
+        assert np.array_equal(store.get(key).numpy(), reference.get(key).numpy()), key
+
+
 def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):
     """Run `kvf build-cache ... --ray` (args) and SIGKILL the first actor caught mid-batch (its pid
     marker in `markers`). Returns (the pid killed or None, the build's exit status, its stderr)."""

@@ -123,7 +123,8 @@ class BuildSummary:
     tokens: int = 0
     entries_written: int = 0
     entries_skipped: int = 0
-    entries_found: int = 0      # planned, then stored by another build first (found before computing, or lost the race)
+    entries_found: int = 0      # planned, then stored by another writer first (another build, or a killed Ray batch's
+                                # first try; found before computing, or lost the race)
     bytes_written: int = 0
     store: str = ""
     stages: list[StageStat] = field(default_factory=list)
@@ -713,11 +714,11 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     summary.entries_skipped += sum(len(mine) - len(todo[variant]) for variant in opts.variants)   # on either path
     check_room(builder, chunks, todo, build_fixes(store, opts.variants))
     with store.shared_lock():  # gc refuses while a build writes
-        if opts.ray is not None:
-            from kvf.pipeline.workflows.distributed import build_kv_with_ray
-            summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary, todo)
-        else:
-            with ws.kv_stage_turn() as first:
+        with ws.kv_stage_turn() as first:
+            if opts.ray is not None:
+                from kvf.pipeline.workflows.distributed import build_kv_with_ray
+                summary.stages += build_kv_with_ray(opts, builder, chunks, neighbours, console, summary, todo, first)
+            else:
                 summary.stages += stage_kv(opts, builder, chunks, neighbours, console, summary, todo, first)
     with ws.files_lock(waiting):
         ws.check_chunks_are(chunks.ids)
@@ -819,5 +820,5 @@ def summary_table(summary: BuildSummary) -> Table:
         table.add_row(s.name, f"{s.items:,}", f"{s.tokens:,}", f"{s.seconds:.2f}", rate(s.items), rate(s.tokens), s.note)
     table.caption = (f"entries written {summary.entries_written:,} ({summary.bytes_written / 2**20:,.1f} MiB), "
                      f"already present {summary.entries_skipped:,}"
-                     + (f", stored meanwhile by another build {summary.entries_found:,}" if summary.entries_found else ""))
+                     + (f", stored meanwhile by another writer {summary.entries_found:,}" if summary.entries_found else ""))
     return table

@@ -4,7 +4,7 @@
   model per actor, in batches of chunks, each actor writing straight into the shared store (a local
   path, a shared filesystem or s3://). S's entry is stored first, by one actor (the driver never loads
   the model, so it holds no GPU memory an actor needs), and `prefix` entries before `fusion` ones (a
-  fusion entry reads its neighbours' prefix entries), so no two actors ever write the same key at the
+  fusion entry reads its neighbours' prefix entries), so no two actors of one build write the same key at the
   same time. A local store commits entries atomically anyway; an object
   store commits by marker, so the ordering is what keeps it correct there.
 - run: questions are spread over actors, each with its own model and store reader; every record
@@ -12,6 +12,9 @@
 - Actors are restarted and their in-flight task retried when a worker dies (kill -9 included):
   entries are content-addressed and a retried batch skips what was committed, so the store ends
   the same as a one-process build.
+- Two builds of one workspace at once (a second terminal; with --ray or without) hand out their batches
+  in opposite orders, and an actor asks the store which of its batch's entries are still missing when
+  the batch starts: the builds meet in the middle instead of computing every entry twice.
 With no address, a local Ray instance sized to the machine is started.
 """
 from __future__ import annotations
@@ -242,13 +245,16 @@ class KVWorkerImpl:
         import time
         write_pid_marker()
         started = time.perf_counter()
-        entries, nbytes = self.builder.entries_written, self.builder.bytes_written
+        entries, nbytes, found = self.builder.entries_written, self.builder.bytes_written, self.builder.entries_found
+        missing = self.builder.missing(variant, chunks, neighbours)   # a retried batch skips what is done
         with self.builder.writing_behind():
-            for chunk in self.builder.missing(variant, chunks, neighbours):  # a retried batch skips what is done
+            for chunk in missing:
                 self.builder.compute(variant, chunk, neighbours, by_id)
         clear_pid_marker()
         return {"chunks": len(chunks), "entries_written": self.builder.entries_written - entries,
-                "bytes_written": self.builder.bytes_written - nbytes, "seconds": time.perf_counter() - started}
+                "bytes_written": self.builder.bytes_written - nbytes,
+                "entries_found": len(chunks) - len(missing) + self.builder.entries_found - found,
+                "seconds": time.perf_counter() - started}
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,9 +264,10 @@ def remote_class(impl: type):
 
 
 def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console, summary,
-                      todo: dict[str, list[str]]) -> list:
-    """The KV stage of build-cache on Ray actors (see the module docstring); `todo`: build.missing_entries. Returns
-    StageStats. Actors (a model load each) start only for work that is missing, and no more than its batches."""
+                      todo: dict[str, list[str]], first: bool = True) -> list:
+    """The KV stage of build-cache on Ray actors (see the module docstring); `todo`: build.missing_entries, handed
+    out in reverse when another build computes KVs into this workspace now (`first` False; see build.stage_kv).
+    Returns StageStats. Actors (a model load each) start only for work that is missing, and no more than its batches."""
     from ray.util import ActorPool
     from kvf.pipeline.workflows.build import StageStat, kv_stage_note
     ray = start_ray(opts.ray, opts.threads)
@@ -276,7 +283,8 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console
     try:
         with task_errors(ray):
             ray.get(workers[0].system.remote())   # S once, before any batch: the actors only read it after
-        stats = build_batches(opts, ActorPool(workers), n_workers, todo, chunks, neighbours, console, summary, ray)
+        stats = build_batches(opts, ActorPool(workers), n_workers, todo, chunks, neighbours, console, summary, ray,
+                              first)
     finally:
         for w in workers:
             ray.kill(w)
@@ -284,16 +292,18 @@ def build_kv_with_ray(opts, builder, chunks, neighbours: Mapping | None, console
 
 
 def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks, neighbours: Mapping | None, console,
-                  summary, ray) -> list:
-    """Each variant's missing entries, in batches of --batch chunks, over the actor pool. A batch's chunks
-    become Chunk objects as it is sent."""
+                  summary, ray, first: bool = True) -> list:
+    """Each variant's missing entries, in batches of --batch chunks, over the actor pool (the last batch first
+    when `first` is False). A batch's chunks become Chunk objects as it is sent; its actor asks the store which
+    are still missing when it starts, so two builds at once meet in the middle."""
     import time
     from kvf.pipeline.workflows.build import StageStat, kv_stage_note, stage
     stats = []
     for variant, missing in todo.items():
         stat = StageStat(f"kv {variant} (ray ×{n_workers})", len(missing), chunks.tokens(missing))
         started = time.perf_counter()
-        batches = [missing[i: i + opts.batch] for i in range(0, len(missing), opts.batch)]
+        order = missing if first else missing[::-1]
+        batches = [order[i: i + opts.batch] for i in range(0, len(order), opts.batch)]
 
         def submit(worker, ids, variant=variant):
             batch = list(chunks.chunks(ids))
@@ -304,6 +314,7 @@ def build_batches(opts, pool, n_workers: int, todo: dict[str, list[str]], chunks
                 advance(result["chunks"])
                 summary.entries_written += result["entries_written"]
                 summary.bytes_written += result["bytes_written"]
+                summary.entries_found += result["entries_found"]
         stat.seconds = time.perf_counter() - started
         stat.note = kv_stage_note(variant, opts.variants, missing)
         stats.append(stat)
