@@ -77,6 +77,14 @@ def test_bm25_uses_stemming_and_titles(workspace, chunk_of):
     assert BM25Searcher(workspace / "bm25").search("jazz", k=1)[0][0] == chunk_of["jazz"]  # only in the title
 
 
+def test_a_question_of_more_than_a_thousand_words_is_searched(workspace, chunk_of):
+    """Lucene refuses a query of more than 1,024 distinct terms by default: a long question failed with "BM25 search
+    failed (TooManyClauses); the index may be damaged: rebuild it", and a rebuild changed nothing."""
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
+    question = " ".join(f"zq{i}word" for i in range(3000)) + " quetzalcoatlus"   # 3,001 distinct terms
+    assert BM25Searcher(workspace / "bm25").search(question, k=1)[0][0] == chunk_of["pterosaur"]
+
+
 def test_bm25_errors(workspace, tmp_path):
     from kvf.pipeline.retrieval.bm25 import BM25Searcher
     with pytest.raises(KvfError, match="empty"):

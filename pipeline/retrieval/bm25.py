@@ -82,9 +82,20 @@ class BM25Searcher:
             raise KvfError("the search query is empty; pass some words to search for")
         if k < 1:
             raise KvfError(f"-k must be at least 1 (got {k})")
+        allow_clauses(len(query))
         try:
             hits = self.searcher.search(query, k=k)
         except Exception as e:  # Java exceptions (a damaged segment) come through pyjnius
             raise KvfError(f"BM25 search failed ({str(e).splitlines()[0][:80]}); the index may be damaged: rebuild it "
                            "with `kvf build-cache CORPUS --workspace WS --rebuild bm25`") from None
         return [(hit.docid, float(hit.score)) for hit in hits]
+
+
+def allow_clauses(n: int) -> None:
+    """Lucene makes one clause per distinct query term and refuses more than 1,024 by default (TooManyClauses):
+    a long question failed as if the index were damaged. A term takes at least one character, so a query of n
+    characters never needs more than n. The limit is the JVM's, for every searcher."""
+    from jnius import autoclass
+    searcher_class = autoclass("org.apache.lucene.search.IndexSearcher")
+    if searcher_class.getMaxClauseCount() < n:
+        searcher_class.setMaxClauseCount(n)
