@@ -7,6 +7,7 @@ one line saying so, exit 2, and `kvf --debug ...` shows its traceback.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -106,7 +107,8 @@ def empty_value(args: list[str]) -> str | None:
                 continue
             if not (i and args[i - 1].startswith("-")):
                 where = f"after {args[i - 1]}" if i else "before the command"
-                return f'an empty argument ("") {where}; give it a value (is a shell variable unset?) or leave it out'
+                what = "an empty argument" if not word else "a blank argument"
+                return f'{what} ({json.dumps(word)}) {where}; give it a value (is a shell variable unset?) or leave it out'
             flag = args[i - 1]
         return f'{flag} is given an empty value; give it one (is a shell variable unset?) or leave {flag} out'
     return None

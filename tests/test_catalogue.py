@@ -418,6 +418,7 @@ CASES = {
     "run --store=\" \" (a blank value)": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "--store= ", "-o", t / "o.jsonl"],
                                           ["--store is given an empty value", "leave --store out"]),
     "search \"\" (an empty query)": (lambda d, t: ["search", "", "-w", d[1]], ['an empty argument ("") after search']),
+    "search \"  \" (a blank query)": (lambda d, t: ["search", "  ", "-w", d[1]], ['a blank argument ("  ") after search']),
     # a first build went into any folder given, its chunks table, indexes and store among the user's own files
     "build-cache -w a folder of other files": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", write(
         t / "mine" / "notes.txt", b"x").parent], ["--workspace", "holds other files (notes.txt)", "not a kvf workspace"]),
