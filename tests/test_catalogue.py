@@ -488,6 +488,10 @@ CASES = {
     "prepare custom a JSON array": (lambda d, t: ["data", "prepare", "custom", "--input", write(
         t / "c.json", b'[{"question": "q", "passages": [{"text": "x"}]}]'), "--out", t / "p"],
                                     ["--input", "c.json is one JSON array"]),
+    # the conversion it named read the file from and wrote it to q.jsonl: the shell emptied the file first
+    "run -q a JSON array named .jsonl": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "my q.jsonl", b'[{"question": "q"}]'),
+                                                       "-m", "reuse", "-o", t / "o.jsonl"],
+                                         ["--questions", "is one JSON array", "> '", "my q.lines.jsonl'`"]),
     # click's "Got unexpected extra argument(s)" alone left the user to find the flag a word was meant for
     "search an unquoted query": (lambda d, t: ["search", "who", "founded", "it", "-w", d[1]],
                                  ["unexpected extra argument", 'in quotes: kvf search "who founded it"']),

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import re
+import shlex
 import textwrap
 import warnings
 from dataclasses import dataclass, field, replace
@@ -538,7 +539,7 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
     if is_json_array(text):
         raise KvfError(f"{where} is one JSON array; kvf reads JSON Lines, one object per line: convert it with "
                        f"`python -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\" "
-                       f"< {path} > {path.with_suffix('.jsonl')}`")
+                       f"< {shlex.quote(str(path))} > {shlex.quote(str(lines_path(path)))}`")
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -550,6 +551,13 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
             rows.append((lineno, row))
     return rows
+
+
+def lines_path(path: Path) -> Path:
+    """Where a JSON array's conversion to JSON Lines goes: beside it, as .jsonl, never over it (the shell empties
+    the file a `>` names before the command reads it)."""
+    converted = path.with_suffix(".jsonl")
+    return converted if converted != path else path.with_name(f"{path.stem}.lines.jsonl")
 
 
 def is_json_array(text: str) -> bool:
