@@ -161,6 +161,13 @@ def looks_like_record(line: bytes) -> bool:
     return isinstance(data, dict) and {"method", "settings"} <= set(data)
 
 
+def record_start(line: bytes | str) -> bool:
+    """Whether a line begins as `kvf run` writes a record (qid first): a record cut short, when it is the file's
+    only line, not another kind of file."""
+    head = line.encode() if isinstance(line, str) else line
+    return head.lstrip(b"\xef\xbb\xbf \t").startswith(b'{"qid":')
+
+
 def is_run_file(path: Path) -> bool:
     """A file named as `kvf run` writes them (.jsonl), or as committed evidence is kept (.jsonl.gz)."""
     return path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz"))
@@ -199,7 +206,7 @@ def read_records(path: Path) -> list[RunRecord]:
     path = Path(path)
     if not path.is_file():
         raise KvfError(f"run file {path} does not exist")
-    records = []
+    records, cut = [], False
     # committed evidence is kept gzipped (results/*/runs/*.jsonl.gz); `kvf run` writes plain lines
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -210,21 +217,23 @@ def read_records(path: Path) -> list[RunRecord]:
                 try:
                     data = json.loads(line)
                 except json.JSONDecodeError as e:
-                    if records and not line.endswith("\n"):   # the last line cut short: a run writing it, or killed
+                    if not line.endswith("\n") and (records or record_start(line)):   # the last line, cut short
                         warn(f"run file {path} line {lineno} is incomplete (a `kvf run` still writing it, or one "
                              "stopped mid-line): left out")
+                        cut = True
                         break
                     if not records and path.suffix.lower() in OTHER_FORMATS:   # kvf eval's own summary.csv, say
                         raise KvfError(f"run file {path} is {path.suffix.lower()}, not the JSON Lines `kvf run` writes; "
                                        "pass the .jsonl files kvf run -o wrote") from None
-                    raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg})") from None
+                    raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg}); fix or remove that line, "
+                                   "or leave the file out") from None
                 records.append(parse_record(data, f"run file {path} line {lineno}"))
     except UnicodeDecodeError:
         raise KvfError(f"run file {path} is not UTF-8 text: pass the JSON Lines files `kvf run` writes") from None
     except (gzip.BadGzipFile, EOFError):
         raise KvfError(f"run file {path} is not a complete gzip file: re-compress it with `gzip -k` from the .jsonl") from None
     if not records:
-        raise KvfError(f"run file {path} is empty: re-run `kvf run` or leave it out")
+        raise KvfError(f"run file {path} {'holds no whole record' if cut else 'is empty'}: re-run `kvf run` or leave it out")
     return records
 
 
@@ -279,7 +288,7 @@ class RunFile:
             try:
                 record = parse_record(json.loads(raw), f"--out {self.path} line {lineno}")
             except (json.JSONDecodeError, UnicodeDecodeError, KvfError) as e:
-                if last and not complete and records:  # killed mid-write: only this line is lost
+                if last and not complete and (records or record_start(raw)):  # killed mid-write: only this line is lost
                     self.warn(f"--out {self.path}: cut a torn last line (a run killed mid-write); it will be re-run")
                     break
                 if not records and lineno == 1 and not looks_like_record(raw):   # said so before appending to it

@@ -747,6 +747,14 @@ def test_run_file_that_is_not_kvf_s_is_refused_and_only_a_torn_last_line_is_cut(
     code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)
     assert code == 0 and "cut a torn last line" in err
     assert len(out.read_text().splitlines()) == 2
+    # a run killed while writing its first record: its only line is torn, and the file is still a run file
+    out.write_text(good[0][: len(good[0]) // 2])
+    code, _, err = run_cli(["eval", str(out), "-o", str(tmp_path / "ev")], capsys, monkeypatch)
+    assert "line 1 is incomplete" in err and "Traceback" not in err   # it said "malformed JSON", and no fix
+    assert_one_line(code, err.splitlines()[-1], "holds no whole record", "re-run `kvf run`")
+    code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)   # said "not a kvf run file"
+    assert code == 0 and "cut a torn last line" in err
+    assert len(out.read_text().splitlines()) == 2
 
 
 def test_two_runs_on_one_out_file(data, tmp_path):
