@@ -480,6 +480,21 @@ def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
     assert {run_name(r) for r in blend} == {"cacheblend@auto"}
 
 
+def test_fewer_questions_than_n_asked_are_said(built, tmp_path, capsys):
+    """`-n 5 --offset 19` on 20 questions answered one and said nothing (kvf data prepare -n says so)."""
+    from kvf.pipeline.data.datasets import load_prepared
+    from kvf.pipeline.workflows.run import select_questions
+    questions = load_prepared(built / "data")[0]
+    n = len(questions)
+    opts = run_opts(built, tmp_path / "o.jsonl")
+    assert len(select_questions(questions, replace(opts, offset=n - 1, limit=5))) == 1
+    assert "1 question left after --offset" in capsys.readouterr().err
+    assert len(select_questions(questions, replace(opts, limit=n + 1))) == n
+    assert f"only {n} questions, fewer than the {n + 1} asked" in capsys.readouterr().err
+    assert len(select_questions(questions, replace(opts, limit=n))) == n
+    assert capsys.readouterr().err == ""   # as many as asked: nothing to say
+
+
 def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(built, tmp_path):
     """-m NAME:KNOB=VALUE:variant=V runs that entry with those settings alone, labelled by them; --offset
     answers a later slice (a held-out split) and nothing before it."""
