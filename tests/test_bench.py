@@ -57,8 +57,9 @@ def test_bench_says_up_front_how_many_requests_it_will_time(tiny_bench):
     df, _ = tiny_bench
     first = SAID.file.getvalue().splitlines()[0]
     entries = len(df) // (2 * 2)                          # per length and mode
-    assert first.startswith(f"kvf bench: {entries} entries x 2 lengths (up to 192 tokens) x 2 rounds (warm and cold) "
-                            f"= {len(df)} timed requests"), first
+    assert first.startswith(f"kvf bench: {entries} entries x 2 lengths (up to 192 tokens) x 1 round x 2 store states "
+                            f"(warm and cold) = {len(df)} timed requests"), first   # it said "x 2 rounds (warm and cold)"
+    assert first.endswith("--lengths or --rounds"), first                  # the README's word, not --repeats
     assert "--lengths" in first
 
 
@@ -146,6 +147,16 @@ def test_a_length_past_the_model_is_refused_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(bench_module, "prepare_length", never)
     with pytest.raises(KvfError, match="--lengths 20000: the model holds 4,096 positions; use lengths up to 4,096"):
         bench(BenchOptions(lengths=[96, 20000], methods=["full"], random_weights="tiny", out=tmp_path), QUIET)
+
+
+def test_a_length_too_short_for_s_and_q_is_refused_before_the_plan_is_said(tmp_path, monkeypatch):
+    """--lengths 10 printed the plan ("1 lengths ... x 4 rounds") and only then said the length was too short."""
+    import kvf.pipeline.workflows.bench as bench_module
+    monkeypatch.setattr(bench_module, "prepare_length", lambda *a, **k: pytest.fail("a length was prepared"))
+    said = Console(file=io.StringIO())
+    with pytest.raises(KvfError, match="--lengths 50: too short for the system prefix and question .* at least 65"):
+        bench(BenchOptions(lengths=[96, 50], methods=["full"], random_weights="tiny", out=tmp_path), said)
+    assert said.file.getvalue() == ""
 
 
 def test_rounds_time_every_method_once_each_in_a_balanced_order():

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, counted
 from kvf.cachestore import open_store
 from kvf.pipeline.fusion.controller import choose_ratio, measure_bandwidth, measure_token_layer_seconds
 from kvf.pipeline.fusion.engine import FusionEngine
@@ -129,7 +129,7 @@ def bench_prompt(transformer: Transformer, tokenizer, length: int, chunk_tokens:
     room = min(length, transformer.max_positions - 1) - len(prefix) - len(question)
     if room < 1:
         raise KvfError(f"--lengths {length}: too short for the system prefix and question "
-                       f"({len(prefix) + len(question)} tokens); use a longer length")
+                       f"({len(prefix) + len(question)} tokens); use lengths of at least {len(prefix) + len(question) + 1}")
     if len(pool) < room:
         raise KvfError(f"--lengths {length}: the benchmark's text holds only {len(pool):,} tokens; use a shorter length")
     chunks = [pool[i: min(i + chunk_tokens, room)] for i in range(0, room, chunk_tokens)]
@@ -491,9 +491,10 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
     entries = len(timed_entries(opts, methods, 0.15 if opts.auto_ratio else None))
     rounds = len(opts.modes) * opts.repeats
     # said up front: the defaults time hundreds of requests up to 8K tokens, hours on a CPU
-    console.print(f"kvf bench: {entries} entries x {len(opts.lengths)} lengths (up to {max(opts.lengths):,} tokens) x "
-                  f"{rounds} rounds ({' and '.join(opts.modes)}) = {entries * len(opts.lengths) * rounds:,} timed requests, "
-                  "plus a warm-up and a memory request per entry; narrow it with -m, -r, --lengths or --repeats",
+    console.print(f"kvf bench: {counted(entries, 'entry', 'entries')} x {counted(len(opts.lengths), 'length')} (up to "
+                  f"{max(opts.lengths):,} tokens) x {counted(opts.repeats, 'round')} x {counted(len(opts.modes), 'store state')} "
+                  f"({' and '.join(opts.modes)}) = {counted(entries * len(opts.lengths) * rounds, 'timed request')}, "
+                  "plus a warm-up and a memory request per entry; narrow it with -m, -r, --lengths or --rounds",
                   highlight=False, markup=False)
     with progress_bar(console) as progress:
         task = progress.add_task("benchmarking: timed requests, then one per entry for peak memory",
@@ -528,6 +529,8 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
     check_lengths(opts.lengths, transformer.max_positions)
+    for length in opts.lengths:   # a length too short for S and Q is refused before the plan is said, not after
+        bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
     check_planned_model(planned, transformer.n_layers)
     if opts.auto_ratio:
         build_method(opts.auto_method, 0.15, opts.knobs).check_model(transformer.n_layers)
