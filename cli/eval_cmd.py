@@ -75,6 +75,11 @@ def compare_command(
             names = run_names(load_runs([run_a]))
             if len(names) < 2:
                 raise KvfError(f"kvf compare {run_a}: it holds one run ({names[0]}); pass a second run file to compare it with")
+            if a or b:   # one side named: said as the generic line, it read as if --a had not been seen
+                given, other_flag = ("--a", "--b") if a else ("--b", "--a")
+                other = next(name for name in names if name != (a or b))
+                raise KvfError(f"kvf compare {run_a} {given} {a or b}: pass {other_flag} too, the run to compare it with "
+                               f"(e.g. {other_flag} {other}), or a second run file")
             raise KvfError(f"kvf compare {run_a}: pass a second run file, or --a and --b to compare two runs of this "
                            f"one, e.g. --a {names[0]} --b {names[1]}")
         run_b = run_a

@@ -296,6 +296,9 @@ CASES = {
                                                  t / "s.jsonl"], ["matches 2 runs", "pick one with --a"]),
     "compare one file, no --a and --b": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0))],
                                          ["kvf compare", "pass a second run file, or --a and --b", "--a full@1 --b reuse@0"]),
+    # it said "pass a second run file, or --a and --b", as if --a had not been seen
+    "compare one file, --a alone": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "--a", "reuse"],
+                                    ["--a reuse: pass --b too", "(e.g. --b full@1)"]),
     "compare one file of one run": (lambda d, t: ["compare", write(t / "s.jsonl", record())],
                                     ["it holds one run (full@1); pass a second run file"]),
     "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
