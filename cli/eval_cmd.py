@@ -38,9 +38,10 @@ def eval_command(
     from kvf.eval.report import evaluate, summary_table
     from kvf.pipeline.workflows.display import progress_bar
 
-    def check_compare(records):   # a --compare run not in the files is said before the tables are written
-        for selector in compare or ():
-            select(records, selector)
+    picked = []   # --compare's two runs, picked before the tables are written: a run not in the files is said first
+
+    def check_compare(records):
+        picked[:] = [select(records, selector) for selector in compare or ()]
     with progress_bar(output_console(160, stderr=True)) as progress:
         summary = evaluate(run_files, out, complete_only, command=_command_line(),
                            exclude_questions=exclude_questions, track=progress.track, check_records=check_compare)
@@ -50,9 +51,7 @@ def eval_command(
     else:
         console.print(summary_table(summary, width=console.width))
     if compare:
-        df = summary.attrs["records"]
-        table = per_question(df, select(df, compare[0]), select(df, compare[1]))
-        console.print(comparison_table(table, *compare))
+        console.print(comparison_table(per_question(summary.attrs["records"], *picked), *compare))
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/", highlight=False, markup=False)
 
 
