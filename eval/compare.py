@@ -77,8 +77,10 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
                      f"{metric}_a": ra[metric], f"{metric}_b": rb[metric],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
                      "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
-                     "kl_a": ra.kl_full, "kl_b": rb.kl_full, "full_side": full_side})
-    return pd.DataFrame(rows)
+                     "kl_a": ra.kl_full, "kl_b": rb.kl_full})
+    table = pd.DataFrame(rows)
+    table.attrs["full_side"] = full_side   # "A" or "B" when that run is full prefill: one fact of the table
+    return table
 
 
 def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
@@ -95,6 +97,7 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
     out.add_column("answer", overflow="fold", ratio=1)
     out.add_column(metric, justify="right", no_wrap=True)
     out.add_column("vs full", justify="right", no_wrap=True)
+    full_is_a_side = table.attrs.get("full_side") is not None   # A or B is full prefill: its answer is already there
     for _, r in table.iterrows():
         heading = Text(str(r.qid), style="dim")
         if r.question:
@@ -102,7 +105,6 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
         heading.append("\ngold: " + (r.gold or "-"), style="italic")
         out.add_row(Text("question", style="dim"), heading)
         out.add_row("A", Text(r.answer_a), _fmt(r[f"{metric}_a"]), _fmt(r.fidelity_a))
-        full_is_a_side = bool(r.get("full_side"))   # where A or B is full prefill, its answer is already there
         out.add_row("B", Text(r.answer_b), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_b), end_section=full_is_a_side)
         if not full_is_a_side:
             out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
