@@ -218,6 +218,17 @@ def test_a_flag_s_value_in_a_line_becomes_the_argument_whole():
                                              "device='cpu'; omit model for it")
 
 
+def test_an_open_workspace_refused_after_taking_the_store_lets_it_go(built, tmp_path, capsys, monkeypatch):
+    """A workspace whose chunks table is damaged is refused after its store is taken: the store stayed held while
+    the refusal's traceback lived (a notebook keeps its last one), and `kvf store gc` said it was in use."""
+    shutil.copytree(built / "ws", tmp_path / "ws")
+    (tmp_path / "ws" / "chunks.parquet").write_bytes(b"not parquet")
+    with pytest.raises(kvf.KvfError, match="chunks.parquet is not a readable Parquet file") as refused:
+        kvf.open_workspace(tmp_path / "ws")
+    assert refused.value.__traceback__ is not None   # held, as a notebook holds it
+    assert cli(["store", "gc", tmp_path / "ws" / "kv.zarr", "--yes"], capsys, monkeypatch)[0] in (0, None)
+
+
 def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monkeypatch):
     """Checks kvf shares with the CLI named its flags to a notebook ("--device cuda: ...; use --device cpu",
     "--out r is a file"), flags it never typed. They name the arguments passed now; a `kvf ...` command

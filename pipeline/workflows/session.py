@@ -60,10 +60,14 @@ class Session:
         self.store = open_run_store(ws, self.manifest, self.model_ref, store)
         self._store_lock = self.store.shared_lock()  # gc refuses while this session may read the store
         self._store_lock.__enter__()
-        self.extras_for = run_extras(self.manifest, extras_for)
-        self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
-        self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
-        self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
+        try:
+            self.extras_for = run_extras(self.manifest, extras_for)
+            self.builder = EntryBuilder(self.model_ref, self.store, device, self.extras_for, engine=self.answerer.engine)
+            self.answerer.engine.remember_prefix_kv(self.builder.template.prefix_ids, self.builder.system_kv())
+            self.chunks_by_id = ChunkTable(ws.chunks_path)   # Chunk objects only for the chunks asked for
+        except BaseException:   # the store is let go now: a notebook's last traceback holds this half-made object
+            self.close()
+            raise
         self._neighbours = None
 
     def close(self) -> None:
