@@ -6,9 +6,9 @@
     store.get_layer(key, 3)             # [2, kv_heads, tokens, head_dim], one contiguous read
 """
 from kvf.cachestore.base import EntryHeader, KVStore
-from kvf.cachestore.errors import BadShape, CorruptEntry, MissingEntry, StoreMismatch
+from kvf.cachestore.errors import BadShape, CorruptEntry, MissingEntry, NotAStore, StoreMismatch
 from kvf.cachestore.keys import entry_key
 from kvf.cachestore.open import FORMATS, check_url, is_endpoint_url, open_store
 
 __all__ = ["open_store", "check_url", "is_endpoint_url", "entry_key", "KVStore", "EntryHeader",
-           "StoreMismatch", "CorruptEntry", "MissingEntry", "BadShape", "FORMATS"]
+           "StoreMismatch", "CorruptEntry", "MissingEntry", "NotAStore", "BadShape", "FORMATS"]

@@ -6,6 +6,10 @@ class StoreMismatch(KvfError):
     """The store was built for another model / tokenizer / dtype / shape than the caller asks for."""
 
 
+class NotAStore(KvfError):
+    """Nothing, or something other than a kvf store, where an existing store was asked for."""
+
+
 class CorruptEntry(KvfError):
     """An entry's bytes on disk do not match the checksums recorded when it was written."""
 

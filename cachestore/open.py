@@ -10,7 +10,7 @@ from fsspec.implementations.local import LocalFileSystem
 from kvf.errors import KvfError
 from kvf.cachestore.base import FORMAT_VERSION, KVStore
 from kvf.cachestore.dtypes import check_dtype
-from kvf.cachestore.errors import StoreMismatch
+from kvf.cachestore.errors import NotAStore, StoreMismatch
 from kvf.cachestore.fs import FsspecFS, LocalFS
 from kvf.cachestore.hdf5_store import HDF5KVStore
 from kvf.cachestore.zarr_store import ZarrKVStore
@@ -43,7 +43,7 @@ def _open(fs, root: str, path: str, format, meta, create, readonly, compressor) 
     created = found is None
     if found is None:
         if not create:
-            raise KvfError(f"no kvf store at {path}; check --store, or build one there first")
+            raise NotAStore(f"no kvf store at {path}; check --store, or build one there first")
         if readonly:
             raise KvfError(f"no kvf store at {path} and it was opened read-only, so it cannot be created")
         found = format or "zarr"
@@ -216,7 +216,7 @@ def _detect(fs, root: str, path: str, create: bool = True) -> str | None:
         inside_a_store(fs, root, path)
         fix = "use another --store path (or an empty directory)" if create else \
             "pass a store (such as WORKSPACE/kv.zarr) or a workspace folder"
-        raise KvfError(f"{path} exists and is not a kvf store; {fix}")
+        raise NotAStore(f"{path} exists and is not a kvf store; {fix}")
     return None
 
 

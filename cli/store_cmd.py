@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvf.cachestore import open_store
+from kvf.cachestore import NotAStore, open_store
 from kvf.errors import KvfError, counted
 from kvf.cli.options import command_group
 from kvf.pipeline.workflows.display import progress_bar, size_text
@@ -40,6 +41,8 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         workspace = named_workspace(where, None)
         if workspace is None:
             store = unfinished_workspace_store(Path(where)) or where
+            if store == where and "://" not in where:
+                check_not_beside_a_workspace(Path(where), command)
     if (store is None) == (workspace is None):
         raise KvfError(f"pass a store (kvf store {command} PATH, or --store PATH / URL) or --workspace DIR, one of them")
     if store is None and not (workspace / "manifest.json").is_file():
@@ -49,6 +52,31 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         store = Workspace(workspace).reach_store()
     use_store_flags(store, endpoint)
     return store
+
+
+def workspace_meant(folder: Path) -> Path | None:
+    """The workspace a folder that is no store was likely named for: a prepared dataset's (DIR/workspace, named
+    as DIR or DIR/corpus), or the workspace it is a folder of (its bm25/ or dense/)."""
+    folder = folder.absolute()
+    for candidate in (folder / "workspace", folder.parent, folder.parent / "workspace"):
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    return None
+
+
+def check_not_beside_a_workspace(folder: Path, command: str) -> None:
+    """`kvf store info DATASET` (or its corpus/, or a workspace's bm25/) said only "is not a kvf store"; the
+    workspace beside it is what was meant. A store kept in such a place (an older store in a workspace) is
+    opened as asked."""
+    meant = workspace_meant(folder)
+    if meant is None:
+        return
+    try:
+        open_store(str(folder), readonly=True).close()
+    except NotAStore:
+        shown = os.path.relpath(meant) if not folder.is_absolute() else str(meant)
+        raise KvfError(f"{folder} is not a kvf store; pass the workspace it goes with: kvf store {command} "
+                       f"{shown}") from None
 
 
 def unfinished_workspace_store(folder: Path) -> str | None:

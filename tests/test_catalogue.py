@@ -187,6 +187,13 @@ CASES = {
                                                 ["kv.zarr/", "is inside the kvf store ", "/ws/kv.zarr; pass the store itself"]),
     "store verify on the store's own zarr.json": (lambda d, t: ["store", "verify", d[1] / "kv.zarr" / "zarr.json"],
                                                   ["is inside the kvf store ", "/ws/kv.zarr; pass the store itself"]),
+    # it said only "exists and is not a kvf store": the workspace beside the folder is what was meant
+    "store info on a workspace's index folder": (lambda d, t: ["store", "info", d[1] / "bm25"],
+                                                 ["bm25 is not a kvf store; pass the workspace it goes with: kvf store info ",
+                                                  "/ws"]),
+    "store gc on a dataset's corpus": (lambda d, t: ["store", "gc", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent / "corpus"],
+                                       ["corpus is not a kvf store; pass the workspace it goes with: kvf store gc ",
+                                        "/ds/workspace"]),
     "store info on a folder of documents": (lambda d, t: ["store", "info", d[0] / "corpus"],
                                             ["exists and is not a kvf store", "pass a store (such as WORKSPACE/kv.zarr)"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
