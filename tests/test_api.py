@@ -78,6 +78,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,"),
                                 ("q", {"method": "cacheblend:check_layer=2:deviation=v"},   # kvf run -m's spelling
                                  "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')"),
+                                ("q", {"method": "cacheblend:"},   # it said "(its knobs go apart: method='cacheblend', =)"
+                                 "method='cacheblend:': unknown method (did you mean cacheblend?)"),
                                 # kvf eval's METHOD@RATIO; the line named the command line's flag, cut at its point:
                                 # "cacheblend with ratio='0'.15 on the command line"
                                 ("q", {"method": "cacheblend@0.15"},

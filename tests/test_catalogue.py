@@ -128,6 +128,12 @@ CASES = {
     "methods unknown name": (lambda d, t: ["methods", "cacheblnd"], ["kvf methods cacheblnd: unknown method", "cacheblend"]),
     "methods NAME@RATIO": (lambda d, t: ["methods", "cacheblend@0.15"],   # it said "-m cacheblend --ratio 0.15"
                            ["kvf methods cacheblend@0.15: unknown method (a ratio is no part of its name: kvf methods cacheblend)"]),
+    # it said "its knobs go apart: kvfuse --ratio 0.1", a flag kvf methods does not take
+    "methods NAME:KNOB=VALUE": (lambda d, t: ["methods", "kvfuse:ratio=0.1"],
+                                ["kvf methods kvfuse:ratio=0.1: unknown method (knobs are no part of its name: kvf methods kvfuse)"]),
+    # a trailing colon said "its knobs go apart: cacheblend --  ", a flag with no name
+    "run -m NAME: (no knob)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:", "-o", t / "o.jsonl"],
+                               ["--method cacheblend:", "expected NAME:KNOB=VALUE"]),
     "store info --s3-endpoint beside a local store": (lambda d, t: ["store", "info", d[1], "--s3-endpoint", "http://localhost:9000"],
                                                       ["--s3-endpoint http://localhost:9000", "is not on S3", "leave --s3-endpoint out"]),
     "run --s3-endpoint without its scheme": (lambda d, t: run_args(d, t / "o.jsonl", "--s3-endpoint", "localhost:9000"),

@@ -339,7 +339,13 @@ def check_method_name(name: str, given: str | None = None) -> None:
             else:
                 hint = f" (the ratio is given apart: -m {method} --ratio {ratio})"
         elif name.split(":")[0] in known:   # kvf run -m's NAME:KNOB=VALUE where a bare name goes
-            hint = knobs_apart(name, python)
+            base, *knobs = name.split(":")
+            if (given or "").startswith("kvf methods"):   # which lists every knob of a method
+                hint = f" (knobs are no part of its name: kvf methods {base})"
+            elif not any(knobs):   # a trailing colon, and no knob after it
+                hint = did_you_mean(base, known)
+            else:
+                hint = knobs_apart(name, python)
         else:
             hint = did_you_mean(name, known)
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
@@ -349,7 +355,7 @@ def knobs_apart(name: str, python: bool) -> str:
     """Where a bare method name goes, NAME:KNOB=VALUE (kvf run -m's spelling) says how its knobs go there:
     keyword arguments in Python, their own flags on the command line."""
     base, *knobs = name.split(":")
-    pairs = [knob.partition("=") for knob in knobs]
+    pairs = [knob.partition("=") for knob in knobs if knob]
     if python:
         def literal(value: str) -> str:
             if value.lower() in ("true", "false"):
