@@ -67,6 +67,8 @@ CASES = {
                                 ["--dataset", "questions.jsonl is a file", "--questions"]),
     "run -q a prepared dataset": (lambda d, t: ["run", "-q", d[0], "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl"],
                                   ["--questions", "is a prepared dataset; pass it as --dataset"]),
+    "build-cache --extras-for another case": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--extras-for", "CacheCraft"],
+                                              ["--extras-for CacheCraft: unknown method (did you mean cachecraft?)"]),
     "build-cache on a workspace": (lambda d, t: ["build-cache", d[1], "-w", t / "ws"],
                                    ["corpus", "is a workspace (kvf build-cache made it)", "pass the documents it was built from"]),
     "build-cache on a prepared dataset": (lambda d, t: ["build-cache", d[0], "-w", t / "ws"],

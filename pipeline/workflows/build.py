@@ -793,7 +793,8 @@ def extras_methods(names) -> list[str]:
         picked = with_hook if name == "all" else [name]
         for n in picked:
             if n not in METHODS:
-                raise KvfError(f"--extras-for {n}: unknown method; methods with build-time extras: {', '.join(with_hook) or 'none'}")
+                raise KvfError(f"--extras-for {n}: unknown method{did_you_mean(n, list(METHODS))}; methods with build-time "
+                               f"extras: {', '.join(with_hook) or 'none'}")
             if METHODS[n].extras_hook is None:
                 raise KvfError(f"--extras-for {n}: {n} stores nothing at build time; methods that do: {', '.join(with_hook)}")
             if n not in out:
