@@ -495,6 +495,22 @@ def test_fewer_questions_than_n_asked_are_said(built, tmp_path, capsys):
     assert capsys.readouterr().err == ""   # as many as asked: nothing to say
 
 
+def test_a_passage_cited_twice_is_said(built, tmp_path, capsys):
+    """A question citing one document twice (a copy-paste) was answered with its chunks twice in the prompt, and
+    nothing said so. It is said once for the run, and the prompt is as cited."""
+    doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"id": "twice", "question": "Who?", "passages": [doc, doc]}) + "\n"
+                         + json.dumps({"id": "once", "question": "Who?", "passages": [doc]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    run(run_opts(built, out, dataset=None, questions=questions, methods=["reuse"], ratios=[0.0], limit=None), QUIET)
+    err = capsys.readouterr().err
+    assert f"question twice cites passage {doc!r} more than once; its chunks go into the prompt each time" in err
+    assert err.count("more than once") == 1
+    by_qid = {r["qid"]: r for r in read_records(out)}
+    assert by_qid["twice"]["chunk_ids"] == by_qid["once"]["chunk_ids"] * 2
+
+
 def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(built, tmp_path):
     """-m NAME:KNOB=VALUE:variant=V runs that entry with those settings alone, labelled by them; --offset
     answers a later slice (a held-out split) and nothing before it."""

@@ -373,6 +373,17 @@ def settle_retrieval(opts: RunOptions, setting: str, why: str) -> RunOptions:
     return replace(opts, top_k=opts.top_k or DEFAULT_TOP_K, retriever=retriever)
 
 
+def warn_cited_twice(questions: list[Question]) -> None:
+    """A question citing one passage twice (a copy-paste in one's own questions file) was answered with that
+    passage's chunks twice in its prompt, without a word: said once for the run, since it may be meant."""
+    twice = [(q.qid, pid) for q in questions for pid in dict.fromkeys(q.context_ids) if q.context_ids.count(pid) > 1]
+    if twice:
+        (qid, pid), more = twice[0], len({qid for qid, _ in twice}) - 1
+        others = f" ({counted(more, 'more question')} cite one more than once)" if more else ""
+        warn(f"question {qid} cites passage {pid!r} more than once{others}; its chunks go into the prompt each time it "
+             "is cited")
+
+
 class ChunkPicker:
     def __init__(self, ws: Workspace, setting: str, top_k: int, retriever: str):
         self.setting, self.top_k, self.ws = setting, top_k, ws
@@ -392,6 +403,7 @@ class ChunkPicker:
     def check_questions(self, questions: list[Question], corpus: Path | None = None) -> None:
         """Every passage a question names must have chunks in the workspace: never an empty context by accident.
         corpus: the dataset's corpus, named in the fix (re-prepared data leaves its old workspace behind)."""
+        warn_cited_twice(questions)
         for q in questions:
             missing = [pid for pid in q.context_ids if not self.doc_chunks.get(pid)]
             if self.setting == "per-question" and not q.context_ids:
