@@ -231,7 +231,7 @@ def test_an_open_workspace_refused_after_taking_the_store_lets_it_go(built, tmp_
     assert cli(["store", "gc", tmp_path / "ws" / "kv.zarr", "--yes"], capsys, monkeypatch)[0] in (0, None)
 
 
-def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monkeypatch):
+def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monkeypatch, capsys):
     """Checks kvf shares with the CLI named its flags to a notebook ("--device cuda: ...; use --device cpu",
     "--out r is a file"), flags it never typed. They name the arguments passed now; a `kvf ...` command
     quoted as a fix stays a command."""
@@ -253,7 +253,12 @@ def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monke
     from kvf.pipeline.workflows.weights import embedded_gguf_path
     ws = kvf.open_workspace(built / "ws", model=embedded_gguf_path())   # a Path: it raised an AttributeError
     first_doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
-    assert ws.answer("q", method="reuse", documents=[first_doc], max_new_tokens=1).text is not None
+    once = ws.answer("q", method="reuse", documents=[first_doc], max_new_tokens=1)
+    assert once.text is not None
+    capsys.readouterr()
+    twice = ws.answer("q", method="reuse", documents=[first_doc, first_doc], max_new_tokens=1)   # said, as kvf run says it
+    assert twice.chunk_ids == once.chunk_ids * 2
+    assert f"documents=[...] names {first_doc!r} more than once" in capsys.readouterr().err
     with pytest.raises(kvf.KvfError, match=re.escape("use fewer chunks (top_k), smaller --chunk-tokens or a lower "
                                                      "max_new_tokens")):   # --chunk-tokens: a build's flag
         ws.answer("q", documents=[first_doc], max_new_tokens=100_000)

@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError, counted, errors_name_arguments
+from kvf.errors import KvfError, counted, errors_name_arguments, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
@@ -140,6 +140,10 @@ class WorkspaceSession:
                 meant = document_meant(missing[0], doc_chunks)
                 raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
                                + (f"; did you mean {meant!r}?" if meant else ""))
+            repeated = [d for d in dict.fromkeys(documents) if documents.count(d) > 1]
+            if repeated:   # as kvf run says of a question citing a passage twice
+                warn(f"documents=[...] names {repeated[0]!r} more than once; its chunks go into the prompt each time "
+                     "it is named")
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:
             chunk_ids = [hit.chunk_id for hit in self.search(question, top_k, retriever)]
