@@ -240,7 +240,8 @@ def main():
         format_message = getattr(e, "format_message", None)
         message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
         hint = extra_argument_hint(where, ctx, message) + command_hint(where, message) + option_hint(where, message)
-        print(f"kvf: error: {message}{hint} (see `{where} --help`)", file=sys.stderr)
+        see = "" if f"{where} --help" in hint else f" (see `{where} --help`)"   # `kvf help`: "Use kvf --help." says it
+        print(f"kvf: error: {message}{hint}{see}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:
         e.exit(resumes(sys.argv[1:]))

@@ -558,6 +558,12 @@ def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, *fragments)
 
 
+def test_kvf_help_says_its_fix_once(capsys, monkeypatch):
+    """`kvf help` went on "(see `kvf --help`)" after "Use kvf --help.": the fix said twice."""
+    code, _, err = run_cli(["help"], capsys, monkeypatch)
+    assert assert_one_line(code, err) == "kvf: error: No such command 'help'. Use kvf --help."
+
+
 @pytest.mark.parametrize("flags,fragments", [(["-m", "reuse", "--dtype", "bf15"], ["--dtype bf15", "float32, bfloat16, float16"]),
                                              (["-m", "cacheblend:check_layer=99"], ["check_layer=99", "30 layers"])])
 def test_a_bad_flag_is_refused_before_a_new_workspace_is_chunked_and_indexed(flags, fragments, data, tmp_path, capsys,
