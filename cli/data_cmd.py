@@ -101,4 +101,4 @@ def ruler_command(
         questions = make_ruler(out, model_ref.tokenizer, names, length, n, seed, chunk_tokens,
                                model_ref.config.max_position_embeddings,
                                track=lambda samples, total: progress.track(samples, total, description=f"ruler-{length}"))
-    typer.echo(f"ruler-{length}: {len(questions)} samples ({n} per task: {', '.join(names)}; seed {seed}) -> {out}")
+    typer.echo(f"ruler-{length}: {counted(len(questions), 'sample')} ({n} per task: {', '.join(names)}; seed {seed}) -> {out}")

@@ -651,6 +651,10 @@ def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatc
         (dataset / "prepared.json").write_bytes(damaged.encode() if isinstance(damaged, str) else damaged)
         code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
         assert_one_line(code, err, "prepared.json is damaged", "kvf data prepare")
+    (dataset / "prepared.json").write_text(json.dumps({**prepared, "chunk_tokens": "128"}))   # a suite's passage size
+    code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
+    assert_one_line(code, err, "prepared.json is damaged (chunk_tokens '128')", "kvf data ruler")
+    (dataset / "prepared.json").write_text(json.dumps(prepared))
     (dataset / "questions.jsonl").write_text("")
     code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
     assert_one_line(code, err, "holds no questions")

@@ -78,3 +78,23 @@ def test_progress_sees_every_sample_as_it_is_made(tokenizer):
     made = make_ruler(None, tokenizer, ["niah_single", "vt"], LENGTH, 2, 0, CHUNK, track=track)
     assert calls == [4, *[q.qid for q in made]] and len(made) == 4
     assert [q.qid for q in made] == [q.qid for q in suite(tokenizer, tasks=("niah_single", "vt"))]
+
+
+def test_kvf_run_chunks_a_suite_s_workspace_to_its_passages(tokenizer, tmp_path, capsys):
+    """`kvf data ruler --chunk-tokens 128` then `kvf run -d` chunked the new workspace to 256 tokens, not the
+    suite's passages; a workspace chunked finer than them (which moves the boundaries the suite is made of) was
+    used without a word."""
+    import io
+    from rich.console import Console
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    from kvf.pipeline.workflows.run import RunOptions, run
+    quiet = Console(file=io.StringIO())
+    make_ruler(tmp_path / "r", tokenizer, ["niah_single"], LENGTH, 1, 0, CHUNK)
+    common = dict(dataset=tmp_path / "r", methods=["reuse"], ratios=[0.0], max_new_tokens=2, warmup=False)
+    run(RunOptions(out=tmp_path / "a.jsonl", **common), quiet)
+    assert json.loads((tmp_path / "r" / "workspace" / "manifest.json").read_text())["chunk_tokens"] == CHUNK
+    assert "finer than" not in capsys.readouterr().err
+    build_cache(BuildOptions(corpus=tmp_path / "r" / "corpus", workspace=tmp_path / "fine", chunk_tokens=64,
+                             variants=("prefix",), bm25=False, dense=False), quiet)
+    run(RunOptions(out=tmp_path / "b.jsonl", workspace=tmp_path / "fine", **common), quiet)
+    assert (f"is chunked to 64 tokens, finer than the {CHUNK}-token passages" in capsys.readouterr().err)

@@ -549,7 +549,8 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
         previous = previous or {}
         # a workspace chunked again keeps its own settings, and its store; a new one takes run's flags
         model_ref = open_model(opts.model)
-        own = {} if previous else {"chunk_tokens": opts.chunk_tokens, "n_neighbours": opts.n_neighbours}
+        own = {} if previous else {"chunk_tokens": passage_tokens(opts.dataset) or opts.chunk_tokens,
+                                   "n_neighbours": opts.n_neighbours}
         bopts = settle_settings(BuildOptions(corpus=opts.dataset / "corpus", workspace=ws.root, model=opts.model,
                                              variants=VARIANTS, format=previous.get("format"), device=opts.device,
                                              store=opts.store or (ws.reach_store() if previous.get("store") else None),
@@ -646,17 +647,44 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
     return questions
 
 
-def dataset_name(directory: Path) -> str:
+def prepared_manifest(directory: Path) -> dict:
+    """A prepared dataset's prepared.json ({} where there is none); a damaged one is an error naming it."""
     manifest = directory / "prepared.json"
     if not manifest.is_file():
-        return directory.name
+        return {}
     try:
-        name = json.loads(manifest.read_text(encoding="utf-8")).get("dataset") or directory.name
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        name = None
-    if not isinstance(name, str):   # records and tables are grouped by it: never Python's text of a list
+        found = json.loads(manifest.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        found = None
+    if not isinstance(found, dict):
         raise KvfError(f"{manifest} is damaged; re-run `kvf data prepare`")
+    return found
+
+
+def dataset_name(directory: Path) -> str:
+    name = prepared_manifest(directory).get("dataset") or directory.name
+    if not isinstance(name, str):   # records and tables are grouped by it: never Python's text of a list
+        raise KvfError(f"{directory / 'prepared.json'} is damaged; re-run `kvf data prepare`")
     return name
+
+
+def passage_tokens(directory: Path | None) -> int | None:
+    """The passage size a dataset was made for (`kvf data ruler --chunk-tokens`): its chunk boundaries are its
+    passages', so its workspace is chunked to it. None for datasets made without one."""
+    size = prepared_manifest(directory).get("chunk_tokens") if directory is not None else None
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise KvfError(f"{directory / 'prepared.json'} is damaged (chunk_tokens {size!r}); re-run `kvf data ruler`")
+    return size
+
+
+def warn_passages_cut(opts: RunOptions, ws: Workspace) -> None:
+    """A workspace chunked finer than its dataset's passages cuts each passage again, which moves the boundaries
+    a suite such as RULER's boundary task is made of: said, with the rebuild that matches."""
+    size, chunked = passage_tokens(opts.dataset), ws.manifest().get("chunk_tokens")
+    if size is not None and isinstance(chunked, int) and chunked < size:
+        warn(f"workspace {ws.root} is chunked to {chunked} tokens, finer than the {size}-token passages "
+             f"{opts.dataset} was made with, so its chunks are not its passages; rebuild it with "
+             f"`kvf build-cache {opts.dataset / 'corpus'} -w {ws.root} --chunk-tokens {size}`")
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -741,6 +769,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         Console().print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""),
                         markup=False, highlight=False)
         ws = ensure_workspace(opts, console, questions)
+        warn_passages_cut(opts, ws)
         check_neighbours(opts, ws)
         picker = ChunkPicker(ws, setting, opts.top_k, opts.retriever)
         picker.check_questions(questions, opts.dataset / "corpus" if opts.dataset else None)
