@@ -403,7 +403,6 @@ class ChunkPicker:
     def check_questions(self, questions: list[Question], corpus: Path | None = None) -> None:
         """Every passage a question names must have chunks in the workspace: never an empty context by accident.
         corpus: the dataset's corpus, named in the fix (re-prepared data leaves its old workspace behind)."""
-        warn_cited_twice(questions)
         for q in questions:
             missing = [pid for pid in q.context_ids if not self.doc_chunks.get(pid)]
             if self.setting == "per-question" and not q.context_ids:
@@ -811,6 +810,7 @@ def run(opts: RunOptions, console: Console) -> Path:
         check_run_room(builder, chunk_table, neighbours_of, picker,
                        [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)
         say_resumed(console, opts.out, len(questions) * len(planned), sum(len(todo) for todo in todo_of.values()))
+        warn_cited_twice([q for q in questions if todo_of[q.qid]])   # after every check: a refused run is one line
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
