@@ -10,7 +10,7 @@ from kvf.errors import KvfError, counted, errors_name_arguments, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
-from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh
+from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh, repeated
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
@@ -140,9 +140,8 @@ class WorkspaceSession:
                 meant = document_meant(missing[0], doc_chunks)
                 raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
                                + (f"; did you mean {meant!r}?" if meant else ""))
-            repeated = [d for d in dict.fromkeys(documents) if documents.count(d) > 1]
-            if repeated:   # as kvf run says of a question citing a passage twice
-                warn(f"documents=[...] names {repeated[0]!r} more than once; its chunks go into the prompt each time "
+            if twice := repeated(documents):   # as kvf run says of a question citing a passage twice
+                warn(f"documents=[...] names {twice[0]!r} more than once; its chunks go into the prompt each time "
                      "it is named")
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:

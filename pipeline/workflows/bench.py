@@ -408,11 +408,10 @@ class LengthSetup:
     fused_kv_bytes: int
 
 
-def prepare_length(opts: BenchOptions, engine: FusionEngine, tokenizer, methods: list, length: int,
+def prepare_length(opts: BenchOptions, engine: FusionEngine, methods: list, length: int, prompt: FusedPrompt,
                    workdir: Path, token_layer_seconds: float | None) -> LengthSetup:
-    """The prompt of `length` tokens, its chunks' KVs stored (untimed), and the entries to time on it."""
+    """The prompt of `length` tokens with its chunks' KVs stored (untimed), and the entries to time on it."""
     transformer = engine.model
-    prompt = bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
     location = f"{opts.store_url.rstrip('/')}/store-{length}.zarr" if opts.store_url else str(workdir / f"store-{length}.zarr")
     store = open_store(location, "zarr", create=True,
                        meta={"model": "bench", "dtype": opts.dtype, "layers": transformer.n_layers,
@@ -479,7 +478,7 @@ def measure_peaks(engine: FusionEngine, memory: PeakMemory, setup: LengthSetup, 
     return peaks
 
 
-def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, workdir: Path,
+def measure(opts: BenchOptions, engine: FusionEngine, prompts: dict[int, FusedPrompt], planned: list, workdir: Path,
             console: Console) -> list[dict]:
     """Every length's timed rounds, then one request per entry for peak memory -> one row per timing."""
     methods = [method for method, _ in planned]
@@ -501,7 +500,7 @@ def measure(opts: BenchOptions, engine: FusionEngine, tokenizer, planned: list, 
                                  total=entries * len(opts.lengths) * (rounds + 1))
         advance = partial(progress.advance, task)
         for length in opts.lengths:
-            setup = prepare_length(opts, engine, tokenizer, methods, length, workdir, token_layer_seconds)
+            setup = prepare_length(opts, engine, methods, length, prompts[length], workdir, token_layer_seconds)
             timed.append((setup, time_length(opts, engine, setup, spec_of, advance)))
         rows = []
         memory = PeakMemory(opts.device)  # after every timing: its setting stays for the rest of the process
@@ -529,13 +528,13 @@ def bench(opts: BenchOptions, console: Console) -> pd.DataFrame:
         check_versus(opts.versus, planned)
     transformer, tokenizer = load_transformer(opts)
     check_lengths(opts.lengths, transformer.max_positions)
-    for length in opts.lengths:   # a length too short for S and Q is refused before the plan is said, not after
-        bench_prompt(transformer, tokenizer, length, opts.chunk_tokens)
+    # made before the plan is said: a length too short for S and Q is refused first
+    prompts = {length: bench_prompt(transformer, tokenizer, length, opts.chunk_tokens) for length in opts.lengths}
     check_planned_model(planned, transformer.n_layers)
     if opts.auto_ratio:
         build_method(opts.auto_method, 0.15, opts.knobs).check_model(transformer.n_layers)
     with work_dir(opts.workdir, "kvf-bench-") as workdir:   # the stores go when the benchmark ends
-        rows = measure(opts, FusionEngine(transformer), tokenizer, planned, workdir, console)
+        rows = measure(opts, FusionEngine(transformer), prompts, planned, workdir, console)
     df = add_ratios(pd.DataFrame(rows))
     return add_versus(df, opts.versus) if opts.versus else df
 

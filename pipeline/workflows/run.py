@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -373,10 +374,15 @@ def settle_retrieval(opts: RunOptions, setting: str, why: str) -> RunOptions:
     return replace(opts, top_k=opts.top_k or DEFAULT_TOP_K, retriever=retriever)
 
 
+def repeated(ids: list[str]) -> list[str]:
+    """The ids named more than once, in first-named order."""
+    return [i for i, n in Counter(ids).items() if n > 1]
+
+
 def warn_cited_twice(questions: list[Question]) -> None:
     """A question citing one passage twice (a copy-paste in one's own questions file) was answered with that
     passage's chunks twice in its prompt, without a word: said once for the run, since it may be meant."""
-    twice = [(q.qid, pid) for q in questions for pid in dict.fromkeys(q.context_ids) if q.context_ids.count(pid) > 1]
+    twice = [(q.qid, pid) for q in questions for pid in repeated(q.context_ids)]
     if twice:
         (qid, pid), more = twice[0], len({qid for qid, _ in twice}) - 1
         others = f" ({counted(more, 'more question')} cite one more than once)" if more else ""
