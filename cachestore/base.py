@@ -62,6 +62,7 @@ class EntryHeader:
     layer_crc32: tuple  # (layers,) crc32 of each layer's stored, uncompressed bytes
     codec: str | None = None  # None: raw bytes on disk; else the compressor name
     data_offset: int | None = None  # hdf5 raw layout: file offset of layer 0 (layers follow back to back)
+    data_dir: str | None = None  # zarr on an object store: the entry's folder holding its data (None: the entry's own)
     extras: dict = field(default_factory=dict)  # name -> {"dtype": "<f4", "shape": [...], "crc32": int}
     attrs: dict = field(default_factory=dict)  # caller's JSON attrs (e.g. {"variant": "prefix"})
 
@@ -86,6 +87,8 @@ class EntryHeader:
         hand-edited or damaged header is caught before it is trusted."""
         d = dataclasses.asdict(self)
         d["shape"], d["layer_crc32"] = list(self.shape), list(self.layer_crc32)
+        if d["data_dir"] is None:   # the header a local entry has always had
+            del d["data_dir"]
         d = {"version": FORMAT_VERSION, **d}
         return {**d, "header_crc32": _header_crc(d)}
 

@@ -251,8 +251,9 @@ class FsspecFS(ManyPaths):
 
     def names_marked(self, parent: str, marker: str, bulk: str | None = None) -> list[tuple[str, bool]]:
         """As ManyPaths.names_marked. On S3, from one listing of parent's objects with `/{bulk}/` as the
-        delimiter: S3 rolls each name's bulk files up into one prefix, so a name costs two listed items (its
-        marker, its bulk) and a page of 1,000 keys covers ~500 names, with no request per name's marker.
+        delimiter: S3 rolls each name's bulk files up into one prefix, so a name costs a few listed items (its
+        marker, its bulk, and for a zarr entry its data folder's zarr.json) and a page of 1,000 keys covers some
+        300 names, with no request per name's marker.
         Elsewhere (or with no bulk folder named), a listing and a question per name."""
         if bulk is None or not self._lists_with_any_delimiter():
             return super().names_marked(parent, marker)

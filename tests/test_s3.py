@@ -64,7 +64,8 @@ def test_round_trip_verify_corruption_gc_and_refusal(s3):
     assert torch.equal(again.get(keys[0]).float(), kv(0).half().float())
     assert again.verify() == []
     fs = s3fs.S3FileSystem()
-    layer_file = f"kvf/roundtrip/{keys[1][:2]}/{keys[1]}/kv/c.1.0.0.0.0"
+    data_dir = again.header(keys[1]).data_dir   # the entry's data folder, named by its checksums
+    layer_file = f"kvf/roundtrip/{keys[1][:2]}/{keys[1]}/{data_dir}/kv/c.1.0.0.0.0"
     data = bytearray(fs.cat_file(layer_file))
     data[3] ^= 0xFF
     fs.pipe_file(layer_file, bytes(data))                         # a flipped byte on the server
@@ -281,7 +282,7 @@ def test_verify_reads_entries_side_by_side_on_s3_and_finds_the_same(s3, tmp_path
         store = open_store(where, meta=META, create=True)
         for i, key in enumerate(keys):
             store.put(key, kv(i))
-        layer_file = store.fs.join(store._entry_dir(keys[3]), "kv", "c.1.0.0.0.0")
+        layer_file = store.fs.join(store._data_dir(store.header(keys[3])), "kv", "c.1.0.0.0.0")
         data = bytearray(store.fs.read_file(layer_file))
         data[3] ^= 0xFF
         store.fs.write_file(layer_file, bytes(data))
@@ -390,6 +391,70 @@ def test_an_entrys_files_are_written_side_by_side_on_s3_and_its_marker_last(s3, 
     reread = open_store("s3://kvf/writes")
     assert torch.equal(reread.get(key), value.to(torch.float16)) and reread.verify() == []
     assert np.array_equal(reread.get_extras(key)["score"], np.arange(3.0))
+
+
+def entry_folders(store, key: str) -> list[str]:
+    """What an entry's folder on S3 holds, by name."""
+    return sorted(path.rsplit("/", 1)[-1] for path in store.fs.fs.ls(store._entry_dir(key), refresh=True))
+
+
+@pytest.mark.parametrize("theirs_when", ["before my marker", "after my data"])
+def test_two_writers_of_one_entry_on_s3_never_mix_their_files(s3, theirs_when):
+    """Two builds of one store at once can reach an entry together where they meet. On S3 each wrote the entry's
+    files in place, so with other bits (another thread count) the entry ended with one writer's layers under the
+    other's checksums: corrupt. Each writer's files now go into a folder named by their checksums, which the marker
+    names. However the two interleave, the entry is one writer's whole; a writer that finds the other's marker
+    already there removes its own files; with the same bits both write the same files."""
+    from kvf.cachestore import open_store
+    key = "%064x" % 4242
+    for mine, theirs in ((kv(1), kv(2)), (kv(3), kv(3))):
+        where = f"s3://kvf/race-{theirs_when.replace(' ', '-')}-{torch.equal(mine, theirs)}"
+        me, other = open_store(where, meta=META, create=True), open_store(where, meta=META, create=True)
+        step = "write_file" if theirs_when == "before my marker" else "write_many"
+        real = getattr(me.fs, step)
+
+        def interleaved(*args, real=real, theirs=theirs, other=other):
+            if step == "write_many":
+                real(*args)
+            if step == "write_many" or args[0].endswith(f"{key}/zarr.json"):
+                assert other.put(key, theirs)            # the other writer, whole, in between
+            if step == "write_file":
+                real(*args)
+        setattr(me.fs, step, interleaved)
+        committed = me.put(key, mine)
+        reread = open_store(where)
+        assert reread.verify() == [], (theirs_when, reread.verify())
+        assert committed == (theirs_when == "before my marker")   # mine found no marker, or theirs stands
+        kept = mine if committed else theirs
+        assert torch.equal(reread.get(key), kept.half())
+        folders = entry_folders(reread, key)
+        assert reread.header(key).data_dir in folders and "zarr.json" in folders
+        # files no marker named are gone, unless theirs was overwritten by mine (both had found no marker)
+        assert len(folders) == (3 if committed and not torch.equal(mine, theirs) else 2), folders
+
+
+def test_a_failed_write_on_s3_is_untrusted_and_its_retry_lands_on_the_same_files(s3, monkeypatch):
+    """A write cut off before its marker (a dropped connection, a killed worker) leaves its data unmarked: never an
+    entry, and gc's after the grace period. The retry writes the same bits into the same folder, so it leaves no
+    second copy behind in the entry it commits."""
+    from kvf.cachestore import open_store
+    key = "%064x" % 4343
+    store = open_store("s3://kvf/retry", meta=META, create=True)
+    real = store.fs.write_file
+
+    def cut_off(path, data):
+        if path.endswith(f"{key}/zarr.json"):
+            raise ConnectionResetError("connection reset by peer")
+        return real(path, data)
+    monkeypatch.setattr(store.fs, "write_file", cut_off)
+    with pytest.raises(KvfError):
+        store.put(key, kv(5))
+    monkeypatch.undo()
+    again = open_store("s3://kvf/retry")
+    assert not again.has(key) and [k for k, _ in again.verify()] == [key]   # reported unfinished, not read
+    assert again.put(key, kv(5)) and again.verify() == []
+    assert torch.equal(again.get(key), kv(5).half())
+    assert entry_folders(again, key) == sorted([again.header(key).data_dir, "zarr.json"])
 
 
 def test_listing_a_store_on_s3_lists_its_fanout_directories_side_by_side(s3, tmp_path):
