@@ -457,6 +457,20 @@ def test_a_failed_write_on_s3_is_untrusted_and_its_retry_lands_on_the_same_files
     assert entry_folders(again, key) == sorted([again.header(key).data_dir, "zarr.json"])
 
 
+def test_an_s3_entry_written_in_place_before_data_folders_still_reads(s3, tmp_path):
+    """Entries written on S3 before data folders existed hold their data in the entry's own folder, as a local
+    entry does, and a header without data_dir: they read and verify as they did."""
+    from kvf.cachestore import open_store
+    key = "%064x" % 4444
+    local = open_store(str(tmp_path / "local"), meta=META, create=True)
+    local.put(key, kv(6), extras={"score": np.arange(2.0)})
+    remote = open_store("s3://kvf/older", meta=META, create=True)
+    remote.fs.fs.put(local._entry_dir(key), remote._entry_dir(key), recursive=True)
+    older = open_store("s3://kvf/older")
+    assert older.header(key).data_dir is None and older.verify() == []
+    assert torch.equal(older.get(key), kv(6).half()) and np.array_equal(older.get_extras(key)["score"], np.arange(2.0))
+
+
 def test_listing_a_store_on_s3_lists_its_fanout_directories_side_by_side(s3, tmp_path):
     """A store's keys spread over 256 fan-out directories, and listing it (`kvf store info`, `verify`, `gc`) lists
     each: on S3 a request each, so they are listed side by side (before, one after another: 256 round trips per
