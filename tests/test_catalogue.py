@@ -722,6 +722,18 @@ def test_a_corpus_of_empty_files_says_so(tmp_path, capsys, monkeypatch):
     assert "warnings above" not in line
 
 
+def test_a_workspace_inside_the_corpus_is_refused_with_a_place_outside_it(tmp_path, capsys, monkeypatch):
+    """`kvf build-cache . -w ws`, run in the documents' folder: the place suggested was `docs-workspace`, relative to
+    the working directory, so inside the corpus again. It is now beside the corpus folder, as the shell reads it."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Acme was founded by Jane Roe.")
+    monkeypatch.chdir(docs)
+    code, _, err = run_cli(["build-cache", ".", "-w", "ws"], capsys, monkeypatch)
+    assert_one_line(code, err, "--workspace ws is inside the corpus folder .", "e.g. --workspace ../docs-workspace")
+    assert not (docs / "ws").exists()
+
+
 def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, capsys, monkeypatch):
     """It left a folder with a lock file and an empty store, which later commands took for a workspace;
     a folder that was there before the build stays."""

@@ -654,8 +654,8 @@ def check_apart_from_corpus(opts: BuildOptions) -> None:
         resolved = Path(place).resolve()
         if resolved.is_relative_to(corpus):
             where = "is the corpus folder" if resolved == corpus else f"is inside the corpus folder {opts.corpus}"
-            raise KvfError(f"{flag} {place} {where}; pass a {flag} outside it, "
-                           f"e.g. {flag} {corpus.name}-{'workspace' if flag == '--workspace' else 'store'}")
+            beside = corpus.parent / f"{corpus.name}-{'workspace' if flag == '--workspace' else 'store'}"
+            raise KvfError(f"{flag} {place} {where}; pass a {flag} outside it, e.g. {flag} {os.path.relpath(beside)}")
 
 
 # ---- the whole build --------------------------------------------------------------------------
