@@ -14,7 +14,7 @@ console = Console(stderr=True)
 
 
 def build_cache_command(
-    corpus: Path = typer.Argument(..., help="Folder (or file) of .txt, .md, .jsonl and .jsonl.gz documents."),
+    corpus: Optional[Path] = typer.Argument(None, show_default=False, help="Folder (or file) of .txt, .md, .jsonl and .jsonl.gz documents [default: the ones the workspace was built from]."),
     workspace: Path = typer.Option(Path("workspace"), "--workspace", "-w", help="Where chunks, indexes and the manifest go."),
     store: Optional[str] = typer.Option(None, "--store", help="KV store path or fsspec URL [default: WORKSPACE/kv.zarr, or kv.h5 with --format hdf5]."),
     format: Optional[str] = typer.Option(None, "--format", help="Store format: zarr or hdf5 [default: the workspace's existing store, else zarr]."),
@@ -40,11 +40,15 @@ def build_cache_command(
                                         rich_help_panel="Scale-out"),
 ):
     """Chunk a corpus, index it (BM25 + dense), find neighbours, and store every chunk's KV cache."""
-    from kvf.pipeline.workflows.build import BuildOptions, build_cache, parse_shard, summary_table
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache, documents_built_from, parse_shard, summary_table
     from kvf.pipeline.workflows.devices import check_device
     check_device(device, workers_only=ray is not None)  # before any work: a bad device must not leave a half-built workspace
     use_store_flags(store, s3_endpoint)   # store None: the workspace's, which may be on S3
     check_ray_flags(ray, workers, threads, batch)
+    if corpus is None:
+        corpus = documents_built_from(workspace)
+        console.print(f"building from {corpus}, the documents {workspace} was built from", markup=False, highlight=False,
+                      soft_wrap=True)
     opts = BuildOptions(corpus=corpus, workspace=workspace, store=store, format=format, dtype=dtype,
                         chunk_tokens=chunk_tokens, overlap=overlap,
                         variants=tuple(v.strip() for v in variant.split(",") if v.strip()) if variant else None,

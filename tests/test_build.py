@@ -892,6 +892,34 @@ def test_entries_do_not_depend_on_which_run_computed_s(tmp_path, short_docs):
     assert {k: entry_bytes(rebuilt, k) for k in one_go} == one_go
 
 
+def test_a_later_build_may_leave_the_corpus_out(tmp_path, short_docs, capsys, monkeypatch):
+    """`kvf build-cache -w WS` (documents added to the corpus, CORPUS not typed again) said "Missing argument
+    'corpus'". It now reads the documents the workspace was built from, wherever it runs, and builds only the new
+    ones. Where those documents are gone, or a workspace does not yet exist, it says so in one line."""
+    corpus, ws = small_corpus(tmp_path, short_docs), tmp_path / "ws"
+    code, _, err = run_cli(["build-cache", corpus, "-w", ws, "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"],
+                           capsys, monkeypatch)
+    assert code == 0, err
+    (corpus / "owls.txt").write_text("Owls hunt at night and find mice by sound alone, even under snow.")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, _, err = run_cli(["build-cache", "-w", ws], capsys, monkeypatch)
+    assert code == 0 and f"building from {corpus}, the documents {ws} was built from" in err, err
+    assert set(Workspace(ws).doc_chunks()) == {"doc0.txt", "doc1.txt", "owls.txt"}
+    corpus.rename(tmp_path / "moved")
+    code, _, err = run_cli(["build-cache", "-w", ws], capsys, monkeypatch)
+    assert_one_line(code, err, f"the documents {ws} was built from, {corpus}, are not there any more",
+                    f"kvf build-cache DOCS -w {ws}")
+    manifest = json.loads((ws / "manifest.json").read_text())
+    del manifest["corpus_absolute"]   # a workspace an older kvf built: its corpus as that build was given it
+    (ws / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(["build-cache", "-w", ws], capsys, monkeypatch)
+    assert_one_line(code, err, f"names its documents only as {corpus}, from where that build ran")
+    code, _, err = run_cli(["build-cache", "-w", tmp_path / "new"], capsys, monkeypatch)
+    assert_one_line(code, err, "CORPUS is missing: pass the documents to build from")
+    assert not (tmp_path / "new").exists()
+
+
 def test_rerun_without_format_uses_the_workspace_hdf5_store(tmp_path, short_docs, capsys, monkeypatch):
     args = ["build-cache", small_corpus(tmp_path, short_docs), "--workspace", tmp_path / "ws",
             "--chunk-tokens", CHUNK_TOKENS, "--no-bm25", "--no-dense"]

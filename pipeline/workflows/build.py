@@ -642,6 +642,23 @@ def check_corpus_kind(corpus: Path) -> None:
                    f"documents: kvf build-cache {documents} -w WS")
 
 
+def documents_built_from(workspace: Path) -> Path:
+    """build-cache's CORPUS when it is left out: the documents the workspace was last built from, wherever the
+    command runs (a grown corpus is then chunked, embedded and stored for its new documents only)."""
+    ws = Workspace(workspace)
+    if not ws.manifest_path.is_file():
+        raise KvfError(f"CORPUS is missing: pass the documents to build from, e.g. kvf build-cache my_docs/ -w {workspace}")
+    manifest = ws.manifest()
+    built_from = manifest.get("corpus_absolute")
+    if built_from and Path(built_from).exists():
+        return Path(built_from)
+    if built_from:
+        raise KvfError(f"CORPUS is missing, and the documents {workspace} was built from, {built_from}, are not there "
+                       f"any more; pass them: kvf build-cache DOCS -w {workspace}")
+    raise KvfError(f"CORPUS is missing, and {workspace} (built by an older kvf) names its documents only as "
+                   f"{manifest.get('corpus')}, from where that build ran; pass them once: kvf build-cache DOCS -w {workspace}")
+
+
 def check_apart_from_corpus(opts: BuildOptions) -> None:
     """The workspace and a local store live outside the corpus folder: inside it, the next build would walk
     their files as documents (its index files, its entries), and a document added there would sit beside them."""
@@ -741,6 +758,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "s3_endpoint": os.environ.get("AWS_ENDPOINT_URL") if location.startswith("s3://") else None,
                            "model_arg": opts.model,
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
+                           "corpus_absolute": str(Path(opts.corpus).resolve()),
                            "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),
                            "n_neighbours": opts.n_neighbours, "embedder": opts.embedder, "indexes": index_state,
                            "bm25": opts.bm25, "dense": opts.dense,

@@ -118,7 +118,7 @@ def check_corpus_folder(corpus: Path) -> None:
 
 # each field build-cache writes into manifest.json, by kind (any may be null): [str] a list of strings,
 # {str} an object of strings
-MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "model": str, "model_arg": str,
+MANIFEST_KINDS = {"store": str, "s3_endpoint": str, "corpus": str, "corpus_absolute": str, "model": str, "model_arg": str,
                   "model_fingerprint": str, "tokenizer_fingerprint": str, "embedder": str, "format": str, "dtype": str,
                   "compute_dtype": str, "chunk_tokens": int, "overlap": int, "n_neighbours": int, "bm25": bool,
                   "dense": bool, "indexes": {str}, "variants": [str], "extras_for": [str]}
