@@ -11,6 +11,8 @@ import pandas as pd
 REFERENCE_METHODS = ("full", "reuse")
 POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
 METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
+NO_GOLD = "no gold answers in these records"
+NO_FIDELITY = "no data: run with --compare-full (or include a full run) for fidelity"
 
 
 def save_figure(fig, path: Path) -> None:
@@ -107,8 +109,7 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
             ax.set_ylim(-0.02 * top, top)   # a score of 0 (reuse's line, often) drawn above the frame, not under it
             ax.set_title(title + gold_count(rows) if column == metric else title)
         else:
-            _annotate_empty(ax, "no data: run with --compare-full (or include a full run) for fidelity"
-                            if column == "fidelity_f1" else "no gold answers in these records")
+            _annotate_empty(ax, NO_FIDELITY if column == "fidelity_f1" else NO_GOLD)
     fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals)")
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
@@ -178,15 +179,24 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     rows = rows.sort_values(metric if metric == "acc" else "fidelity_f1")
     fig = Figure(figsize=(12, 0.38 * len(rows) + 1.8))
     axes = fig.subplots(1, 2, sharey=True)
-    for ax, column, low, high, xlabel in (
-            (axes[0], metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric)),
-            (axes[1], "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer")):
+    for ax, column, low, high, xlabel, empty in (
+            (axes[0], metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
+            (axes[1], "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)):
+        missing = rows[column].isna().to_numpy()   # no score: no bar, never a bar of 0
         values = rows[column].fillna(0)
         xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]
+        xerr = [side.mask(missing) for side in xerr]   # NaN: no whisker drawn
         colours = ["black" if m == "full" else "dimgray" if m == "reuse" else "tab:blue" for m in rows.method]
         ax.barh(rows.name, values, xerr=xerr, color=colours, capsize=2, height=0.6)
-        ax.set_xlim(0, axis_top(rows, column, high))
         ax.set_xlabel(xlabel)
+        if missing.all():
+            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray", wrap=True)
+            ax.set_xticks([])
+            continue
+        top = axis_top(rows, column, high)
+        for position in missing.nonzero()[0]:   # bars go bottom to top in row order
+            ax.text(0.01 * top, position, "n/a", va="center", fontsize=8, color="gray")
+        ax.set_xlim(0, top)
         ax.grid(axis="x", alpha=0.3)
     # the colour key names only the reference rows this figure has
     key = [f"{colour}: {name}" for method, colour, name in (("full", "black", "full prefill"), ("reuse", "grey", "reuse"))

@@ -709,6 +709,27 @@ def test_a_ranking_s_colour_key_names_only_the_reference_rows_it_draws(tmp_path,
     assert "black: full prefill" in title and "reuse" not in title
 
 
+def test_a_ranking_draws_no_bar_where_a_row_has_no_score(tmp_path, monkeypatch):
+    """Questions without gold answers ranked with a bar of 0 on the gold panel (read as F1 = 0), and a row with no
+    fidelity (no full prefill beside it) with a bar of 0 there. Such a panel now says why it is empty, and such a
+    row reads n/a."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    rows = pd.DataFrame({"method": ["full", "cacheblend", "epic"], "label": "", "variant": "prefix", "ratio": 0.15,
+                         "metric": "f1", "n": 8, "f1": float("nan"), "metric_low": float("nan"), "metric_high": float("nan"),
+                         "fidelity_f1": [1.0, 0.7, float("nan")], "fidelity_low": [1.0, 0.6, float("nan")],
+                         "fidelity_high": [1.0, 0.8, float("nan")]})
+    plots.plot_ranking(rows, "mine at recompute ratio 0.15", tmp_path / "ranking.png")
+    gold, fidelity = figures["ranking.png"].axes
+    assert [t.get_text() for t in gold.texts] == [plots.NO_GOLD]
+    assert [t.get_text() for t in fidelity.texts] == ["n/a"]
+    assert [bar.get_width() for bar in fidelity.patches] == [0.7, 1.0, 0.0]   # ranked; the row with no score last
+    assert fidelity.texts[0].get_position()[1] == 2                            # n/a on that row
+    whiskers = [seg for collection in fidelity.collections for seg in collection.get_segments() if len(seg)]
+    assert len(whiskers) == 2                                      # one per scored row, none at 0 for epic
+
+
 def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     from kvf.eval.plots import _palette
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
