@@ -10,6 +10,7 @@ import typer
 from kvf.cli.options import ModelOption
 from kvf.cli.tables import answers_rows_table
 from rich.console import Console
+from rich.table import Table
 
 console = Console()
 
@@ -42,10 +43,13 @@ def demo_command(
         vs_full.setdefault(r["method"], []).append(f1)
         right.setdefault(r["method"], []).append(accuracy(r["answer"], r["gold"], r["gold_mode"]))
     full_ttft = statistics.median(ttfts["full"])
+    summary = Table(title="each method against full prefill, over the questions above")
+    for column in ("method", "median TTFT (ms)", "TTFT / full", "right", "F1 vs full"):
+        summary.add_column(column, justify="left" if column == "method" else "right")
     for method, times in ttfts.items():
-        console.print(f"{method:>16}: median TTFT {1000 * statistics.median(times):.0f} ms "
-                      f"({statistics.median(times) / full_ttft:.2f} x full), right {sum(right[method]):.0f} of "
-                      f"{len(right[method])}, answers vs full's F1 {statistics.mean(vs_full[method]):.2f}")
+        summary.add_row(method, f"{1000 * statistics.median(times):.0f}", f"{statistics.median(times) / full_ttft:.2f}",
+                        f"{sum(right[method]):.0f} of {len(right[method])}", f"{statistics.mean(vs_full[method]):.2f}")
+    console.print(summary)
     console.print("These answers illustrate the idea; they are not a measurement: results/ruler.md measures this task "
                   "(50 samples at 2K, 95% intervals; `make ruler`)", markup=False)
 
