@@ -734,6 +734,26 @@ def test_a_workspace_inside_the_corpus_is_refused_with_a_place_outside_it(tmp_pa
     assert not (docs / "ws").exists()
 
 
+def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_path, capsys, monkeypatch):
+    """The command kvf names to turn a .json array into JSON Lines called `python`, which Debian and Ubuntu leave
+    out (they install python3 only). Run by a shell whose PATH has only python3, it now writes the lines kvf reads."""
+    import re
+    import shlex
+    rows = [{"question": "Who founded Acme?", "passages": [{"text": "Acme was founded by Jane Roe."}]},
+            {"question": "Where is Globex?", "passages": [{"text": "Globex is in Brethlake."}]}]
+    array = tmp_path / "my qs.json"
+    array.write_text(json.dumps(rows, indent=1))
+    code, _, err = run_cli(["data", "prepare", "custom", "--input", array, "--out", tmp_path / "p"], capsys, monkeypatch)
+    command = re.search(r"`([^`]+)`", assert_one_line(code, err, "is one JSON array")).group(1)
+    only = tmp_path / "bin"
+    only.mkdir()
+    (only / "python3").symlink_to(sys.executable)
+    proc = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, cwd=tmp_path, env={"PATH": str(only)})
+    assert proc.returncode == 0, (command, proc.stderr)
+    lines = Path(shlex.split(command)[-1]).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == rows
+
+
 def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, capsys, monkeypatch):
     """It left a folder with a lock file and an empty store, which later commands took for a workspace;
     a folder that was there before the build stays."""

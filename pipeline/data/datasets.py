@@ -538,7 +538,7 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
         raise KvfError(f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8, or {fix}") from None
     if is_json_array(text):
         raise KvfError(f"{where} is one JSON array; kvf reads JSON Lines, one object per line: convert it with "
-                       f"`python -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\" "
+                       f"`python3 -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\" "
                        f"< {shlex.quote(str(path))} > {shlex.quote(str(lines_path(path)))}`")
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
