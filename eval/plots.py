@@ -74,10 +74,13 @@ def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str |
     return True
 
 
-def _annotate_empty(ax, text: str) -> None:
+def _annotate_empty(ax, text: str, shared_y: bool = False) -> None:
+    """Why a panel has nothing to draw, in its middle, with no ticks; shared_y: its y ticks are another panel's
+    too (a ranking's method names), so they stay."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray", wrap=True)
     ax.set_xticks([])
-    ax.set_yticks([])
+    if not shared_y:
+        ax.set_yticks([])
 
 
 def _legend_outside(fig, axes) -> None:
@@ -190,8 +193,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         ax.barh(rows.name, values, xerr=xerr, color=colours, capsize=2, height=0.6)
         ax.set_xlabel(xlabel)
         if missing.all():
-            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray", wrap=True)
-            ax.set_xticks([])
+            _annotate_empty(ax, empty, shared_y=True)
             continue
         top = axis_top(rows, column, high)
         for position in missing.nonzero()[0]:   # bars go bottom to top in row order
