@@ -47,6 +47,10 @@ CASES = {
     "run -o inside the dataset's corpus": (lambda d, t: run_args(d, d[0] / "corpus" / "r.jsonl"),
                                            ["--out", "is inside the corpus of --dataset", ".jsonl"]),
     # the next build would walk the workspace's (or the store's) own files as documents
+    # CORPUS may be left out of a later build only: a workspace not yet built has no documents to read again
+    "build-cache without CORPUS for a new workspace": (lambda d, t: ["build-cache", "-w", t / "new"],
+                                                       ["CORPUS is missing: pass the documents to build from",
+                                                        "kvf build-cache my_docs/ -w"]),
     "build-cache -w the corpus folder": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", d[0] / "corpus"],
                                          ["--workspace", "corpus is the corpus folder", "pass a --workspace outside it"]),
     "build-cache --store inside the corpus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store", d[0] / "corpus" / "kv.zarr"],
