@@ -49,12 +49,13 @@ class ManyPaths:
     def size_many(self, paths: list[str]) -> list[int]:
         return self.each(self.size, paths)
 
-    def names_marked(self, parent: str, marker: str, bulk: str | None = None) -> list[tuple[str, bool]]:
-        """(name, whether name/marker exists) for every name in parent, files too (never marked); symlinks
-        are left out, never followed. `bulk`: the folder in each name that holds its many files (a hint for
-        object stores)."""
+    def names_marked(self, parent: str, marker: str, bulk: str | None = None) -> list[tuple[str, bool, frozenset | None]]:
+        """(name, whether name/marker exists, what name holds) for every name in parent, files too (never marked);
+        symlinks are left out, never followed. `bulk`: the folder in each name that holds its many files (a hint
+        for object stores). What a name holds (its first-level children) comes only where one listing of parent
+        shows it for free (object stores); None here."""
         names = [n for n in self.listdir(parent) if not self.is_link(self.join(parent, n))]
-        return [(name, self.exists(self.join(parent, name, marker))) for name in names]
+        return [(name, self.exists(self.join(parent, name, marker)), None) for name in names]
 
 
 class LocalFS(ManyPaths):
@@ -249,27 +250,27 @@ class FsspecFS(ManyPaths):
         except FileNotFoundError:
             return []
 
-    def names_marked(self, parent: str, marker: str, bulk: str | None = None) -> list[tuple[str, bool]]:
+    def names_marked(self, parent: str, marker: str, bulk: str | None = None) -> list[tuple[str, bool, frozenset | None]]:
         """As ManyPaths.names_marked. On S3, from one listing of parent's objects with `/{bulk}/` as the
         delimiter: S3 rolls each name's bulk files up into one prefix, so a name costs a few listed items (its
         marker, its bulk, and for a zarr entry its data folder's zarr.json) and a page of 1,000 keys covers some
-        300 names, with no request per name's marker.
+        300 names, with no request per name's marker. The same items show what each name holds.
         Elsewhere (or with no bulk folder named), a listing and a question per name."""
         if bulk is None or not self._lists_with_any_delimiter():
             return super().names_marked(parent, marker)
         root = self._strip(parent)
         bucket, _, key = root.partition("/")
-        names, marked = set(), set()
+        held: dict[str, set] = {}
         try:
             listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
         except TypeError:   # a later s3fs changed its private paged listing: the public way, a question per name
             return super().names_marked(parent, marker)
         for path in listing:
             name, _, rest = path[len(root) + 1:].partition("/")
-            names.add(name)
-            if rest == marker:
-                marked.add(name)
-        return [(name, name in marked) for name in sorted(names)]
+            held.setdefault(name, set())
+            if rest:
+                held[name].add(rest.partition("/")[0])
+        return [(name, marker in held[name], frozenset(held[name])) for name in sorted(held)]
 
     def _lists_with_any_delimiter(self) -> bool:
         """s3fs's paged listing takes any delimiter (S3 does); it is how s3fs lists, not a public call."""

@@ -15,7 +15,8 @@ the data goes one folder down, named by its checksums, and the marker names that
 
     <root>/<key[:2]>/<key>/d-<sums>/zarr.json, kv/, extras/   an object store's entry data (header.data_dir)
 
-so two writers of one key at once never mix their files (see _write_in_place).
+so two writers of one key at once never mix their files (see _write_in_place). A data folder its marker does not
+name (two writers that both found no marker: the last marker stands) is gc's once it is older than the grace period.
 
 Reads skip zarr's API: the layout is fixed, so layer l of an entry is exactly the file kv/c.<l>.0.0.0.0
 and one read of it is all we need (zarr's own per-call overhead is 0.2-0.5 ms). Array metadata is
@@ -32,8 +33,8 @@ import numpy as np
 import zarr
 from zarr.storage import MemoryStore
 
-from kvf.cachestore.base import (STAGING, EntryHeader, KVStore, Unreadable, _younger_than, batched, group_json,
-                                 write_once)
+from kvf.cachestore.base import (INFO_BATCH, STAGING, EntryHeader, KVStore, Unreadable, _younger_than, batched,
+                                 group_json, write_once)
 from kvf.cachestore.errors import CorruptEntry, MissingEntry
 from kvf.cachestore.keys import fanout
 
@@ -59,6 +60,15 @@ def data_folder(header: EntryHeader) -> str:
 
 
 @functools.lru_cache(maxsize=256)
+def _several_data_folders(held: frozenset | None) -> tuple:
+    """An entry's data folders when it holds more than one place for its data (two d- folders, or one beside the
+    entry's own kv/ of an entry written before data folders), else (): the only case gc has to look into."""
+    if held is None:
+        return ()
+    folders = tuple(sorted(name for name in held if name.startswith("d-")))
+    return folders if len(folders) + ("kv" in held) > 1 else ()
+
+
 def array_json(shape: tuple, chunks: tuple, dtype: str, codec: str | None) -> bytes:
     """zarr.json of an array, produced by zarr itself (cached: most entries share a shape)."""
     store_dict: dict = {}
@@ -109,31 +119,34 @@ class ZarrKVStore(KVStore):
     def _is_committed(self, key: str) -> bool:
         return self.fs.exists(self.fs.join(self._entry_dir(key), "zarr.json"))
 
-    def _marked_entries_in(self, fan_dir: str) -> list[tuple[str, str, bool]]:
-        """(key, dir, committed) for each entry directory in one fan-out directory, committed or not."""
-        return [(key, self.fs.join(fan_dir, key), committed)
-                for key, committed in self.fs.names_marked(fan_dir, "zarr.json", bulk="kv") if key != "zarr.json"]
+    def _marked_entries_in(self, fan_dir: str) -> list[tuple[str, str, bool, tuple]]:
+        """(key, dir, committed, data folders) for each entry directory in one fan-out directory, committed or
+        not. Data folders are listed only where an entry holds more than one (see _write_in_place), and only where
+        the fan-out directory's listing shows them for free (an object store); () elsewhere."""
+        return [(key, self.fs.join(fan_dir, key), committed, _several_data_folders(held))
+                for key, committed, held in self.fs.names_marked(fan_dir, "zarr.json", bulk="kv") if key != "zarr.json"]
 
     @contextmanager
     def _walked_once(self):
         if self._walk is not None:
             yield
             return
-        self._walk = [(key, None if committed else entry_dir, committed)   # a committed entry's dir is not kept
-                      for key, entry_dir, committed in self._walk_entries()]
+        self._walk = [(key, None if committed else entry_dir, committed, folders)   # a committed entry's dir is not kept
+                      for key, entry_dir, committed, folders in self._walk_entries()]
         try:
             yield
         finally:
             self._walk = None
 
     def _marked_entries(self):
-        """(key, dir, committed) for every entry directory (dir None for a committed one inside _walked_once)."""
+        """(key, dir, committed, data folders) for every entry directory (dir None for a committed one inside
+        _walked_once)."""
         return iter(self._walk) if self._walk is not None else self._walk_entries()
 
     def _walk_entries(self):
-        """(key, dir, committed) for every entry directory. Symlinks (a fan-out directory or an entry that
-        points elsewhere) are never followed: nothing outside the store is read as an entry, or deleted as
-        garbage. The fan-out directories are walked FANOUT_BATCH at a time: on an object store each is a
+        """(key, dir, committed, data folders) for every entry directory. Symlinks (a fan-out directory or an
+        entry that points elsewhere) are never followed: nothing outside the store is read as an entry, or deleted
+        as garbage. The fan-out directories are walked FANOUT_BATCH at a time: on an object store each is a
         listing of its objects, and a batch goes side by side."""
         fan_dirs = [self.fs.join(self.root, fan) for fan in self.fs.listdir(self.root) if len(fan) == 2 and fan != STAGING]
         for listed in batched(fan_dirs, FANOUT_BATCH):
@@ -142,7 +155,7 @@ class ZarrKVStore(KVStore):
                 yield from entries
 
     def _committed_keys(self):
-        return (key for key, _, committed in self._marked_entries() if committed)
+        return (key for key, _, committed, _ in self._marked_entries() if committed)
 
     def _ensure_fanout(self, key: str) -> None:
         fan = fanout(key)
@@ -308,8 +321,24 @@ class ZarrKVStore(KVStore):
 
     def _uncommitted(self, grace_s: float) -> list[str]:
         """Entry directories without their zarr.json, older than grace_s: interrupted in-place writes
-        (object stores) or interrupted copies. A local writer never leaves one (it commits by rename)."""
-        return [d for _, d, committed in self._marked_entries() if not committed and not _younger_than(self.fs, d, grace_s)]
+        (object stores) or interrupted copies. A local writer never leaves one (it commits by rename).
+        Then the data folders inside committed entries that their marker does not name, as old."""
+        unfinished = [d for _, d, committed, _ in self._marked_entries() if not committed and not _younger_than(self.fs, d, grace_s)]
+        return unfinished + [d for d in self._unnamed_data_folders() if not _younger_than(self.fs, d, grace_s)]
+
+    def _unnamed_data_folders(self) -> list[str]:
+        """The data folders of committed entries that their marker does not name: left when two writers of one
+        entry with other bits both found no marker and the last marker stood (see _write_in_place), or while a
+        writer that lost to another's marker is still removing its own. Only entries whose listing showed more
+        than one data folder are asked for their marker."""
+        several = [(key, folders) for key, _, committed, folders in self._marked_entries() if committed and folders]
+        unnamed = []
+        for batch in batched(several, INFO_BATCH):   # markers asked side by side
+            headers = self._read_headers([key for key, _ in batch])
+            for (key, folders), header in zip(batch, headers):
+                if isinstance(header, EntryHeader):   # a damaged marker is verify's to report; its data stays
+                    unnamed += [self.fs.join(self._entry_dir(key), f) for f in folders if f != header.data_dir]
+        return unnamed
 
     def _unfinished_entries(self) -> list[str]:
-        return [key for key, _, committed in self._marked_entries() if not committed]
+        return [key for key, _, committed, _ in self._marked_entries() if not committed]

@@ -433,6 +433,52 @@ def test_two_writers_of_one_entry_on_s3_never_mix_their_files(s3, theirs_when):
         assert len(folders) == (3 if committed and not torch.equal(mine, theirs) else 2), folders
 
 
+def test_gc_removes_the_data_folder_no_marker_names_once_it_is_old(s3, tmp_path):
+    """When two writers of one entry with other bits both find no marker, the last marker stands and the other
+    writer's data folder stays in the entry, named by nothing. gc never looked inside a committed entry, so that
+    folder stayed until the entry went. The walk's listing shows an entry's data folders for free: gc now asks the
+    marker of each entry that holds more than one, and removes the folders it does not name once they are older
+    than the grace period (a writer that lost to another's marker removes its own meanwhile). The entry still
+    reads and verifies; an entry written before data folders keeps its own kv/; a damaged marker keeps its data."""
+    from kvf.cachestore import open_store
+    key, older, damaged, plain = "%064x" % 4545, "%064x" % 4646, "%064x" % 4747, "%064x" % 4848
+    me, other = open_store("s3://kvf/unnamed", meta=META, create=True), open_store("s3://kvf/unnamed", meta=META, create=True)
+    real = me.fs.write_file
+
+    def theirs_first(path, data):   # both wrote their data and found no marker; theirs lands, then mine over it
+        if path.endswith(f"{key}/zarr.json"):
+            assert other.put(key, kv(2))
+        return real(path, data)
+    me.fs.write_file = theirs_first
+    assert me.put(key, kv(1))
+    me.fs.write_file = real
+    assert me.put(plain, kv(3))
+    # an entry written before data folders (its data in its own kv/), with a writer's folder left beside it
+    local = open_store(str(tmp_path / "local"), meta=META, create=True)
+    local.put(older, kv(4))
+    me.fs.fs.put(local._entry_dir(older), me._entry_dir(older), recursive=True)
+    me.fs.fs.copy(me._entry_dir(key), me._entry_dir(damaged), recursive=True)
+    for entry in (older, damaged):
+        me.fs.write_file(me.fs.join(me._entry_dir(entry), "d-0123456789abcdef", "zarr.json"), b"{}")
+    me.fs.write_file(me.fs.join(me._entry_dir(damaged), "zarr.json"), b"not json")
+    store = open_store("s3://kvf/unnamed")
+    named = store.header(key).data_dir
+    assert len(entry_folders(store, key)) == 3                            # mine, theirs, the marker
+    asked, real_read_many = [], store.fs.read_many
+    store.fs.read_many = lambda paths: asked.extend(paths) or real_read_many(paths)
+    assert store.gc() == {"garbage_removed": 0, "entries_removed": 0, "bytes_freed": 0}   # young: left alone
+    assert sorted(p.split("/")[-2] for p in asked) == sorted([key, older, damaged])   # no other marker asked
+    assert store.info()["temp_items"] == 2
+    freed = store.gc(grace_s=0.0)
+    assert freed["garbage_removed"] == 2 and freed["entries_removed"] == 0 and freed["bytes_freed"] > 0
+    again = open_store("s3://kvf/unnamed")
+    assert entry_folders(again, key) == sorted([named, "zarr.json"])
+    assert entry_folders(again, older) == ["kv", "zarr.json"]
+    assert "d-0123456789abcdef" in entry_folders(again, damaged)
+    assert torch.equal(again.get(key), kv(1).half()) and torch.equal(again.get(older), kv(4).half())
+    assert [k for k, _ in again.verify()] == [damaged] and again.info()["temp_items"] == 0
+
+
 def test_a_failed_write_on_s3_is_untrusted_and_its_retry_lands_on_the_same_files(s3, monkeypatch):
     """A write cut off before its marker (a dropped connection, a killed worker) leaves its data unmarked: never an
     entry, and gc's after the grace period. The retry writes the same bits into the same folder, so it leaves no
@@ -515,10 +561,10 @@ def test_walking_an_s3_store_lists_objects_and_asks_nothing_per_entry(s3, tmp_pa
             assert asked == [], asked[:3]
             # a listing with another delimiter is no directory's listing: s3fs's directory cache never holds it
             assert not [path for path in walker.fs.fs.dircache if path.startswith("kvf/markers/")], list(walker.fs.fs.dircache)
-    strip = lambda walk, root: [(key, None if d is None else d[len(root):].lstrip("/\\").replace("\\", "/"), ok)
-                                for key, d, ok in walk]
+    strip = lambda walk, root: [(key, None if d is None else d[len(root):].lstrip("/\\").replace("\\", "/"), ok, folders)
+                                for key, d, ok, folders in walk]
     assert strip(found["s3://kvf/markers"], "kvf/markers") == strip(found[str(tmp_path / "local")], str(tmp_path / "local"))
-    assert ("stray", False) in {(key, ok) for key, _, ok in found[str(tmp_path / "local")]}
+    assert ("stray", False) in {(key, ok) for key, _, ok, _ in found[str(tmp_path / "local")]}
 
 
 def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_listing(s3, monkeypatch):
