@@ -651,13 +651,17 @@ def test_questions_without_context_ids_or_ids(data, tmp_path, capsys, monkeypatc
         assert_one_line(code, err, "questions.jsonl line 1", fragment)
     (dataset / "questions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     prepared = json.loads((dataset / "prepared.json").read_text())
-    for damaged in (json.dumps({**prepared, "dataset": ["x"]}), b"\xff\xfe"):   # was the name "['x']"; internal error
+    # the fix is the command that made this dataset: a RULER suite's was named `kvf data prepare`, which makes none
+    for damaged, fragment, fix in (
+            (json.dumps({**prepared, "dataset": ["x"]}), "(dataset ['x'])", "kvf data synthetic --out"),   # was its name
+            (b"\xff\xfe", "is damaged;", "command that made it (prepare, ruler or synthetic) and --out"),   # internal error
+            (json.dumps({**prepared, "chunk_tokens": "128"}), "(chunk_tokens '128')", "kvf data synthetic --out"),
+            (json.dumps({**prepared, "format": "ruler", "chunk_tokens": 0}), "(chunk_tokens 0)", "kvf data ruler --out"),
+            (json.dumps({**prepared, "format": "json", "dataset": "musique", "source": "/d/m.json", "chunk_tokens": []}),
+             "(chunk_tokens [])", "kvf data prepare musique --input /d/m.json --out")):
         (dataset / "prepared.json").write_bytes(damaged.encode() if isinstance(damaged, str) else damaged)
         code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
-        assert_one_line(code, err, "prepared.json is damaged", "kvf data prepare")
-    (dataset / "prepared.json").write_text(json.dumps({**prepared, "chunk_tokens": "128"}))   # a suite's passage size
-    code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)
-    assert_one_line(code, err, "prepared.json is damaged (chunk_tokens '128')", "kvf data ruler")
+        assert_one_line(code, err, "prepared.json is damaged", fragment, fix)
     (dataset / "prepared.json").write_text(json.dumps(prepared))
     (dataset / "questions.jsonl").write_text("")
     code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl"), capsys, monkeypatch)

@@ -653,7 +653,8 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
 
 
 def prepared_manifest(directory: Path) -> dict:
-    """A prepared dataset's prepared.json ({} where there is none); a damaged one is an error naming it."""
+    """A prepared dataset's prepared.json ({} where there is none), its fields checked: a damaged one is an error
+    naming it and the `kvf data` command that makes the dataset again."""
     manifest = directory / "prepared.json"
     if not manifest.is_file():
         return {}
@@ -662,24 +663,38 @@ def prepared_manifest(directory: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         found = None
     if not isinstance(found, dict):
-        raise KvfError(f"{manifest} is damaged; re-run `kvf data prepare`")
+        raise KvfError(f"{manifest} is damaged; make the dataset again with the `kvf data` command that made it "
+                       f"(prepare, ruler or synthetic) and --out {directory}")
+    name, size = found.get("dataset"), found.get("chunk_tokens")
+    if name is not None and not isinstance(name, str):   # records and tables are grouped by it: never a list's text
+        raise KvfError(f"{manifest} is damaged (dataset {name!r}); make it again: {remake_command(found, directory)}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise KvfError(f"{manifest} is damaged (chunk_tokens {size!r}); make it again: {remake_command(found, directory)}")
     return found
 
 
+def remake_command(found: dict, directory: Path) -> str:
+    """The `kvf data` command that makes a prepared dataset again, from what its prepared.json still says."""
+    kind, source = found.get("format"), found.get("source")
+    if kind == "ruler":
+        return f"`kvf data ruler --out {directory}` (with the --length, --seed and --chunk-tokens it was made with)"
+    if kind == "synthetic":
+        return f"`kvf data synthetic --out {directory}` (with the --n, --passages and --seed it was made with)"
+    given = f" --input {source}" if isinstance(source, str) else ""
+    if kind == "custom":
+        return f"`kvf data prepare custom{given} --out {directory}` (with --corpus if it was made with one)"
+    name = found.get("dataset") if isinstance(found.get("dataset"), str) else "NAME"
+    return f"`kvf data prepare {name}{given} --out {directory}`"
+
+
 def dataset_name(directory: Path) -> str:
-    name = prepared_manifest(directory).get("dataset") or directory.name
-    if not isinstance(name, str):   # records and tables are grouped by it: never Python's text of a list
-        raise KvfError(f"{directory / 'prepared.json'} is damaged; re-run `kvf data prepare`")
-    return name
+    return prepared_manifest(directory).get("dataset") or directory.name
 
 
 def passage_tokens(directory: Path | None) -> int | None:
     """The passage size a dataset was made for (`kvf data ruler --chunk-tokens`): its chunk boundaries are its
     passages', so its workspace is chunked to it. None for datasets made without one."""
-    size = prepared_manifest(directory).get("chunk_tokens") if directory is not None else None
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise KvfError(f"{directory / 'prepared.json'} is damaged (chunk_tokens {size!r}); re-run `kvf data ruler`")
-    return size
+    return prepared_manifest(directory).get("chunk_tokens") if directory is not None else None
 
 
 def warn_passages_cut(opts: RunOptions, ws: Workspace) -> None:
