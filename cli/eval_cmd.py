@@ -69,6 +69,8 @@ def compare_command(
     from kvf.errors import KvfError
     from kvf.eval.compare import comparison_table, one_group, per_question, run_names, select
     from kvf.eval.report import load_runs
+    if run_b is not None and not run_b.exists() and run_a.is_file():
+        check_b_is_a_file(run_a, str(run_b), a)
     if run_b is None:   # two runs of one file
         if not (a and b):
             names = run_names(load_runs([run_a]))
@@ -102,3 +104,21 @@ def compare_command(
     table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
     output_console(160).print(comparison_table(table, *names))
+
+
+def check_b_is_a_file(run_a: Path, word: str, a: str | None) -> None:
+    """`kvf compare RUN kvfuse`: a run of A's file given where B's file goes. It read as "run file kvfuse does not
+    exist", or as A's file holding several runs; said as what it is, with the flags that pick runs of one file.
+    Any other word there is a file that does not exist, said before A's file is looked into."""
+    from kvf.errors import KvfError
+    from kvf.eval.compare import run_names
+    from kvf.eval.report import load_runs
+    names = run_names(load_runs([run_a]))
+    method = word.partition(":")[0].partition("@")[0]
+    matching = [name for name in names if name.partition("@")[0] == method]
+    if not matching:
+        load_runs([Path(word)])   # its own line for a file that does not exist, before A's file is looked into
+        return
+    other = a or next((name for name in names if name not in matching), "full")
+    raise KvfError(f"{word} is no file but a run of {run_a} ({', '.join(matching[:4])}); runs of one file go by --a and "
+                   f"--b: kvf compare {run_a} --a {other} --b {matching[0] if word == method else word}")

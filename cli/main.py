@@ -142,7 +142,8 @@ def resumes(args: list[str]) -> bool:
 
 def extra_argument_hint(where: str, ctx, message: str) -> str:
     """What a stray word was likely meant as, for the commands a new user most often gives one:
-    an unquoted query, `kvf run`'s inputs passed without their flags, or a -m knob's value without its =."""
+    an unquoted query, `kvf run`'s inputs passed without their flags, a -m knob's value without its =, or the
+    runs of one file given to kvf compare as words."""
     from pathlib import Path
     found = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)$", message)
     if not found or ctx is None:
@@ -158,6 +159,9 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
         parents = {p.parent for p in paths if p.is_file()}
         folder = f": kvf build-cache {parents.pop()}" if len(parents) == 1 and all(p.is_file() for p in paths) else ""
         return f"; build-cache takes one CORPUS, a folder of documents or one file: pass the folder that holds them{folder}"
+    if where == "kvf compare" and not Path(str(ctx.params.get("run_b", ""))).exists():   # kvf compare RUN kvfuse ape
+        return (f"; runs of one file go by --a and --b: kvf compare {ctx.params.get('run_a')} "
+                f"--a {ctx.params.get('run_b')} --b {words[0]}")
     if where != "kvf run":
         return ""
     method = str(ctx.params.get("method") or "")

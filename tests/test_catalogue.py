@@ -318,6 +318,13 @@ CASES = {
     # it said "pass a second run file, or --a and --b", as if --a had not been seen
     "compare one file, --a alone": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "--a", "reuse"],
                                     ["--a reuse: pass --b too", "(e.g. --b full@1)"]),
+    # a run of A's file where B's file goes read as "run file reuse does not exist", after A's file was looked into
+    "compare RUN METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "reuse"],
+                           ["reuse is no file but a run of", "s.jsonl (reuse@0)", "--a full@1 --b reuse@0"]),
+    "compare RUN METHOD METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "full", "reuse"],
+                                  ["unexpected extra argument", "runs of one file go by --a and --b", "--a full --b reuse"]),
+    "compare RUN MISSING": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), t / "gone.jsonl"],
+                            ["run file", "gone.jsonl does not exist"]),
     "compare one file of one run": (lambda d, t: ["compare", write(t / "s.jsonl", record())],
                                     ["it holds one run (full@1); pass a second run file"]),
     "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
