@@ -249,7 +249,9 @@ def main():
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except Stopped as e:
         e.exit(resumes(sys.argv[1:]))
-    except (KeyboardInterrupt, typer.Abort):
+    except (KeyboardInterrupt, typer.Abort) as e:
+        if isinstance(e.__cause__, EOFError):   # click calls any EOFError raised in a command an Abort (Ctrl-D)
+            report_unexpected(e.__cause__, debug)
         Interrupted().exit(resumes(sys.argv[1:]))
     except KvfError as e:
         if (stopped := signal_beneath(e)) is not None:   # a check that caught a wrapped signal as its failure
@@ -267,18 +269,24 @@ def main():
             print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
-        if (stopped := signal_beneath(e)) is not None:
-            stopped.exit(resumes(sys.argv[1:]))
-        if debug:
-            raise
-        blamed = user_method_error(e)
-        if blamed is not None:   # raised in a method file of $KVF_METHOD_PATH: the user's code, not kvf's
-            print(f"kvf: error: {blamed} (--debug shows the traceback)", file=sys.stderr)
-            sys.exit(1)
-        message = str(e).splitlines()[0][:200] if str(e) else ""
-        print(f"kvf: internal error: {type(e).__name__}: {message} (please report it; re-run with --debug for the "
-              "traceback)", file=sys.stderr)
-        sys.exit(2)
+        report_unexpected(e, debug)
+
+
+def report_unexpected(e: BaseException, debug: bool) -> None:
+    """An error no check of kvf's caught: a kvf bug, or the user's method file's. One line and exit; --debug
+    raises it, for its traceback."""
+    if (stopped := signal_beneath(e)) is not None:
+        stopped.exit(resumes(sys.argv[1:]))
+    if debug:
+        raise e
+    blamed = user_method_error(e)
+    if blamed is not None:   # raised in a method file of $KVF_METHOD_PATH: the user's code, not kvf's
+        print(f"kvf: error: {blamed} (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    message = str(e).splitlines()[0][:200] if str(e) else ""
+    print(f"kvf: internal error: {type(e).__name__}: {message} (please report it; re-run with --debug for the "
+          "traceback)", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

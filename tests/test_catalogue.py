@@ -319,6 +319,9 @@ CASES = {
     "compare one file, --a alone": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "--a", "reuse"],
                                     ["--a reuse: pass --b too", "(e.g. --b full@1)"]),
     # a run of A's file where B's file goes read as "run file reuse does not exist", after A's file was looked into
+    # gzip's EOFError on a file cut short: click reads any EOFError as Ctrl-D, so it said "interrupted; re-run"
+    "data prepare --input cut-off gzip": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "cut.json.gz", gzip.compress(b'[{"id": "q"}]' * 50)[:40]), "-o", t / "p"],
+                                          ["input file", "cut.json.gz: not a readable gzip file", "gzip -t"]),
     "compare RUN METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "reuse"],
                            ["reuse is no file but a run of", "s.jsonl (reuse@0)", "--a full@1 --b reuse@0"]),
     "compare RUN METHOD METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "full", "reuse"],
@@ -1404,6 +1407,21 @@ def test_a_signal_wrapped_by_library_code_still_ends_kvf_as_that_signal(stopped,
     code, out, err = run_cli(["methods", "cacheblend"], capsys, monkeypatch)
     expected = {"Terminated": (143, "terminated")}.get(stopped, (130, "interrupted"))
     assert code == expected[0] and err == f"kvf: {expected[1]}; re-run the same command to start again\n", err
+
+
+def test_an_eof_error_inside_a_command_is_no_interruption(capsys, monkeypatch):
+    """click calls any EOFError a command raises an Abort (as for Ctrl-D at a prompt), so a gzip file cut short, say,
+    ended kvf with "interrupted; re-run the same command to start again", which no re-run mends. An EOFError kvf's
+    checks did not catch is now what any other error they did not catch is: an internal error, and --debug shows
+    where it came from."""
+    def cut_short(*args, **kwargs):
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+    monkeypatch.setattr("kvf.pipeline.fusion.methods.base.check_method_name", cut_short)
+    code, _, err = run_cli(["methods", "cacheblend"], capsys, monkeypatch)
+    assert code == 2 and "interrupted" not in err, err
+    assert_one_line(code, err, "internal error: EOFError: Compressed file ended", "--debug")
+    with pytest.raises(EOFError):
+        run_cli(["--debug", "methods", "cacheblend"], capsys, monkeypatch)
 
 
 # ---- signals once the JVM is loaded ---------------------------------------------------------------------

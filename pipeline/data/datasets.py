@@ -28,6 +28,7 @@ import re
 import shlex
 import textwrap
 import warnings
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -152,7 +153,11 @@ def read_text(path: Path) -> str:
         raise KvfError(f"input file {path} does not exist")
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:   # a cut-off download; click read EOFError as Ctrl-D
+            raise KvfError(f"input file {path}: not a readable gzip file ({e or 'it ends early'}); check it with "
+                           "`gzip -t` and fetch or compress it again") from None
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
