@@ -322,6 +322,8 @@ CASES = {
     # gzip's EOFError on a file cut short: click reads any EOFError as Ctrl-D, so it said "interrupted; re-run"
     "data prepare --input cut-off gzip": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "cut.json.gz", gzip.compress(b'[{"id": "q"}]' * 50)[:40]), "-o", t / "p"],
                                           ["input file", "cut.json.gz: not a readable gzip file", "gzip -t"]),
+    "run -q a cut-off gzip": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl.gz", gzip.compress(b'{"question": "q"}\n' * 40)[:30]), "-m", "reuse", "-o", t / "o.jsonl"],
+                              ["--questions", "q.jsonl.gz: not a readable gzip file", "gzip -t"]),
     "compare RUN METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "reuse"],
                            ["reuse is no file but a run of", "s.jsonl (reuse@0)", "--a full@1 --b reuse@0"]),
     "compare RUN METHOD METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "full", "reuse"],
@@ -752,20 +754,25 @@ def test_a_workspace_inside_the_corpus_is_refused_with_a_place_outside_it(tmp_pa
     assert not (docs / "ws").exists()
 
 
-def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_path, capsys, monkeypatch, gzipped):
     """The command kvf names to turn a .json array into JSON Lines called `python`, which Debian and Ubuntu leave
-    out (they install python3 only). Run by a shell whose PATH has only python3, it now writes the lines kvf reads."""
+    out (they install python3 only). Run by a shell whose PATH has only python3 (and gzip), it now writes the lines
+    kvf reads; from a gzipped array too (kvf reads gzipped questions, so it named `< my qs.json.gz` there)."""
     import re
     import shlex
     rows = [{"question": "Who founded Acme?", "passages": [{"text": "Acme was founded by Jane Roe."}]},
             {"question": "Where is Globex?", "passages": [{"text": "Globex is in Brethlake."}]}]
-    array = tmp_path / "my qs.json"
-    array.write_text(json.dumps(rows, indent=1))
+    array = tmp_path / ("my qs.json.gz" if gzipped else "my qs.json")
+    text = json.dumps(rows, indent=1).encode()
+    array.write_bytes(gzip.compress(text) if gzipped else text)
     code, _, err = run_cli(["data", "prepare", "custom", "--input", array, "--out", tmp_path / "p"], capsys, monkeypatch)
     command = re.search(r"`([^`]+)`", assert_one_line(code, err, "is one JSON array")).group(1)
+    assert shlex.split(command)[-1] == str(tmp_path / "my qs.jsonl"), command
     only = tmp_path / "bin"
     only.mkdir()
     (only / "python3").symlink_to(sys.executable)
+    (only / "gzip").symlink_to(shutil.which("gzip"))
     proc = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, cwd=tmp_path, env={"PATH": str(only)})
     assert proc.returncode == 0, (command, proc.stderr)
     lines = Path(shlex.split(command)[-1]).read_text().splitlines()

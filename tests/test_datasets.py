@@ -308,6 +308,26 @@ def test_own_questions_file_saved_by_a_windows_editor_reads_like_any_other(tmp_p
     assert [q.question for q in prepared] == ["Who founded Acme?", "Who runs Beta?"]
 
 
+def test_a_gzipped_questions_file_reads_as_its_lines_and_names_its_questions_as_they_do(tmp_path):
+    """Run files and corpora may be gzipped; your own questions were refused as "not UTF-8 text (byte 1)". A gzipped
+    questions file (kvf run -q, kvf data prepare custom --input) now reads as its lines, and its questions are named
+    as the plain file's are (mine-1, not mine.jsonl-1)."""
+    import gzip
+    from kvf.pipeline.data.datasets import load_questions_file, prepare_custom
+    rows = [{"question": "Who founded Acme?", "answers": ["Jane Roe"], "passages": [{"title": "Acme", "text": "Jane Roe."}]},
+            {"question": "Who runs Beta?", "answers": ["John Doe"], "passages": [{"title": "Beta", "text": "John Doe."}]}]
+    text = "".join(json.dumps({k: v for k, v in row.items() if k != "passages"}) + "\n" for row in rows).encode()
+    (tmp_path / "mine.jsonl").write_bytes(text)
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "mine.jsonl.gz").write_bytes(gzip.compress(text))
+    assert load_questions_file(tmp_path / "gz" / "mine.jsonl.gz") == load_questions_file(tmp_path / "mine.jsonl")
+    assert [q.qid for q in load_questions_file(tmp_path / "gz" / "mine.jsonl.gz")] == ["mine-1", "mine-2"]
+    custom = tmp_path / "custom.jsonl.gz"
+    custom.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    prepare_custom(custom, tmp_path / "prepared")
+    assert [q.question for q in load_prepared(tmp_path / "prepared")[0]] == ["Who founded Acme?", "Who runs Beta?"]
+
+
 def test_passages_null_means_none_named_in_both_own_questions_files(tmp_path):
     """`"passages": null` (what pandas writes for a missing value) names no passages, as leaving the field out does:
     `kvf run -q` refused it, `kvf data prepare custom` took it as none. Both now read it alike."""

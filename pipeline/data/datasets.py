@@ -151,17 +151,23 @@ def read_text(path: Path) -> str:
         raise KvfError(f"--input {path} is a folder; pass the dataset's file in it, e.g. --input {example}")
     if not path.is_file():
         raise KvfError(f"input file {path} does not exist")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as e:   # a cut-off download; click read EOFError as Ctrl-D
-            raise KvfError(f"input file {path}: not a readable gzip file ({e or 'it ends early'}); check it with "
-                           "`gzip -t` and fetch or compress it again") from None
+    raw = gunzipped(path.read_bytes(), f"input file {path}")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise KvfError(f"{path} is not UTF-8 text ({e})") from None
+
+
+def gunzipped(raw: bytes, where: str) -> bytes:
+    """A file's bytes, gunzipped when they start with the gzip magic bytes (whatever the file's name); `where` names
+    the file (and its flag) when they are not a whole gzip stream."""
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:   # a cut-off download; click read EOFError as Ctrl-D
+        raise KvfError(f"{where}: not a readable gzip file ({e or 'it ends early'}); check it with `gzip -t` and "
+                       "fetch or compress it again") from None
 
 
 def _is_pandas_columns(obj: dict) -> bool:
@@ -531,20 +537,23 @@ def prepare_custom(input_file: str | Path, out_dir: str | Path, corpus: str | Pa
 
 
 def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None = None) -> list[tuple[int, dict]]:
-    """(line number, row) of a JSON Lines file whose rows are JSON objects. A leading byte-order mark
-    (Windows editors write one) is dropped; `where` names the file (and its flag) in errors, `line_fix`
+    """(line number, row) of a JSON Lines file whose rows are JSON objects, gzipped or not. A leading byte-order
+    mark (Windows editors write one) is dropped; `where` names the file (and its flag) in errors, `line_fix`
     (default `fix`) what a line should look like."""
     line_fix = fix if line_fix is None else line_fix
     if not path.is_file():
         raise KvfError(f"{where} is {'a directory' if path.is_dir() else 'missing'}; {fix}")
+    raw = path.read_bytes()
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = gunzipped(raw, where).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise KvfError(f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8, or {fix}") from None
     if is_json_array(text):
+        source = f"gzip -dc {shlex.quote(str(path))} | " if raw[:2] == b"\x1f\x8b" else ""
+        convert = "python3 -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\""
         raise KvfError(f"{where} is one JSON array; kvf reads JSON Lines, one object per line: convert it with "
-                       f"`python3 -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\" "
-                       f"< {shlex.quote(str(path))} > {shlex.quote(str(lines_path(path)))}`")
+                       f"`{source}{convert}{'' if source else ' < ' + shlex.quote(str(path))} "
+                       f"> {shlex.quote(str(lines_path(path)))}`")
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -561,8 +570,14 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
 def lines_path(path: Path) -> Path:
     """Where a JSON array's conversion to JSON Lines goes: beside it, as .jsonl, never over it (the shell empties
     the file a `>` names before the command reads it)."""
-    converted = path.with_suffix(".jsonl")
-    return converted if converted != path else path.with_name(f"{path.stem}.lines.jsonl")
+    converted = path.with_name(f"{file_stem(path)}.jsonl")
+    return converted if converted != path else path.with_name(f"{file_stem(path)}.lines.jsonl")
+
+
+def file_stem(path: Path) -> str:
+    """A file's name without its extension, or its two for a gzipped file: questions.jsonl.gz -> questions."""
+    name = path.name[:-3] if path.name.lower().endswith(".gz") else path.name
+    return Path(name).stem
 
 
 def is_json_array(text: str) -> bool:
@@ -713,7 +728,7 @@ def load_questions_file(path: str | Path) -> list[Question]:
     passages are document ids of the workspace's corpus (leave them out to retrieve)."""
     path = Path(path)
     questions = []
-    for where, row, question in read_question_lines(path, "--questions", id_prefix=path.stem):
+    for where, row, question in read_question_lines(path, "--questions", id_prefix=file_stem(path)):
         what = "of document ids of the workspace's corpus"
         passages = [digits_of(p) for p in listed_passages(row, where, what)]
         if not all(isinstance(p, str) for p in passages):

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvf.errors import KvfError, counted, warn
-from kvf.pipeline.data.datasets import Question, load_prepared, load_questions_file, looks_like_text
+from kvf.pipeline.data.datasets import Question, file_stem, load_prepared, load_questions_file, looks_like_text
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
@@ -228,7 +228,7 @@ def check_out_apart(opts: RunOptions) -> None:
     """--out is never the questions it answers, nor inside a prepared dataset's corpus: records appended there
     (or --overwrite, which empties the file first) would destroy the questions or become documents."""
     out, source = opts.out.resolve(), opts.questions_source.resolve()
-    flag, name = ("--questions", source.stem) if opts.questions is not None else ("--dataset", opts.dataset.name)
+    flag, name = ("--questions", file_stem(source)) if opts.questions is not None else ("--dataset", opts.dataset.name)
     if out == source:
         raise KvfError(f"--out {opts.out} is the questions file this run reads ({flag}); pass another --out, "
                        f"e.g. runs/{name}.jsonl")
@@ -625,7 +625,7 @@ def source_questions(opts: RunOptions) -> tuple[list[Question], str]:
         if folder_kind(opts.questions) == "dataset":
             raise KvfError(f"--questions {opts.questions} is a prepared dataset; pass it as --dataset {opts.questions}")
         questions = load_questions_file(opts.questions)
-        name = opts.questions.stem
+        name = file_stem(opts.questions)
     return questions, name
 
 
