@@ -59,7 +59,6 @@ def data_folder(header: EntryHeader) -> str:
     return "d-" + hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=256)
 def _several_data_folders(held: frozenset | None) -> tuple:
     """An entry's data folders when it holds more than one place for its data (two d- folders, or one beside the
     entry's own kv/ of an entry written before data folders), else (): the only case gc has to look into."""
@@ -69,6 +68,7 @@ def _several_data_folders(held: frozenset | None) -> tuple:
     return folders if len(folders) + ("kv" in held) > 1 else ()
 
 
+@functools.lru_cache(maxsize=256)
 def array_json(shape: tuple, chunks: tuple, dtype: str, codec: str | None) -> bytes:
     """zarr.json of an array, produced by zarr itself (cached: most entries share a shape)."""
     store_dict: dict = {}
@@ -85,7 +85,7 @@ class ZarrKVStore(KVStore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fanouts_made: set[str] = set()
-        self._walk: list | None = None   # (key, dir of an uncommitted entry or None, committed), inside _walked_once
+        self._walk: list | None = None   # (key, dir of an uncommitted entry or None, committed, data folders), in _walked_once
 
     # ---------------------------------------------------------------- store identity
 

@@ -123,6 +123,21 @@ def test_zarr_on_disk_is_a_valid_zarr_v3_hierarchy(tmp_path, dtype):
     assert root[f"{key[:2]}/{key}"].attrs["kvf_entry"]["shape"] == [4, 2, 2, 6, 8]
 
 
+def test_entries_of_one_shape_have_zarr_make_their_array_metadata_once(tmp_path, monkeypatch):
+    """An array's zarr.json comes from zarr itself, which costs 0.2-0.5 ms a call: entries of one shape (most of a
+    store's) reuse the first one's. A decorator once slid onto the wrong function, so every entry asked zarr again."""
+    from kvf.cachestore import zarr_store
+    zarr_store.array_json.cache_clear()
+    made = []
+    real = zarr.create_array
+    monkeypatch.setattr(zarr, "create_array", lambda *a, **kw: made.append(kw["shape"]) or real(*a, **kw))
+    store = new_store(tmp_path, "zarr", "float16")
+    for i in range(3):
+        store.put(key_of(i), rand_kv(tokens=6, seed=i))
+    assert made == [(4, 2, 2, 6, 8)], made
+    assert all(torch.equal(store.get(key_of(i)), rand_kv(tokens=6, seed=i).half()) for i in range(3))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hdf5_on_disk_is_valid_hdf5_with_contiguous_layers(tmp_path, dtype):
     store = new_store(tmp_path, "hdf5", dtype)
