@@ -48,6 +48,17 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+def stand_in(head: str, html: bool = True) -> str | None:
+    """What a data file's first line shows it to be instead of data, with the fix: a Git LFS pointer (a clone made
+    without git-lfs) or, unless html is False (a document may be a page), an HTML page (a download that failed or
+    was redirected); None for anything else."""
+    if head.lstrip("\ufeff").startswith("version https://git-lfs.github.com/spec/"):
+        return "is a Git LFS pointer, not the data; fetch the data with `git lfs pull` in the clone it came from"
+    if html and re.match(r"\s*<(!doctype html|html[\s>])", head.lstrip("\ufeff"), re.IGNORECASE):
+        return "is an HTML page, not the data (a download that failed or was redirected?); download it again"
+    return None
+
+
 def disk_full(e: OSError) -> bool:
     """A write that failed for want of space (the disk, or the user's quota): said as such, with its fix."""
     import errno

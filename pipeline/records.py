@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvf.errors import KvfError, disk_full, warn
+from kvf.errors import KvfError, disk_full, stand_in, warn
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
@@ -222,6 +222,8 @@ def read_records(path: Path) -> list[RunRecord]:
                              "stopped mid-line): left out")
                         cut = True
                         break
+                    if not records and stand_in(line):
+                        raise KvfError(f"run file {path} {stand_in(line)}") from None
                     if not records and path.suffix.lower() in OTHER_FORMATS:   # kvf eval's own summary.csv, say
                         raise KvfError(f"run file {path} is {path.suffix.lower()}, not the JSON Lines `kvf run` writes; "
                                        "pass the .jsonl files kvf run -o wrote") from None

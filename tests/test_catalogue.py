@@ -34,6 +34,7 @@ def run_args(data, out, *extra):
 
 
 # ---- flags and paths: refused before any work -----------------------------------------------------
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
 CASES = {
     "run -r auto,0.15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "auto,0.15", "-o", t / "o.jsonl"],
                          ["--ratio auto,0.15", "auto stands alone"]),
@@ -324,6 +325,16 @@ CASES = {
                                           ["input file", "cut.json.gz: not a readable gzip file", "gzip -t"]),
     "run -q a cut-off gzip": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl.gz", gzip.compress(b'{"question": "q"}\n' * 40)[:30]), "-m", "reuse", "-o", t / "o.jsonl"],
                               ["--questions", "q.jsonl.gz: not a readable gzip file", "gzip -t"]),
+    # a clone without git-lfs, or a download that got an error page: "neither JSON nor JSON Lines", "malformed JSON;
+    # fix or remove that line", where the fix is to fetch the data
+    "data prepare --input a Git LFS pointer": (lambda d, t: ["data", "prepare", "nq", "--input", write(t / "nq.jsonl", LFS_POINTER), "-o", t / "p"],
+                                               ["nq.jsonl is a Git LFS pointer, not the data", "git lfs pull"]),
+    "data prepare --input an HTML page": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "m.json", b"<!DOCTYPE html>\n<html><body>Not Found</body></html>\n"), "-o", t / "p"],
+                                          ["m.json is an HTML page, not the data", "download it again"]),
+    "run -q a Git LFS pointer": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", LFS_POINTER), "-m", "reuse", "-o", t / "o.jsonl"],
+                                 ["--questions", "q.jsonl is a Git LFS pointer", "git lfs pull"]),
+    "eval a Git LFS pointer": (lambda d, t: ["eval", write(t / "r.jsonl", LFS_POINTER), "-o", t / "e"],
+                               ["run file", "r.jsonl is a Git LFS pointer", "git lfs pull"]),
     "compare RUN METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "reuse"],
                            ["reuse is no file but a run of", "s.jsonl (reuse@0)", "--a full@1 --b reuse@0"]),
     "compare RUN METHOD METHOD": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)), "full", "reuse"],

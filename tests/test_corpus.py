@@ -153,6 +153,22 @@ def test_binary_and_non_utf8_and_empty_are_skipped_with_warning(tmp_path, capsys
     assert "blank.txt" in err and "empty" in err
 
 
+def test_git_lfs_pointers_are_skipped_naming_git_lfs_pull_and_a_page_is_a_document(tmp_path, capsys):
+    """A corpus cloned without git-lfs holds pointer files ("version https://git-lfs.github.com/spec/v1 ..."): each
+    was stored and answered from as a three-line document. They are skipped, saying how to fetch the data. A
+    document that is an HTML page is still a document."""
+    import gzip
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1288\n"
+    (tmp_path / "good.txt").write_text("fine")
+    (tmp_path / "lfs.md").write_text(pointer)
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(pointer.encode()))
+    (tmp_path / "page.txt").write_text("<html><body>A page of text.</body></html>")
+    assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt", "page.txt"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped" in err and "lfs.md: it is a Git LFS pointer" in err and "git lfs pull" in err
+    assert "rows.jsonl.gz: it is a Git LFS pointer" in err
+
+
 def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("fine")
     (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7")

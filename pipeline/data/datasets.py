@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvf.errors import KvfError, did_you_mean, shown
+from kvf.errors import KvfError, did_you_mean, shown, stand_in
 from kvf.pipeline.files import check_writable_dir, env_folder, other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import id_text, read_corpus, title_text
 
@@ -194,8 +194,11 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
+            if not records and stand_in(line):
+                raise KvfError(f"{path} {stand_in(line)}") from None
             if not records:
-                raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {e.msg})") from None
+                raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {e.msg}); pass the benchmark's "
+                               ".json or .jsonl file") from None
             raise KvfError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
     return records
 
@@ -560,6 +563,8 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                if not rows and stand_in(line):
+                    raise KvfError(f"{where} {stand_in(line)}") from None
                 raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg}); {line_fix}") from None
             if not isinstance(row, dict):
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")

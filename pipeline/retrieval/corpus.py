@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvf.errors import KvfError, shown, warn
+from kvf.errors import KvfError, shown, stand_in, warn
 
 SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl", ".jsonl.gz")
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
@@ -144,6 +144,10 @@ def check_text_file(path: Path, block: int = 1 << 24) -> bool:
 def _is_text(path: Path, head: bytes) -> bool:
     if b"\x00" in head:
         warn(f"skipped {path}: looks binary (contains NUL bytes)")
+        return False
+    instead = stand_in(head[:200].decode("utf-8", errors="replace"), html=False)
+    if instead is not None:   # its text would be stored and answered from as if it were a document
+        warn(f"skipped {path}: it {instead}")
         return False
     return True
 
