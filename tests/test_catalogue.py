@@ -35,6 +35,7 @@ def run_args(data, out, *extra):
 
 # ---- flags and paths: refused before any work -----------------------------------------------------
 LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
+EMPTY_SAFETENSORS = (8).to_bytes(8, "little") + b"{}      "   # a whole .safetensors file that holds no tensor
 CASES = {
     "run -r auto,0.15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "auto,0.15", "-o", t / "o.jsonl"],
                          ["--ratio auto,0.15", "auto stands alone"]),
@@ -268,9 +269,21 @@ CASES = {
                                                           write(t / "m" / "config.json", b'{"model_type": "llama"}').parent],
                                             ["--model", "no weight files (*.safetensors or *.bin)", "download"]),
     "build-cache --model without tokenizer": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
-                                                            (write(t / "m" / "model.safetensors", b"x"),
+                                                            (write(t / "m" / "model.safetensors", EMPTY_SAFETENSORS),
                                                              write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
                                               ["--model", "cannot load its tokenizer", "tokenizer.json"]),
+    # weights that do not load: "internal error: SafetensorError: ... header too large", after a build had chunked,
+    # indexed and made a store named after them (a clone without git-lfs leaves pointers where the weights go)
+    "build-cache --model weights a Git LFS pointer": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                                    (write(t / "m" / "model.safetensors", LFS_POINTER),
+                                                                     write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
+                                                      ["--model", "model.safetensors is a Git LFS pointer", "git lfs pull"]),
+    "build-cache --model weights damaged": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                          (write(t / "m" / "model.safetensors", EMPTY_SAFETENSORS + b"\0" * 8),
+                                                           write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
+                                            ["--model", "model.safetensors is damaged", "download the model's weights again"]),
+    "run --model a .gguf Git LFS pointer": (lambda d, t: run_args(d, t / "o.jsonl", "--model", write(t / "m.gguf", LFS_POINTER)),
+                                            ["--model", "m.gguf: it is a Git LFS pointer", "git lfs pull"]),
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
     "run --device mps": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "mps"), ["--device mps"]),
     "run -o DIR": (lambda d, t: run_args(d, t), ["--out", "is a directory"]),
@@ -788,6 +801,23 @@ def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_pat
     assert proc.returncode == 0, (command, proc.stderr)
     lines = Path(shlex.split(command)[-1]).read_text().splitlines()
     assert [json.loads(line) for line in lines] == rows
+
+
+def test_a_first_build_with_weights_that_do_not_load_leaves_no_workspace(tmp_path, capsys, monkeypatch, short_docs):
+    """Damaged weights were found when the KV stage loaded them: the build had chunked the corpus and made a store
+    named after those weights, which the re-run, after downloading them again, was refused ("delete it")."""
+    from kvf.pipeline.workflows.weights import open_model
+    model = tmp_path / "m"
+    model.mkdir()
+    open_model(None).tokenizer.save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(EMPTY_SAFETENSORS + b"\0" * 8)   # more bytes than its header covers
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(short_docs[0])
+    code, _, err = run_cli(["build-cache", corpus, "-w", tmp_path / "ws", "--model", model], capsys, monkeypatch)
+    assert_one_line(code, err, "--model", "model.safetensors is damaged")
+    assert not (tmp_path / "ws").exists()
 
 
 def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, capsys, monkeypatch):

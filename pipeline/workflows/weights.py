@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, stand_in
 from kvf.pipeline.model.forward import SUPPORTED_ARCHITECTURES
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,7 +108,20 @@ def _check_gguf(path: Path) -> None:
     except OSError as e:
         raise KvfError(f"--model {path}: cannot read it ({e.strerror}); check its permissions") from None
     if magic != GGUF_MAGIC:
-        raise KvfError(f"--model {path}: not a GGUF file (bad magic bytes); pass a .gguf file or a model directory")
+        instead = pointer_line(path)
+        raise KvfError(f"--model {path}: " + (f"it {instead}" if instead else
+                       "not a GGUF file (bad magic bytes); pass a .gguf file or a model directory"))
+
+
+def pointer_line(path: Path) -> str | None:
+    """What a model file holds instead of its data (a Git LFS pointer, from a clone made without git-lfs), with
+    the fix; None for anything else. Read from its first bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(200)
+    except OSError:
+        return None
+    return stand_in(head.decode("utf-8", errors="replace"), html=False)
 
 
 def _check_architecture(model_type: str | None, source: str) -> None:
@@ -196,9 +209,10 @@ class ModelRef:
         hf_logging.disable_progress_bar()
         from kvf.pipeline.workflows.devices import check_model_fits
         check_model_fits(self.config, dtype, device, f"--model {self.name}")
+        from safetensors import SafetensorError
         try:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, attn_implementation="sdpa")
-        except (OSError, ValueError) as e:  # missing or damaged weight files
+        except (OSError, ValueError, SafetensorError) as e:  # missing or damaged weight files
             raise KvfError(f"--model {self.name}: cannot load its weights ({str(e).splitlines()[0][:160]}); "
                            "check the model directory or download it again") from None
         model.to(device).eval()
@@ -230,6 +244,19 @@ def open_model(model: str | None = None) -> ModelRef:
     return ModelRef(converted, name)
 
 
+def check_safetensors_headers(model_dir: Path, name: str) -> None:
+    """Each .safetensors file's header (its first kilobytes) reads: a damaged file is said before a build chunks,
+    indexes and creates a store named after weights that never load."""
+    from safetensors import SafetensorError, safe_open
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise KvfError(f"--model {name}: {path.name} is damaged ({str(e).splitlines()[0][:120]}); download the "
+                           "model's weights again") from None
+
+
 def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -242,6 +269,11 @@ def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
         raise KvfError(f"--model {name}: {config_path} is not a JSON object; pass a Hugging Face model directory "
                        "(its config.json may be damaged: download it again)")
     _check_architecture(config.get("model_type"), name)
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):   # weights and tokenizer alike
+        instead = pointer_line(path)
+        if instead:   # said now: safetensors called it an internal error, "header too large", at load time
+            raise KvfError(f"--model {name}: {path.name} {instead}")
+    check_safetensors_headers(model_dir, name)
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
         # said now, not after a build's chunks and indexes (and a store named after weights it never had)
         raise KvfError(f"--model {name}: no weight files (*.safetensors or *.bin) in {model_dir}; download the "
