@@ -282,6 +282,10 @@ CASES = {
                                                           (write(t / "m" / "model.safetensors", EMPTY_SAFETENSORS + b"\0" * 8),
                                                            write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
                                             ["--model", "model.safetensors is damaged", "download the model's weights again"]),
+    "build-cache --model .bin weights damaged": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--model",
+                                                               (write(t / "m" / "pytorch_model.bin", b"PK\x03\x04 cut short"),
+                                                                write(t / "m" / "config.json", b'{"model_type": "llama"}'))[1].parent],
+                                                 ["--model", "pytorch_model.bin is damaged", "download the model's weights again"]),
     "run --model a .gguf Git LFS pointer": (lambda d, t: run_args(d, t / "o.jsonl", "--model", write(t / "m.gguf", LFS_POINTER)),
                                             ["--model", "m.gguf: it is a Git LFS pointer", "git lfs pull"]),
     "run --device tpu": (lambda d, t: run_args(d, t / "o.jsonl", "--device", "tpu"), ["--device tpu"]),
@@ -818,6 +822,24 @@ def test_a_first_build_with_weights_that_do_not_load_leaves_no_workspace(tmp_pat
     code, _, err = run_cli(["build-cache", corpus, "-w", tmp_path / "ws", "--model", model], capsys, monkeypatch)
     assert_one_line(code, err, "--model", "model.safetensors is damaged")
     assert not (tmp_path / "ws").exists()
+
+
+def test_weights_whose_frame_reads_but_which_do_not_load_are_one_line(tmp_path, capsys, monkeypatch):
+    """A .bin that is a zip archive but not torch.save's: torch.load's RuntimeError (and an UnpicklingError for a
+    pickle that is no state dict) were internal errors; they are the line naming the weights."""
+    import zipfile
+    from kvf.pipeline.workflows.weights import open_model
+    model = tmp_path / "m"
+    model.mkdir()
+    open_model(None).tokenizer.save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+                                                   "intermediate_size": 96, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 4, "num_key_value_heads": 2}))
+    with zipfile.ZipFile(model / "pytorch_model.bin", "w") as archive:
+        archive.writestr("notes.txt", "not a state dict")
+    code, _, err = run_cli(["bench", "--model", model, "--lengths", "64", "-m", "reuse", "-r", "0", "--rounds", "1",
+                            "--out", tmp_path / "b"], capsys, monkeypatch)
+    assert_one_line(code, err, "--model", "cannot load its weights", "download it again")
 
 
 def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -117,11 +118,15 @@ def pointer_line(path: Path) -> str | None:
     """What a model file holds instead of its data (a Git LFS pointer, from a clone made without git-lfs), with
     the fix; None for anything else. Read from its first bytes."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(200)
+        head = first_bytes(path, 200)
     except OSError:
         return None
     return stand_in(head.decode("utf-8", errors="replace"), html=False)
+
+
+def first_bytes(path: Path, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
 
 
 def _check_architecture(model_type: str | None, source: str) -> None:
@@ -212,7 +217,7 @@ class ModelRef:
         from safetensors import SafetensorError
         try:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, attn_implementation="sdpa")
-        except (OSError, ValueError, SafetensorError) as e:  # missing or damaged weight files
+        except (OSError, ValueError, RuntimeError, SafetensorError, pickle.UnpicklingError) as e:   # damaged weights
             raise KvfError(f"--model {self.name}: cannot load its weights ({str(e).splitlines()[0][:160]}); "
                            "check the model directory or download it again") from None
         model.to(device).eval()
@@ -244,14 +249,19 @@ def open_model(model: str | None = None) -> ModelRef:
     return ModelRef(converted, name)
 
 
-def check_safetensors_headers(model_dir: Path, name: str) -> None:
-    """Each .safetensors file's header (its first kilobytes) reads: a damaged file is said before a build chunks,
-    indexes and creates a store named after weights that never load."""
+def check_weight_files(model_dir: Path, name: str) -> None:
+    """Each weight file's frame reads: a .safetensors file's header, a .bin file's zip directory (torch.save's
+    format; an older pickle starts with its protocol byte). A damaged file is said before a build chunks, indexes
+    and creates a store named after weights that never load."""
+    import zipfile
     from safetensors import SafetensorError, safe_open
-    for path in sorted(model_dir.glob("*.safetensors")):
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         try:
-            with safe_open(path, framework="pt"):
-                pass
+            if path.suffix == ".safetensors":
+                with safe_open(path, framework="pt"):
+                    pass
+            elif not zipfile.is_zipfile(path) and first_bytes(path, 1) != b"\x80":
+                raise OSError("neither a zip archive nor a pickle")
         except (SafetensorError, OSError) as e:
             raise KvfError(f"--model {name}: {path.name} is damaged ({str(e).splitlines()[0][:120]}); download the "
                            "model's weights again") from None
@@ -273,7 +283,7 @@ def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
         instead = pointer_line(path)
         if instead:   # said now: safetensors called it an internal error, "header too large", at load time
             raise KvfError(f"--model {name}: {path.name} {instead}")
-    check_safetensors_headers(model_dir, name)
+    check_weight_files(model_dir, name)
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
         # said now, not after a build's chunks and indexes (and a store named after weights it never had)
         raise KvfError(f"--model {name}: no weight files (*.safetensors or *.bin) in {model_dir}; download the "
