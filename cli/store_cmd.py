@@ -54,29 +54,34 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
     return store
 
 
-def workspace_meant(folder: Path) -> Path | None:
+def workspaces_meant(folder: Path) -> list[Path]:
     """The workspace a folder that is no store was likely named for: a prepared dataset's (DIR/workspace, named
-    as DIR or DIR/corpus), or the workspace it is a folder of (its bm25/ or dense/)."""
+    as DIR or DIR/corpus), or the workspace it is a folder of (its bm25/ or dense/); else the workspaces inside
+    it (`kvf store verify .` where a workspace was built)."""
     folder = folder.absolute()
     for candidate in (folder / "workspace", folder.parent, folder.parent / "workspace"):
         if (candidate / "manifest.json").is_file():
-            return candidate
-    return None
+            return [candidate]
+    try:
+        return sorted(d for d in folder.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
+    except OSError:   # not a folder, or one we may not list
+        return []
 
 
 def check_not_beside_a_workspace(folder: Path, command: str) -> None:
     """`kvf store info DATASET` (or its corpus/, or a workspace's bm25/) said only "is not a kvf store"; the
     workspace beside it is what was meant. A store kept in such a place (an older store in a workspace) is
     opened as asked."""
-    meant = workspace_meant(folder)
-    if meant is None:
+    meant = workspaces_meant(folder)
+    if not meant:
         return
     try:
         open_store(str(folder), readonly=True).close()
     except NotAStore:
-        shown = os.path.relpath(meant) if not folder.is_absolute() else str(meant)
-        raise KvfError(f"{folder} is not a kvf store; pass the workspace it goes with: kvf store {command} "
-                       f"{shown}") from None
+        shown = [os.path.relpath(m) if not folder.is_absolute() else str(m) for m in meant]
+        others = f" (or {', '.join(shown[1:4])})" if len(shown) > 1 else ""
+        which = "a workspace in it" if meant[0].parent == folder.absolute() else "the workspace it goes with"
+        raise KvfError(f"{folder} is not a kvf store; pass {which}: kvf store {command} {shown[0]}{others}") from None
 
 
 def unfinished_workspace_store(folder: Path) -> str | None:

@@ -208,6 +208,12 @@ CASES = {
     "store gc on a dataset's corpus": (lambda d, t: ["store", "gc", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent / "corpus"],
                                        ["corpus is not a kvf store; pass the workspace it goes with: kvf store gc ",
                                         "/ds/workspace"]),
+    # `kvf store verify .` where workspaces were built: it said only "exists and is not a kvf store"
+    "store verify on a folder of workspaces": (lambda d, t: ["store", "verify", (write(t / "here" / "ws-b" / "manifest.json", b"{}"),
+                                                                               write(t / "here" / "ws-a" / "manifest.json", b"{}"),
+                                                                               write(t / "here" / "notes.txt", b"x"))[2].parent],
+                                               ["here is not a kvf store; pass a workspace in it: kvf store verify ", "/here/ws-a (or ",
+                                                "/here/ws-b)"]),
     "store info on a folder of documents": (lambda d, t: ["store", "info", d[0] / "corpus"],
                                             ["exists and is not a kvf store", "pass a store (such as WORKSPACE/kv.zarr)"]),
     "run --limit 0": (lambda d, t: run_args(d, t / "o.jsonl", "--limit", "0"), ["--limit"]),
