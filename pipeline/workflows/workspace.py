@@ -91,6 +91,15 @@ def folder_kind(path: Path) -> str | None:
     return "documents" if holds_documents(path) else None
 
 
+def check_not_made_by_kvf(folder: Path, flag: str, example: str) -> None:
+    """An output folder (kvf eval's, kvf bench's) is no workspace nor prepared dataset: the summary and plots went
+    among their files."""
+    kind = folder_kind(folder) if folder.is_dir() else None
+    if kind in ("workspace", "dataset"):
+        made = "a workspace (kvf build-cache made it)" if kind == "workspace" else "a prepared dataset (kvf data made it)"
+        raise KvfError(f"{flag} {folder} is {made}; pass a folder of its own for the results, e.g. {flag} {example}")
+
+
 def instead_of_documents(path: Path) -> tuple[str, str | None] | None:
     """Where a folder of documents was meant (build-cache's CORPUS, data prepare's --corpus) and a workspace or a
     prepared dataset was given, their own files would be read as documents: ("workspace", the documents it was
