@@ -46,6 +46,10 @@ CASES = {
     "run -o the -q file --overwrite": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q"}\n'),
                                                      "-m", "reuse", "-o", t / "q.jsonl", "--overwrite"],
                                        ["--out", "q.jsonl is the questions file this run reads (--questions)", "runs/q.jsonl"]),
+    # the next `kvf build-cache -w WS` read the run file as documents, and refused it as "a questions file"
+    "run -o among the workspace's documents": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q"}\n'), "-m", "reuse",
+                                                             "-o", Path(json.loads((d[1] / "manifest.json").read_text())["corpus_absolute"]) / "r.jsonl"],
+                                               ["--out", "r.jsonl is among the documents --workspace", "was built from", "runs/q.jsonl"]),
     "run -o inside the dataset's corpus": (lambda d, t: run_args(d, d[0] / "corpus" / "r.jsonl"),
                                            ["--out", "is inside the corpus of --dataset", ".jsonl"]),
     # the next build would walk the workspace's (or the store's) own files as documents

@@ -235,6 +235,21 @@ def check_out_apart(opts: RunOptions) -> None:
     if opts.dataset is not None and out.is_relative_to((opts.dataset / "corpus").resolve()):
         raise KvfError(f"--out {opts.out} is inside the corpus of --dataset {opts.dataset}; pass an --out outside it, "
                        f"e.g. runs/{opts.dataset.name}.jsonl")
+    documents = built_from(opts.workspace) if opts.workspace is not None else None
+    if documents is not None and (out == documents or out.is_relative_to(documents)):
+        # the next `kvf build-cache -w WS` read the run file as documents, and refused it as "a questions file"
+        raise KvfError(f"--out {opts.out} is among the documents --workspace {opts.workspace} was built from "
+                       f"({documents}); pass an --out outside them, e.g. runs/{name}.jsonl")
+
+
+def built_from(workspace: Path) -> Path | None:
+    """The documents a workspace was built from, as its manifest records them (corpus_absolute); None where it
+    does not (not built yet, built by an older kvf, or its manifest unreadable: the run's own checks say so)."""
+    try:
+        found = json.loads((workspace / "manifest.json").read_text(encoding="utf-8")).get("corpus_absolute")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(found).resolve() if isinstance(found, str) and found else None
 
 
 # ---- what to run ---------------------------------------------------------------------------------
