@@ -35,7 +35,7 @@ def run_args(data, out, *extra):
 
 # ---- flags and paths: refused before any work -----------------------------------------------------
 LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
-EMPTY_SAFETENSORS = (8).to_bytes(8, "little") + b"{}      "   # a whole .safetensors file that holds no tensor
+EMPTY_SAFETENSORS = (8).to_bytes(8, "little") + b"{}     \n"   # a whole .safetensors file that holds no tensor (write() adds no second newline)
 CASES = {
     "run -r auto,0.15": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend", "-r", "auto,0.15", "-o", t / "o.jsonl"],
                          ["--ratio auto,0.15", "auto stands alone"]),
