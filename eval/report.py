@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -627,27 +626,6 @@ def _safe_name(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
-# what an eval writes into --out, besides its plots (and the .md and .txt files a folder of documents is made of)
-EVAL_OUTPUTS = {"summary.md", "summary.csv", "pairs.csv"}
-
-
-def check_out_folder(out_dir: Path) -> None:
-    """--out is a folder of its own. A workspace's or a prepared dataset's files were mixed with the summary's, and
-    summary.md written among documents was read as one by the next build-cache (a folder of run files, or an
-    earlier eval's, is fine)."""
-    from kvf.pipeline.workflows.workspace import check_not_made_by_kvf
-    check_not_made_by_kvf(out_dir, "--out", "results/eval")
-    if not out_dir.is_dir():
-        return
-    others = sorted(p.name for p in out_dir.iterdir()
-                    if p.is_file() and p.suffix.lower() in (".md", ".txt") and p.name not in EVAL_OUTPUTS)
-    if others:   # the suggestion lies beside it: a folder inside a corpus is read as documents too
-        named = out_dir if out_dir.name else Path(os.path.abspath(out_dir))
-        raise KvfError(f"--out {out_dir} holds other documents ({', '.join(others[:3])}), and a folder of documents would "
-                       f"read summary.md as one of them; pass a folder of its own, e.g. --out "
-                       f"{named.with_name(named.name + '-eval')}")
-
-
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
              exclude_questions=None, track=no_progress, exclude_flag: str = "--exclude-questions",
              check_records=None) -> pd.DataFrame:
@@ -657,7 +635,8 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     The written paths are in `summary.attrs["written"]`. track(items, description=...) -> items shows
     progress (rich's Progress.track; a large eval takes a minute). check_records(records), when given, is the
     caller's check of the records to score, before anything is scored or written (kvf eval --compare's runs)."""
-    check_out_folder(Path(out_dir))
+    from kvf.pipeline.workflows.workspace import check_not_made_by_kvf
+    check_not_made_by_kvf(Path(out_dir), "--out", "results/eval")
     check_writable_dir(out_dir, "--out")
     df = load_runs([Path(p) for p in run_files], track)
     if exclude_questions is not None:

@@ -307,13 +307,11 @@ CASES = {
                     ["--workspace", "is a file"]),
     "run -d and -q": (lambda d, t: [*run_args(d, t / "o.jsonl"), "-q", d[0] / "questions.jsonl"], ["--dataset", "--questions"]),
     "eval --out FILE": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
-    # the summary and plots went among a workspace's files, or summary.md among documents (the next build read it)
+    # the summary and plots went among a workspace's (or a prepared dataset's) files
     "eval --out a workspace": (lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out", d[1]],
                                ["--out", "is a workspace (kvf build-cache made it)", "--out results/eval"]),
     "eval --out a prepared dataset": (lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out", d[0]],
                                       ["--out", "is a prepared dataset", "a folder of its own"]),
-    "eval --out a folder of documents": (lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out", write(t / "docs" / "a.md", b"# A").parent],
-                                         ["--out", "docs holds other documents (a.md)", "--out ", "docs-eval"]),
     "bench --out a workspace": (lambda d, t: ["bench", "--out", d[1], "--lengths", "64", "-m", "reuse"],
                                 ["--out", "is a workspace (kvf build-cache made it)", "--out results/bench"]),
     "eval --out read-only": (lambda d, t: ["eval", d[0] / "questions.jsonl", "--out", NOWHERE], ["--out"]),
