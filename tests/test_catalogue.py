@@ -47,6 +47,9 @@ CASES = {
                                                      "-m", "reuse", "-o", t / "q.jsonl", "--overwrite"],
                                        ["--out", "q.jsonl is the questions file this run reads (--questions)", "runs/q.jsonl"]),
     # the next `kvf build-cache -w WS` read the run file as documents, and refused it as "a questions file"
+    # a run file's records carry each question once per method and ratio: "question id q1 is used twice"
+    "run -q a run file": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "r.jsonl", record() + b"\n" + record(method="reuse")), "-m", "reuse", "-o", t / "o.jsonl"],
+                          ["--questions", "r.jsonl line 1: a kvf run record, not a question", "this is a run file (kvf eval reads it)"]),
     "run -o among the workspace's documents": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.jsonl", b'{"question": "q"}\n'), "-m", "reuse",
                                                              "-o", Path(json.loads((d[1] / "manifest.json").read_text())["corpus_absolute"]) / "r.jsonl"],
                                                ["--out", "r.jsonl is among the documents --workspace", "was built from", "runs/q.jsonl"]),

@@ -640,6 +640,14 @@ def check_field_names(row: dict, where: str) -> None:
                            f"and the question is {WITHOUT_FIELD[read]})")
 
 
+def check_not_a_run_record(row: dict, where: str) -> None:
+    """A line kvf run wrote, given as a question: a run file carries each question once per method and ratio,
+    so it read as "question id q-1 is used twice" (or, with one method in it, as questions without answers)."""
+    if "method" in row and "settings" in row and "question" in row:
+        raise KvfError(f"{where}: a kvf run record, not a question; this is a run file (kvf eval reads it): pass "
+                       f"your questions, {{\"question\": ...}} a line")
+
+
 def check_question_field(row: dict, where: str) -> None:
     """A line without "question": a corpus's document given as a question, or the question under another name."""
     if "question" in row:
@@ -761,6 +769,7 @@ def read_question_lines(path: Path, flag: str, id_prefix: str) -> list[tuple[str
     for lineno, row in _read_jsonl_objects(path, f"{flag} {path}", "pass a JSON Lines file of questions; " + QUESTIONS_FIX,
                                            QUESTION_LINE):
         where = f"{flag} {path} line {lineno}"
+        check_not_a_run_record(row, where)
         check_field_names(row, where)
         check_question_field(row, where)
         qid = question_id(row, where, f"{id_prefix}-{lineno}")
