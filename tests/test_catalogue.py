@@ -88,6 +88,9 @@ CASES = {
                                           ["corpus", "is a prepared dataset", "kvf run -d", "data/corpus -w WS"]),
     "build-cache on a questions file": (lambda d, t: ["build-cache", d[0] / "questions.jsonl", "-w", t / "ws"],
                                         ["questions.jsonl:1: a question, not a document", "pass the folder or file of your documents"]),
+    # it said "a question, not a document; this is a questions file": a run record holds its question too
+    "build-cache a run file": (lambda d, t: ["build-cache", write(t / "r.jsonl", record()), "-w", t / "ws"],
+                               ["r.jsonl:1: a kvf run record, not a document", "a run file (kvf eval reads it)"]),
     "prepare --input a folder": (lambda d, t: ["data", "prepare", "musique", "--input", write(t / "mq" / "musique_s.json", b"[]").parent, "--out", t / "p"],
                                  ["--input", "mq is a folder", "mq/musique_s.json"]),
     "bench -w (kvf run's input)": (lambda d, t: ["bench", "-w", d[1]],

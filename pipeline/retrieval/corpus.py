@@ -191,6 +191,9 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: {ROW_SHAPE}")
     id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
+    if "method" in row and "settings" in row and text is None:   # kvf run -o's file given as the corpus
+        raise KvfError(f"{where}: a kvf run record, not a document; this is a run file (kvf eval reads it): pass the "
+                       "folder or file of your documents")
     if "question" in row and text is None:   # kvf run -q's file given as the corpus
         raise KvfError(f"{where}: a question, not a document; this is a questions file (kvf run -q reads it): pass the "
                        "folder or file of your documents")
