@@ -271,6 +271,10 @@ def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise KvfError(f"--model {name}: no config.json in {model_dir}; pass a Hugging Face model directory or a .gguf file")
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):   # config, weights and tokenizer alike
+        instead = pointer_line(path)
+        if instead:   # said now: safetensors called it an internal error, "header too large", at load time
+            raise KvfError(f"--model {name}: {path.name} {instead}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -279,10 +283,6 @@ def _checked_hf_dir(model_dir: Path, name: str) -> ModelRef:
         raise KvfError(f"--model {name}: {config_path} is not a JSON object; pass a Hugging Face model directory "
                        "(its config.json may be damaged: download it again)")
     _check_architecture(config.get("model_type"), name)
-    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):   # weights and tokenizer alike
-        instead = pointer_line(path)
-        if instead:   # said now: safetensors called it an internal error, "header too large", at load time
-            raise KvfError(f"--model {name}: {path.name} {instead}")
     check_weight_files(model_dir, name)
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
         # said now, not after a build's chunks and indexes (and a store named after weights it never had)
