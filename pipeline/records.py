@@ -222,8 +222,8 @@ def read_records(path: Path) -> list[RunRecord]:
                              "stopped mid-line): left out")
                         cut = True
                         break
-                    if not records and stand_in(line):
-                        raise KvfError(f"run file {path} {stand_in(line)}") from None
+                    if not records and (instead := stand_in(line)):
+                        raise KvfError(f"run file {path} {instead}") from None
                     if not records and path.suffix.lower() in OTHER_FORMATS:   # kvf eval's own summary.csv, say
                         raise KvfError(f"run file {path} is {path.suffix.lower()}, not the JSON Lines `kvf run` writes; "
                                        "pass the .jsonl files kvf run -o wrote") from None

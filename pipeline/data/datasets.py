@@ -34,7 +34,7 @@ from pathlib import Path
 
 from kvf.errors import KvfError, did_you_mean, shown, stand_in
 from kvf.pipeline.files import check_writable_dir, env_folder, other_files, write_atomic
-from kvf.pipeline.retrieval.corpus import id_text, read_corpus, title_text
+from kvf.pipeline.retrieval.corpus import id_text, is_run_record, read_corpus, title_text
 
 # what a line of a user's own question file looks like, for errors on a line that is not one
 QUESTIONS_FIX = "see README, 'Your own documents and questions'"
@@ -194,8 +194,8 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if not records and stand_in(line):
-                raise KvfError(f"{path} {stand_in(line)}") from None
+            if not records and (instead := stand_in(line)):
+                raise KvfError(f"{path} {instead}") from None
             if not records:
                 raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {e.msg}); pass the benchmark's "
                                ".json or .jsonl file") from None
@@ -563,8 +563,8 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                if not rows and stand_in(line):
-                    raise KvfError(f"{where} {stand_in(line)}") from None
+                if not rows and (instead := stand_in(line)):
+                    raise KvfError(f"{where} {instead}") from None
                 raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg}); {line_fix}") from None
             if not isinstance(row, dict):
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
@@ -643,7 +643,7 @@ def check_field_names(row: dict, where: str) -> None:
 def check_not_a_run_record(row: dict, where: str) -> None:
     """A line kvf run wrote, given as a question: a run file carries each question once per method and ratio,
     so it read as "question id q-1 is used twice" (or, with one method in it, as questions without answers)."""
-    if "method" in row and "settings" in row and "question" in row:
+    if is_run_record(row) and "question" in row:
         raise KvfError(f"{where}: a kvf run record, not a question; this is a run file (kvf eval reads it): pass "
                        f"your questions, {{\"question\": ...}} a line")
 

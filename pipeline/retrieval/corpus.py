@@ -181,6 +181,11 @@ ID_FIELDS, TEXT_FIELDS = ("id", "_id"), ("text", "contents")
 ROW_SHAPE = 'each line must be a JSON object with "id" (or BEIR\'s "_id") and a string "text" (or pyserini\'s "contents")'
 
 
+def is_run_record(row: dict) -> bool:
+    """A line `kvf run -o` wrote: every run record carries these fields, and no document or question does."""
+    return "method" in row and "settings" in row
+
+
 def parse_jsonl_row(line: str, where: str) -> Document:
     """One JSONL row -> Document; a bad row is a hard error, since silently dropping it would skew evals."""
     try:
@@ -191,7 +196,7 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: {ROW_SHAPE}")
     id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
-    if "method" in row and "settings" in row and text is None:   # kvf run -o's file given as the corpus
+    if is_run_record(row) and text is None:   # kvf run -o's file given as the corpus
         raise KvfError(f"{where}: a kvf run record, not a document; this is a run file (kvf eval reads it): pass the "
                        "folder or file of your documents")
     if "question" in row and text is None:   # kvf run -q's file given as the corpus

@@ -244,12 +244,15 @@ def check_out_apart(opts: RunOptions) -> None:
 
 def built_from(workspace: Path) -> Path | None:
     """The documents a workspace was built from, as its manifest records them (corpus_absolute); None where it
-    does not (not built yet, built by an older kvf, or its manifest unreadable: the run's own checks say so)."""
-    try:
-        found = json.loads((workspace / "manifest.json").read_text(encoding="utf-8")).get("corpus_absolute")
-    except (OSError, ValueError, AttributeError):
+    does not (not built yet, built by an older kvf, or its manifest damaged: the run's own checks say so)."""
+    ws = Workspace(workspace)
+    if not ws.manifest_path.is_file():
         return None
-    return Path(found).resolve() if isinstance(found, str) and found else None
+    try:
+        found = ws.manifest().get("corpus_absolute")   # the one reader of manifest.json, which checks its fields
+    except (KvfError, OSError):
+        return None
+    return Path(found).resolve() if found else None
 
 
 # ---- what to run ---------------------------------------------------------------------------------

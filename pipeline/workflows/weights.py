@@ -104,8 +104,7 @@ def _check_gguf(path: Path) -> None:
     if not path.is_file():
         raise KvfError(f"--model {path}: no such file; pass an existing .gguf file or a model directory")
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        magic = first_bytes(path, 4)
     except OSError as e:
         raise KvfError(f"--model {path}: cannot read it ({e.strerror}); check its permissions") from None
     if magic != GGUF_MAGIC:
