@@ -259,9 +259,12 @@ def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monke
     twice = ws.answer("q", method="reuse", documents=[first_doc, first_doc], max_new_tokens=1)   # said, as kvf run says it
     assert twice.chunk_ids == once.chunk_ids * 2
     assert f"documents=[...] names {first_doc!r} more than once" in capsys.readouterr().err
-    with pytest.raises(kvf.KvfError, match=re.escape("use fewer chunks (top_k), smaller --chunk-tokens or a lower "
+    with pytest.raises(kvf.KvfError, match=re.escape("use fewer chunks (top_k), smaller --chunk-tokens or lower "
                                                      "max_new_tokens")):   # --chunk-tokens: a build's flag
         ws.answer("q", documents=[first_doc], max_new_tokens=100_000)
+    with pytest.raises(kvf.KvfError, match=r"\(the question alone is \d+ tokens\) \+ 1 new tokens exceeds the model's "
+                                           r"\d+ positions; shorten the question$"):   # not: fewer chunks
+        ws.answer("where " * 10_000, documents=[first_doc], max_new_tokens=1)
     ws.close()   # the shared workspace's store: a later test's gc of it must not find it held
     with pytest.raises(kvf.KvfError, match=re.escape(f"out='{tmp_path / 'a_file'}' is a file; pass a directory")):
         kvf.evaluate("runs/x.jsonl", out=tmp_path / "a_file")

@@ -330,8 +330,9 @@ class FusionEngine:
         limit = self.model.max_positions
         used = prompt.positions_used(positions)
         if used + max_new_tokens > limit:
-            raise KvfError(f"prompt of {prompt.n_tokens} tokens ({used} positions) + {max_new_tokens} new tokens exceeds the model's "
-                           f"{limit} positions; use fewer chunks (--top-k), smaller --chunk-tokens or a lower --max-new-tokens")
+            why, fix = prompt.overflow_fix(limit, "use fewer chunks (--top-k), smaller --chunk-tokens")
+            raise KvfError(f"prompt of {prompt.n_tokens} tokens ({used} positions){why} + {max_new_tokens} new tokens "
+                           f"exceeds the model's {limit} positions; {fix}")
 
     def check_source(self, prompt: FusedPrompt, source: LayerKVSource | None, chunks: list[int]) -> None:
         """A stored KV must have exactly its chunk's tokens: anything else is someone else's entry."""

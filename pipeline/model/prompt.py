@@ -97,6 +97,13 @@ class FusedPrompt:
         (methods that let chunks share positions, like pcw, take fewer)."""
         return self.n_tokens if positions is None else int(positions.max()) + 1
 
+    def overflow_fix(self, limit: int, fewer: str) -> tuple[str, str]:
+        """(why, fix) for a prompt past the model's `limit` positions. A question that alone takes half of them is
+        the cause whatever the chunks are, so its fix is a shorter question; else `fewer` (context) or fewer new tokens."""
+        if len(self.question_ids) > limit // 2:
+            return f" (the question alone is {len(self.question_ids)} tokens)", "shorten the question"
+        return "", f"{fewer} or lower --max-new-tokens"
+
     def all_ids(self) -> torch.Tensor:
         ids = list(self.prefix_ids)
         for seg in self.chunk_segments:

@@ -491,9 +491,7 @@ def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_
     for method in methods:
         used = prompt.positions_used(method.positions(prompt))
         if used + max_new_tokens > limit:
-            long_question = len(prompt.question_ids) > limit // 2
-            why = f" (the question alone is {len(prompt.question_ids)} tokens)" if long_question else ""
-            fix = "shorten the question" if long_question else f"{fewer}, lower --max-new-tokens"
+            why, fix = prompt.overflow_fix(limit, fewer)
             raise KvfError(f"question {q.qid} in {source}: its prompt under {method.name} takes {used} positions"
                            f"{why}, + --max-new-tokens {max_new_tokens} > the model's {limit}; {fix}, "
                            f"or leave the question out of {source.name}")
