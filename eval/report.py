@@ -187,6 +187,10 @@ def read_question_ids(path: Path, flag: str = "--exclude-questions") -> set[str]
 def excluded_ids(listed, flag: str) -> tuple[set[str], str]:
     """What --exclude-questions (a file) or kvf.evaluate's exclude_questions (a file, or the ids themselves)
     names -> (the ids, where they came from, as the lines about them say it)."""
+    if isinstance(listed, str) and not flag.startswith("--") and listed.strip() and not Path(listed).exists():
+        # from Python a lone id reads as a file's name: say both readings
+        raise KvfError(f"{flag}={listed!r}: no such file; pass a file of question ids (one per line), or the ids as a "
+                       f"list: {flag}=[{listed!r}]")
     if isinstance(listed, (str, Path)) and str(listed).strip():
         return read_question_ids(Path(listed), flag), f"in {listed}"
     qids = set(listed) if isinstance(listed, (list, tuple, set, frozenset)) else None

@@ -4,6 +4,7 @@ intervals have the MIN_QUESTIONS they need; every mean equals the 4-question one
 import gzip
 import json
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -261,6 +262,9 @@ def test_a_notebook_leaves_questions_out_by_their_ids(runs, tmp_path, capsys):
         with pytest.raises(KvfError) as caught:
             kvf.evaluate(runs, exclude_questions=bad)
         assert str(caught.value).startswith("exclude_questions") and "\n" not in str(caught.value), caught.value
+    with pytest.raises(KvfError, match=re.escape("exclude_questions='q1-0': no such file; pass a file of question ids "
+                                                 "(one per line), or the ids as a list: exclude_questions=['q1-0']")):
+        kvf.evaluate(runs, exclude_questions="q1-0")   # one id, not a file's name
 
 
 def test_gzipped_run_files_score_the_same(runs, tmp_path):
