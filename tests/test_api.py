@@ -82,15 +82,18 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                  "method='cacheblend:': unknown method (did you mean cacheblend?)"),
                                 # kvf eval's METHOD@RATIO; the line named the command line's flag, cut at its point:
                                 # "cacheblend with ratio='0'.15 on the command line"
+                                ("q", {"method": None}, "method=None: pass one method's name"),   # AttributeError
+                                ("q", {"method": ["full", "reuse"]}, "method=['full', 'reuse']: pass one method's name"),
                                 ("q", {"method": "cacheblend@0.15"},
                                  "(the ratio is given apart: method='cacheblend', ratio=0.15); known methods")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer(question, **bad)
     # a knob's error named its CLI flag ("--check-layer '2': expected int"); from Python it names the argument
-    for bad, said in (({"check_layer": "2"}, "check_layer='2': expected int"),
+    for bad, said in (({"check_layer": "2"}, "check_layer='2': must be an integer"),
                       ({"check_layer": 99}, "check_layer=99: the model has 30 layers; use 1..29"),
                       ({"deviation": "q"}, "deviation='q': must be one of k, v"),
-                      ({"gradual": "yes"}, "gradual='yes': expected bool")):
+                      ({"gradual": "yes"}, "gradual='yes': must be True or False"),
+                      ({"deviation": 3}, "deviation=3: must be one of k, v")):
         with pytest.raises(kvf.KvfError, match="^" + re.escape(said)):
             ws.answer("q", method="cacheblend", documents=[first_doc], **bad)
     for args, said in ((("capital", "3"), "top_k='3': must be an integer"), (("capital", 0), "top_k=0: retrieve at least"),

@@ -116,7 +116,7 @@ class WorkspaceSession:
         s = self.session
         if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
             documents = [digits_of(d) for d in documents]
-        check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
+        check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
                 if value is not None:
@@ -177,9 +177,12 @@ def check_question(question) -> None:
         raise KvfError(f"question={question!r}: pass the question as a non-empty string")
 
 
-def check_answer_args(question, ratio, top_k, variant, max_new_tokens, documents) -> None:
+def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents) -> None:
     """answer()'s own arguments, named as a notebook passes them (the engine's checks name the CLI's flags)."""
     check_question(question)
+    if not isinstance(method, str):   # a list of methods is kvf run's -m; answer() runs one
+        raise KvfError(f"method={method!r}: pass one method's name, e.g. method='cacheblend' (kvf methods lists "
+                       "them); answer() runs one method a call")
     # a bare string would be read letter by letter as document ids
     if documents is not None and (not isinstance(documents, (list, tuple))
                                   or not all(isinstance(d, str) for d in documents)):

@@ -93,6 +93,9 @@ def knob_types(knobs_class: type) -> dict[str, type]:
     return out
 
 
+KIND_WORDS = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+
+
 def check_knobs(knobs) -> None:
     """Every knob's type and range, as one-line errors naming the flag."""
     types = knob_types(type(knobs))
@@ -106,7 +109,9 @@ def check_knobs(knobs) -> None:
             value = float(value)
             setattr(knobs, f.name, value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise KnobError(f.name, repr(value), f"expected {kind.__name__}")
+            wanted = (f"one of {', '.join(map(str, meta['choices']))}" if meta.get("choices")
+                      else KIND_WORDS.get(kind, kind.__name__))
+            raise KnobError(f.name, repr(value), f"must be {wanted}")
         if kind is float and value != value:
             raise KnobError(f.name, str(value), "not a number")
         if meta.get("min") is not None and value < meta["min"]:
