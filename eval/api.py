@@ -20,6 +20,8 @@ def evaluate_runs(run_files, out=None, complete_only: bool = False, exclude_ques
     if not isinstance(files, (list, tuple)) or not all(isinstance(f, (str, Path)) for f in files):
         raise KvfError(f"run_files={run_files!r}: pass a run file's path, or a list of them (folders and globs too)")
     files = [Path(f) for f in files]
+    if not isinstance(complete_only, bool):   # "no" would be true
+        raise KvfError(f"complete_only={complete_only!r}: pass True or False")
     if out is not None and not isinstance(out, (str, Path)):
         raise KvfError(f"out={out!r}: pass a folder's path for the tables and plots, or leave it out")
     # without `out`, the files evaluate writes go to a folder that is removed after

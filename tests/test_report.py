@@ -265,6 +265,8 @@ def test_a_notebook_leaves_questions_out_by_their_ids(runs, tmp_path, capsys):
     with pytest.raises(KvfError, match=re.escape("exclude_questions='q1-0': no such file; pass a file of question ids "
                                                  "(one per line), or the ids as a list: exclude_questions=['q1-0']")):
         kvf.evaluate(runs, exclude_questions="q1-0")   # one id, not a file's name
+    with pytest.raises(KvfError, match=re.escape("complete_only='no': pass True or False")):
+        kvf.evaluate(runs, complete_only="no")   # read as true
 
 
 def test_gzipped_run_files_score_the_same(runs, tmp_path):
