@@ -16,6 +16,7 @@ from kvf.cachestore import NotAStore, open_store
 from kvf.errors import KvfError, counted
 from kvf.cli.options import command_group
 from kvf.pipeline.workflows.display import progress_bar, size_text
+from kvf.pipeline.workflows.workspace import workspaces_meant
 
 store_app = command_group("Inspect and maintain a chunk KV store (info, verify, gc).")
 console = Console()
@@ -52,20 +53,6 @@ def resolve_store(store: str | None, workspace: Path | None, endpoint: str | Non
         store = Workspace(workspace).reach_store()
     use_store_flags(store, endpoint)
     return store
-
-
-def workspaces_meant(folder: Path) -> list[Path]:
-    """The workspace a folder that is no store was likely named for: a prepared dataset's (DIR/workspace, named
-    as DIR or DIR/corpus), or the workspace it is a folder of (its bm25/ or dense/); else the workspaces inside
-    it (`kvf store verify .` where a workspace was built)."""
-    folder = folder.absolute()
-    for candidate in (folder / "workspace", folder.parent, folder.parent / "workspace"):
-        if (candidate / "manifest.json").is_file():
-            return [candidate]
-    try:
-        return sorted(d for d in folder.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
-    except OSError:   # not a folder, or one we may not list
-        return []
 
 
 def check_not_beside_a_workspace(folder: Path, command: str) -> None:

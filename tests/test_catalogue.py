@@ -601,6 +601,11 @@ CASES = {
     # the folder a failed first build left (or one the user made) passed the check, and the line named an index
     "search a folder that is no workspace": (lambda d, t: ["search", "x", "-w", t],
                                              ["--workspace", "no workspace there", "kvf build-cache YOUR_DOCS"]),
+    # both said "no workspace there; build one first" (the API's open_workspace too)
+    "search -w the folder that holds the workspace": (lambda d, t: ["search", "x", "-w", d[1].parent],
+                                                      ["--workspace", "it holds workspaces but is not one; pass one of them: -w"]),
+    "search -w a folder inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "dense"],
+                                                ["--workspace", "dense: a folder inside workspace", "not a workspace; pass -w"]),
     "search a prepared dataset kvf run -d answered": (lambda d, t: ["search", "x", "-w", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent],
                                                       ["--workspace", "a prepared dataset, not a workspace; its workspace is", "pass -w", "ds/workspace"]),
     "search a prepared dataset": (lambda d, t: ["search", "x", "-w", d[0]],

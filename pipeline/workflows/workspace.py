@@ -78,6 +78,20 @@ def document_meant(doc_id: str, doc_chunks: dict[str, list[str]]) -> str | None:
     return next(iter(difflib.get_close_matches(doc_id, doc_chunks, n=1)), None)
 
 
+def workspaces_meant(folder: Path) -> list[Path]:
+    """The workspace a folder that is no store was likely named for: a prepared dataset's (DIR/workspace, named
+    as DIR or DIR/corpus), or the workspace it is a folder of (its bm25/ or dense/); else the workspaces inside
+    it (`kvf store verify .` where a workspace was built)."""
+    folder = folder.absolute()
+    for candidate in (folder / "workspace", folder.parent, folder.parent / "workspace"):
+        if (candidate / "manifest.json").is_file():
+            return [candidate]
+    try:
+        return sorted(d for d in folder.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
+    except OSError:   # not a folder, or one we may not list
+        return []
+
+
 def folder_kind(path: Path) -> str | None:
     """What a path the user gave is, for the line that says so when another kind was meant: "file", "workspace"
     (kvf build-cache made it: manifest.json), "dataset" (kvf data prepare made it: questions.jsonl),
@@ -273,6 +287,15 @@ class Workspace:
         if (self.root / "workspace" / "manifest.json").is_file():   # a prepared dataset that kvf run -d answered
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; its workspace is "
                             f"{self.root / 'workspace'}: pass -w {self.root / 'workspace'}")
+        meant = [m for m in workspaces_meant(self.root) if m != self.root.absolute()]
+        if meant:   # a workspace's own folder (its kv.zarr, dense/), or a folder that holds workspaces
+            shown_meant = [Path(os.path.relpath(m)) if not self.root.is_absolute() else m for m in meant]
+            if meant[0] == self.root.absolute().parent:
+                return KvfError(f"{named}{self.root}: a folder inside workspace {shown_meant[0]}, not a workspace; "
+                                f"pass -w {shown_meant[0]}")
+            others = f" (or {', '.join(map(str, shown_meant[1:4]))})" if len(meant) > 1 else ""
+            return KvfError(f"{named}{self.root}: it holds workspaces but is not one; pass one of them: "
+                            f"-w {shown_meant[0]}{others}")
         kind = folder_kind(self.root)
         if kind == "dataset":   # kvf data prepare's folder: its workspace is inside it
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; `kvf run -d {self.root}` builds "
