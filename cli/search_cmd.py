@@ -75,7 +75,9 @@ def search_command(
         return
     console = Console()
     if not hits:
-        console.print(f"no {mode.value} hits for {query!r}", markup=False)
+        other = ("; BM25 matches words, `--retriever dense` matches meaning" if mode.value == "bm25" and ws.dense_dir.is_dir()
+                 else "")   # dense always finds k: only BM25 comes back empty
+        console.print(f"no {mode.value} hits for {query!r}{other}", markup=False)
         return
     # snippets sized to what the other columns leave, so each hit stays on one line and the table is scannable
     snippet_width = max(30, console.width - 60)

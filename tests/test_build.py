@@ -293,6 +293,10 @@ def test_search_finds_the_chunk_in_the_bm25_index(built, capsys, monkeypatch):
     assert code == 0
     [top] = [c for c in built.chunks if "shepherd" in c.text]
     assert top.chunk_id[:12] in out
+    # no word of the query is indexed: the line says that meaning is the dense index's to match
+    code, out, _ = run_cli(["search", "???", "--workspace", built.ws.root], capsys, monkeypatch)
+    assert code == 0 and out.strip() == ("no bm25 hits for '???'; BM25 matches words, `--retriever dense` matches "
+                                         "meaning"), out
 
 
 def test_a_workspace_keeps_its_bm25_choice_and_search_refuses_an_index_of_older_chunks(built, tmp_path, capsys,
