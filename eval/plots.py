@@ -53,25 +53,42 @@ def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str |
         ax.axhline(row[column], linestyle=style, color="black" if row.method == "full" else "dimgray",
                    label=_label(row, show_variant))
     marker = iter(POINT_MARKERS)
-    for (method, label, variant), line in rows[~rows.method.isin(REFERENCE_METHODS)].groupby(["method", "label", "variant"]):
+    series = list(rows[~rows.method.isin(REFERENCE_METHODS)].groupby(["method", "label", "variant"]))
+    for i, ((method, label, variant), line) in enumerate(series):
         line = line.sort_values("ratio")
         name = _label(line.iloc[0], show_variant)
-        yerr = None
+        yerr, where = None, {}
         if low and high:
             yerr = [(line[column] - line[low]).clip(lower=0).fillna(0), (line[high] - line[column]).clip(lower=0).fillna(0)]
+            where = {"transform": dodged(ax, i, len(series))}
         if (method, label, variant) in fixed:
             ax.errorbar(line.recomputed_frac.fillna(line.ratio), line[column], yerr=yerr, fmt=next(marker, "o"),
-                        markersize=8, capsize=3, color=colours[name], label=name, linestyle="none", clip_on=False)
+                        markersize=8, capsize=3, color=colours[name], label=name, linestyle="none", clip_on=False,
+                        **where)
         else:
             ax.errorbar(line.ratio, line[column], yerr=yerr, marker="o", capsize=3, color=colours[name], label=name,
-                        clip_on=False)   # a point at 0 (or at the last ratio) is drawn whole, not cut by the frame
+                        clip_on=False, **where)   # a point at 0 (or at the last ratio) is drawn whole, not cut by the frame
     ax.set(xlabel="recompute ratio (fraction of chunk tokens recomputed)", ylabel=ylabel)
-    if math.isfinite(ax.dataLim.x1):   # one ratio alone is not drawn on the frame's edge
-        ax.set_xlim(-0.01, ax.dataLim.x1 + 0.01)
+    drawn = [x for _, line in series for x in line.ratio.tolist() + line.recomputed_frac.dropna().tolist()]
+    if drawn:   # one ratio alone is not drawn on the frame's edge (dodged artists do not count in ax.dataLim)
+        pad = max(0.01, 0.06 * max(drawn))   # room for the outermost dodged points
+        ax.set_xlim(-pad, max(drawn) + pad)
     else:                            # reference lines only
         ax.set_xlim(left=-0.01)
     ax.grid(alpha=0.3)
     return True
+
+
+DODGE_POINTS = 2.5   # sideways step between methods' points at one ratio, in points (1/72 inch)
+
+
+def dodged(ax, i: int, n: int):
+    """Series i of n drawn DODGE_POINTS apart from its neighbours at every ratio, the whole set centred on the
+    ratio: at one ratio the methods' intervals overlapped into one bar. A shift on the page, not in the data, so
+    it is the same at any axis range."""
+    from matplotlib.transforms import ScaledTranslation
+    shift = (i - (n - 1) / 2) * DODGE_POINTS / 72
+    return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
 
 
 def _annotate_empty(ax, text: str, shared_y: bool = False) -> None:
@@ -113,7 +130,8 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
             ax.set_title(title + gold_count(rows) if column == metric else title)
         else:
             _annotate_empty(ax, NO_FIDELITY if column == "fidelity_f1" else NO_GOLD)
-    fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals)")
+    fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals; "
+                 "methods set side by side at each ratio)")
     _legend_outside(fig, [gold_ax, fidelity_ax])
     fig.tight_layout(rect=(0, 0, 0.85, 0.95))
     save_figure(fig, path)

@@ -688,6 +688,32 @@ def test_points_at_the_frame_are_drawn_whole():
     assert not ax.containers[0].lines[0].get_clip_on()
 
 
+def test_methods_at_one_ratio_are_set_side_by_side_so_each_interval_shows():
+    """Nine methods at ratio 0.15 drew nine error bars on one vertical line, each hiding the others. Each series
+    is now shifted sideways on the page (not in the data), centred on its ratio, and the frame leaves them room."""
+    from matplotlib.figure import Figure
+
+    from kvf.eval.plots import DODGE_POINTS, plot_panel
+    rows = pd.DataFrame({"method": ["a3", "cacheblend", "prophetkv"], "label": [""] * 3, "variant": ["prefix"] * 3,
+                         "ratio": [0.15] * 3, "recomputed_frac": [0.15] * 3, "fidelity_f1": [0.8, 0.8, 0.8],
+                         "low": [0.7] * 3, "high": [0.9] * 3})
+    figure = Figure(dpi=100)
+    ax = figure.subplots()
+    assert plot_panel(ax, rows, "fidelity_f1", "low", "high", "fidelity", {"a3": "red", "cacheblend": "blue",
+                                                                           "prophetkv": "green"}, show_variant=False)
+    centre = ax.transData.transform((0.15, 0.8))[0]
+    shifts = []
+    for bars in ax.containers:
+        line = bars.lines[0]
+        assert list(line.get_xdata()) == [0.15]                                 # the data keep their ratio
+        shifts.append(line.get_transform().transform((0.15, 0.8))[0] - centre)
+        assert bars.lines[2][0].get_transform() == line.get_transform()        # its interval moves with it
+    step = DODGE_POINTS * 100 / 72                                              # points -> pixels at 100 dpi
+    assert shifts == pytest.approx([-step, 0, step])
+    left, right = ax.get_xlim()
+    assert right - 0.15 > 0 and ax.transData.transform((right, 0))[0] - centre > step   # room for the last one
+
+
 def test_a_score_of_zero_is_drawn_above_the_frame_and_one_question_is_not_questions(tmp_path, monkeypatch):
     """reuse scoring 0 on every question drew its line exactly on the x axis, where the frame hid it, and a
     one-question run was titled "n = 1 questions"."""
