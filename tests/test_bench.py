@@ -282,3 +282,30 @@ def test_bench_json_is_the_only_thing_on_stdout(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code in (0, None) and "--rounds 1 gives one timing" in capsys.readouterr().err
+
+
+def test_the_length_plot_draws_the_ratios_that_were_timed(monkeypatch, tmp_path):
+    """`kvf bench -r 0.3` drew an empty plot: the lines were drawn at 0.15 only. Without 0.15 every timed ratio
+    is drawn; with it, 0.15 alone (the title says so). The x ticks are the lengths measured, as numbers."""
+    from kvf.pipeline.workflows import bench as bench_module
+    drawn = {}
+    monkeypatch.setattr(bench_module, "save_with_legend_outside", lambda fig, ax, path: drawn.update(ax=ax))
+
+    def rows(ratios):
+        out = [dict(method="full", label="full", ratio=1.0, ttft_ratio=1.0, ttft_ms=500.0 * n / 256, length=n)
+               for n in (256, 512)]
+        out += [dict(method="cacheblend", label=f"cacheblend@{r:g}", ratio=r, ttft_ratio=0.2 + r, ttft_ms=100.0, length=n)
+                for r in ratios for n in (256, 512)]
+        df = pd.DataFrame(out)
+        df["mode"], df["pipeline"], df["ratio_auto"] = "warm", True, False
+        df["ttft_ratio_min"], df["ttft_ratio_max"] = df.ttft_ratio - 0.01, df.ttft_ratio + 0.01
+        return df
+
+    for ratios, labels, title in (([0.3], ["cacheblend@0.3"], "recompute ratio 0.3,"),
+                                  ([0.05, 0.3], ["cacheblend@0.05", "cacheblend@0.3"], None),
+                                  ([0.05, 0.15, 0.3], ["cacheblend@0.15"], "recompute ratio 0.15,")):
+        bench_module.plot_ratio_vs_length(rows(ratios), tmp_path / "p.png", "tiny on cpu")
+        ax = drawn["ax"]
+        assert sorted(c.get_label() for c in ax.containers) == labels
+        assert (title in ax.get_title()) if title else "recompute ratio" not in ax.get_title()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512"]

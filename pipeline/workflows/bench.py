@@ -665,15 +665,25 @@ def _fmt(value, spec: str | None = None) -> str:
     return str(value)
 
 
+def plotted_ratios(rows: pd.DataFrame) -> list[float]:
+    """The ratios the length plot draws: 0.15 alone when it was timed (three ratios of every method would crowd
+    it), else every ratio timed (`-r 0.3` drew an empty plot)."""
+    ratios = sorted(rows.ratio.dropna().unique())
+    return [0.15] if 0.15 in ratios else ratios
+
+
 def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
     fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
     warm = df[(df["mode"] == "warm") & df.pipeline]
     full = warm[warm.method == "full"].sort_values("length")
     ax.axhline(1.0, linestyle="--", color="black", label="full prefill")
     fixed = warm[~warm.ratio_auto & warm.label.isin(["reuse", "pcw", "ape", "cachefocus"])]
-    selective = warm[~warm.ratio_auto & (warm.ratio == 0.15)]
+    selective = warm[~warm.ratio_auto & (warm.method != "full") & ~warm.label.isin(fixed.label)]
+    shown = plotted_ratios(selective)
+    selective = selective[selective.ratio.isin(shown)]
     markers = iter(["s", "D", "^", "v", "P", "X"])
     for label, g in fixed.groupby("label"):
         g = g.sort_values("length")
@@ -683,12 +693,16 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
         spread = [g.ttft_ratio - g.ttft_ratio_min, g.ttft_ratio_max - g.ttft_ratio] if "ttft_ratio_min" in g else None
         ax.errorbar(g.length, g.ttft_ratio, yerr=spread, marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
+    lengths = sorted(warm.length.unique())
+    ax.set_xticks(lengths, [f"{int(n):,}" for n in lengths])   # the lengths measured, as numbers (not 2^9)
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_ylim(bottom=0)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT / full prefill TTFT")
     has_spread = "ttft_ratio_min" in warm and bool((warm.ttft_ratio_max > warm.ttft_ratio_min).any())  # one round: none
     absolute = ", ".join(f"{int(r.length)}: {r.ttft_ms / 1000:.2f} s" for _, r in full.iterrows())
-    ax.set_title(f"TTFT ratio vs context length, store warm ({device_label})\n"
+    at = f"recompute ratio {shown[0]:g}, " if len(shown) == 1 else ""
+    ax.set_title(f"TTFT ratio vs context length, {at}store warm ({device_label})\n"
                  f"full prefill TTFT: {absolute}" + ("; bars: range over rounds" if has_spread else ""), fontsize=10)
     ax.grid(alpha=0.3)
     save_with_legend_outside(fig, ax, path)
