@@ -96,6 +96,7 @@ def ruler_command(
     from kvf.pipeline.data.ruler import TASKS, make_ruler
     from kvf.pipeline.workflows.weights import open_model
     names = list(TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+    names = list(dict.fromkeys(names))   # a task named twice wrote each of its samples twice, under one id (as -m does: once)
     model_ref = open_model(model)
     with progress_bar(Console(stderr=True)) as progress:
         questions = make_ruler(out, model_ref.tokenizer, names, length, n, seed, chunk_tokens,

@@ -98,3 +98,13 @@ def test_kvf_run_chunks_a_suite_s_workspace_to_its_passages(tokenizer, tmp_path,
                              variants=("prefix",), bm25=False, dense=False), quiet)
     run(RunOptions(out=tmp_path / "b.jsonl", workspace=tmp_path / "fine", **common), quiet)
     assert (f"is chunked to 64 tokens, finer than the {CHUNK}-token passages" in capsys.readouterr().err)
+
+
+def test_a_task_named_twice_is_made_once(tmp_path, capsys, monkeypatch):
+    """`--tasks boundary,boundary` wrote each sample twice under one id, which kvf run then refused."""
+    from conftest import run_cli
+    code, _, err = run_cli(["data", "ruler", "--length", "1024", "--n", "2", "--tasks", "boundary,boundary", "-o",
+                            tmp_path / "r"], capsys, monkeypatch)
+    assert code == 0, err
+    ids = [json.loads(line)["id"] for line in (tmp_path / "r" / "questions.jsonl").read_text().splitlines()]
+    assert len(ids) == 2 and len(set(ids)) == 2, ids
