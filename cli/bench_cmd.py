@@ -22,7 +22,7 @@ def _ints(text: str, flag: str) -> list[int]:
         raise KvfError(f"{flag} {text}: expected comma-separated integers, e.g. 1024,2048,4096{meant}") from None
     if not values or min(values) < 1:
         raise KvfError(f"{flag} {text}: expected positive integers, e.g. 1024,2048,4096")
-    return values
+    return list(dict.fromkeys(values))   # a length named twice was timed twice, as two rows of one length
 
 
 @with_method_knobs

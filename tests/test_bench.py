@@ -309,3 +309,9 @@ def test_the_length_plot_draws_the_ratios_that_were_timed(monkeypatch, tmp_path)
         assert sorted(c.get_label() for c in ax.containers) == labels
         assert (title in ax.get_title()) if title else "recompute ratio" not in ax.get_title()
         assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512"]
+
+
+def test_a_length_named_twice_is_timed_once():
+    """`--lengths 256,256` timed 256 twice and wrote two rows for it in ttft.csv and the table."""
+    from kvf.cli.bench_cmd import _ints
+    assert _ints("256,256,512,256", "--lengths") == [256, 512]
