@@ -179,6 +179,17 @@ def test_prepare_pools_passages_and_round_trips(tmp_path):
     assert len(passages) == 2
 
 
+def test_preparing_another_dataset_where_one_was_says_it_replaces_it(tmp_path, capsys):
+    """`kvf data prepare musique -o DIR` where DIR held nq replaced it without a word."""
+    prepare("nq", write_jsonl(tmp_path / "nq.jsonl", DPR), tmp_path / "out")
+    prepare("nq", write_jsonl(tmp_path / "nq.jsonl", DPR), tmp_path / "out", limit=1)   # the same one again: quiet
+    assert "replaces" not in capsys.readouterr().err
+    prepare("musique", write_jsonl(tmp_path / "m.jsonl", MUSIQUE), tmp_path / "out")
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'out'} held the nq dataset; musique replaces it" in err, err
+    assert json.loads((tmp_path / "out" / "prepared.json").read_text())["dataset"] == "musique"
+
+
 def test_passage_ids_are_stable_content_hashes():
     assert passage_id("a", "b") == passage_id("a", "b") == Passage("a", "b").id
     assert passage_id("a b", "c") != passage_id("a", "b c")

@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvf.errors import KvfError, did_you_mean, shown, stand_in
+from kvf.errors import KvfError, did_you_mean, shown, stand_in, warn
 from kvf.pipeline.files import check_writable_dir, env_folder, other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import id_text, is_run_record, read_corpus, title_text
 
@@ -439,12 +439,24 @@ def check_not_foreign(out_dir: Path) -> None:
                        "empty folder")
 
 
+def warn_replaced(out_dir: Path, dataset: str | None) -> None:
+    """Preparing one dataset where another was (musique -o DIR of nq) replaced it without a word."""
+    try:
+        before = json.loads((out_dir / "prepared.json").read_text(encoding="utf-8")).get("dataset")
+    except (OSError, ValueError, AttributeError):
+        return   # none there, or a damaged one: nothing to name
+    if isinstance(before, str) and before != dataset:
+        warn(f"--out {out_dir} held the {before} dataset; {dataset} replaces it (its workspace is rebuilt by the next "
+             f"`kvf run -d {out_dir}`)")
+
+
 def write_prepared(questions: list[Question], out_dir: str | Path, manifest: dict,
                    corpus_extra: list[Passage] = ()) -> dict:
     """Write corpus/passages.jsonl, questions.jsonl and prepared.json; returns the manifest.
     corpus_extra: more passages for the shared corpus that no question cites."""
     check_not_foreign(Path(out_dir))
     out_dir = check_writable_dir(out_dir, "--out")
+    warn_replaced(out_dir, manifest.get("dataset"))
     (out_dir / "corpus").mkdir(exist_ok=True)
     pooled = pool_passages(questions)
     for p in corpus_extra:
