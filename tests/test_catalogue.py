@@ -604,6 +604,10 @@ CASES = {
     # both said "no workspace there; build one first" (the API's open_workspace too)
     "search -w the folder that holds the workspace": (lambda d, t: ["search", "x", "-w", d[1].parent],
                                                       ["--workspace", "it holds workspaces but is not one; pass one of them: -w"]),
+    "search -w a prepared dataset's corpus, beside its workspace": (
+        lambda d, t: ["search", "x", "-w", (write(t / "ds" / "workspace" / "manifest.json", b"{}"),
+                                            write(t / "ds" / "corpus" / "passages.jsonl", b'{"id": "a", "text": "x"}'))[1].parent],
+        ["--workspace", "ds/corpus: not a workspace; the workspace beside it is", "pass -w", "ds/workspace"]),
     "search -w a folder inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "dense"],
                                                 ["--workspace", "dense: a folder inside workspace", "not a workspace; pass -w"]),
     "search a prepared dataset kvf run -d answered": (lambda d, t: ["search", "x", "-w", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent],

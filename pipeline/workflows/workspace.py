@@ -293,6 +293,9 @@ class Workspace:
             if meant[0] == self.root.absolute().parent:
                 return KvfError(f"{named}{self.root}: a folder inside workspace {shown_meant[0]}, not a workspace; "
                                 f"pass -w {shown_meant[0]}")
+            if meant[0].parent == self.root.absolute().parent:   # a prepared dataset's corpus/, beside its workspace
+                return KvfError(f"{named}{self.root}: not a workspace; the workspace beside it is {shown_meant[0]}: "
+                                f"pass -w {shown_meant[0]}")
             others = f" (or {', '.join(map(str, shown_meant[1:4]))})" if len(meant) > 1 else ""
             return KvfError(f"{named}{self.root}: it holds workspaces but is not one; pass one of them: "
                             f"-w {shown_meant[0]}{others}")
