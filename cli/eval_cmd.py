@@ -17,8 +17,8 @@ def _command_line() -> str:
 def eval_command(
     run_files: Annotated[list[Path], typer.Argument(
         help="Run files (JSON Lines, or .jsonl.gz) written by `kvf run`, or a directory of them; include the "
-             "`full` and `reuse` runs for the vs_full / vs_reuse intervals and normalized F1 (the TTFT ratio also comes "
-             "from records run with --compare-full).")],
+             "`full` and `reuse` runs for the vs_full / vs_reuse intervals and normalized F1 (vs_full and the TTFT "
+             "ratio also come from records run with --compare-full).")],
     out: Annotated[Path, typer.Option(
         "--out", "-o", help="Directory for summary.csv, summary.md and the plots (a folder of its own: the "
                             "repository's results/ holds committed evidence).")] = Path("results/eval"),

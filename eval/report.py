@@ -10,7 +10,9 @@ One summary row per (dataset, method, label, variant, ratio). Choices the metric
   paired difference over the questions both answered, with a 95% paired bootstrap interval
   (eval/stats.py). Below MIN_QUESTIONS questions it says "too few questions to compare" instead.
 - `full` and `reuse` references are looked up per dataset and label (falling back to unlabelled
-  runs); if several records hold the same question the first in file order wins. For reuse, the
+  runs); if several records hold the same question the first in file order wins. Without a `full`
+  run, a row's full reference is the full prefill `kvf run --compare-full` answered and timed in
+  its own records (its note says so). For reuse, the
   record of the method's own variant is preferred, then `prefix`, then any.
 - Normalized F1 (FusionRAG eq. 11) uses mean F1 over the questions the method, `full` and `reuse`
   share, and is reported only where full beats reuse significantly (the paired interval of
@@ -325,7 +327,8 @@ def difference(group: pd.DataFrame, ref: pd.DataFrame, metric: str) -> tuple[flo
 def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
     """FusionRAG normalized F1 over the questions all three runs share; (value, note)."""
     if not len(full) or not len(reuse):
-        return math.nan, "normalized F1 needs full and reuse runs"
+        missing = [name for name, ref in (("full", full), ("reuse", reuse)) if not len(ref)]
+        return math.nan, f"normalized F1 needs {' and '.join(missing)} run{'s' if len(missing) > 1 else ''}"
     common = sorted(set(group.qid) & set(full.f1.dropna().index) & set(reuse.f1.dropna().index))
     if len(common) < MIN_QUESTIONS:
         return math.nan, f"normalized F1 undefined (too few questions: {len(common)})"
@@ -362,10 +365,23 @@ def recomputed_fraction(group: pd.DataFrame) -> float:
     return float((group.recomputed_tokens[has_chunks] / group.chunk_tokens[has_chunks]).mean())
 
 
+def own_full_reference(group: pd.DataFrame) -> pd.DataFrame:
+    """Full prefill's answers and TTFT that `kvf run --compare-full` wrote into this row's own records (same prompt,
+    same process), scored as a `full` run's records are, indexed by qid: the full reference where no full run
+    was given, so vs_full and its significance need no second sweep."""
+    rows = group[group.full_answer.map(lambda answer: isinstance(answer, str))].drop_duplicates("qid")
+    own = score(rows.assign(answer=rows.full_answer, t_first_token=rows.t_full_first_token))
+    return own.set_index("qid")
+
+
 def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     """One summary row for one (dataset, method, label, variant, ratio)."""
     first = group.iloc[0]
     full = reference_rows(df, first.dataset, "full", label=first.label)
+    own_full = not len(full) and first.method != "full"
+    if own_full:
+        full = own_full_reference(group)
+        own_full = bool(len(full))
     reuse = reuse_reference(df, first.dataset, first.variant, first.label)
     _check_overlap(group, full)
     _check_overlap(group, reuse)
@@ -379,7 +395,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     other = "; ".join(text for text in (other_requests(group, full, "full") if first.method != "full" else "",
                                         other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse")
                                         else "") if text)
-    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other) if text)
+    own = "full: its --compare-full answers" if own_full else ""
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)

@@ -688,6 +688,26 @@ def test_points_at_the_frame_are_drawn_whole():
     assert not ax.containers[0].lines[0].get_clip_on()
 
 
+def test_compare_full_answers_stand_for_the_full_run_that_was_not_given(tmp_path):
+    """`kvf run -m cacheblend --compare-full` writes full prefill's answer and TTFT into every record, yet kvf eval
+    gave no vs_full and said "not tested (no full run on these questions)". The row's own full answers now stand
+    for the full run: the same numbers as with a full run that answered alike, and a note that says where from."""
+    full_answers = {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}
+    blend = {q: (answer, {"full_answer": full_answers[q], "full_first_token": 2.0})
+             for q, answer in {"q1": "Paris", "q2": "in Rome", "q3": "Munich", "q4": "Lisbon"}.items()}
+    alone = write_run(tmp_path / "blend.jsonl", replicated("cacheblend", blend, ratio=0.2, ttft=1.0))
+    with_full = write_run(tmp_path / "full.jsonl", replicated("full", full_answers, ratio=1.0, ttft=2.0))
+    own = evaluate([alone], tmp_path / "own").set_index("method").loc["cacheblend"]
+    given = evaluate([alone, with_full], tmp_path / "given").set_index("method").loc["cacheblend"]
+    assert not math.isnan(own.vs_full) and own.vs_full < 0                         # q3 lost against full's gold
+    for column in ("vs_full", "vs_full_low", "vs_full_high", "fidelity_f1", "ttft_ratio"):
+        assert own[column] == pytest.approx(given[column]), column
+    assert "full: its --compare-full answers" in own.note and "compare-full answers" not in given.note
+    assert "normalized F1 needs reuse run" in own.note
+    text = (tmp_path / "own" / "summary.md").read_text()
+    assert "significantly below full: cacheblend@0.2" in text, text
+
+
 def test_methods_at_one_ratio_are_set_side_by_side_so_each_interval_shows():
     """Nine methods at ratio 0.15 drew nine error bars on one vertical line, each hiding the others. Each series
     is now shifted sideways on the page (not in the data), centred on its ratio, and the frame leaves them room."""
