@@ -8,7 +8,7 @@ import pandas as pd
 
 from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
-from kvf.eval.report import auto_label, label_before_auto, primary_metric, reference_rows
+from kvf.eval.report import auto_label, compare_full_records, label_before_auto, primary_metric, reference_rows
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
@@ -22,6 +22,8 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
         text = f"{text}@{ratio}"
     method, _, ratio = text.partition("@")
     rows = df[df.method == method]
+    if method == "full" and rows.empty:   # a sweep run with --compare-full alone holds full prefill's answers
+        rows = compare_full_records(df)
     if ratio == "auto":   # as tables name a --ratio auto run: it is the run labelled auto
         label, ratio = auto_label(label or ""), ""
     if ratio:

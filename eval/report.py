@@ -365,13 +365,20 @@ def recomputed_fraction(group: pd.DataFrame) -> float:
     return float((group.recomputed_tokens[has_chunks] / group.chunk_tokens[has_chunks]).mean())
 
 
+def compare_full_records(records: pd.DataFrame) -> pd.DataFrame:
+    """The full prefill `kvf run --compare-full` answered and timed beside each record (same prompt, same process),
+    as the records of a `full` run, scored: one per dataset and question, the first in file order."""
+    rows = records[records.full_answer.map(lambda answer: isinstance(answer, str))].drop_duplicates(["dataset", "qid"])
+    full = rows.assign(method="full", label="", variant="prefix", ratio=1.0, answer=rows.full_answer,
+                       t_first_token=rows.t_full_first_token, kl_full=0.0, top1_agree=1.0,
+                       recomputed_tokens=rows.chunk_tokens)
+    return score(full)
+
+
 def own_full_reference(group: pd.DataFrame) -> pd.DataFrame:
-    """Full prefill's answers and TTFT that `kvf run --compare-full` wrote into this row's own records (same prompt,
-    same process), scored as a `full` run's records are, indexed by qid: the full reference where no full run
-    was given, so vs_full and its significance need no second sweep."""
-    rows = group[group.full_answer.map(lambda answer: isinstance(answer, str))].drop_duplicates("qid")
-    own = score(rows.assign(answer=rows.full_answer, t_first_token=rows.t_full_first_token))
-    return own.set_index("qid")
+    """A summary row's full reference where no full run was given: the full prefill in its own records, indexed by
+    qid, so vs_full and its significance need no second sweep."""
+    return compare_full_records(group).set_index("qid")
 
 
 def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:

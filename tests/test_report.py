@@ -706,6 +706,14 @@ def test_compare_full_answers_stand_for_the_full_run_that_was_not_given(tmp_path
     assert "normalized F1 needs reuse run" in own.note
     text = (tmp_path / "own" / "summary.md").read_text()
     assert "significantly below full: cacheblend@0.2" in text, text
+    # kvf compare RUN --a cacheblend@0.2 --b full said "--b full: no records match"; B is now those answers
+    from kvf.eval.compare import per_question, select
+    from kvf.eval.report import load_runs
+    df = load_runs([alone])
+    table = per_question(df, select(df, "cacheblend@0.2", "--a"), select(df, "full", "--b"))
+    assert len(table) == 4 * REPS and table.attrs["full_side"] == "B"
+    assert list(table.answer_b[:4]) == [full_answers[q] for q in ("q1", "q2", "q3", "q4")]
+    assert list(table.f1_b[:4]) == [1.0, 1.0, 1.0, 0.0] and (table.fidelity_b == 1.0).all()   # q4's gold is Madrid
 
 
 def test_methods_at_one_ratio_are_set_side_by_side_so_each_interval_shows():
