@@ -250,6 +250,10 @@ def test_deep_checks_name_the_arguments_a_notebook_passed(built, tmp_path, monke
         with pytest.raises(kvf.KvfError, match=said) as raised:
             kvf.open_workspace(built / "ws", **argument)
         assert "--" not in str(raised.value), raised.value
+    # a folder inside the workspace is named the way open_workspace takes it, not as the CLI's -w
+    with pytest.raises(kvf.KvfError, match=re.escape(f"a folder inside workspace {built / 'ws'}, not a workspace; "
+                                                     f"pass path='{built / 'ws'}'")):
+        kvf.open_workspace(built / "ws" / "kv.zarr")
     with pytest.raises(kvf.KvfError, match=re.escape(f"path='{tmp_path / 'a_file'}' is a file; pass a directory (build "
                                                      "one with `kvf build-cache CORPUS -w DIR`)")):
         kvf.open_workspace(tmp_path / "a_file")

@@ -96,7 +96,8 @@ CASES = {
     "bench -w (kvf run's input)": (lambda d, t: ["bench", "-w", d[1]],
                                    ["No such option: -w", "kvf bench times prompts it builds", "kvf eval (ttft_ratio)"]),
     "store gc --keep-workspace a folder of documents": (lambda d, t: ["store", "gc", d[1], "--keep-workspace", d[0] / "corpus"],
-                                                        ["--keep-workspace", "it holds documents, not a workspace"]),
+                                                        ["--keep-workspace", "it holds documents, not a workspace",
+                                                         "then pass --keep-workspace corpus-workspace"]),
     "run --ray 4 (a worker count)": (lambda d, t: run_args(d, t / "o.jsonl", "--ray", "4"),
                                      ["--ray 4: --ray takes where Ray runs, not how many workers", "--ray local --workers 4"]),
     # a negative number after --ray was read as an option click had never heard of ("No such option: -1")

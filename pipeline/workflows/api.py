@@ -49,7 +49,7 @@ class WorkspaceSession:
                 raise KvfError(f"{name}={value!r}: pass {example}")   # an AttributeError deep in kvf otherwise
         ws = workspace_path(path)
         if not ws.manifest_path.is_file():
-            raise ws.not_built(named="")
+            raise ws.not_built(named="", pass_as="path='{}'")
         self.path = ws.root
         self._session = Session(ws, model, device, dtype)
         try:

@@ -27,7 +27,7 @@ def workspace_keys(path: Path) -> set[str]:
     from kvf.pipeline.workflows.weights import open_model
     ws = Workspace(path)
     if not ws.manifest_path.is_file():
-        raise ws.not_built(named="--keep-workspace ")
+        raise ws.not_built(named="--keep-workspace ", pass_as="--keep-workspace {}")
     manifest = ws.manifest()
     model_ref = open_model(manifest.get("model_arg", None if manifest.get("model") == "SmolLM2-135M-Instruct"
                                         else manifest.get("model")))

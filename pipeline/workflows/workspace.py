@@ -278,34 +278,36 @@ class Workspace:
                            f"chunks.parquet: the index is stale; rebuild it with `kvf build-cache CORPUS -w {self.root}`")
         return [table[cid] for cid in chunk_ids]
 
-    def not_built(self, named: str = "--workspace ") -> KvfError:
+    def not_built(self, named: str = "--workspace ", pass_as: str = "-w {}") -> KvfError:
         """The error for a folder without a manifest: none is written until a build's last stage ends, so a
-        first build stopped midway (chunks and indexes there) is told apart from no build at all."""
+        first build stopped midway (chunks and indexes there) is told apart from no build at all. pass_as: how the
+        caller takes a workspace (`-w {}`, `--keep-workspace {}`, open_workspace's `path='{}'`), for the fix."""
         if self.chunks_path.is_file():
             return KvfError(f"{named}{self.root}: its first build-cache has not finished (no manifest.json yet); re-run "
                             f"the same `kvf build-cache CORPUS -w {self.root}` to finish it: it resumes where it stopped")
         if (self.root / "workspace" / "manifest.json").is_file():   # a prepared dataset that kvf run -d answered
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; its workspace is "
-                            f"{self.root / 'workspace'}: pass -w {self.root / 'workspace'}")
+                            f"{self.root / 'workspace'}: pass {pass_as.format(self.root / 'workspace')}")
         meant = [m for m in workspaces_meant(self.root) if m != self.root.absolute()]
         if meant:   # a workspace's own folder (its kv.zarr, dense/), or a folder that holds workspaces
             shown_meant = [Path(os.path.relpath(m)) if not self.root.is_absolute() else m for m in meant]
             if meant[0] == self.root.absolute().parent:
                 return KvfError(f"{named}{self.root}: a folder inside workspace {shown_meant[0]}, not a workspace; "
-                                f"pass -w {shown_meant[0]}")
+                                f"pass {pass_as.format(shown_meant[0])}")
             if meant[0].parent == self.root.absolute().parent:   # a prepared dataset's corpus/, beside its workspace
                 return KvfError(f"{named}{self.root}: not a workspace; the workspace beside it is {shown_meant[0]}: "
-                                f"pass -w {shown_meant[0]}")
+                                f"pass {pass_as.format(shown_meant[0])}")
             others = f" (or {', '.join(map(str, shown_meant[1:4]))})" if len(meant) > 1 else ""
             return KvfError(f"{named}{self.root}: it holds workspaces but is not one; pass one of them: "
-                            f"-w {shown_meant[0]}{others}")
+                            f"{pass_as.format(shown_meant[0])}{others}")
         kind = folder_kind(self.root)
         if kind == "dataset":   # kvf data prepare's folder: its workspace is inside it
             return KvfError(f"{named}{self.root}: a prepared dataset, not a workspace; `kvf run -d {self.root}` builds "
-                            f"its workspace in {self.root / 'workspace'}: pass -w {self.root / 'workspace'} after that")
+                            f"its workspace in {self.root / 'workspace'}: pass {pass_as.format(self.root / 'workspace')} after that")
         if kind == "documents":   # a workspace is built from them, beside them
             return KvfError(f"{named}{self.root}: it holds documents, not a workspace; build one from them with "
-                            f"`kvf build-cache {self.root} -w {self.root.name}-workspace`, then pass -w {self.root.name}-workspace")
+                            f"`kvf build-cache {self.root} -w {self.root.name}-workspace`, then pass "
+                            f"{pass_as.format(self.root.name + '-workspace')}")
         return KvfError(f"{named}{self.root}: no workspace there; build one first with "
                         f"`kvf build-cache YOUR_DOCS -w {self.root}`")
 
