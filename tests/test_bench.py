@@ -1,6 +1,8 @@
 """`kvf bench` on a tiny random model (the GPU path's --random-weights, run on CPU), and the
 loading controller's ratio choice."""
 import io
+import math
+import re
 import shutil
 from collections import Counter
 
@@ -101,10 +103,14 @@ def test_versus_pairs_round_by_round_with_an_interval():
                        dict(row, method="prophetkv", spec=None, ratio=0.15, round_ttfts=(1.0, 2.0)),
                        dict(row, method="kvfuse", spec=None, ratio=0.15, round_ttfts=(1.1, 2.2)),
                        dict(row, method="kvfuse", spec="propagate=off", ratio=0.15, round_ttfts=(1.0, 2.0)),
-                       dict(row, method="kvfuse", spec=None, ratio=0.3, round_ttfts=(2.0, 3.0))])
+                       dict(row, method="kvfuse", spec=None, ratio=0.3, round_ttfts=(2.0, 3.0)),
+                       dict(row, method="reuse", spec=None, ratio=0.0, round_ttfts=(0.5, 1.0))])
     got = add_versus(df, "prophetkv")
     assert got.vs_ratio.tolist()[2:4] == pytest.approx([1.1, 1.0])          # paired per round, same ratio only
-    assert got.vs_ratio.isna().tolist() == [True, True, False, False, True]  # not full, itself, or another ratio
+    assert got.vs_ratio.isna().tolist() == [True, True, False, False, True, False]  # not full, itself, or another ratio
+    assert got.vs_ratio.tolist()[5] == pytest.approx(0.5)   # reuse has no ratio: paired with prophetkv's only one
+    two_ratios = pd.concat([df, pd.DataFrame([dict(row, method="prophetkv", spec=None, ratio=0.3, round_ttfts=(2, 3))])])
+    assert math.isnan(add_versus(two_ratios.reset_index(drop=True), "prophetkv").vs_ratio.tolist()[5])   # which one?
     assert add_versus(df, "kvfuse:propagate=off").vs_ratio.tolist()[1] == pytest.approx(1.0)
 
 
@@ -131,6 +137,11 @@ def test_versus_must_name_a_timed_entry(tmp_path):
     with pytest.raises(KvfError, match=r"--versus prophetkv: no -m entry is prophetkv.*reuse"):
         bench(BenchOptions(lengths=[64], methods=["full", "reuse"], random_weights="tiny", out=tmp_path,
                            versus="prophetkv"), QUIET)
+    # nothing to pair it with: found after every timing, it wrote an empty table "over the 0 rounds"
+    with pytest.raises(KvfError, match=re.escape("--versus cacheblend: no other -m entry is timed at its ratio "
+                                                 "(0.15, 0.3) to pair with it; add one")):
+        bench(BenchOptions(lengths=[64], methods=["full", "cacheblend"], ratios=[0.15, 0.3], random_weights="tiny",
+                           out=tmp_path, versus="cacheblend"), QUIET)
 
 
 def test_unknown_random_shape_is_refused(tmp_path):

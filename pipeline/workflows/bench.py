@@ -314,9 +314,22 @@ def check_versus(versus: str, planned: list[tuple]) -> None:
         wanted = parse_method_spec(versus)
     except KvfError as e:
         raise KvfError(str(e).replace(f"--method {versus}", f"--versus {versus}", 1)) from None
-    if not any(m.name == wanted.name and label_of(spec) == wanted.label for m, spec in planned):
+    is_versus = [m.name == wanted.name and label_of(spec) == wanted.label for m, spec in planned]
+    if not any(is_versus):
         entries = ", ".join(sorted({m.name + (f":{label_of(spec)}" if label_of(spec) else "") for m, spec in planned}))
         raise KvfError(f"--versus {versus}: no -m entry is {versus}; name one of the timed entries ({entries})")
+    ratios = sorted({m.recompute_ratio for (m, _), mine in zip(planned, is_versus) if mine})
+    others = [m for (m, _), mine in zip(planned, is_versus) if not mine and m.name != "full"]
+    if not any(paired_with(m, m.recompute_ratio, ratios, not METHODS[wanted.name].ratio_is_knob) for m in others):
+        # found after every timing, it wrote an empty paired table over "0 rounds"
+        raise KvfError(f"--versus {versus}: no other -m entry is timed at its ratio ({', '.join(f'{r:g}' for r in ratios)}) "
+                       f"to pair with it; add one, e.g. -m full,{versus},prophetkv")
+
+
+def paired_with(method, ratio: float, versus_ratios: list[float], any_ratio: bool) -> bool:
+    """Whether an entry is paired with --versus: at the same ratio; at any ratio when --versus has no ratio knob;
+    and one without a ratio knob (reuse) with a --versus timed at one ratio only."""
+    return any_ratio or ratio in versus_ratios or (not method.ratio_is_knob and len(versus_ratios) == 1)
 
 
 def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
@@ -333,7 +346,10 @@ def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
     for (length, mode), group in df[plain].groupby(["length", "mode"]):
         references = group[is_versus[group.index]]
         for i, row in group[~is_versus[group.index] & (group.method != "full")].iterrows():
-            reference = references if any_ratio else references[references.ratio == row.ratio]
+            ratios = sorted(set(references.ratio))
+            if not paired_with(METHODS[row.method], row.ratio, ratios, any_ratio):
+                continue
+            reference = references if any_ratio or len(ratios) == 1 else references[references.ratio == row.ratio]
             if len(reference):
                 stats = paired_interval(row.round_ttfts, reference.iloc[0].round_ttfts)
                 df.loc[i, ["vs_ratio", "vs_low", "vs_high"]] = stats
@@ -592,8 +608,8 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
     write_atomic(rounds_csv, round_rows(df).to_csv(index=False))
     lines = [f"# TTFT vs full prefill ({device_label})", "",
              f"Made by `{command}` at commit {git_commit() or 'unknown'}"
-             + (f"; after one warm-up request per row, {repeats} rounds that time every row once each (in a balanced "
-                "order), times being medians over the rounds" if repeats else "") + ". "
+             + (f"; after one warm-up request per row, {counted(repeats, 'round')} that time{'s' if repeats == 1 else ''} "
+                "every row once each (in a balanced order), times being medians over the rounds" if repeats else "") + ". "
              "All times in ms. `ttft_ratio` = the median over rounds of method TTFT / full TTFT in the same round "
              "(same process, same prompt); `ttft_ratio_range` = the lowest and highest of those per-round ratios, "
              "how much the machine's timing moved. "
