@@ -320,6 +320,11 @@ CASES = {
     # the summary and plots went among a workspace's (or a prepared dataset's) files
     "eval --out a workspace": (lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out", d[1]],
                                ["--out", "is a workspace (kvf build-cache made it)", "--out results/eval"]),
+    # the next build-cache -w WS read summary.md as a document
+    "eval --out among a workspace's documents": (
+        lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out",
+                      Path(json.loads((d[1] / "manifest.json").read_text())["corpus_absolute"]) / "results"],
+        ["--out", "is among the documents workspace", "was built from", "a folder of its own"]),
     "eval --out a prepared dataset": (lambda d, t: ["eval", write(t / "r.jsonl", record()), "--out", d[0]],
                                       ["--out", "is a prepared dataset", "a folder of its own"]),
     "bench --out a workspace": (lambda d, t: ["bench", "--out", d[1], "--lengths", "64", "-m", "reuse"],

@@ -235,24 +235,11 @@ def check_out_apart(opts: RunOptions) -> None:
     if opts.dataset is not None and out.is_relative_to((opts.dataset / "corpus").resolve()):
         raise KvfError(f"--out {opts.out} is inside the corpus of --dataset {opts.dataset}; pass an --out outside it, "
                        f"e.g. runs/{opts.dataset.name}.jsonl")
-    documents = built_from(opts.workspace) if opts.workspace is not None else None
+    documents = Workspace(opts.workspace).documents() if opts.workspace is not None else None
     if documents is not None and (out == documents or out.is_relative_to(documents)):
         # the next `kvf build-cache -w WS` read the run file as documents, and refused it as "a questions file"
         raise KvfError(f"--out {opts.out} is among the documents --workspace {opts.workspace} was built from "
                        f"({documents}); pass an --out outside them, e.g. runs/{name}.jsonl")
-
-
-def built_from(workspace: Path) -> Path | None:
-    """The documents a workspace was built from, as its manifest records them (corpus_absolute); None where it
-    does not (not built yet, built by an older kvf, or its manifest damaged: the run's own checks say so)."""
-    ws = Workspace(workspace)
-    if not ws.manifest_path.is_file():
-        return None
-    try:
-        found = ws.manifest().get("corpus_absolute")   # the one reader of manifest.json, which checks its fields
-    except (KvfError, OSError):
-        return None
-    return Path(found).resolve() if found else None
 
 
 # ---- what to run ---------------------------------------------------------------------------------

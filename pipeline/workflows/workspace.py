@@ -107,11 +107,32 @@ def folder_kind(path: Path) -> str | None:
 
 def check_not_made_by_kvf(folder: Path, flag: str, example: str) -> None:
     """An output folder (kvf eval's, kvf bench's) is no workspace nor prepared dataset: the summary and plots went
-    among their files."""
+    among their files. Nor is it among the documents a workspace beside it was built from: the next build-cache
+    read summary.md as a document."""
     kind = folder_kind(folder) if folder.is_dir() else None
     if kind in ("workspace", "dataset"):
         made = "a workspace (kvf build-cache made it)" if kind == "workspace" else "a prepared dataset (kvf data made it)"
         raise KvfError(f"{flag} {folder} is {made}; pass a folder of its own for the results, e.g. {flag} {example}")
+    here = folder.resolve()
+    for ws in workspaces_beside(here):
+        documents = Workspace(ws).documents()
+        if documents is not None and (here == documents or here.is_relative_to(documents)):
+            ws, documents = (ws, documents) if folder.is_absolute() else map(Path, map(os.path.relpath, (ws, documents)))
+            raise KvfError(f"{flag} {folder} is among the documents workspace {ws} was built from ({documents}): the "
+                           f"next `kvf build-cache -w {ws}` would read the results as documents; pass a folder of its "
+                           f"own, e.g. {flag} {example}")
+
+
+def workspaces_beside(folder: Path) -> list[Path]:
+    """The workspaces next to a folder or to the two folders above it (docs/ and workspace/ side by side; a
+    dataset's corpus/ and workspace/): where one built from documents in `folder` would be."""
+    found = []
+    for level in (folder, folder.parent, folder.parent.parent):
+        try:
+            found += [d for d in sorted(level.parent.iterdir()) if (d / "manifest.json").is_file()]
+        except OSError:   # not there, or not ours to list
+            continue
+    return list(dict.fromkeys(found))
 
 
 def instead_of_documents(path: Path) -> tuple[str, str | None] | None:
@@ -310,6 +331,17 @@ class Workspace:
                             f"{pass_as.format(self.root.name + '-workspace')}")
         return KvfError(f"{named}{self.root}: no workspace there; build one first with "
                         f"`kvf build-cache YOUR_DOCS -w {self.root}`")
+
+    def documents(self) -> Path | None:
+        """The documents this workspace was built from, as its manifest records them (corpus_absolute); None where
+        it does not (not built yet, built by an older kvf, or its manifest damaged: the callers' checks say so)."""
+        if not self.manifest_path.is_file():
+            return None
+        try:
+            found = self.manifest().get("corpus_absolute")   # the one reader of manifest.json, which checks its fields
+        except (KvfError, OSError):
+            return None
+        return Path(found).resolve() if found else None
 
     def manifest(self) -> dict:
         if not self.manifest_path.is_file():
