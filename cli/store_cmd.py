@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,7 +15,7 @@ from kvf.cachestore import NotAStore, open_store
 from kvf.errors import KvfError, counted
 from kvf.cli.options import command_group
 from kvf.pipeline.workflows.display import progress_bar, size_text
-from kvf.pipeline.workflows.workspace import workspaces_meant
+from kvf.pipeline.workflows.workspace import as_given, workspaces_meant
 
 store_app = command_group("Inspect and maintain a chunk KV store (info, verify, gc).")
 console = Console()
@@ -65,7 +64,7 @@ def check_not_beside_a_workspace(folder: Path, command: str) -> None:
     try:
         open_store(str(folder), readonly=True).close()
     except NotAStore:
-        shown = [os.path.relpath(m) if not folder.is_absolute() else str(m) for m in meant]
+        shown = [str(as_given(m, folder)) for m in meant]
         others = f" (or {', '.join(shown[1:4])})" if len(shown) > 1 else ""
         which = "a workspace in it" if meant[0].parent == folder.absolute() else "the workspace it goes with"
         raise KvfError(f"{folder} is not a kvf store; pass {which}: kvf store {command} {shown[0]}{others}") from None

@@ -375,20 +375,13 @@ def compare_full_records(records: pd.DataFrame) -> pd.DataFrame:
     return score(full)
 
 
-def own_full_reference(group: pd.DataFrame) -> pd.DataFrame:
-    """A summary row's full reference where no full run was given: the full prefill in its own records, indexed by
-    qid, so vs_full and its significance need no second sweep."""
-    return compare_full_records(group).set_index("qid")
-
-
 def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     """One summary row for one (dataset, method, label, variant, ratio)."""
     first = group.iloc[0]
     full = reference_rows(df, first.dataset, "full", label=first.label)
-    own_full = not len(full) and first.method != "full"
-    if own_full:
-        full = own_full_reference(group)
-        own_full = bool(len(full))
+    from_records = not len(full) and first.method != "full"
+    if from_records:   # no full run: the full prefill --compare-full answered beside each of this row's records
+        full = compare_full_records(group).set_index("qid")
     reuse = reuse_reference(df, first.dataset, first.variant, first.label)
     _check_overlap(group, full)
     _check_overlap(group, reuse)
@@ -402,7 +395,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     other = "; ".join(text for text in (other_requests(group, full, "full") if first.method != "full" else "",
                                         other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse")
                                         else "") if text)
-    own = "full: its --compare-full answers" if own_full else ""
+    own = "full: its --compare-full answers" if from_records and len(full) else ""
     note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])

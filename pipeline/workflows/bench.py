@@ -345,8 +345,8 @@ def add_versus(df: pd.DataFrame, versus: str) -> pd.DataFrame:
     is_versus = plain & (df.method == wanted.name) & (df.spec.fillna("") == (wanted.label or ""))
     for (length, mode), group in df[plain].groupby(["length", "mode"]):
         references = group[is_versus[group.index]]
+        ratios = sorted(set(references.ratio))
         for i, row in group[~is_versus[group.index] & (group.method != "full")].iterrows():
-            ratios = sorted(set(references.ratio))
             if not paired_with(METHODS[row.method], row.ratio, ratios, any_ratio):
                 continue
             reference = references if any_ratio or len(ratios) == 1 else references[references.ratio == row.ratio]

@@ -236,7 +236,7 @@ def check_out_apart(opts: RunOptions) -> None:
         raise KvfError(f"--out {opts.out} is inside the corpus of --dataset {opts.dataset}; pass an --out outside it, "
                        f"e.g. runs/{opts.dataset.name}.jsonl")
     documents = Workspace(opts.workspace).documents() if opts.workspace is not None else None
-    if documents is not None and (out == documents or out.is_relative_to(documents)):
+    if documents is not None and out.is_relative_to(documents):   # the documents' folder itself, or inside it
         # the next `kvf build-cache -w WS` read the run file as documents, and refused it as "a questions file"
         raise KvfError(f"--out {opts.out} is among the documents --workspace {opts.workspace} was built from "
                        f"({documents}); pass an --out outside them, e.g. runs/{name}.jsonl")

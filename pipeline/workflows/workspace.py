@@ -105,6 +105,11 @@ def folder_kind(path: Path) -> str | None:
     return "documents" if holds_documents(path) else None
 
 
+def as_given(path: Path, given: Path) -> Path:
+    """`path` in a line about `given`, the way the user wrote `given`: relative to here when it was relative."""
+    return path if given.is_absolute() else Path(os.path.relpath(path))
+
+
 def check_not_made_by_kvf(folder: Path, flag: str, example: str) -> None:
     """An output folder (kvf eval's, kvf bench's) is no workspace nor prepared dataset: the summary and plots went
     among their files. Nor is it among the documents a workspace beside it was built from: the next build-cache
@@ -116,8 +121,8 @@ def check_not_made_by_kvf(folder: Path, flag: str, example: str) -> None:
     here = folder.resolve()
     for ws in workspaces_beside(here):
         documents = Workspace(ws).documents()
-        if documents is not None and (here == documents or here.is_relative_to(documents)):
-            ws, documents = (ws, documents) if folder.is_absolute() else map(Path, map(os.path.relpath, (ws, documents)))
+        if documents is not None and here.is_relative_to(documents):   # the folder itself, or one inside it
+            ws, documents = as_given(ws, folder), as_given(documents, folder)
             raise KvfError(f"{flag} {folder} is among the documents workspace {ws} was built from ({documents}): the "
                            f"next `kvf build-cache -w {ws}` would read the results as documents; pass a folder of its "
                            f"own, e.g. {flag} {example}")
@@ -311,7 +316,7 @@ class Workspace:
                             f"{self.root / 'workspace'}: pass {pass_as.format(self.root / 'workspace')}")
         meant = [m for m in workspaces_meant(self.root) if m != self.root.absolute()]
         if meant:   # a workspace's own folder (its kv.zarr, dense/), or a folder that holds workspaces
-            shown_meant = [Path(os.path.relpath(m)) if not self.root.is_absolute() else m for m in meant]
+            shown_meant = [as_given(m, self.root) for m in meant]
             if meant[0] == self.root.absolute().parent:
                 return KvfError(f"{named}{self.root}: a folder inside workspace {shown_meant[0]}, not a workspace; "
                                 f"pass {pass_as.format(shown_meant[0])}")
