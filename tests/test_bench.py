@@ -322,6 +322,29 @@ def test_the_length_plot_draws_the_ratios_that_were_timed(monkeypatch, tmp_path)
         assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512"]
 
 
+def test_methods_without_a_ratio_are_drawn_and_labelled_without_one(monkeypatch, tmp_path):
+    """bench's label and length plot knew the methods without a ratio knob by a literal list that lacked
+    prefix and ceiling, and a row with its own knobs ('ape [...]') missed it too: prefix was labelled 'prefix@0'
+    and, with 0.15 timed, left out of the plot. Every method that ignores --ratio is drawn as its own line."""
+    from kvf.pipeline.workflows import bench as bench_module
+    drawn = {}
+    monkeypatch.setattr(bench_module, "save_with_legend_outside", lambda fig, ax, path: drawn.update(ax=ax))
+    out = []
+    for n in (256, 512):
+        out += [dict(method="full", spec="", ratio=1.0, ttft_ratio=1.0, ttft_ms=500.0, length=n),
+                dict(method="cacheblend", spec="", ratio=0.15, ttft_ratio=0.3, ttft_ms=150.0, length=n),
+                dict(method="prefix", spec="", ratio=0.0, ttft_ratio=0.1, ttft_ms=50.0, length=n),
+                dict(method="ape", spec="temperature=0.5", ratio=0.0, ttft_ratio=0.1, ttft_ms=50.0, length=n)]
+    df = pd.DataFrame(out)
+    df["mode"], df["pipeline"], df["ratio_auto"] = "warm", True, False
+    df["label"] = [bench_module.method_label(row) for _, row in df.iterrows()]
+    assert sorted(set(df.label)) == ["ape [temperature=0.5]", "cacheblend@0.15", "full", "prefix"]
+    bench_module.plot_ratio_vs_length(df, tmp_path / "p.png", "tiny on cpu")
+    lines = {line.get_label() for line in drawn["ax"].get_lines()}
+    assert {"prefix", "ape [temperature=0.5]"} <= lines
+    assert [c.get_label() for c in drawn["ax"].containers] == ["cacheblend@0.15"]
+
+
 def test_a_length_named_twice_is_timed_once():
     """`--lengths 256,256` timed 256 twice and wrote two rows for it in ttft.csv and the table."""
     from kvf.cli.bench_cmd import _ints

@@ -33,7 +33,7 @@ from kvf.cachestore import open_store
 from kvf.pipeline.fusion.controller import choose_ratio, measure_bandwidth, measure_token_layer_seconds
 from kvf.pipeline.fusion.engine import FusionEngine
 from kvf.pipeline.model.forward import Transformer
-from kvf.pipeline.fusion.methods import METHODS, build_method, method_names
+from kvf.pipeline.fusion.methods import METHODS, build_method, discover, method_names
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, work_dir, write_atomic
@@ -578,8 +578,14 @@ def method_label(row) -> str:
     name = f"{row.method} [{spec}]" if isinstance(spec, str) and spec else row.method
     if row.ratio_auto:
         return f"{name} (auto r={row.ratio:.2f})"
-    fixed = row.method in ("full", "reuse", "pcw", "ape", "cachefocus") or row.ratio != row.ratio
-    return name if fixed else f"{name}@{row.ratio:g}"
+    return name if ratio_fixed(row.method) or row.ratio != row.ratio else f"{name}@{row.ratio:g}"
+
+
+def ratio_fixed(method: str) -> bool:
+    """Whether the method ignores --ratio (full, reuse, pcw, ...): its rows carry no ratio in their label,
+    and the length plot draws them at every ratio."""
+    methods = discover()
+    return method in methods and not methods[method].ratio_is_knob
 
 
 def pipeline_hidden_share(df: pd.DataFrame) -> pd.DataFrame:
@@ -696,8 +702,9 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     warm = df[(df["mode"] == "warm") & df.pipeline]
     full = warm[warm.method == "full"].sort_values("length")
     ax.axhline(1.0, linestyle="--", color="black", label="full prefill")
-    fixed = warm[~warm.ratio_auto & warm.label.isin(["reuse", "pcw", "ape", "cachefocus"])]
-    selective = warm[~warm.ratio_auto & (warm.method != "full") & ~warm.label.isin(fixed.label)]
+    others = warm[~warm.ratio_auto & (warm.method != "full")]
+    fixed = others[others.method.map(ratio_fixed)]
+    selective = others[~others.method.map(ratio_fixed)]
     shown = plotted_ratios(selective)
     selective = selective[selective.ratio.isin(shown)]
     markers = iter(["s", "D", "^", "v", "P", "X"])
