@@ -33,6 +33,8 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
             raise KvfError(f"{flag} {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
     if label:
         rows = rows[rows.label == label]
+    elif (rows.label == "").any():   # a name without a label is the unlabelled run's, as run_names prints it
+        rows = rows[rows.label == ""]
     if rows.empty:   # say what there is to choose from
         raise KvfError(f"{flag} {selector}: no records match; the runs there are {', '.join(run_names(df)[:8])}")
     return one_group(rows, f"{flag} {selector}", "narrow it with @ratio or :label")
@@ -49,39 +51,41 @@ def run_names(rows: pd.DataFrame) -> list[str]:
 
 
 def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
-    """rows -> themselves if they are one run (dataset, method, label, variant, ratio); else a one-line error
-    naming the runs found and how to `narrow` the choice."""
+    """rows -> themselves if they are one run (method, label, variant, ratio; over one dataset or several, as a
+    RULER suite's tasks are); else a one-line error naming the runs found and how to `narrow` the choice."""
     if rows.empty:
         raise KvfError(f"{what}: no records match; selectors look like method@ratio[:label], e.g. cacheblend@0.15")
-    groups = rows.groupby(["dataset", "method", "label", "variant", "ratio"]).ngroups
+    groups = rows.groupby(["method", "label", "variant", "ratio"]).ngroups
     if groups > 1:
         raise KvfError(f"{what} matches {groups} runs ({', '.join(run_names(rows)[:6])}); {narrow}")
     return rows
 
 
 def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    """One row per question both answered: gold, both answers, full's answer, each one's scores."""
-    dataset = a.dataset.iloc[0]
-    metric = primary_metric(df[df.dataset == dataset])
-    full = reference_rows(df, dataset, "full", label=a.label.iloc[0])
-    a, b = a.set_index("qid"), b.set_index("qid")
-    common = [q for q in a.index if q in b.index]
+    """One row per question both answered: gold, both answers, full's answer, each one's scores. A run may span
+    several datasets (a RULER suite's tasks): each question is scored by its dataset's metric and full run."""
+    metric = {d: primary_metric(df[df.dataset == d]) for d in a.dataset.unique()}
+    full = {d: reference_rows(df, d, "full", label=a.label.iloc[0]) for d in metric}
+    a, b = a.set_index(["dataset", "qid"]), b.set_index(["dataset", "qid"])
+    common = [key for key in a.index if key in b.index]
     if not common:
         raise KvfError("the two runs share no question; compare runs of the same dataset")
     full_side = "A" if (a.method == "full").all() else "B" if (b.method == "full").all() else None
     rows = []
-    for qid in common:
-        ra, rb = a.loc[qid], b.loc[qid]
-        full_answer = ra.full_answer if isinstance(ra.full_answer, str) else (
-            full.answer.get(qid) if len(full) else None)
+    for dataset, qid in common:
+        ra, rb = a.loc[(dataset, qid)], b.loc[(dataset, qid)]
+        full_answer = ra.full_answer if isinstance(ra.full_answer, str) else full[dataset].answer.get(qid)
         rows.append({"qid": qid, "question": ra.question, "gold": " / ".join(ra.gold),
                      "answer_a": ra.answer, "answer_b": rb.answer, "full_answer": full_answer or "",
-                     f"{metric}_a": ra[metric], f"{metric}_b": rb[metric],
+                     "score_a": ra[metric[dataset]], "score_b": rb[metric[dataset]],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
                      "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
                      "kl_a": ra.kl_full, "kl_b": rb.kl_full})
     table = pd.DataFrame(rows)
     table.attrs["full_side"] = full_side   # "A" or "B" when that run is full prefill: one fact of the table
+    # the score column's name: the one metric of the datasets compared, else "gold" (each question its dataset's)
+    used = {metric[d] for d, _ in common}
+    table.attrs["metric"] = used.pop() if len(used) == 1 else "gold"
     return table
 
 
@@ -90,10 +94,11 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
     their scores: the answers get the width, so a narrow terminal keeps them readable."""
     from rich.table import Table
     from rich.text import Text
-    metric = next(c[:-2] for c in table.columns if c.endswith("_a") and c not in ("answer_a", "fidelity_a", "kl_a"))
+    metric = table.attrs["metric"]
     # Text, not markup: a labelled run's name ends in "[label]", which markup would swallow as a style tag
     out = Table(title=Text(f"{name_a} (A) vs {name_b} (B): {counted(len(table), 'question')}"), expand=True,
-                caption=Text(f"A = {name_a}, B = {name_b}; {metric}: against gold; "
+                caption=Text(f"A = {name_a}, B = {name_b}; {metric}: against gold"
+                             + (" (each question by its dataset's metric)" if metric == "gold" else "") + "; "
                              "vs full: answer F1 against full prefill's answer"))
     out.add_column("", no_wrap=True)
     out.add_column("answer", overflow="fold", ratio=1)
@@ -106,8 +111,8 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
             heading.append("  " + r.question, style="bold")
         heading.append("\ngold: " + (r.gold or "-"), style="italic")
         out.add_row(Text("question", style="dim"), heading)
-        out.add_row("A", Text(r.answer_a), _fmt(r[f"{metric}_a"]), _fmt(r.fidelity_a))
-        out.add_row("B", Text(r.answer_b), _fmt(r[f"{metric}_b"]), _fmt(r.fidelity_b), end_section=full_is_a_side)
+        out.add_row("A", Text(r.answer_a), _fmt(r.score_a), _fmt(r.fidelity_a))
+        out.add_row("B", Text(r.answer_b), _fmt(r.score_b), _fmt(r.fidelity_b), end_section=full_is_a_side)
         if not full_is_a_side:
             out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
     return out

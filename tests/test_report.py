@@ -713,7 +713,7 @@ def test_compare_full_answers_stand_for_the_full_run_that_was_not_given(tmp_path
     table = per_question(df, select(df, "cacheblend@0.2", "--a"), select(df, "full", "--b"))
     assert len(table) == 4 * REPS and table.attrs["full_side"] == "B"
     assert list(table.answer_b[:4]) == [full_answers[q] for q in ("q1", "q2", "q3", "q4")]
-    assert list(table.f1_b[:4]) == [1.0, 1.0, 1.0, 0.0] and (table.fidelity_b == 1.0).all()   # q4's gold is Madrid
+    assert table.attrs["metric"] == "f1" and list(table.score_b[:4]) == [1.0, 1.0, 1.0, 0.0] and (table.fidelity_b == 1.0).all()   # q4's gold is Madrid
 
 
 def test_methods_at_one_ratio_are_set_side_by_side_so_each_interval_shows():
@@ -908,7 +908,8 @@ def test_a_labelled_run_is_selected_as_tables_print_it():
 
     from kvf.eval.compare import comparison_table
     table = pd.DataFrame({"qid": ["q1"], "question": ["Where?"], "gold": ["x"], "answer_a": ["a"], "answer_b": ["b"],
-                          "f1_a": [0.0], "f1_b": [1.0], "fidelity_a": [None], "fidelity_b": [None], "full_answer": [None]})
+                          "score_a": [0.0], "score_b": [1.0], "fidelity_a": [None], "fidelity_b": [None], "full_answer": [None]})
+    table.attrs["metric"] = "f1"
     console = Console(width=200, record=True)
     console.print(comparison_table(table, "run.jsonl cacheblend@0.15 [big]", "run.jsonl full"))
     assert "run.jsonl cacheblend@0.15 [big] (A) vs run.jsonl full (B)" in console.export_text()   # markup ate "[big]"
@@ -948,3 +949,48 @@ def test_a_progress_bar_that_advances_in_slices_half_a_minute_apart_shows_an_eta
             progress.advance(task, 1024)
         remaining = progress.tasks[0].time_remaining
     assert remaining is not None and remaining == pytest.approx(35.0 * 6, rel=0.01)
+
+
+def test_compare_takes_a_run_over_several_datasets_as_one(tmp_path, capsys, monkeypatch):
+    """A RULER suite's run spans its tasks (ruler-2048/niah_single, ruler-2048/boundary, ...). kvf compare RUN
+    --a kvfuse@0.15 --b full said 'matches 2 runs; narrow it with @ratio or :label', which no ratio or label
+    narrows. A run is now its method, label, variant and ratio over every dataset it answered; each question is
+    scored by its own dataset's metric (acc here) against its own dataset's full run."""
+    from conftest import run_cli
+    lines = []
+    for task, qid, gold in (("niah_single", "n1", "1234"), ("boundary", "b1", "5678")):
+        for method, ratio, answer in (("full", 1.0, f"It is {gold}."), ("kvfuse", 0.15, "It is 99.")):
+            lines.append({"qid": qid, "dataset": f"ruler-2048/{task}", "method": method,
+                          "settings": {"ratio": ratio, "variant": "prefix"}, "chunk_ids": ["c1"], "question": f"what {qid}",
+                          "answer": answer, "gold": [gold], "prompt_tokens": 50, "chunk_tokens": 40,
+                          "recomputed_tokens": int(40 * ratio),
+                          "timings": {"load": 0.0, "select": 0.0, "recompute": 0.1, "first_token": 0.1, "decode": 0.1}})
+    run = tmp_path / "ruler.jsonl"
+    run.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = run_cli(["compare", run, "--a", "kvfuse@0.15", "--b", "full"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "2 questions" in out and "n1" in out and "b1" in out and "acc: against gold" in out
+    from kvf.eval.compare import per_question, select
+    from kvf.eval.report import load_runs
+    df = load_runs([run])
+    table = per_question(df, select(df, "kvfuse@0.15", "--a"), select(df, "full", "--b"))
+    assert table.attrs["metric"] == "acc" and list(table.score_a) == [0.0, 0.0] and list(table.score_b) == [1.0, 1.0]
+    # two runs of other metrics together: each question by its own, and the column says so
+    lines += [dict(line, dataset="toy", qid="t1", gold=["It is 99"]) for line in lines[:2]]
+    run.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    df = load_runs([run])
+    table = per_question(df, select(df, "kvfuse@0.15", "--a"), select(df, "full", "--b"))
+    assert table.attrs["metric"] == "gold" and len(table) == 3
+
+
+def test_a_run_named_without_a_label_is_the_unlabelled_run():
+    """An ablation file holds kvfuse@0.15 and kvfuse@0.15 [sink_tokens=8]. kvf compare --b kvfuse@0.15 said 'matches
+    2 runs (kvfuse@0.15, kvfuse@0.15:sink_tokens=8); narrow it', naming the very run asked for. A name without a
+    label is now the unlabelled run's; with no unlabelled run, one labelled run still answers to it."""
+    from kvf.eval.compare import select
+    df = pd.DataFrame({"dataset": ["toy"] * 3, "method": ["kvfuse"] * 3, "label": ["", "sink_tokens=8", "x"],
+                       "variant": ["fusion"] * 3, "ratio": [0.15, 0.15, 0.3], "qid": ["q1"] * 3})
+    assert list(select(df, "kvfuse@0.15").index) == [0]
+    assert list(select(df, "kvfuse@0.15:sink_tokens=8").index) == [1]
+    assert list(select(df, "kvfuse@0.3").index) == [2]          # no unlabelled run at 0.3: its one labelled run
+    assert list(select(df, "kvfuse").index) == [0]
