@@ -34,7 +34,7 @@ def eval_command(
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
     """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT); write summary.md and plots."""
-    from kvf.eval.compare import comparison_table, per_question, select
+    from kvf.eval.compare import comparison_summary, comparison_table, per_question, select
     from kvf.eval.report import evaluate, summary_table
     from kvf.pipeline.workflows.display import progress_bar
 
@@ -51,7 +51,9 @@ def eval_command(
     else:
         console.print(summary_table(summary, width=console.width))
     if compare:
-        console.print(comparison_table(per_question(summary.attrs["records"], *picked), *compare))
+        table = per_question(summary.attrs["records"], *picked)
+        console.print(comparison_table(table, *compare))
+        console.print(comparison_summary(table), highlight=False)
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/", highlight=False, markup=False)
 
 
@@ -67,7 +69,7 @@ def compare_command(
 ):
     """Per question: gold, A's and B's answers, full prefill's answer, and each one's scores."""
     from kvf.errors import KvfError
-    from kvf.eval.compare import comparison_table, one_group, per_question, run_names, select
+    from kvf.eval.compare import comparison_summary, comparison_table, one_group, per_question, run_names, select
     from kvf.eval.report import load_runs
     if run_b is not None and not run_b.exists() and run_a.is_file():
         check_b_is_a_file(run_a, str(run_b), a)
@@ -103,7 +105,9 @@ def compare_command(
     import pandas as pd
     table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
-    output_console(160).print(comparison_table(table, *names))
+    console = output_console(160)
+    console.print(comparison_table(table, *names))
+    console.print(comparison_summary(table), highlight=False)
 
 
 def check_b_is_a_file(run_a: Path, word: str, a: str | None) -> None:

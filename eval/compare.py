@@ -8,6 +8,7 @@ import pandas as pd
 
 from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
+from kvf.eval.stats import describe_difference, paired_bootstrap
 from kvf.eval.report import auto_label, compare_full_records, label_before_auto, primary_metric, reference_rows
 
 
@@ -75,7 +76,7 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
     for dataset, qid in common:
         ra, rb = a.loc[(dataset, qid)], b.loc[(dataset, qid)]
         full_answer = ra.full_answer if isinstance(ra.full_answer, str) else full[dataset].answer.get(qid)
-        rows.append({"qid": qid, "question": ra.question, "gold": " / ".join(ra.gold),
+        rows.append({"dataset": dataset, "qid": qid, "question": ra.question, "gold": " / ".join(ra.gold),
                      "answer_a": ra.answer, "answer_b": rb.answer, "full_answer": full_answer or "",
                      "score_a": ra[metric[dataset]], "score_b": rb[metric[dataset]],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
@@ -116,6 +117,22 @@ def comparison_table(table: pd.DataFrame, name_a: str, name_b: str):
         if not full_is_a_side:
             out.add_row(Text("full", style="dim"), Text(r.full_answer or "-", style="dim"), "", "", end_section=True)
     return out
+
+
+def comparison_summary(table: pd.DataFrame) -> str:
+    """The two runs over the questions compared, as eval's rows give them: each one's mean against gold and
+    against full prefill, and A - B with its paired 95% bootstrap interval."""
+    index = table.dataset + "/" + table.qid                  # a qid may recur across the datasets of a run
+    parts = []
+    for measure, a, b in ((table.attrs["metric"], table.score_a, table.score_b),
+                          ("vs full", table.fidelity_a, table.fidelity_b)):
+        a, b = pd.Series(a.to_numpy(float), index=index).dropna(), pd.Series(b.to_numpy(float), index=index).dropna()
+        if len(a) and len(b):
+            diff = describe_difference(*paired_bootstrap(a, b))
+            parts.append(f"{measure}: A {a.mean():.3f}, B {b.mean():.3f}, A - B {diff}")
+    differ = int((table.answer_a != table.answer_b).sum())
+    return (f"over {counted(len(table), 'question')} ({differ} answered differently): " + "; ".join(parts)
+            + " (95% paired bootstrap intervals)")
 
 
 def _fmt(x) -> str:

@@ -713,7 +713,14 @@ def test_compare_full_answers_stand_for_the_full_run_that_was_not_given(tmp_path
     table = per_question(df, select(df, "cacheblend@0.2", "--a"), select(df, "full", "--b"))
     assert len(table) == 4 * REPS and table.attrs["full_side"] == "B"
     assert list(table.answer_b[:4]) == [full_answers[q] for q in ("q1", "q2", "q3", "q4")]
-    assert table.attrs["metric"] == "f1" and list(table.score_b[:4]) == [1.0, 1.0, 1.0, 0.0] and (table.fidelity_b == 1.0).all()   # q4's gold is Madrid
+    assert table.attrs["metric"] == "f1" and list(table.score_b[:4]) == [1.0, 1.0, 1.0, 0.0] and (table.fidelity_b == 1.0).all()
+    # under the table, the means eval's row gives and A - B with its paired interval (kvf compare printed none)
+    from kvf.eval.compare import comparison_summary
+    from kvf.eval.stats import describe_difference, paired_bootstrap
+    summary = comparison_summary(table)
+    a_fid = pd.Series(table.fidelity_a.to_numpy(), index=table.dataset + "/" + table.qid)
+    assert f"vs full: A {a_fid.mean():.3f}, B 1.000, A - B {describe_difference(*paired_bootstrap(a_fid, a_fid * 0 + 1))}" in summary
+    assert own.fidelity_f1 == pytest.approx(a_fid.mean()) and "[" in summary.partition("vs full")[2]   # q4's gold is Madrid
 
 
 def test_methods_at_one_ratio_are_set_side_by_side_so_each_interval_shows():
@@ -970,6 +977,8 @@ def test_compare_takes_a_run_over_several_datasets_as_one(tmp_path, capsys, monk
     code, out, err = run_cli(["compare", run, "--a", "kvfuse@0.15", "--b", "full"], capsys, monkeypatch)
     assert code == 0, err
     assert "2 questions" in out and "n1" in out and "b1" in out and "acc: against gold" in out
+    # the two runs' means under the table, A - B with its interval (too few questions for one here)
+    assert "over 2 questions (2 answered differently): acc: A 0.000, B 1.000, A - B too few questions" in " ".join(out.split())
     from kvf.eval.compare import per_question, select
     from kvf.eval.report import load_runs
     df = load_runs([run])
