@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -192,10 +192,10 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
-KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
@@ -226,6 +226,22 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  $(KVFUSE_RUNS)/heldout-k-musique.jsonl --out $(KVFUSE_OUT)/heldout-k-musique
 	$(KVF) eval --complete-only $(RULER_RUNS)/ruler-2048*.jsonl $(KVFUSE_RUNS)/heldout-k-ruler-2048*.jsonl \
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
+# step 9's dev choice (every chunk's first 8 tokens inside the budget, results/kvfuse.md), held out as step 5's
+# candidate was, beside every method's rows: MuSiQue 11-49 of the methods sweep and the scored RULER 2K suite
+# (seeds 0-4); `make -j2 kvfuse-sinks` runs two of its six parts (MuSiQue, and each RULER seed) at a time
+KVFUSE_SINKS ?= kvfuse:sink_tokens=8
+KVFUSE_SINKS_RULER_SEEDS ?= $(RULER_SEEDS)
+kvfuse-sinks: kvfuse-sinks-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-sinks-ruler-$(seed))
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/sinks-musique.jsonl --out $(KVFUSE_OUT)/sinks-musique
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(RULER_RUNS)/ruler-2048$(if $(filter 0,$(seed)),,-s$(seed)).jsonl \
+	  $(KVFUSE_RUNS)/sinks-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/sinks-ruler
+kvfuse-sinks-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SINKS) -o $(KVFUSE_RUNS)/sinks-musique.jsonl
+kvfuse-sinks-ruler-%: | setup
+	dir=$(WORK)/ruler-2048$$([ $* = 0 ] || echo -s$*); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 2048 \
+	  --n $(RULER_N) --seed $* --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	$(KVF) run -d $$dir -m $(KVFUSE_SINKS) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/sinks-ruler-2048-s$*.jsonl
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
 KVFUSE_SLOPE ?= kvfuse:budget_slope=0.5
 kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
@@ -320,7 +336,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \

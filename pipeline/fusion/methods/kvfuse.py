@@ -35,6 +35,10 @@ later questions, results/kvfuse/runs/):
 - whole chunks (step 7, select_unit=chunks): the budget on the chunks the question attends to most, each recomputed
   in full; behind tokens on MuSiQue dev (0.907 vs 0.944) and level with no shift on RULER dev (0.700): not the default.
 
+- every chunk's first tokens (step 9, sink_tokens=8, inside the budget): ahead on both dev splits (MuSiQue 0.982,
+  RULER 0.725); held out, RULER 2K 0.770 vs 0.670 (boundary 0.50 -> 0.92) but MuSiQue 11-49 0.816 vs 0.855: not the
+  default; the knob is the choice for chunks cut out of running text.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
