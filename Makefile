@@ -228,20 +228,29 @@ kvfuse-candidate: $(WORK)/musique/questions.jsonl ruler-2048
 	  --out $(KVFUSE_OUT)/heldout-k-ruler
 # step 9's dev choice (every chunk's first 8 tokens inside the budget, results/kvfuse.md), held out as step 5's
 # candidate was, beside every method's rows: MuSiQue 11-49 of the methods sweep and the scored RULER 2K suite
-# (seeds 0-4); `make -j2 kvfuse-sinks` runs two of its six parts (MuSiQue, and each RULER seed) at a time
+# (seeds 0-4), and the 4K suite's seeds 0-1; `make -j2 kvfuse-sinks` runs two of its parts (MuSiQue, and each
+# RULER length and seed) at a time
 KVFUSE_SINKS ?= kvfuse:sink_tokens=8
 KVFUSE_SINKS_RULER_SEEDS ?= $(RULER_SEEDS)
-kvfuse-sinks: kvfuse-sinks-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-sinks-ruler-$(seed))
+KVFUSE_SINKS_4K_SEEDS ?= 0 1
+# a RULER length and seed's sweep records (seed 0's file has no suffix) and their sinks records
+sinks_pair = $(RULER_RUNS)/ruler-$(1)$(if $(filter 0,$(2)),,-s$(2)).jsonl $(KVFUSE_RUNS)/sinks-ruler-$(1)-s$(2).jsonl
+kvfuse-sinks: kvfuse-sinks-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-sinks-ruler-2048-$(seed)) \
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-sinks-ruler-4096-$(seed))
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  $(KVFUSE_RUNS)/sinks-musique.jsonl --out $(KVFUSE_OUT)/sinks-musique
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(RULER_RUNS)/ruler-2048$(if $(filter 0,$(seed)),,-s$(seed)).jsonl \
-	  $(KVFUSE_RUNS)/sinks-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/sinks-ruler
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(call sinks_pair,2048,$(seed))) \
+	  --out $(KVFUSE_OUT)/sinks-ruler
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),$(call sinks_pair,4096,$(seed))) \
+	  --out $(KVFUSE_OUT)/sinks-ruler-4096
 kvfuse-sinks-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SINKS) -o $(KVFUSE_RUNS)/sinks-musique.jsonl
-kvfuse-sinks-ruler-%: | setup
-	dir=$(WORK)/ruler-2048$$([ $* = 0 ] || echo -s$*); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 2048 \
-	  --n $(RULER_N) --seed $* --tasks $(RULER_TASKS) --out $$dir || exit 1; \
-	$(KVF) run -d $$dir -m $(KVFUSE_SINKS) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/sinks-ruler-2048-s$*.jsonl
+kvfuse-sinks-ruler-%: | setup   # % = LENGTH-SEED, e.g. 2048-0; the suite's data for that seed (make ruler's)
+	spec=$*; length=$${spec%-*}; seed=$${spec#*-}; dir=$(WORK)/ruler-$$length$$([ $$seed = 0 ] || echo -s$$seed); \
+	[ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $$length --n $(RULER_N) --seed $$seed \
+	  --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	$(KVF) run -d $$dir -m $(KVFUSE_SINKS) -r 0.15 --max-new-tokens 32 --no-show-answers \
+	  -o $(KVFUSE_RUNS)/sinks-ruler-$$length-s$$seed.jsonl
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
 KVFUSE_SLOPE ?= kvfuse:budget_slope=0.5
 kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
