@@ -63,7 +63,8 @@ from kvf.pipeline.model.rope import apply_rope, unapply_rope
 class KvFuseKnobs:
     score_layers: str = knob("all", "layers whose question attention ranks tokens: all (averaged) or last",
                              choices=("all", "last", "early", "late"))
-    sink_tokens: int = knob(0, "first tokens of every chunk always recomputed, inside the budget", min=0)
+    sink_tokens: int = knob(0, "first tokens of every chunk always recomputed, inside the budget (8 mends a fact "
+                               "cut by a chunk boundary: results/kvfuse.md, step 9)", min=0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
