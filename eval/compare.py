@@ -9,13 +9,15 @@ import pandas as pd
 from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import describe_difference, paired_bootstrap
-from kvf.eval.report import auto_label, compare_full_records, label_before_auto, primary_metric, reference_rows
+from kvf.eval.report import (POOLED, auto_label, compare_full_records, label_before_auto, primary_metric,
+                             reference_rows)
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
     """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model, cacheblend@auto); `flag` is
     the option the selector came from, for the errors. The form tables and progress lines print a labelled run
     in, 'method@ratio [label]', names it too."""
+    df = per_task(df)
     shown = re.fullmatch(r"(\S+) \[(.+)\]", selector.strip())
     text, _, label = (shown[1], None, shown[2]) if shown else selector.partition(":")
     if not shown and "@" in label and "@" not in text and label not in set(df.label):   # -m's NAME:KNOB=VALUE@RATIO
@@ -39,6 +41,12 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
     if rows.empty:   # say what there is to choose from
         raise KvfError(f"{flag} {selector}: no records match; the runs there are {', '.join(run_names(df)[:8])}")
     return one_group(rows, f"{flag} {selector}", "narrow it with @ratio or :label")
+
+
+def per_task(df: pd.DataFrame) -> pd.DataFrame:
+    """The records without eval's pooled copies ("ruler-2048 (all tasks)"): a run over a suite's tasks is compared
+    task by task, and each question counts once."""
+    return df[~df.dataset.str.endswith(POOLED)]
 
 
 def run_names(rows: pd.DataFrame) -> list[str]:
@@ -65,6 +73,7 @@ def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
 def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """One row per question both answered: gold, both answers, full's answer, each one's scores. A run may span
     several datasets (a RULER suite's tasks): each question is scored by its dataset's metric and full run."""
+    df, a, b = per_task(df), per_task(a), per_task(b)
     metric = {d: primary_metric(df[df.dataset == d]) for d in a.dataset.unique()}
     full = {d: reference_rows(df, d, "full", label=a.label.iloc[0]) for d in metric}
     a, b = a.set_index(["dataset", "qid"]), b.set_index(["dataset", "qid"])

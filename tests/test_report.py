@@ -984,6 +984,10 @@ def test_compare_takes_a_run_over_several_datasets_as_one(tmp_path, capsys, monk
     df = load_runs([run])
     table = per_question(df, select(df, "kvfuse@0.15", "--a"), select(df, "full", "--b"))
     assert table.attrs["metric"] == "acc" and list(table.score_a) == [0.0, 0.0] and list(table.score_b) == [1.0, 1.0]
+    # kvf eval --compare: eval pools a suite's tasks once more ("ruler-2048 (all tasks)"); each question counts once
+    code, out, err = run_cli(["eval", run, "-o", tmp_path / "ev", "--compare", "kvfuse@0.15", "full"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "over 2 questions (2 answered differently)" in " ".join(out.split()), out
     # two runs of other metrics together: each question by its own, and the column says so
     lines += [dict(line, dataset="toy", qid="t1", gold=["It is 99"]) for line in lines[:2]]
     run.write_text("".join(json.dumps(line) + "\n" for line in lines))
