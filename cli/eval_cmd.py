@@ -66,6 +66,8 @@ def compare_command(
     b: Annotated[Optional[str], typer.Option("--b", help="Which of B's runs, as --a, e.g. full.")] = None,
     method: Annotated[Optional[str], typer.Option("--method", "-m", help="Which method's records in both files, when they hold several.")] = None,
     ratio: Annotated[Optional[float], typer.Option("--ratio", "-r", help="Which ratio's records in both files, when they hold several.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the questions as JSON (one object per question) "
+                                                          "instead of a table; the summary line goes to stderr.")] = False,
 ):
     """Per question: gold, A's and B's answers, full prefill's answer, and each one's scores."""
     from kvf.errors import KvfError
@@ -105,8 +107,11 @@ def compare_command(
     import pandas as pd
     table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
-    console = output_console(160)
-    console.print(comparison_table(table, *names))
+    console = output_console(160, stderr=json_out)   # --json: stdout holds the JSON alone
+    if json_out:
+        print(table.to_json(orient="records"))
+    else:
+        console.print(comparison_table(table, *names))
     console.print(comparison_summary(table), highlight=False)
 
 

@@ -87,7 +87,7 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
         full_answer = ra.full_answer if isinstance(ra.full_answer, str) else full[dataset].answer.get(qid)
         rows.append({"dataset": dataset, "qid": qid, "question": ra.question, "gold": " / ".join(ra.gold),
                      "answer_a": ra.answer, "answer_b": rb.answer, "full_answer": full_answer or "",
-                     "score_a": ra[metric[dataset]], "score_b": rb[metric[dataset]],
+                     "metric": metric[dataset], "score_a": ra[metric[dataset]], "score_b": rb[metric[dataset]],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
                      "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
                      "kl_a": ra.kl_full, "kl_b": rb.kl_full})

@@ -984,6 +984,13 @@ def test_compare_takes_a_run_over_several_datasets_as_one(tmp_path, capsys, monk
     df = load_runs([run])
     table = per_question(df, select(df, "kvfuse@0.15", "--a"), select(df, "full", "--b"))
     assert table.attrs["metric"] == "acc" and list(table.score_a) == [0.0, 0.0] and list(table.score_b) == [1.0, 1.0]
+    # --json: stdout holds one object per question alone (as kvf eval --json and kvf bench --json), the summary on stderr
+    code, out, err = run_cli(["compare", run, "--a", "kvfuse@0.15", "--b", "full", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["dataset"], r["qid"], r["metric"], r["score_a"], r["score_b"]) for r in rows] == [
+        ("ruler-2048/niah_single", "n1", "acc", 0.0, 1.0), ("ruler-2048/boundary", "b1", "acc", 0.0, 1.0)]
+    assert "over 2 questions" in err
     # kvf eval --compare: eval pools a suite's tasks once more ("ruler-2048 (all tasks)"); each question counts once
     code, out, err = run_cli(["eval", run, "-o", tmp_path / "ev", "--compare", "kvfuse@0.15", "full"], capsys, monkeypatch)
     assert code == 0, err
