@@ -343,6 +343,9 @@ def test_methods_without_a_ratio_are_drawn_and_labelled_without_one(monkeypatch,
     lines = {line.get_label() for line in drawn["ax"].get_lines()}
     assert {"prefix", "ape [temperature=0.5]"} <= lines
     assert [c.get_label() for c in drawn["ax"].containers] == ["cacheblend@0.15"]
+    # `kvf bench -m full` alone: no other row to draw, and no error (an empty mask once selected columns)
+    bench_module.plot_ratio_vs_length(df[df.method == "full"], tmp_path / "p.png", "tiny on cpu")
+    assert [line.get_label() for line in drawn["ax"].get_lines()] == ["full prefill"]
 
 
 def test_a_length_named_twice_is_timed_once():

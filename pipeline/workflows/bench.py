@@ -703,8 +703,9 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     full = warm[warm.method == "full"].sort_values("length")
     ax.axhline(1.0, linestyle="--", color="black", label="full prefill")
     others = warm[~warm.ratio_auto & (warm.method != "full")]
-    fixed = others[others.method.map(ratio_fixed)]
-    selective = others[~others.method.map(ratio_fixed)]
+    # bool, not object: with no other rows (-m full) an empty object mask selects columns, not rows
+    no_ratio = others.method.map(ratio_fixed).astype(bool)
+    fixed, selective = others[no_ratio], others[~no_ratio]
     shown = plotted_ratios(selective)
     selective = selective[selective.ratio.isin(shown)]
     markers = iter(["s", "D", "^", "v", "P", "X"])
