@@ -73,7 +73,7 @@ def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
 def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """One row per question both answered: gold, both answers, full's answer, each one's scores. A run may span
     several datasets (a RULER suite's tasks): each question is scored by its dataset's metric and full run."""
-    df, a, b = per_task(df), per_task(a), per_task(b)
+    df = per_task(df)   # eval's records hold pooled copies; a and b come through select() or a run file, without them
     metric = {d: primary_metric(df[df.dataset == d]) for d in a.dataset.unique()}
     full = {d: reference_rows(df, d, "full", label=a.label.iloc[0]) for d in metric}
     a, b = a.set_index(["dataset", "qid"]), b.set_index(["dataset", "qid"])
