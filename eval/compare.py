@@ -9,8 +9,8 @@ import pandas as pd
 from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import describe_difference, paired_bootstrap
-from kvf.eval.report import (POOLED, auto_label, compare_full_records, label_before_auto, primary_metric,
-                             reference_rows)
+from kvf.eval.report import (POOLED, auto_label, compare_full_records, primary_metric,
+                             reference_rows, run_selector)
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
@@ -51,12 +51,7 @@ def per_task(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_names(rows: pd.DataFrame) -> list[str]:
     """The selectors (method@ratio[:label]) of the runs in `rows`, sorted."""
-    def name(method, ratio, label):
-        own = label_before_auto(label)
-        if own is not None:   # --ratio auto: named by the mode, not by its mean ratio
-            return f"{method}@auto" + (f":{own}" if own else "")
-        return f"{method}@{ratio:g}" + (f":{label}" if label else "")
-    return sorted({name(m, r, lab) for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
+    return sorted({run_selector(m, r, lab) for m, r, lab in zip(rows.method, rows.ratio, rows.label)})
 
 
 def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:

@@ -163,9 +163,13 @@ def data_top(rows: pd.DataFrame, columns: list[str]) -> float:
 
 def plot_ttft(summary: pd.DataFrame, path: Path):
     """TTFT / full TTFT vs recompute ratio: one panel per dataset; a method keeps its colour in every
-    panel, and one legend serves them all."""
+    panel, and one legend serves them all. A row whose full prefill another run file timed is not drawn (a
+    line under the figure names it): its ratio mixes two runs' conditions."""
     from matplotlib.figure import Figure
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
+    elsewhere = rows._timed_elsewhere != "" if "_timed_elsewhere" in rows else pd.Series(False, index=rows.index)
+    left_out = sorted({_label(r, True) for _, r in rows[elsewhere].iterrows()})
+    rows = rows[~elsewhere]
     datasets = sorted(rows.dataset.unique())
     fig = Figure(figsize=(4.4 * max(1, len(datasets)) + 2.6, 4.6))
     axes = fig.subplots(1, max(1, len(datasets)), sharey=True, squeeze=False)[0]
@@ -184,7 +188,12 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     axes[0].set_ylabel("TTFT / full prefill TTFT (same questions)")
     fig.suptitle("Time to first token vs recompute ratio")
     _legend_outside(fig, axes)
-    fig.tight_layout(rect=(0, 0, 0.85, 0.95))
+    bottom = 0.0
+    if left_out:
+        fig.text(0.01, 0.01, "not drawn, their full prefill timed by another run file: " + ", ".join(left_out),
+                 fontsize="small", color="dimgray", va="bottom")
+        bottom = 0.05
+    fig.tight_layout(rect=(0, bottom, 0.85, 0.95))
     save_figure(fig, path)
 
 

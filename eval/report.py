@@ -149,6 +149,15 @@ def label_before_auto(label: str) -> str | None:
     return label.removesuffix("-auto") if label.endswith("-auto") else None
 
 
+def run_selector(method: str, ratio: float, label: str) -> str:
+    """How a summary row is named where a reader may pass it on to `kvf compare --a/--b`: method@ratio[:label]
+    (method@auto for a --ratio auto run, named by the mode, not by its mean ratio)."""
+    own = label_before_auto(label)
+    if own is not None:
+        return f"{method}@auto" + (f":{own}" if own else "")
+    return f"{method}@{ratio:g}" + (f":{label}" if label else "")
+
+
 def one_run_per_auto_ratio(df: pd.DataFrame) -> pd.DataFrame:
     """`--ratio auto` picks each question's own ratio, so its records made one run of n = 1 per question (and
     `kvf compare` could not name them). They are one run: labelled 'auto' (after a label of their own), at the
@@ -218,6 +227,17 @@ def without_questions(df: pd.DataFrame, listed, flag: str = "--exclude-questions
     return out
 
 
+def warn_timed_elsewhere(summary: pd.DataFrame) -> None:
+    """Rows whose ttft_ratio divides by a full prefill that another run file timed: said once, since the terminal's
+    table shows no notes and such a ratio can read faster or slower than the method is."""
+    odd = summary[(summary._timed_elsewhere != "") & ~summary.dataset.str.endswith(POOLED)]
+    if len(odd):
+        first = odd.iloc[0]
+        warn(f"{len(odd)} row(s) divide their TTFT by a full prefill timed by another run file (e.g. {first.dataset} "
+             f"{run_selector(first.method, first.ratio, first.label)}), so their ttft_ratio mixes two runs' conditions: time both in one "
+             "`kvf run` (-m full,... or --compare-full), or compare speed with `kvf bench`")
+
+
 def warn_other_requests(summary: pd.DataFrame) -> None:
     """Rows compared with a full or reuse run that was asked other requests: said once per dataset, since
     their vs_full / vs_reuse, fidelity and TTFT ratio then compare different prompts."""
@@ -226,7 +246,7 @@ def warn_other_requests(summary: pd.DataFrame) -> None:
         if len(odd):
             first = odd.iloc[0]
             warn(f"{dataset}: {len(odd)} row(s) are compared with runs asked other requests (e.g. "
-                 f"{_name(first)}@{first.ratio:g}: {first._other_requests}); their comparisons with full and reuse mix different "
+                 f"{run_selector(first.method, first.ratio, first.label)}: {first._other_requests}); their comparisons with full and reuse mix different "
                  "prompts: run every method with the same -k, chunks, model and --max-new-tokens (or --compare-full)")
 
 
@@ -357,6 +377,18 @@ def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
     return float(mine.loc[common].mean() / theirs.loc[common].mean())
 
 
+def timed_elsewhere(group: pd.DataFrame, full: pd.DataFrame) -> str:
+    """'' when full prefill's TTFT (ttft_ratio's denominator) was timed in the run file of the row's own record
+    for every question both timed; else a note: another `kvf run` timed it, maybe on a busier or a quieter
+    machine, so the ratio mixes conditions (one run with `-m full,...` or --compare-full times both alike)."""
+    mine = group.drop_duplicates("qid").set_index("qid")
+    mine = mine[mine.t_first_token.notna()]
+    theirs = full[full.t_first_token.notna()] if len(full) else full
+    common = mine.index.intersection(theirs.index)
+    other = int((mine.file.loc[common] != theirs.file.loc[common]).sum()) if len(common) else 0
+    return f"ttft_ratio: full timed by another run file on {other} of {len(common)} questions" if other else ""
+
+
 def recomputed_fraction(group: pd.DataFrame) -> float:
     """Mean per-question recomputed_tokens / chunk_tokens (questions with chunk tokens only)."""
     has_chunks = group.chunk_tokens > 0
@@ -396,7 +428,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
                                         other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse")
                                         else "") if text)
     own = "full: its --compare-full answers" if from_records and len(full) else ""
-    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own) if text)
+    elsewhere = timed_elsewhere(group, full) if first.method != "full" and not from_records else ""   # TTFT only
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own, elsewhere) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
@@ -413,7 +446,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
             "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
             "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
             "recompute_s": group.t_recompute.mean(), "decode_s": group.t_decode.mean(),
-            "prompt_tokens": group.prompt_tokens.mean(), "note": note, "_other_requests": other}
+            "prompt_tokens": group.prompt_tokens.mean(), "note": note, "_other_requests": other,
+            "_timed_elsewhere": elsewhere}
 
 
 def _mean(series: pd.Series) -> float:
@@ -590,7 +624,7 @@ def significant_rows(rows: pd.DataFrame, baseline: str, sign: int) -> str:
         most = int(rows[f"_{column}_n"].max())
         return (f"not tested (no {baseline} run on these questions)" if most == 0
                 else f"not tested (at most {most} questions in common with {baseline}; {MIN_QUESTIONS} are needed)")
-    found = [f"{_name(r)}@{r.ratio:g}" for _, r in tested.iterrows()
+    found = [run_selector(r.method, r.ratio, r.label) for _, r in tested.iterrows()
              if significant(r[f"{column}_low"], r[f"{column}_high"]) and sign * r[column] > 0]
     return ", ".join(found) or "none"
 
@@ -670,6 +704,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     summary = summarize(df, track)
     warn_unscored(summary)
     warn_other_requests(summary)
+    warn_timed_elsewhere(summary)
     summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]
     summary.attrs["records"] = df
     return summary
