@@ -243,6 +243,22 @@ def test_every_committed_results_file_is_listed_in_expected_yaml():
         assert name == "results/verified.md" or name in listed, f"{name} is not in results/expected.yaml"
 
 
+def test_every_committed_eval_folder_is_rescored_by_verify():
+    """results/kvfuse/test, heldout-k-musique, heldout-k-ruler and heldout-musique were listed nowhere, so `verify
+    --rescore` never saw test/ go stale after a note changed, nor checked the numbers results/kvfuse.md cites from
+    them. Every folder `kvf eval` wrote under results/ now has an entry whose rescore is the command its summary.md
+    says made it (else verify's check_rendered skips the folder without a word)."""
+    rescored = {entry["table"]: entry["rescore"] for entry in EXPECTED.values() if "rescore" in entry}
+    for summary in sorted((REPO / "results").glob("**/summary.md")):
+        folder = summary.parent.relative_to(REPO)
+        if not summary.read_text().startswith("Made by `kvf eval"):
+            continue
+        rescore = rescored.get(f"{folder}/summary.csv")
+        assert rescore, f"{folder}/summary.csv is no results/expected.yaml entry's table with a rescore"
+        command = verify.expand_globs(rescore.replace("{out}", str(folder)))
+        assert summary.read_text().startswith(f"Made by `{command}` at commit"), folder
+
+
 def test_bench_gpu_load_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
     """A CPU machine (CI's) gets one `kvf: error:` line, not a traceback; so does an unknown shape on a GPU."""
     import torch
