@@ -163,7 +163,7 @@ def data_top(rows: pd.DataFrame, columns: list[str]) -> float:
 
 def plot_ttft(summary: pd.DataFrame, path: Path):
     """TTFT / full TTFT vs recompute ratio: one panel per dataset; a method keeps its colour in every
-    panel, and one legend serves them all. A row whose full prefill another run file timed is not drawn (a
+    panel, and one legend serves them all. A row whose full prefill another run timed is not drawn (a
     line under the figure names it): its ratio mixes two runs' conditions."""
     from matplotlib.figure import Figure
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
@@ -190,7 +190,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     _legend_outside(fig, axes)
     bottom = 0.0
     if left_out:
-        fig.text(0.01, 0.01, "not drawn, their full prefill timed by another run file: " + ", ".join(left_out),
+        fig.text(0.01, 0.01, "not drawn, their full prefill timed by another run: " + ", ".join(left_out),
                  fontsize="small", color="dimgray", va="bottom")
         bottom = 0.05
     fig.tight_layout(rect=(0, bottom, 0.85, 0.95))

@@ -58,7 +58,8 @@ SUMMARY_COLUMNS = ["dataset", "method", "label", "variant", "ratio", "n", "metri
 def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
     """One run record -> one flat row (what the summary needs, nothing model-specific)."""
     s = rec.settings
-    row = {"file": str(path), "line": lineno, "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
+    commit = rec.provenance.commit if rec.provenance else None
+    row = {"file": str(path), "line": lineno, "timed_by": f"{path} at {commit or 'an unrecorded commit'}", "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
            "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "ratio_mode": s.get("ratio_mode"),
            "question": rec.question,
            "answer": rec.answer,
@@ -228,12 +229,12 @@ def without_questions(df: pd.DataFrame, listed, flag: str = "--exclude-questions
 
 
 def warn_timed_elsewhere(summary: pd.DataFrame) -> None:
-    """Rows whose ttft_ratio divides by a full prefill that another run file timed: said once, since the terminal's
+    """Rows whose ttft_ratio divides by a full prefill that another run timed: said once, since the terminal's
     table shows no notes and such a ratio can read faster or slower than the method is."""
     odd = summary[(summary._timed_elsewhere != "") & ~summary.dataset.str.endswith(POOLED)]
     if len(odd):
         first = odd.iloc[0]
-        warn(f"{len(odd)} row(s) divide their TTFT by a full prefill timed by another run file (e.g. {first.dataset} "
+        warn(f"{len(odd)} row(s) divide their TTFT by a full prefill another run timed (another file or commit; e.g. {first.dataset} "
              f"{run_selector(first.method, first.ratio, first.label)}), so their ttft_ratio mixes two runs' conditions: time both in one "
              "`kvf run` (-m full,... or --compare-full), or compare speed with `kvf bench`")
 
@@ -378,15 +379,16 @@ def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
 
 
 def timed_elsewhere(group: pd.DataFrame, full: pd.DataFrame) -> str:
-    """'' when full prefill's TTFT (ttft_ratio's denominator) was timed in the run file of the row's own record
-    for every question both timed; else a note: another `kvf run` timed it, maybe on a busier or a quieter
-    machine, so the ratio mixes conditions (one run with `-m full,...` or --compare-full times both alike)."""
+    """'' when full prefill's TTFT (ttft_ratio's denominator) was timed by the run that timed the row's own record
+    (same run file, same commit) for every question both timed; else a note: another `kvf run` timed it, maybe on a
+    busier or a quieter machine, so the ratio mixes conditions (one run with `-m full,...` or --compare-full times
+    both alike). A later session's records appended to a sweep's file carry a later commit."""
     mine = group.drop_duplicates("qid").set_index("qid")
     mine = mine[mine.t_first_token.notna()]
     theirs = full[full.t_first_token.notna()] if len(full) else full
     common = mine.index.intersection(theirs.index)
-    other = int((mine.file.loc[common] != theirs.file.loc[common]).sum()) if len(common) else 0
-    return f"ttft_ratio: full timed by another run file on {other} of {len(common)} questions" if other else ""
+    other = int((mine.timed_by.loc[common] != theirs.timed_by.loc[common]).sum()) if len(common) else 0
+    return f"ttft_ratio: full timed by another run on {other} of {len(common)} questions" if other else ""
 
 
 def recomputed_fraction(group: pd.DataFrame) -> float:
