@@ -167,7 +167,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     line under the figure names it): its ratio mixes two runs' conditions."""
     from matplotlib.figure import Figure
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
-    elsewhere = rows._timed_elsewhere != "" if "_timed_elsewhere" in rows else pd.Series(False, index=rows.index)
+    elsewhere = rows._ttft_mixed.astype(bool) if "_ttft_mixed" in rows else pd.Series(False, index=rows.index)
     left_out = sorted({_label(r, True) for _, r in rows[elsewhere].iterrows()})
     rows = rows[~elsewhere]
     datasets = sorted(rows.dataset.unique())

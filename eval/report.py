@@ -231,7 +231,7 @@ def without_questions(df: pd.DataFrame, listed, flag: str = "--exclude-questions
 def warn_timed_elsewhere(summary: pd.DataFrame) -> None:
     """Rows whose ttft_ratio divides by a full prefill that another run timed: said once, since the terminal's
     table shows no notes and such a ratio can read faster or slower than the method is."""
-    odd = summary[(summary._timed_elsewhere != "") & ~summary.dataset.str.endswith(POOLED)]
+    odd = summary[summary._ttft_mixed & ~summary.dataset.str.endswith(POOLED)]
     if len(odd):
         first = odd.iloc[0]
         warn(f"{len(odd)} row(s) divide their TTFT by a full prefill another run timed (another file or commit; e.g. {first.dataset} "
@@ -366,29 +366,27 @@ def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
     return (math.nan if value is None else value), "; ".join(notes)
 
 
-def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> float:
-    """mean(method TTFT) / mean(full TTFT) over the questions both timed: full's own records, or else the
-    full prefill `kvf run --compare-full` timed on the same prompt and wrote into each record."""
-    own = group.set_index("qid")
+def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> tuple[float, str, bool]:
+    """mean(method TTFT) / mean(full TTFT) over the questions both timed, a note, and whether the ratio mixes two
+    runs. Full's TTFT comes from the `full` run's records, or else from the full prefill `kvf run --compare-full`
+    timed beside each record. A run is a run file at a commit (a later session's records appended to a sweep's file
+    carry a later one), and another run may have timed full on a busier or a quieter machine. So the ratio is taken
+    over the questions full was timed by the row's own run, when those are at least MIN_QUESTIONS (or all of them);
+    else over every question, and the note says that another run timed full on some."""
+    own = group.drop_duplicates("qid").set_index("qid")
     mine = own.t_first_token.dropna()
-    theirs = full.t_first_token.dropna() if len(full) else own.t_full_first_token.dropna()
-    common = sorted(set(mine.index) & set(theirs.index))
-    if not common or theirs.loc[common].mean() <= 0:
-        return math.nan
-    return float(mine.loc[common].mean() / theirs.loc[common].mean())
-
-
-def timed_elsewhere(group: pd.DataFrame, full: pd.DataFrame) -> str:
-    """'' when full prefill's TTFT (ttft_ratio's denominator) was timed by the run that timed the row's own record
-    (same run file, same commit) for every question both timed; else a note: another `kvf run` timed it, maybe on a
-    busier or a quieter machine, so the ratio mixes conditions (one run with `-m full,...` or --compare-full times
-    both alike). A later session's records appended to a sweep's file carry a later commit."""
-    mine = group.drop_duplicates("qid").set_index("qid")
-    mine = mine[mine.t_first_token.notna()]
-    theirs = full[full.t_first_token.notna()] if len(full) else full
+    theirs, theirs_by = (full.t_first_token.dropna(), full.timed_by) if len(full) else \
+        (own.t_full_first_token.dropna(), own.timed_by)
     common = mine.index.intersection(theirs.index)
-    other = int((mine.timed_by.loc[common] != theirs.timed_by.loc[common]).sum()) if len(common) else 0
-    return f"ttft_ratio: full timed by another run on {other} of {len(common)} questions" if other else ""
+    same = common[(own.timed_by.loc[common] == theirs_by.loc[common]).to_numpy()]
+    note, mixed = "", False
+    if len(same) < len(common) and len(same) >= min(MIN_QUESTIONS, len(common)):
+        note, common = f"ttft_ratio over the {len(same)} of {len(common)} questions full was timed by this run", same
+    elif len(same) < len(common):
+        note, mixed = f"ttft_ratio: full timed by another run on {len(common) - len(same)} of {len(common)} questions", True
+    if not len(common) or theirs.loc[common].mean() <= 0:
+        return math.nan, note, mixed
+    return float(mine.loc[common].mean() / theirs.loc[common].mean()), note, mixed
 
 
 def recomputed_fraction(group: pd.DataFrame) -> float:
@@ -430,8 +428,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
                                         other_requests(group, reuse, "reuse") if first.method not in ("full", "reuse")
                                         else "") if text)
     own = "full: its --compare-full answers" if from_records and len(full) else ""
-    elsewhere = timed_elsewhere(group, full) if first.method != "full" and not from_records else ""   # TTFT only
-    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own, elsewhere) if text)
+    ttft, ttft_note, ttft_mixed = ttft_ratio(group, full)   # full against itself: one run, no note
+    note = "; ".join(text for text in (note, mixed_settings(group), partial_gold, other, own, ttft_note) if text)
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
@@ -444,12 +442,12 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
             "metric_low": metric_low, "metric_high": metric_high, "fidelity_low": fidelity_low,
             "fidelity_high": fidelity_high,
             "norm_f1": norm, "fidelity_f1": _mean(fidelity), "kl_full": group.kl_full.mean(),
-            "top1_agree": group.top1_agree.mean(), "ttft_ratio": ttft_ratio(group, full),
+            "top1_agree": group.top1_agree.mean(), "ttft_ratio": ttft,
             "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
             "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
             "recompute_s": group.t_recompute.mean(), "decode_s": group.t_decode.mean(),
             "prompt_tokens": group.prompt_tokens.mean(), "note": note, "_other_requests": other,
-            "_timed_elsewhere": elsewhere}
+            "_ttft_mixed": ttft_mixed}
 
 
 def _mean(series: pd.Series) -> float:

@@ -1019,29 +1019,36 @@ def test_a_run_named_without_a_label_is_the_unlabelled_run():
 def test_ttft_ratio_against_a_full_prefill_another_run_timed_is_said(tmp_path, capsys):
     """The sinks row of results/kvfuse/sinks-ruler read ttft_ratio 0.205 beside the default's 0.272, as if the sinks
     made kvfuse faster: its full prefill had been timed by the sweep's run file, another process on a differently
-    loaded machine; methods.md's kvfuse rows, appended to the sweep's file sessions later, likewise. Such a row now
-    says so in its note (another file, or the same file at another commit), and eval says it once on the terminal
-    (whose table shows no notes); a method timed by full's own run, or against its own --compare-full timings, is
-    not flagged."""
+    loaded machine; methods.md's kvfuse rows, appended to the sweep's file sessions later, likewise. A run is a run
+    file at a commit. Where full was timed by the row's own run on enough questions, the ratio is taken over those
+    and the note says so; where not, the note says that another run timed full, eval says it once on the terminal
+    (whose table shows no notes) and the TTFT plot leaves the row out. A method timed by full's own run, or against
+    its own --compare-full timings, gets no note."""
     answers = {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}
-    at = {"provenance": {"kvf_version": "0.1", "commit": "aaaa", "device": "cpu"}}
-    later = {"provenance": {"kvf_version": "0.1", "commit": "bbbb", "device": "cpu"}}
-    sweep = write_run(tmp_path / "sweep.jsonl", [dict(r, **at) for r in replicated("full", answers, ratio=1.0, ttft=2.0)
-                                                 + replicated("cacheblend", answers, ratio=0.2, ttft=1.0)]
-                      + [dict(r, **later) for r in replicated("a3", answers, ratio=0.2, ttft=1.5)])
-    other = write_run(tmp_path / "other.jsonl", [dict(r, **at) for r in replicated("kvfuse", answers, ratio=0.2, ttft=0.5)])
+    def at(commit, records):
+        return [dict(r, provenance={"kvf_version": "0.1", "commit": commit, "device": "cpu"}) for r in records]
+    full = at("aaaa", replicated("full", answers, ratio=1.0, ttft=2.0))
+    for r in full[:4]:                                   # questions q1-0..q4-0: full timed at 4 s by a later session
+        r["timings"] = dict(r["timings"], first_token=4.0)
+        r["provenance"] = dict(r["provenance"], commit="cccc")
+    sweep = write_run(tmp_path / "sweep.jsonl", full + at("aaaa", replicated("cacheblend", answers, ratio=0.2, ttft=1.0))
+                      + at("bbbb", replicated("a3", answers, ratio=0.2, ttft=1.5)))
+    other = write_run(tmp_path / "other.jsonl", at("aaaa", replicated("kvfuse", answers, ratio=0.2, ttft=0.5)))
     own = write_run(tmp_path / "own.jsonl", replicated(
         "epic", {q: (a, {"full_answer": a, "full_first_token": 4.0}) for q, a in answers.items()}, ratio=0.2, ttft=1.0))
     summary = evaluate([sweep, other], tmp_path / "out").set_index("method")
-    assert summary.loc["kvfuse"].ttft_ratio == pytest.approx(0.25)     # the number stays; its note says whence
-    said = f"ttft_ratio: full timed by another run on {4 * REPS} of {4 * REPS} questions"
+    n, same = 4 * REPS, 4 * REPS - 4
+    blend = summary.loc["cacheblend"]                    # 20 questions timed alongside full: the ratio over those
+    assert blend.ttft_ratio == pytest.approx(0.5) and f"ttft_ratio over the {same} of {n} questions" in blend.note
+    said = f"ttft_ratio: full timed by another run on {n} of {n} questions"
     assert said in summary.loc["kvfuse"].note and said in summary.loc["a3"].note     # another file; another commit
-    assert "another run" not in summary.loc["cacheblend"].note
+    assert summary.loc["kvfuse"].ttft_ratio == pytest.approx(0.5 * n / (2.0 * same + 4.0 * 4))   # every question
+    assert "ttft_ratio" not in summary.loc["full"].note
     err = capsys.readouterr().err
     assert "2 row(s) divide their TTFT by a full prefill another run timed" in err and "toy a3@0.2" in err
     assert said in (tmp_path / "out" / "summary.md").read_text()
     alone = evaluate([own], tmp_path / "own").set_index("method")      # its own --compare-full timings
-    assert alone.loc["epic"].ttft_ratio == pytest.approx(0.25) and "another run" not in alone.loc["epic"].note
+    assert alone.loc["epic"].ttft_ratio == pytest.approx(0.25) and "ttft_ratio" not in alone.loc["epic"].note
     assert "another run" not in capsys.readouterr().err
 
 
