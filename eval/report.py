@@ -377,7 +377,7 @@ def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> tuple[float, str, boo
     mine = own.t_first_token.dropna()
     theirs, theirs_by = (full.t_first_token.dropna(), full.timed_by) if len(full) else \
         (own.t_full_first_token.dropna(), own.timed_by)
-    common = mine.index.intersection(theirs.index)
+    common = mine.index.intersection(theirs.index).sort_values()   # in qid order: the same sums as before
     same = common[(own.timed_by.loc[common] == theirs_by.loc[common]).to_numpy()]
     note, mixed = "", False
     if len(same) < len(common) and len(same) >= min(MIN_QUESTIONS, len(common)):
