@@ -59,7 +59,9 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
     """One run record -> one flat row (what the summary needs, nothing model-specific)."""
     s = rec.settings
     commit = rec.provenance.commit if rec.provenance else None
-    row = {"file": str(path), "line": lineno, "timed_by": f"{path} at {commit or 'an unrecorded commit'}", "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
+    row = {"file": str(path), "line": lineno, "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
+           # the run that timed it: one `kvf run` writes one commit; a later session appending to the file, another
+           "timed_by": f"{path} at {commit or 'an unrecorded commit'}",
            "label": rec.label or "", "variant": rec.variant, "ratio": rec.ratio, "ratio_mode": s.get("ratio_mode"),
            "question": rec.question,
            "answer": rec.answer,

@@ -900,6 +900,8 @@ def test_eval_json_is_the_only_thing_on_stdout(runs, tmp_path, capsys, monkeypat
     assert exit_info.value.code in (0, None), err
     rows = json.loads(out)
     assert {r["method"] for r in rows} == {"full", "reuse", "cacheblend"} and "wrote summary.csv" in err
+    # summary.csv's columns, as written: eval's own bookkeeping (_vs_full_n, _ttft_mixed, ...) stays out
+    assert list(rows[0]) == list(pd.read_csv(tmp_path / "out" / "summary.csv").columns)
 
 
 def test_a_labelled_run_is_selected_as_tables_print_it():
