@@ -135,8 +135,18 @@ def comparison_summary(table: pd.DataFrame) -> str:
             diff = describe_difference(*paired_bootstrap(a, b))
             parts.append(f"{measure}: A {a.mean():.3f}, B {b.mean():.3f}, A - B {diff}")
     differ = int((table.answer_a != table.answer_b).sum())
-    return (f"over {counted(len(table), 'question')} ({differ} answered differently): " + "; ".join(parts)
-            + " (95% paired bootstrap intervals)")
+    return (f"over {counted(len(table), 'question')}{pooled_over(table.dataset)} ({differ} answered differently): "
+            + "; ".join(parts) + " (95% paired bootstrap intervals)")
+
+
+def pooled_over(datasets: pd.Series) -> str:
+    """'' for one dataset (or one suite's tasks, "ruler-2048/..."); else which ones the summary pools and how many
+    questions each gave, e.g. ' of ruler-2048 (200) and ruler-4096 (200)' for `kvf compare results/ruler/runs/`."""
+    counts = datasets.str.split("/").str[0].value_counts(sort=False).sort_index()
+    if len(counts) < 2:
+        return ""
+    named = [f"{name} ({n})" for name, n in counts.items()]
+    return " of " + ", ".join(named[:-1]) + " and " + named[-1]
 
 
 def _fmt(x) -> str:

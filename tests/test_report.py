@@ -1069,3 +1069,19 @@ def test_significance_lines_name_a_labelled_run_as_kvf_compare_takes_it(tmp_path
     assert named == "cacheblend@0.2:deviation=v", text
     picked = select(load_runs([run]), named, "--a")
     assert set(picked.label) == {"deviation=v"} and len(picked) == 4 * REPS
+
+
+def test_compare_summary_names_the_datasets_it_pools():
+    """`kvf compare results/ruler/runs/` takes the 2K and 4K suites as one run each; its summary said "over 400
+    questions" without saying that it pooled both lengths. It now names them with their counts; one suite's tasks
+    (ruler-2048/niah_single, ruler-2048/alias) are one dataset there, and one dataset says nothing more."""
+    from kvf.eval.compare import comparison_summary, pooled_over
+    suites = pd.Series(["ruler-2048/alias"] * 3 + ["ruler-2048/boundary"] * 2 + ["ruler-4096/alias"] * 4)
+    assert pooled_over(suites) == " of ruler-2048 (5) and ruler-4096 (4)"
+    assert pooled_over(pd.Series(["ruler-2048/alias", "ruler-2048/boundary"])) == ""
+    assert pooled_over(pd.Series(["nq", "musique", "nq"])) == " of musique (1) and nq (2)"
+    table = pd.DataFrame({"dataset": ["nq", "musique"] * 10, "qid": [f"q{i}" for i in range(20)],
+                          "answer_a": ["x"] * 20, "answer_b": ["y"] * 20, "score_a": [1.0] * 20, "score_b": [0.0] * 20,
+                          "fidelity_a": [1.0] * 20, "fidelity_b": [0.5] * 20})
+    table.attrs["metric"] = "f1"
+    assert comparison_summary(table).startswith("over 20 questions of musique (10) and nq (10) (20 answered differently)")
