@@ -370,15 +370,17 @@ def normalized_f1_on_common(group, full, reuse) -> tuple[float, str]:
 
 def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> tuple[float, str, bool]:
     """mean(method TTFT) / mean(full TTFT) over the questions both timed, a note, and whether the ratio mixes two
-    runs. Full's TTFT comes from the `full` run's records, or else from the full prefill `kvf run --compare-full`
-    timed beside each record. A run is a run file at a commit (a later session's records appended to a sweep's file
+    runs. Full's TTFT comes from the full prefill `kvf run --compare-full` timed beside the record, or else from the
+    `full` run's record of the question. A run is a run file at a commit (a later session's records appended to a sweep's file
     carry a later one), and another run may have timed full on a busier or a quieter machine. So the ratio is taken
     over the questions full was timed by the row's own run, when those are at least MIN_QUESTIONS (or all of them);
     else over every question, and the note says that another run timed full on some."""
     own = group.drop_duplicates("qid").set_index("qid")
     mine = own.t_first_token.dropna()
-    theirs, theirs_by = (full.t_first_token.dropna(), full.timed_by) if len(full) else \
-        (own.t_full_first_token.dropna(), own.timed_by)
+    beside = own.t_full_first_token.dropna()          # --compare-full: timed by this very run, so it comes first
+    theirs = pd.concat([beside, full.t_first_token.dropna().drop(beside.index, errors="ignore")]) if len(full) else beside
+    theirs_by = pd.concat([own.timed_by.loc[beside.index], full.timed_by.drop(beside.index, errors="ignore")]) \
+        if len(full) else own.timed_by
     common = mine.index.intersection(theirs.index).sort_values()   # in qid order: the same sums as before
     same = common[(own.timed_by.loc[common] == theirs_by.loc[common]).to_numpy()]
     note, mixed = "", False

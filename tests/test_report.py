@@ -1025,7 +1025,7 @@ def test_ttft_ratio_against_a_full_prefill_another_run_timed_is_said(tmp_path, c
     file at a commit. Where full was timed by the row's own run on enough questions, the ratio is taken over those
     and the note says so; where not, the note says that another run timed full, eval says it once on the terminal
     (whose table shows no notes) and the TTFT plot leaves the row out. A method timed by full's own run, or against
-    its own --compare-full timings, gets no note."""
+    its own --compare-full timings (which come before a full run's), gets no note."""
     answers = {"q1": "Paris", "q2": "Rome", "q3": "Berlin", "q4": "Lisbon"}
     def at(commit, records):
         return [dict(r, provenance={"kvf_version": "0.1", "commit": commit, "device": "cpu"}) for r in records]
@@ -1052,6 +1052,9 @@ def test_ttft_ratio_against_a_full_prefill_another_run_timed_is_said(tmp_path, c
     alone = evaluate([own], tmp_path / "own").set_index("method")      # its own --compare-full timings
     assert alone.loc["epic"].ttft_ratio == pytest.approx(0.25) and "ttft_ratio" not in alone.loc["epic"].note
     assert "another run" not in capsys.readouterr().err
+    # beside a full run that another run timed, they still come first: timed by the record's own run
+    with_sweep = evaluate([sweep, own], tmp_path / "both").set_index("method")
+    assert with_sweep.loc["epic"].ttft_ratio == pytest.approx(0.25) and "ttft_ratio" not in with_sweep.loc["epic"].note
 
 
 def test_significance_lines_name_a_labelled_run_as_kvf_compare_takes_it(tmp_path):
