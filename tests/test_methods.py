@@ -192,6 +192,21 @@ def toy_prompt(prefix=2, chunks=(3, 4, 5), question=2) -> FusedPrompt:
                        [next(ids) for _ in range(question)])
 
 
+def test_kvfuse_sinks_after_top_go_to_the_chunks_after_the_most_attended_ones():
+    """sinks_after_top = N: the first tokens of the chunk right after each of the N chunks whose rows hold the most
+    question attention (where a fact the question reads runs on past the boundary), not of every chunk."""
+    from kvf.pipeline.fusion.methods.kvfuse import sink_rows
+    prompt = toy_prompt(prefix=2, chunks=(3, 4, 5, 3), question=2)   # chunk rows 2-4, 5-8, 9-13, 14-16
+    scores = torch.zeros(prompt.n_tokens)
+    scores[5:9] = 0.5                                                 # chunk 1 the most attended
+    scores[14:17] = 0.2                                               # chunk 3 (the last: nothing after it) next
+    assert sink_rows(prompt, 2, budget=100).tolist() == [2, 3, 5, 6, 9, 10, 14, 15]      # every chunk
+    assert sink_rows(prompt, 2, 100, after_top=1, scores=scores).tolist() == [9, 10]     # after chunk 1
+    assert sink_rows(prompt, 2, 100, after_top=2, scores=scores).tolist() == [9, 10]     # chunk 3 has no successor
+    assert sink_rows(prompt, 2, 100, after_top=3, scores=scores).tolist() == [5, 6, 9, 10]  # ties: the earlier, chunk 0
+    assert sink_rows(prompt, 2, 1, after_top=1, scores=scores).tolist() == [9]          # cut to the budget
+
+
 def test_prophetkv_uses_the_layer_average_and_fusionrag_the_last_layer():
     prompt = toy_prompt()                                   # chunk rows 2..13, n = 16
     n = prompt.n_tokens

@@ -38,12 +38,13 @@ later questions, results/kvfuse/runs/):
 - every chunk's first tokens (step 9, sink_tokens=8, inside the budget): ahead on both dev splits (MuSiQue 0.982,
   RULER 0.725); held out, RULER 2K 0.770 vs 0.670 (boundary 0.50 -> 0.92) but MuSiQue 11-49 0.816 vs 0.855: not the
   default; the knob is the choice where a chunk boundary splits the facts asked for (MuSiQue's passages begin
-  mid-sentence too, and there it lost).
+  mid-sentence too, and there it lost). Sinks only after the one or two most attended chunks (sinks_after_top) kept
+  the default's 0.600 / 0.625 on RULER dev (boundary 0.4 / 0.5): the cut needle's chunk is not found that way.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens, propagate (off / after / before), propagate_from and deviation_share
+score_layers, sink_tokens (and sinks_after_top), propagate (off / after / before), propagate_from and deviation_share
 (part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
 gain on either dev split), shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, StoredRows, recompute_budget
-from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, knob, register, top_rows
+from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, chunk_attention, knob, register, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import apply_rope, unapply_rope
@@ -66,6 +67,10 @@ class KvFuseKnobs:
                              choices=("all", "last", "early", "late"))
     sink_tokens: int = knob(0, "first tokens of every chunk always recomputed, inside the budget (8 mends a fact "
                                "cut by a chunk boundary: results/kvfuse.md, step 9)", min=0)
+    sinks_after_top: int = knob(0, "with sink_tokens: only the chunks right after the N chunks the question attends to "
+                                   "most get sinks (a fact the question reads may run on past that boundary); 0: every "
+                                   "chunk (1 and 2 did not mend a cut needle on RULER dev: results/kvfuse.md, step 9)",
+                                min=0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -120,7 +125,8 @@ class KvFuse(FusionMethod):
         prompt = state.prompt
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
         scores = torch.stack(state.query_attention).mean(dim=0)          # [L', n] -> [n]
-        sinks = sink_rows(prompt, self.knobs.sink_tokens, budget)          # [s] first tokens of every chunk
+        sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
+                          after_top=self.knobs.sinks_after_top, scores=scores)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
         scores = scores[chunk_rows].clone()
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
@@ -348,8 +354,14 @@ def cross_chunk_deviation(engine: FusionEngine, state: FusionState) -> torch.Ten
     return engine.kv_deviation(state, 1)[state.chunk_row_mask()[state.rows]]
 
 
-def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int) -> torch.Tensor:
-    """The first `per_chunk` rows of every chunk, cut to the budget (earlier chunks first)."""
+def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int, after_top: int = 0,
+              scores: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `per_chunk` rows of every chunk, cut to the budget (earlier chunks first). after_top = N > 0: of
+    the chunks right after the N chunks whose rows hold the most of `scores` [n] (the question's attention) only."""
     counts = [min(per_chunk, len(c)) for c in prompt.chunk_segments]
+    if after_top > 0:
+        mass = chunk_attention(scores, prompt)                                       # [C]
+        top = torch.argsort(mass, descending=True, stable=True)[:after_top].tolist()
+        counts = [c if i - 1 in top else 0 for i, c in enumerate(counts)]
     rows = chunk_initial_rows(prompt, counts)
     return rows[:budget]
