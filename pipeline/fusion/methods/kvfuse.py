@@ -38,8 +38,8 @@ later questions, results/kvfuse/runs/):
 - every chunk's first tokens (step 9, sink_tokens=8, inside the budget): ahead on both dev splits (MuSiQue 0.982,
   RULER 0.725); held out, RULER 2K 0.770 vs 0.670 (boundary 0.50 -> 0.92) but MuSiQue 11-49 0.816 vs 0.855: not the
   default; the knob is the choice where a chunk boundary splits the facts asked for (MuSiQue's passages begin
-  mid-sentence too, and there it lost). Sinks only after the one or two most attended chunks (sinks_after_top) kept
-  the default's 0.600 / 0.625 on RULER dev (boundary 0.4 / 0.5): the cut needle's chunk is not found that way.
+  mid-sentence too, and there it lost). Sinks only after the one or two most attended chunks (sinks_after_top) scored
+  0.600 / 0.625 on RULER dev against 0.725 (boundary 0.4 / 0.5 against 0.7): the cut needle's chunk is not found so.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
