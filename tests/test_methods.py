@@ -847,3 +847,10 @@ def test_kvf_methods_takes_names_as_kvf_run_does(capsys, monkeypatch):
     assert run_cli(["methods", "cacheblend,prophetkv", "full", "--names"], capsys, monkeypatch)[1].strip() == \
         "cacheblend,prophetkv,full"
     assert run_cli(["methods", "all", "--names"], capsys, monkeypatch)[1].strip() == ",".join(method_names())
+
+
+def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
+    """sinks_after_top only says which chunks get sink_tokens' sinks; alone it would change nothing without a word."""
+    with pytest.raises(KvfError, match=r"^--sinks-after-top 2: places the sinks that sink_tokens asks for; give sink_tokens"):
+        get_method("kvfuse", 0.15, sinks_after_top=2)
+    assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 import torch
 
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, StoredRows, recompute_budget
-from kvf.pipeline.fusion.methods.base import FusionMethod, all_chunk_rows, chunk_attention, knob, register, top_rows
+from kvf.pipeline.fusion.methods.base import (FusionMethod, KnobError, all_chunk_rows, chunk_attention, knob, register,
+                                               top_rows)
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import apply_rope, unapply_rope
@@ -104,6 +105,12 @@ class KvFuse(FusionMethod):
     offline_variant = "fusion"
     query_pass = True
     reuse_at_ratio_zero = True  # no recomputed row: nothing to propagate
+
+    def __init__(self, recompute_ratio: float | None = None, knobs=None, **knob_values):
+        super().__init__(recompute_ratio, knobs, **knob_values)
+        if self.knobs.sinks_after_top and not self.knobs.sink_tokens:   # it places sinks; with none it would do nothing
+            raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
+                            "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
 
     @property
     def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
