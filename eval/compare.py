@@ -10,7 +10,7 @@ from kvf.errors import KvfError, counted
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import describe_difference, paired_bootstrap
 from kvf.eval.report import (POOLED, auto_label, compare_full_records, primary_metric,
-                             reference_rows, run_selector)
+                             reference_rows, run_selector, suite_of)
 
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
@@ -142,7 +142,7 @@ def comparison_summary(table: pd.DataFrame) -> str:
 def pooled_over(datasets: pd.Series) -> str:
     """'' for one dataset (or one suite's tasks, "ruler-2048/..."); else which ones the summary pools and how many
     questions each gave, e.g. ' of ruler-2048 (200) and ruler-4096 (200)' for `kvf compare results/ruler/runs/`."""
-    counts = datasets.str.split("/").str[0].value_counts(sort=False).sort_index()
+    counts = suite_of(datasets).value_counts(sort=False).sort_index()
     if len(counts) < 2:
         return ""
     named = [f"{name} ({n})" for name, n in counts.items()]

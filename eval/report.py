@@ -264,11 +264,16 @@ def warn_unscored(summary: pd.DataFrame) -> None:
                  "--compare-full (or add -m full)")
 
 
+def suite_of(datasets: pd.Series) -> pd.Series:
+    """Each generated suite task's suite ("ruler-2048/alias" -> "ruler-2048"); any other dataset, itself."""
+    return datasets.str.split("/").str[0]
+
+
 def with_pooled_tasks(df: pd.DataFrame) -> pd.DataFrame:
     """A generated suite's records ("ruler-2048/alias", ...) once more under "ruler-2048 (all tasks)":
     per task n is small, pooled over tasks the paired intervals can separate methods."""
     tasks = df[df.dataset.map(is_suite_dataset)]
-    suites = tasks.dataset.str.split("/").str[0]
+    suites = suite_of(tasks.dataset)
     many = tasks.groupby(suites).dataset.transform("nunique") > 1
     pooled = tasks[many].assign(dataset=suites[many] + POOLED)
     return pd.concat([df, pooled], ignore_index=True) if len(pooled) else df
@@ -377,12 +382,14 @@ def ttft_ratio(group: pd.DataFrame, full: pd.DataFrame) -> tuple[float, str, boo
     else over every question, and the note says that another run timed full on some."""
     own = group.drop_duplicates("qid").set_index("qid")
     mine = own.t_first_token.dropna()
-    beside = own.t_full_first_token.dropna()          # --compare-full: timed by this very run, so it comes first
-    theirs = pd.concat([beside, full.t_first_token.dropna().drop(beside.index, errors="ignore")]) if len(full) else beside
-    theirs_by = pd.concat([own.timed_by.loc[beside.index], full.timed_by.drop(beside.index, errors="ignore")]) \
-        if len(full) else own.timed_by
+    # full's TTFT per question and the run that timed it: --compare-full's, timed by this very run, first
+    reference = own[["t_full_first_token", "timed_by"]].set_axis(["t", "timed_by"], axis=1).dropna()
+    if len(full):
+        others = full[["t_first_token", "timed_by"]].set_axis(["t", "timed_by"], axis=1).dropna()
+        reference = pd.concat([reference, others.drop(reference.index, errors="ignore")])
+    theirs = reference.t
     common = mine.index.intersection(theirs.index).sort_values()   # in qid order: the same sums as before
-    same = common[(own.timed_by.loc[common] == theirs_by.loc[common]).to_numpy()]
+    same = common[(own.timed_by.loc[common] == reference.timed_by.loc[common]).to_numpy()]
     note, mixed = "", False
     if len(same) < len(common) and len(same) >= min(MIN_QUESTIONS, len(common)):
         note, common = f"ttft_ratio over the {len(same)} of {len(common)} questions full was timed by this run", same
