@@ -240,6 +240,12 @@ CASES = {
                                           "-o", t / "o.jsonl"], ["--method cacheblend:check_layer=-1: check_layer: must be >= 1"]),
     "run -m kvfuse:budget_slope past 1": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:budget_slope=1.5", "-n", "1",
                                                 "-o", t / "o.jsonl"], ["--method kvfuse:budget_slope=1.5: budget_slope: must be <= 1"]),
+    "run -m kvfuse:sinks_after_top without sink_tokens": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sinks_after_top=2", "-n", "1", "-o", t / "o.jsonl"],
+        ["--method kvfuse:sinks_after_top=2: sinks_after_top: places the sinks that sink_tokens asks for"]),
+    "run --sinks-after-top without --sink-tokens": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sinks-after-top", "1", "-n", "1", "-o", t / "o.jsonl"],
+        ["--sinks-after-top 1: places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens)"]),
     "run --budget-slope not a number": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--budget-slope", "x",
                                                       "-n", "1", "-o", t / "o.jsonl"], ["--budget-slope", "x"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",
