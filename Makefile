@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -192,10 +192,10 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
-KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
@@ -245,12 +245,33 @@ kvfuse-sinks: kvfuse-sinks-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kv
 	  --out $(KVFUSE_OUT)/sinks-ruler-4096
 kvfuse-sinks-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SINKS) -o $(KVFUSE_RUNS)/sinks-musique.jsonl
-kvfuse-sinks-ruler-%: | setup   # % = LENGTH-SEED, e.g. 2048-0; the suite's data for that seed (make ruler's)
+# $(call ruler_heldout,METHODS,NAME) in a recipe whose % is LENGTH-SEED (e.g. 2048-0): METHODS on the suite's data
+# for that seed (make ruler's), records in $(KVFUSE_RUNS)/NAME-ruler-LENGTH-sSEED.jsonl
+define ruler_heldout
 	spec=$*; length=$${spec%-*}; seed=$${spec#*-}; dir=$(WORK)/ruler-$$length$$([ $$seed = 0 ] || echo -s$$seed); \
 	[ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $$length --n $(RULER_N) --seed $$seed \
 	  --tasks $(RULER_TASKS) --out $$dir || exit 1; \
-	$(KVF) run -d $$dir -m $(KVFUSE_SINKS) -r 0.15 --max-new-tokens 32 --no-show-answers \
-	  -o $(KVFUSE_RUNS)/sinks-ruler-$$length-s$$seed.jsonl
+	$(KVF) run -d $$dir -m $(1) -r 0.15 --max-new-tokens 32 --no-show-answers \
+	  -o $(KVFUSE_RUNS)/$(2)-ruler-$$length-s$$seed.jsonl
+endef
+kvfuse-sinks-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_SINKS),sinks)
+# step 10's dev choice (the sinks after the two chunks that layers 18-24 of 30 find, results/kvfuse.md), held out
+# as step 9's was, its tables beside the default's and step 9's rows; `make -j2 kvfuse-located`
+KVFUSE_LOCATED ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+located_runs = $(call sinks_pair,$(1),$(2)) $(KVFUSE_RUNS)/located-ruler-$(1)-s$(2).jsonl
+kvfuse-located: kvfuse-located-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-located-ruler-2048-$(seed)) \
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed))
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl --out $(KVFUSE_OUT)/located-musique
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(call located_runs,2048,$(seed))) \
+	  --out $(KVFUSE_OUT)/located-ruler
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),$(call located_runs,4096,$(seed))) \
+	  --out $(KVFUSE_OUT)/located-ruler-4096
+kvfuse-located-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_LOCATED) -o $(KVFUSE_RUNS)/located-musique.jsonl
+kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
 KVFUSE_SLOPE ?= kvfuse:budget_slope=0.5
 kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl

@@ -246,6 +246,14 @@ CASES = {
     "run --sinks-after-top without --sink-tokens": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sinks-after-top", "1", "-n", "1", "-o", t / "o.jsonl"],
         ["--sinks-after-top 1: places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens)"]),
+    "run -m kvfuse:locate_from without sinks_after_top": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: picks the chunks sinks_after_top puts sinks after"]),
+    "run --locate-to below --locate-from": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sink-tokens", "8", "--sinks-after-top", "1",
+                      "--locate-from", "0.6", "--locate-to", "0.5", "-n", "1", "-o", t / "o.jsonl"],
+        ["--locate-to 0.5: must be above locate_from (0.6)"]),
     "run --budget-slope not a number": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--budget-slope", "x",
                                                       "-n", "1", "-o", t / "o.jsonl"], ["--budget-slope", "x"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",

@@ -21,6 +21,7 @@ from kvf.pipeline.fusion.methods.cachecraft import (ChunkSummary, cache_context_
                                              chunk_kv_with_summaries, focused_chunks, kendall_tau_distance,
                                              most_contextualised_rows, order_penalty, prefix_overlap, segment_key)
 from kvf.pipeline.fusion.methods.cachefocus import allocation_order, assign_positions, chunks_to_keep, position_groups
+from kvf.pipeline.fusion.methods.base import all_chunk_rows, chunk_attention, top_rows
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows, spread_budget
 from kvf.pipeline.fusion.methods.fusionrag import last_layer_scores, select_chunk_rows
 from kvf.pipeline.fusion.methods.pcw import parallel_positions
@@ -596,7 +597,6 @@ def test_kvfuse_budget_slope_recomputes_nested_rows_layer_by_layer(family, monke
 def test_kvfuse_select_unit_chunks_recomputes_whole_chunks_most_attended_first(family, monkeypatch):
     """select_unit=chunks: the budget goes to whole chunks in the order of the question's attention mass on them
     (pass 1, layer-averaged), the last one it reaches by its most attended rows; exactly the budget; ratio 1 is full."""
-    from kvf.pipeline.fusion.methods.base import chunk_attention
     from kvf.pipeline.fusion.methods.kvfuse import KvFuse
     engine, prompt, source = tiny_case(family)
     seen = {}
@@ -621,6 +621,50 @@ def test_kvfuse_select_unit_chunks_recomputes_whole_chunks_most_attended_first(f
     assert plain.recomputed_tokens == budget and not torch.equal(plain.logits, fused.logits)
     full = get_method("full").prefill(engine, prompt)
     assert logits_gap(get_method("kvfuse", 1.0, select_unit="chunks").prefill(engine, prompt, source), full) <= TOL
+
+
+def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_rest(monkeypatch):
+    """locate_from/locate_to: the chunks sinks_after_top puts sinks after are found by the question's attention
+    averaged over that band of layers only; the rest of the budget is still ranked by every layer's average."""
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    engine = FusionEngine(Transformer(tiny_model("llama", seed=4)))
+    g = torch.Generator().manual_seed(0)
+    prompt = FusedPrompt(prefix_ids=torch.randint(0, 128, (5,), generator=g).tolist(),   # four equal chunks, so
+                         chunk_segments=[torch.randint(0, 128, (8,), generator=g).tolist() for _ in range(4)],
+                         question_ids=torch.randint(0, 128, (6,), generator=g).tolist())  # length sets no mass
+    source = prefix_kvs_with_summaries(engine, prompt)
+    L = engine.model.n_layers
+    per_layer = engine.query_pass(prompt, source, 0).query_attention           # L x [n]
+    band = kvfuse_file.KvFuse(0.3, sink_tokens=2, sinks_after_top=1, locate_from=0.5).locate_layers(L)
+    assert band == list(range(L // 2, L)) and 0 < len(band) < L
+    located = torch.stack([per_layer[layer] for layer in band]).mean(0)       # [n]
+    everything = torch.stack(per_layer).mean(0)                               # [n]
+    seen = {}
+    sinks_of, rows_of = kvfuse_file.sink_rows, kvfuse_file.KvFuse.next_pass_rows
+    def sinks_logged(prompt, per_chunk, budget, after_top=0, scores=None):
+        seen["scores"] = scores
+        return sinks_of(prompt, per_chunk, budget, after_top, scores)
+    def rows_logged(self, engine, state):
+        seen["rows"] = rows_of(self, engine, state)
+        return seen["rows"]
+    monkeypatch.setattr(kvfuse_file, "sink_rows", sinks_logged)
+    monkeypatch.setattr(kvfuse_file.KvFuse, "next_pass_rows", rows_logged)
+    budget = recompute_budget(0.3, prompt.n_chunk_tokens)
+    fused = get_method("kvfuse", 0.3, sink_tokens=2, sinks_after_top=1, locate_from=0.5, propagate="off"
+                       ).prefill(engine, prompt, source)
+    assert torch.allclose(seen["scores"], located, atol=1e-6) and fused.recomputed_tokens == budget
+    chunk_rows = all_chunk_rows(prompt)
+    ranked = everything[chunk_rows].clone()                                   # [c] every layer's average
+    ranked[sinks_of(prompt, 2, budget, after_top=1, scores=located) - prompt.n_prefix] = float("inf")
+    assert torch.equal(seen["rows"], top_rows(ranked, chunk_rows, budget))
+    moved = int(torch.argmax(chunk_attention(located, prompt))) != int(torch.argmax(chunk_attention(everything, prompt)))
+    get_method("kvfuse", 0.3, sink_tokens=2, sinks_after_top=1, propagate="off").prefill(engine, prompt, source)
+    assert torch.allclose(seen["scores"], everything, atol=1e-6)              # no band: every layer finds them
+    assert moved    # in this case the band finds another chunk than every layer's average does
+    assert kvfuse_file.KvFuse(0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.85
+                              ).locate_layers(30) == list(range(18, 25))
+    assert kvfuse_file.KvFuse(0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.61, locate_to=0.62
+                              ).locate_layers(30) == [18]                       # a band between layers: its nearest
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -854,3 +898,7 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
     with pytest.raises(KvfError, match=r"^--sinks-after-top 2: places the sinks that sink_tokens asks for; give sink_tokens"):
         get_method("kvfuse", 0.15, sinks_after_top=2)
     assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2
+    with pytest.raises(KvfError, match=r"^--locate-from 0.6: picks the chunks sinks_after_top puts sinks after; give"):
+        get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
+    with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
+        get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)

@@ -72,6 +72,11 @@ class KvFuseKnobs:
                                    "most get sinks (a fact the question reads may run on past that boundary); 0: every "
                                    "chunk (1 and 2 did not mend a cut needle on RULER dev: results/kvfuse.md, step 9)",
                                 min=0)
+    locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
+                                   "attention finds the chunks the sinks go after (the layers that find a needle sit "
+                                   "deep: results/kvfuse.md, step 10)", min=0.0, max=1.0)
+    locate_to: float = knob(1.0, "with sinks_after_top: the end of that band of layers (layer l is in it when "
+                                 "locate_from <= (l + 0.5) / layers < locate_to)", min=0.0, max=1.0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -111,13 +116,32 @@ class KvFuse(FusionMethod):
         if self.knobs.sinks_after_top and not self.knobs.sink_tokens:   # it places sinks; with none it would do nothing
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
+        band = (self.knobs.locate_from, self.knobs.locate_to)
+        if band != (0.0, 1.0) and not self.knobs.sinks_after_top:   # the band only finds where those sinks go
+            name = "locate_from" if band[0] != 0.0 else "locate_to"
+            raise KnobError(name, str(getattr(self.knobs, name)),
+                            "picks the chunks sinks_after_top puts sinks after; give sinks_after_top "
+                            "(--sinks-after-top) and sink_tokens (--sink-tokens) counts above 0 too")
+        if band[0] >= band[1]:
+            raise KnobError("locate_to", str(band[1]), f"must be above locate_from ({band[0]})")
 
     @property
     def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
         return 3 if self.knobs.requery else 2
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
-        return state.pass_index == 0 and layer in self.scored_layers(state.cache.kv.shape[0])
+        return state.pass_index == 0 and layer in self.recorded_layers(state.cache.kv.shape[0])
+
+    def recorded_layers(self, n_layers: int) -> list[int]:
+        """The layers pass 1 records Q's attention at: those that rank rows, and those that locate sinks."""
+        locating = self.locate_layers(n_layers) if self.knobs.sinks_after_top else []
+        return sorted(set(self.scored_layers(n_layers)) | set(locating))
+
+    def locate_layers(self, n_layers: int) -> list[int]:
+        """The band [locate_from, locate_to) of the depth, at least one layer (the one nearest its start)."""
+        lo, hi = self.knobs.locate_from, self.knobs.locate_to
+        band = [layer for layer in range(n_layers) if lo <= (layer + 0.5) / n_layers < hi]
+        return band or [min(int(lo * n_layers), n_layers - 1)]
 
     def scored_layers(self, n_layers: int) -> list[int]:
         return {"all": list(range(n_layers)), "last": [n_layers - 1], "early": list(range(n_layers // 2)),
@@ -131,9 +155,13 @@ class KvFuse(FusionMethod):
             return torch.empty(0, dtype=torch.long)
         prompt = state.prompt
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
-        scores = torch.stack(state.query_attention).mean(dim=0)          # [L', n] -> [n]
+        n_layers = state.cache.kv.shape[0]
+        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
+        scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
+        located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
+                   if self.knobs.sinks_after_top else None)                 # [n] the band's attention
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
-                          after_top=self.knobs.sinks_after_top, scores=scores)   # or of those after the most read
+                          after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
         scores = scores[chunk_rows].clone()
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
