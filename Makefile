@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -192,10 +192,10 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
-KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
@@ -256,9 +256,10 @@ define ruler_heldout
 endef
 kvfuse-sinks-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SINKS),sinks)
-# step 10's dev choice (the sinks after the two chunks that layers 18-24 of 30 find, results/kvfuse.md), held out
-# as step 9's was, its tables beside the default's and step 9's rows; `make -j2 kvfuse-located`
-KVFUSE_LOCATED ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+# step 10's dev choices (the sinks after the two chunks that layers 18-24 of 30 find; those layers ranking every row,
+# results/kvfuse.md), held out as step 9's was, their tables beside the default's and step 9's rows; `make -j2
+# kvfuse-located`
+KVFUSE_LOCATED ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85
 located_runs = $(call sinks_pair,$(1),$(2)) $(KVFUSE_RUNS)/located-ruler-$(1)-s$(2).jsonl
 kvfuse-located: kvfuse-located-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-located-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed))
@@ -313,6 +314,14 @@ define probe_halves
 endef
 # how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md), and how much correcting
 # the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction*.md); questions no other run uses
+# step 10's diagnosis (results/kvfuse/locate.md): which layers' question attention points at the fact's chunk, on
+# the RULER dev samples (seed 99) and the scored 2K suite's (seeds 0-4); their workspaces are the runs' (make
+# kvfuse-ruler-dev, make ruler-2048)
+KVFUSE_LOCATE_DATA ?= $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/ruler-2048 $(foreach seed,1 2 3 4,$(WORK)/ruler-2048-s$(seed))
+kvfuse-locate-probe: | setup
+	for dir in $(KVFUSE_LOCATE_DATA); do [ -f $$dir/workspace/manifest.json ] || { echo "$$dir: not built; run make \
+	  kvfuse-ruler-dev and make ruler-2048 first" >&2; exit 1; }; done
+	$(PY) -m kvf.scripts.locate_probe --data $(KVFUSE_LOCATE_DATA) --out $(KVFUSE_OUT)/locate.md
 kvfuse-selection: $(WORK)/musique/questions.jsonl
 	$(call probe_halves,selection,musique,50,65,80,selection)
 kvfuse-correction: $(WORK)/musique/questions.jsonl

@@ -249,7 +249,7 @@ CASES = {
     "run -m kvfuse:locate_from without sinks_after_top": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
                       "-o", t / "o.jsonl"],
-        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: picks the chunks sinks_after_top puts sinks after"]),
+        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: a band of layers for sinks_after_top or score_layers=band, and neither is given"]),
     "run --locate-to below --locate-from": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sink-tokens", "8", "--sinks-after-top", "1",
                       "--locate-from", "0.6", "--locate-to", "0.5", "-n", "1", "-o", t / "o.jsonl"],

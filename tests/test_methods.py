@@ -665,6 +665,10 @@ def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_res
                               ).locate_layers(30) == list(range(18, 25))
     assert kvfuse_file.KvFuse(0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.61, locate_to=0.62
                               ).locate_layers(30) == [18]                       # a band between layers: its nearest
+    ranks_by_band = get_method("kvfuse", 0.3, score_layers="band", locate_from=0.5, propagate="off")
+    ranks_by_band.prefill(engine, prompt, source)                             # no sinks: every row by the band
+    assert ranks_by_band.scored_layers(L) == band and seen["rows"].tolist() == \
+        top_rows(located[chunk_rows], chunk_rows, budget).tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -898,7 +902,7 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
     with pytest.raises(KvfError, match=r"^--sinks-after-top 2: places the sinks that sink_tokens asks for; give sink_tokens"):
         get_method("kvfuse", 0.15, sinks_after_top=2)
     assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2
-    with pytest.raises(KvfError, match=r"^--locate-from 0.6: picks the chunks sinks_after_top puts sinks after; give"):
+    with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top or score_layers=band, and neither is given; add"):
         get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
     with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
         get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)

@@ -64,8 +64,9 @@ from kvf.pipeline.model.rope import apply_rope, unapply_rope
 
 @dataclass
 class KvFuseKnobs:
-    score_layers: str = knob("all", "layers whose question attention ranks tokens: all (averaged) or last",
-                             choices=("all", "last", "early", "late"))
+    score_layers: str = knob("all", "layers whose question attention ranks tokens: all (averaged), last, early "
+                                    "(the first half), late (the second) or band (locate_from to locate_to)",
+                             choices=("all", "last", "early", "late", "band"))
     sink_tokens: int = knob(0, "first tokens of every chunk always recomputed, inside the budget (8 mends a fact "
                                "cut by a chunk boundary: results/kvfuse.md, step 9)", min=0)
     sinks_after_top: int = knob(0, "with sink_tokens: only the chunks right after the N chunks the question attends to "
@@ -74,9 +75,10 @@ class KvFuseKnobs:
                                 min=0)
     locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
                                    "attention finds the chunks the sinks go after (the layers that find a needle sit "
-                                   "deep: results/kvfuse.md, step 10)", min=0.0, max=1.0)
-    locate_to: float = knob(1.0, "with sinks_after_top: the end of that band of layers (layer l is in it when "
-                                 "locate_from <= (l + 0.5) / layers < locate_to)", min=0.0, max=1.0)
+                                   "deep: results/kvfuse.md, step 10); with score_layers=band, the rows too",
+                              min=0.0, max=1.0)
+    locate_to: float = knob(1.0, "the end of that band of layers (layer l is in it when locate_from <= (l + 0.5) / "
+                                 "layers < locate_to)", min=0.0, max=1.0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -117,11 +119,11 @@ class KvFuse(FusionMethod):
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
-        if band != (0.0, 1.0) and not self.knobs.sinks_after_top:   # the band only finds where those sinks go
-            name = "locate_from" if band[0] != 0.0 else "locate_to"
+        if band != (0.0, 1.0) and not (self.knobs.sinks_after_top or self.knobs.score_layers == "band"):
+            name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
             raise KnobError(name, str(getattr(self.knobs, name)),
-                            "picks the chunks sinks_after_top puts sinks after; give sinks_after_top "
-                            "(--sinks-after-top) and sink_tokens (--sink-tokens) counts above 0 too")
+                            "a band of layers for sinks_after_top or score_layers=band, and neither is given; add "
+                            "sinks_after_top (--sinks-after-top) with sink_tokens (--sink-tokens), or score_layers=band")
         if band[0] >= band[1]:
             raise KnobError("locate_to", str(band[1]), f"must be above locate_from ({band[0]})")
 
@@ -144,6 +146,8 @@ class KvFuse(FusionMethod):
         return band or [min(int(lo * n_layers), n_layers - 1)]
 
     def scored_layers(self, n_layers: int) -> list[int]:
+        if self.knobs.score_layers == "band":
+            return self.locate_layers(n_layers)
         return {"all": list(range(n_layers)), "last": [n_layers - 1], "early": list(range(n_layers // 2)),
                 "late": list(range(n_layers // 2, n_layers))}[self.knobs.score_layers]
 

@@ -1,0 +1,156 @@
+"""Which layers' question attention finds the chunk that holds a RULER-style sample's fact? kvfuse step 10's
+diagnosis (results/kvfuse.md): the layer average that ranks kvfuse's rows does not point at that chunk, so sinks
+put "after the most attended chunk" (sinks_after_top) missed the cut needle; a band of deep layers does.
+
+    python -m kvf.scripts.locate_probe --data work/ruler-2048-s99 --out results/kvfuse/locate.md   # .csv, .png
+
+Per sample of each prepared RULER-style dataset (`kvf data ruler`, built by `kvf run`): kvfuse's pass 1 (the
+question's rows over the stored `fusion` variant, as `kvf run -m kvfuse` reads it) records the question's mean
+attention to every row at every layer. Per layer, and for the layer average and for the band kvfuse's
+locate_from / locate_to pick, it counts the samples whose most attended chunk (attention summed over its rows) is
+one of the sample's fact chunks (`fact_chunks`: the needle, or for boundary the two chunks the needle is cut
+across). The more samples the better a layer finds where the question's answer sits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import torch
+from rich.progress import track
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvf.errors import KvfError  # noqa: E402
+from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
+from kvf.pipeline.files import write_atomic  # noqa: E402
+from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
+from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
+from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BAND = {"locate_from": 0.6, "locate_to": 0.85}      # kvfuse step 10's band (layers 18-24 of 30)
+
+
+class Recording(KvFuse):
+    """kvfuse (defaults) that keeps pass 1's per-layer question attention, [L, n], before choosing its rows."""
+
+    def next_pass_rows(self, engine, state):
+        if state.pass_index == 0:
+            self.attention = torch.stack(state.query_attention).float().cpu()     # [L, n] (score_layers=all)
+        return super().next_pass_rows(engine, state)
+
+
+def fact_chunk_positions(chunk_ids: list[str], doc_chunks: dict, context_ids: list[str], facts: list[int]) -> set[int]:
+    """The prompt positions of the chunks cut from the sample's fact passages (a passage may be several chunks)."""
+    fact_chunks = {cid for i in facts for cid in doc_chunks[context_ids[i]]}
+    return {pos for pos, cid in enumerate(chunk_ids) if cid in fact_chunks}
+
+
+def located(data: Path, ratio: float) -> pd.DataFrame:
+    """One row per (sample, layer) -> task, layer (an int, "average" or "band"), whether its top chunk is a fact's."""
+    questions, _ = load_prepared(data)
+    rows = []
+    with WorkspaceSession(data / "workspace") as ws:
+        s = ws.session
+        doc_chunks = s.ws.doc_chunks()
+        method = Recording(ratio)
+        band = KvFuse(ratio, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(s.n_layers)
+        for q in track(questions, description=f"{data.name}: pass 1"):
+            if not q.fact_chunks:
+                raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
+            chunk_ids = [cid for d in q.context_ids for cid in doc_chunks[d]]
+            chunks = s.chunks(chunk_ids, "retrieval")
+            prompt = s.prompt(chunks, q.question)
+            s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
+            facts = fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks)
+            per_layer = torch.stack([chunk_attention(a, prompt) for a in method.attention])       # [L, C]
+            scored = {**{layer: per_layer[layer] for layer in range(len(per_layer))},
+                      "average": chunk_attention(method.attention.mean(0), prompt),
+                      "band": chunk_attention(method.attention[band].mean(0), prompt)}
+            rows += [dict(dataset=data.name, task=q.task, qid=q.qid, layer=str(layer),
+                          hit=int(torch.argmax(mass)) in facts) for layer, mass in scored.items()]
+    return pd.DataFrame(rows)
+
+
+def plot(hits: pd.DataFrame, n_layers: int, band: list[int], out: Path, title: str) -> None:
+    """Share of samples whose top chunk holds the fact, per layer, one line per task, the band shaded."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    layers = [str(layer) for layer in range(n_layers)]
+    for task, share in hits.groupby("task"):
+        by_layer = share.groupby("layer")["hit"].mean()
+        ax.plot(range(n_layers), [by_layer[layer] for layer in layers], marker="o", ms=3, label=task)
+    ax.axvspan(band[0] - 0.5, band[-1] + 0.5, color="0.85", zorder=0, label="locate band")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("samples whose most attended\nchunk holds the fact (share)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=3, loc="upper left", frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+
+
+def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
+    """Markdown: per dataset and task, hits of the layer average, the band, and the best single layers."""
+    lines = ["# Which layers find the fact's chunk (kvfuse step 10)", "",
+             f"Made by `make kvfuse-locate-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.locate_probe "
+             f"--data {' '.join(str(d) for d in args.data)}`).  ",
+             "Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); RULER-style samples "
+             f"({', '.join(sorted(hits.dataset.unique()))}; n = {hits.qid.nunique()}); kvfuse's pass 1 over the stored "
+             f"`fusion` variant at {args.ratio:.0%}. A hit: the chunk with the most question attention (summed over its "
+             f"rows) is one of the sample's fact chunks. The band: layers {band[0]}-{band[-1]} of {n_layers} "
+             f"(locate_from={BAND['locate_from']}, locate_to={BAND['locate_to']}).", "",
+             "| data | task | n | layer average | band | best single layers (hits) |", "|---|---|---|---|---|---|"]
+    for (dataset, task), group in hits.groupby(["dataset", "task"]):
+        by_layer = group.groupby("layer")["hit"].sum()
+        n = group.qid.nunique()
+        single = by_layer[[str(layer) for layer in range(n_layers)]].sort_values(ascending=False, kind="stable")
+        best = ", ".join(f"{layer} ({int(h)})" for layer, h in single.head(4).items())
+        lines.append(f"| {dataset} | {task} | {n} | {int(by_layer['average'])} | {int(by_layer['band'])} | {best} |")
+    totals = hits.groupby("layer")["hit"].sum()
+    lines += ["", f"All samples: the layer average finds the fact's chunk in {int(totals['average'])} of "
+                  f"{hits.qid.nunique()}, the band in {int(totals['band'])}. Per layer: `{args.out.with_suffix('.csv').name}`; "
+                  f"plot: `{args.out.with_suffix('.png').name}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="locate_probe", description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, nargs="+", required=True, help="prepared RULER-style datasets, built")
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "locate.md")
+    args = p.parse_args(argv)
+    missing = [d for d in args.data if not (d / "workspace" / "manifest.json").is_file()]
+    if missing:
+        print(f"locate_probe: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
+              "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)
+    try:
+        hits = pd.concat([located(d, args.ratio) for d in args.data])
+    except KvfError as e:
+        print(f"locate_probe: error: {e}", file=sys.stderr)
+        return 1
+    n_layers = hits[hits.layer.str.isdigit()].layer.astype(int).max() + 1
+    band = KvFuse(args.ratio, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(n_layers)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out.with_suffix(".csv"), hits.groupby(["dataset", "task", "layer"])["hit"].agg(["sum", "count"])
+                 .reset_index().to_csv(index=False))
+    plot(hits, n_layers, band, args.out.with_suffix(".png"),
+         f"SmolLM2-135M-Instruct, {', '.join(sorted(hits.dataset.unique()))} (n = {hits.qid.nunique()}): "
+         "where the question's attention points")
+    text = report(hits, band, n_layers, args)
+    write_atomic(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
