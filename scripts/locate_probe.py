@@ -14,7 +14,6 @@ across). The more samples the better a layer finds where the question's answer s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -54,7 +53,8 @@ def fact_chunk_positions(chunk_ids: list[str], doc_chunks: dict, context_ids: li
 
 
 def located(data: Path, ratio: float) -> pd.DataFrame:
-    """One row per (sample, layer) -> task, layer (an int, "average" or "band"), whether its top chunk is a fact's."""
+    """One row per (sample, layer) -> task, layer (an int, "average" or "band"), whether its top chunk is a fact's,
+    and whether it is the prompt's last chunk (the one next to the question)."""
     questions, _ = load_prepared(data)
     rows = []
     with WorkspaceSession(data / "workspace") as ws:
@@ -75,7 +75,8 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
                       "average": chunk_attention(method.attention.mean(0), prompt),
                       "band": chunk_attention(method.attention[band].mean(0), prompt)}
             rows += [dict(dataset=data.name, task=q.task, qid=q.qid, layer=str(layer),
-                          hit=int(torch.argmax(mass)) in facts) for layer, mass in scored.items()]
+                          hit=int(torch.argmax(mass)) in facts, last=int(torch.argmax(mass)) == len(mass) - 1)
+                     for layer, mass in scored.items()]
     return pd.DataFrame(rows)
 
 
@@ -107,17 +108,21 @@ def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
              f"`fusion` variant at {args.ratio:.0%}. A hit: the chunk with the most question attention (summed over its "
              f"rows) is one of the sample's fact chunks. The band: layers {band[0]}-{band[-1]} of {n_layers} "
              f"(locate_from={BAND['locate_from']}, locate_to={BAND['locate_to']}).", "",
-             "| data | task | n | layer average | band | best single layers (hits) |", "|---|---|---|---|---|---|"]
+             "| data | task | n | hits: layer average | hits: band | best single layers (hits) | top chunk is the last: average / band |",
+             "|---|---|---|---|---|---|---|"]
     for (dataset, task), group in hits.groupby(["dataset", "task"]):
-        by_layer = group.groupby("layer")["hit"].sum()
+        by_layer = group.groupby("layer")[["hit", "last"]].sum()
         n = group.qid.nunique()
-        single = by_layer[[str(layer) for layer in range(n_layers)]].sort_values(ascending=False, kind="stable")
+        single = by_layer.loc[[str(layer) for layer in range(n_layers)], "hit"].sort_values(ascending=False, kind="stable")
         best = ", ".join(f"{layer} ({int(h)})" for layer, h in single.head(4).items())
-        lines.append(f"| {dataset} | {task} | {n} | {int(by_layer['average'])} | {int(by_layer['band'])} | {best} |")
-    totals = hits.groupby("layer")["hit"].sum()
-    lines += ["", f"All samples: the layer average finds the fact's chunk in {int(totals['average'])} of "
-                  f"{hits.qid.nunique()}, the band in {int(totals['band'])}. Per layer: `{args.out.with_suffix('.csv').name}`; "
-                  f"plot: `{args.out.with_suffix('.png').name}`."]
+        lines.append(f"| {dataset} | {task} | {n} | {int(by_layer.hit['average'])} | {int(by_layer.hit['band'])} | {best} | "
+                     f"{int(by_layer['last']['average'])} / {int(by_layer['last']['band'])} |")
+    totals = hits.groupby("layer")[["hit", "last"]].sum()
+    n = hits.qid.nunique()
+    lines += ["", f"All {n} samples: the layer average finds the fact's chunk in {int(totals.hit['average'])}, the band in "
+                  f"{int(totals.hit['band'])}; the layer average's most attended chunk is the last one, next to the question, "
+                  f"in {int(totals['last']['average'])} (the band's in {int(totals['last']['band'])}). Per layer: "
+                  f"`{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -141,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = hits[hits.layer.str.isdigit()].layer.astype(int).max() + 1
     band = KvFuse(args.ratio, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(n_layers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out.with_suffix(".csv"), hits.groupby(["dataset", "task", "layer"])["hit"].agg(["sum", "count"])
-                 .reset_index().to_csv(index=False))
+    write_atomic(args.out.with_suffix(".csv"), hits.groupby(["dataset", "task", "layer"])
+                 .agg(samples=("hit", "size"), hits=("hit", "sum"), top_is_last=("last", "sum")).reset_index().to_csv(index=False))
     plot(hits, n_layers, band, args.out.with_suffix(".png"),
          f"SmolLM2-135M-Instruct, {', '.join(sorted(hits.dataset.unique()))} (n = {hits.qid.nunique()}): "
          "where the question's attention points")
