@@ -41,10 +41,18 @@ later questions, results/kvfuse/runs/):
   mid-sentence too, and there it lost). Sinks only after the one or two most attended chunks (sinks_after_top) scored
   0.600 / 0.625 on RULER dev against 0.725 (boundary 0.4 / 0.5 against 0.7): the cut needle's chunk is not found so.
 
+- where the question reads (step 10): averaged over the layers, the question's attention points at the chunk next to
+  it in every RULER sample; layers 18-24 of 30 point at the fact's chunk in most (scripts/locate_probe.py). With
+  locate_from=0.6:locate_to=0.85 those layers pick the chunks sinks_after_top puts sinks after: sink_tokens=8 with
+  sinks_after_top=2 held out at RULER 2K 0.775 vs the default's 0.670 (boundary 0.50 -> 0.94) and MuSiQue 11-49
+  unchanged (0.855, no answer changed). The configuration to use; not yet the default, which would change every
+  committed kvfuse row. score_layers=band (every row ranked by those layers) held out at RULER 2K 0.780 but MuSiQue
+  0.822: not kept.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top), propagate (off / after / before), propagate_from and deviation_share
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), propagate (off / after / before), propagate_from and deviation_share
 (part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
 gain on either dev split), shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
