@@ -625,7 +625,8 @@ def test_kvfuse_select_unit_chunks_recomputes_whole_chunks_most_attended_first(f
 
 def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_rest(monkeypatch):
     """locate_from/locate_to: the chunks sinks_after_top puts sinks after are found by the question's attention
-    averaged over that band of layers only; the rest of the budget is still ranked by every layer's average."""
+    averaged over that band of layers only; the rest of the budget is still ranked by every layer's average, unless
+    score_layers=band ranks it by the band too."""
     import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
     engine = FusionEngine(Transformer(tiny_model("llama", seed=4)))
     g = torch.Generator().manual_seed(0)

@@ -52,9 +52,10 @@ later questions, results/kvfuse/runs/):
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), propagate (off / after / before), propagate_from and deviation_share
-(part of the budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no
-gain on either dev split), shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), propagate (off / after /
+before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
+between the passes; not kept: no gain on either dev split), shift_estimate, shift_parts, budget_slope and
+select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
