@@ -235,14 +235,20 @@ KVFUSE_SINKS_RULER_SEEDS ?= $(RULER_SEEDS)
 KVFUSE_SINKS_4K_SEEDS ?= 0 1
 # a RULER length and seed's sweep records (seed 0's file has no suffix) and their sinks records
 sinks_pair = $(RULER_RUNS)/ruler-$(1)$(if $(filter 0,$(2)),,-s$(2)).jsonl $(KVFUSE_RUNS)/sinks-ruler-$(1)-s$(2).jsonl
+# $(call heldout_tables,NAME,MUSIQUE_RUNS,RUNS_OF): a held-out step's three tables, $(KVFUSE_OUT)/NAME-musique,
+# -ruler and -ruler-4096: MuSiQue 11-49 from the methods sweep and MUSIQUE_RUNS, each RULER length from
+# $(call RUNS_OF,LENGTH,SEED) over its seeds
+define heldout_tables
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(2) --out $(KVFUSE_OUT)/$(1)-musique
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(call $(3),2048,$(seed))) \
+	  --out $(KVFUSE_OUT)/$(1)-ruler
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),$(call $(3),4096,$(seed))) \
+	  --out $(KVFUSE_OUT)/$(1)-ruler-4096
+endef
 kvfuse-sinks: kvfuse-sinks-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-sinks-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-sinks-ruler-4096-$(seed))
-	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  $(KVFUSE_RUNS)/sinks-musique.jsonl --out $(KVFUSE_OUT)/sinks-musique
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(call sinks_pair,2048,$(seed))) \
-	  --out $(KVFUSE_OUT)/sinks-ruler
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),$(call sinks_pair,4096,$(seed))) \
-	  --out $(KVFUSE_OUT)/sinks-ruler-4096
+	$(call heldout_tables,sinks,$(KVFUSE_RUNS)/sinks-musique.jsonl,sinks_pair)
 kvfuse-sinks-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SINKS) -o $(KVFUSE_RUNS)/sinks-musique.jsonl
 # $(call ruler_heldout,METHODS,NAME) in a recipe whose % is LENGTH-SEED (e.g. 2048-0): METHODS on the suite's data
@@ -263,12 +269,7 @@ KVFUSE_LOCATED ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_
 located_runs = $(call sinks_pair,$(1),$(2)) $(KVFUSE_RUNS)/located-ruler-$(1)-s$(2).jsonl
 kvfuse-located: kvfuse-located-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-located-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed))
-	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  $(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl --out $(KVFUSE_OUT)/located-musique
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),$(call located_runs,2048,$(seed))) \
-	  --out $(KVFUSE_OUT)/located-ruler
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),$(call located_runs,4096,$(seed))) \
-	  --out $(KVFUSE_OUT)/located-ruler-4096
+	$(call heldout_tables,located,$(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl,located_runs)
 kvfuse-located-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_LOCATED) -o $(KVFUSE_RUNS)/located-musique.jsonl
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
