@@ -84,8 +84,8 @@ class KvFuseKnobs:
                                 min=0)
     locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
                                    "attention finds the chunks the sinks go after (the layers that find a needle sit "
-                                   "deep: results/kvfuse.md, step 10); with score_layers=band, the rows too",
-                              min=0.0, max=1.0)
+                                   "deep: 0.6 to 0.85 on SmolLM2-135M, results/kvfuse.md, step 10; another model: "
+                                   "scripts/locate_probe.py); with score_layers=band, the rows too", min=0.0, max=1.0)
     locate_to: float = knob(1.0, "the end of that band of layers (layer l is in it when locate_from <= (l + 0.5) / "
                                  "layers < locate_to)", min=0.0, max=1.0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
