@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-bench kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -192,10 +192,10 @@ ruler-calibration: | setup
 KVFUSE_DEV_N ?= 11
 KVFUSE_TEST_OFFSET ?= 115
 KVFUSE_TEST_N ?= 20
-KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+KVFUSE_ABLATION ?= full,prophetkv,prophetkv:variant=fusion,fusionrag,kvfuse:propagate=off:propagate_from=0,kvfuse:propagate=after:propagate_from=0,kvfuse:sink_tokens=4:propagate=off:propagate_from=0,kvfuse:score_layers=early:propagate=off:propagate_from=0,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:propagate=off:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,kvfuse:sink_tokens=16,kvfuse:sink_tokens=8,kvfuse:shift_parts=k:sink_tokens=16,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:band_weight=0.5:locate_from=0.6:locate_to=0.85
 # kvfuse's second dev split: RULER-style samples from a seed the suite never scores (its seeds are 0-4)
 KVFUSE_RULER_DEV_SEED ?= 99
-KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.62,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.62
+KVFUSE_RULER_DEV ?= full,cacheblend,kvfuse:propagate=off,kvfuse,kvfuse:deviation_share=0.25,kvfuse:deviation_share=0.5,kvfuse:deviation_share=1,kvfuse:variant=prefix,kvfuse:variant=prefix:deviation_share=0.25,kvfuse:variant=prefix:deviation_share=0.5,kvfuse:variant=prefix:deviation_share=1,kvfuse:shift_estimate=james-stein,kvfuse:shift_estimate=kernel,kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:budget_slope=0.5,kvfuse:budget_slope=1,kvfuse:select_unit=chunks,kvfuse:select_unit=chunks:propagate=off,epic,kvfuse:propagate=off:sink_tokens=16,kvfuse:sink_tokens=16,kvfuse:propagate=off:sink_tokens=32,kvfuse:sink_tokens=8,kvfuse:sink_tokens=4,kvfuse:sink_tokens=8:shift_parts=k,kvfuse:sink_tokens=8:sinks_after_top=1,kvfuse:sink_tokens=8:sinks_after_top=2,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:sink_tokens=8:sinks_after_top=1:locate_from=0.6:locate_to=0.62,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.62,kvfuse:band_weight=0.5:locate_from=0.6:locate_to=0.85
 KVFUSE_BASELINES ?= full,prophetkv,fusionrag,kvfuse
 # held-out A: the first held-out run, with the configuration chosen at the time (results/kvfuse.md)
 KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:propagate_from=0.33
@@ -265,7 +265,8 @@ kvfuse-sinks-ruler-%: | setup   # % = LENGTH-SEED
 # step 10's dev choices (the sinks after the two chunks that layers 18-24 of 30 find; those layers ranking every row,
 # results/kvfuse.md), held out as step 9's was, their tables beside the default's and step 9's rows; `make -j2
 # kvfuse-located`
-KVFUSE_LOCATED ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85,kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85
+KVFUSE_LOCATED_SINKS ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+KVFUSE_LOCATED ?= $(KVFUSE_LOCATED_SINKS),kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85
 located_runs = $(call sinks_pair,$(1),$(2)) $(KVFUSE_RUNS)/located-ruler-$(1)-s$(2).jsonl
 kvfuse-located: kvfuse-located-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-located-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed))
@@ -358,6 +359,10 @@ recompute-cost: setup
 kvfuse-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse,kvfuse:propagate=off -r 0.15 --lengths 2048,4096 --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline \
 	  --no-auto-ratio --out $(KVFUSE_OUT)/bench
+# step 10's located sinks against prophetkv, as kvfuse-bench times the default (results/kvfuse.md, step 10)
+kvfuse-located-bench: setup
+	$(KVF) bench -m full,prophetkv,kvfuse,$(KVFUSE_LOCATED_SINKS) -r 0.15 --lengths 2048,4096 \
+	  --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline --no-auto-ratio --out $(KVFUSE_OUT)/bench-located
 # how much recomputation the leading methods need to keep 0.95 of full prefill's answers (results/kvfuse.md,
 # "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7, and the
 # last MuSiQue questions, which no run before it used (0-49 methods sweep and dev, 100-134 held-out A and B)

@@ -249,11 +249,15 @@ CASES = {
     "run -m kvfuse:locate_from without sinks_after_top": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
                       "-o", t / "o.jsonl"],
-        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: a band of layers for sinks_after_top or score_layers=band, and neither is given"]),
+        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: a band of layers for sinks_after_top, score_layers=band or band_weight, and none is given"]),
     "run --locate-to below --locate-from": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sink-tokens", "8", "--sinks-after-top", "1",
                       "--locate-from", "0.6", "--locate-to", "0.5", "-n", "1", "-o", t / "o.jsonl"],
         ["--locate-to 0.5: must be above locate_from (0.6)"]),
+    "run --band-weight beside --score-layers last": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--band-weight", "0.5", "--score-layers", "last",
+                      "-n", "1", "-o", t / "o.jsonl"],
+        ["--band-weight 0.5: mixes the band into every layer's mean, and score_layers=last ranks by other layers"]),
     "run --budget-slope not a number": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--budget-slope", "x",
                                                       "-n", "1", "-o", t / "o.jsonl"], ["--budget-slope", "x"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",

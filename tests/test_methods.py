@@ -626,7 +626,7 @@ def test_kvfuse_select_unit_chunks_recomputes_whole_chunks_most_attended_first(f
 def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_rest(monkeypatch):
     """locate_from/locate_to: the chunks sinks_after_top puts sinks after are found by the question's attention
     averaged over that band of layers only; the rest of the budget is still ranked by every layer's average, unless
-    score_layers=band ranks it by the band too."""
+    score_layers=band ranks it by the band too, or band_weight mixes the two."""
     import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
     engine = FusionEngine(Transformer(tiny_model("llama", seed=4)))
     g = torch.Generator().manual_seed(0)
@@ -670,6 +670,12 @@ def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_res
     ranks_by_band.prefill(engine, prompt, source)                             # no sinks: every row by the band
     assert ranks_by_band.scored_layers(L) == band and seen["rows"].tolist() == \
         top_rows(located[chunk_rows], chunk_rows, budget).tolist()
+    by_band = seen["rows"]
+    get_method("kvfuse", 0.3, band_weight=1.0, locate_from=0.5, propagate="off").prefill(engine, prompt, source)
+    assert torch.equal(seen["rows"], by_band)                                 # all of the weight: the band's ranking
+    get_method("kvfuse", 0.3, band_weight=0.5, locate_from=0.5, propagate="off").prefill(engine, prompt, source)
+    mixed = (0.5 * everything + 0.5 * located)[chunk_rows]                    # [c] half each
+    assert torch.equal(seen["rows"], top_rows(mixed, chunk_rows, budget))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -903,7 +909,10 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
     with pytest.raises(KvfError, match=r"^--sinks-after-top 2: places the sinks that sink_tokens asks for; give sink_tokens"):
         get_method("kvfuse", 0.15, sinks_after_top=2)
     assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2
-    with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top or score_layers=band, and neither is given; add"):
+    with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top, score_layers=band or band_weight, and none is given; add"):
         get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
+    with pytest.raises(KvfError, match=r"^--band-weight 0.5: mixes the band into every layer's mean, and "
+                                       r"score_layers=last ranks by other layers"):
+        get_method("kvfuse", 0.15, band_weight=0.5, score_layers="last")
     with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
         get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)

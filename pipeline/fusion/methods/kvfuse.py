@@ -88,6 +88,9 @@ class KvFuseKnobs:
                                    "scripts/locate_probe.py); with score_layers=band, the rows too", min=0.0, max=1.0)
     locate_to: float = knob(1.0, "the end of that band of layers (layer l is in it when locate_from <= (l + 0.5) / "
                                  "layers < locate_to)", min=0.0, max=1.0)
+    band_weight: float = knob(0.0, "the band's share of the row ranking: rows ranked by (1 - w) x every layer's "
+                                   "mean attention + w x the band's (score_layers=all; 1 ranks as score_layers=band)",
+                              min=0.0, max=1.0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -127,12 +130,18 @@ class KvFuse(FusionMethod):
         if self.knobs.sinks_after_top and not self.knobs.sink_tokens:   # it places sinks; with none it would do nothing
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
+        if self.knobs.band_weight and self.knobs.score_layers != "all":   # it mixes the band into the layer average
+            raise KnobError("band_weight", str(self.knobs.band_weight),
+                            f"mixes the band into every layer's mean, and score_layers={self.knobs.score_layers} "
+                            "ranks by other layers; leave score_layers at all, or band_weight at 0")
         band = (self.knobs.locate_from, self.knobs.locate_to)
-        if band != (0.0, 1.0) and not (self.knobs.sinks_after_top or self.knobs.score_layers == "band"):
+        if band != (0.0, 1.0) and not (self.knobs.sinks_after_top or self.knobs.score_layers == "band"
+                                       or self.knobs.band_weight):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
             raise KnobError(name, str(getattr(self.knobs, name)),
-                            "a band of layers for sinks_after_top or score_layers=band, and neither is given; add "
-                            "sinks_after_top (--sinks-after-top) with sink_tokens (--sink-tokens), or score_layers=band")
+                            "a band of layers for sinks_after_top, score_layers=band or band_weight, and none is "
+                            "given; add sinks_after_top (--sinks-after-top) with sink_tokens (--sink-tokens), "
+                            "score_layers=band or band_weight")
         if band[0] >= band[1]:
             raise KnobError("locate_to", str(band[1]), f"must be above locate_from ({band[0]})")
 
@@ -145,7 +154,7 @@ class KvFuse(FusionMethod):
 
     def recorded_layers(self, n_layers: int) -> list[int]:
         """The layers pass 1 records Q's attention at: those that rank rows, and those that locate sinks."""
-        locating = self.locate_layers(n_layers) if self.knobs.sinks_after_top else []
+        locating = self.locate_layers(n_layers) if self.knobs.sinks_after_top or self.knobs.band_weight else []
         return sorted(set(self.scored_layers(n_layers)) | set(locating))
 
     def locate_layers(self, n_layers: int) -> list[int]:
@@ -172,7 +181,9 @@ class KvFuse(FusionMethod):
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
         scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
         located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
-                   if self.knobs.sinks_after_top else None)                 # [n] the band's attention
+                   if self.knobs.sinks_after_top or self.knobs.band_weight else None)   # [n] the band's attention
+        if self.knobs.band_weight:                                          # the band's pull mixed into the average
+            scores = (1 - self.knobs.band_weight) * scores + self.knobs.band_weight * located
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
                           after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
