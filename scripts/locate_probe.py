@@ -3,6 +3,7 @@ diagnosis (results/kvfuse.md): the layer average that ranks kvfuse's rows does n
 put "after the most attended chunk" (sinks_after_top) missed the cut needle; a band of deep layers does.
 
     python -m kvf.scripts.locate_probe --data work/ruler-2048-s99 --out results/kvfuse/locate.md   # .csv, .png
+    python -m kvf.scripts.locate_probe --replot --out results/kvfuse/locate.md   # the .png again, from the .csv
 
 Per sample of each prepared RULER-style dataset (`kvf data ruler`, built by `kvf run`): kvfuse's pass 1 (the
 question's rows over the stored `fusion` variant, as `kvf run -m kvfuse` reads it) records the question's mean
@@ -80,18 +81,21 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot(hits: pd.DataFrame, n_layers: int, band: list[int], out: Path, title: str) -> None:
-    """Share of samples whose top chunk holds the fact, per layer, one line per task, the band shaded."""
+def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
+    """Share of samples whose top chunk holds the fact, per layer, one line per task (pooled over the datasets),
+    the band shaded; from the per-layer table the .csv holds, so --replot remakes it without the model."""
+    per_layer = table[table.layer.astype(str).str.isdigit()].assign(layer=lambda t: t.layer.astype(int))
+    n_layers, n = per_layer.layer.max() + 1, int(table[table.layer.astype(str) == "average"].samples.sum())
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    layers = [str(layer) for layer in range(n_layers)]
-    for task, share in hits.groupby("task"):
-        by_layer = share.groupby("layer")["hit"].mean()
-        ax.plot(range(n_layers), [by_layer[layer] for layer in layers], marker="o", ms=3, label=task)
+    for task, rows in per_layer.groupby("task"):
+        pooled = rows.groupby("layer")[["hits", "samples"]].sum().reindex(range(n_layers))
+        ax.plot(range(n_layers), pooled.hits / pooled.samples, marker="o", ms=3, label=task)
     ax.axvspan(band[0] - 0.5, band[-1] + 0.5, color="0.85", zorder=0, label="locate band")
     ax.set_xlabel("layer")
     ax.set_ylabel("samples whose most attended\nchunk holds the fact (share)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"SmolLM2-135M-Instruct, RULER-style samples of {table.dataset.nunique()} sets (n = {n}):\n"
+                 "where the question's attention points, layer by layer", fontsize=9)
     ax.legend(fontsize=7, ncol=3, loc="upper left", frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=150)
@@ -128,10 +132,24 @@ def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="locate_probe", description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, nargs="+", required=True, help="prepared RULER-style datasets, built")
+    p.add_argument("--data", type=Path, nargs="+", help="prepared RULER-style datasets, built")
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "locate.md")
+    p.add_argument("--replot", action="store_true", help="remake the .png from the .csv beside --out, without the model")
     args = p.parse_args(argv)
+    table_path = args.out.with_suffix(".csv")
+    if args.replot:
+        if not table_path.is_file():
+            print(f"locate_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
+            return 1
+        table = pd.read_csv(table_path, dtype={"layer": str})
+        n_layers = int(table[table.layer.str.isdigit()].layer.astype(int).max()) + 1
+        plot(table, KvFuse(args.ratio, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(n_layers),
+             args.out.with_suffix(".png"))
+        return 0
+    if not args.data:
+        print("locate_probe: error: pass --data DIR... (prepared RULER-style datasets, built), or --replot", file=sys.stderr)
+        return 2
     missing = [d for d in args.data if not (d / "workspace" / "manifest.json").is_file()]
     if missing:
         print(f"locate_probe: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
@@ -146,11 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = hits[hits.layer.str.isdigit()].layer.astype(int).max() + 1
     band = KvFuse(args.ratio, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(n_layers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out.with_suffix(".csv"), hits.groupby(["dataset", "task", "layer"])
-                 .agg(samples=("hit", "size"), hits=("hit", "sum"), top_is_last=("last", "sum")).reset_index().to_csv(index=False))
-    plot(hits, n_layers, band, args.out.with_suffix(".png"),
-         f"SmolLM2-135M-Instruct, {', '.join(sorted(hits.dataset.unique()))} (n = {hits.qid.nunique()}): "
-         "where the question's attention points")
+    table = hits.groupby(["dataset", "task", "layer"]).agg(samples=("hit", "size"), hits=("hit", "sum"),
+                                                           top_is_last=("last", "sum")).reset_index()
+    write_atomic(table_path, table.to_csv(index=False))
+    plot(table, band, args.out.with_suffix(".png"))
     text = report(hits, band, n_layers, args)
     write_atomic(args.out, text)
     print(text)

@@ -47,13 +47,14 @@ later questions, results/kvfuse/runs/):
   sinks_after_top=2 held out at RULER 2K 0.775 vs the default's 0.670 (boundary 0.50 -> 0.94) and MuSiQue 11-49
   unchanged (0.855, no answer changed). The configuration to use; not yet the default, which would change every
   committed kvfuse row. score_layers=band (every row ranked by those layers) held out at RULER 2K 0.780 but MuSiQue
-  0.822: not kept.
+  0.822: not kept. band_weight=0.5 (half of it in the ranking) with the located sinks led both dev splits and held
+  out level with the located sinks alone (2K 0.780, MuSiQue 0.851): not kept.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), propagate (off / after /
-before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, propagate (off /
+after / before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
 between the passes; not kept: no gain on either dev split), shift_estimate, shift_parts, budget_slope and
 select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
