@@ -352,3 +352,26 @@ def test_a_length_named_twice_is_timed_once():
     """`--lengths 256,256` timed 256 twice and wrote two rows for it in ttft.csv and the table."""
     from kvf.cli.bench_cmd import _ints
     assert _ints("256,256,512,256", "--lengths") == [256, 512]
+
+
+def test_a_long_legend_label_goes_under_the_axes_and_the_title_stays_on_the_figure(tmp_path):
+    """kvfuse's located sinks as a bench entry ('kvfuse [sink_tokens=8:...:locate_to=0.85]@0.15', 72 characters):
+    the legend to the right squeezed the axes to a sliver and pushed their title off the figure's left edge.
+    A label past LEGEND_RIGHT_CHARS puts the legend under the axes; short labels keep it to the right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from kvf.pipeline.workflows import bench as bench_module
+    for label, below in (("kvfuse [sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85]@0.15", True),
+                         ("kvfuse@0.15", False)):
+        fig = Figure(figsize=(7.5, 4.2))
+        FigureCanvasAgg(fig)                                                   # a renderer to measure with
+        ax = fig.subplots()
+        ax.plot([0, 1], [1.0, 0.98], label=label)
+        ax.set_title("TTFT paired with prophetkv, round by round (a device label of some length)\nsecond line")
+        bench_module.save_with_legend_outside(fig, ax, tmp_path / "p.png")
+        renderer = fig.canvas.get_renderer()
+        legend, axes_box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert (legend.y1 <= axes_box.y0) == below and (legend.x0 >= axes_box.x1) == (not below)
+        title = ax.title.get_window_extent(renderer)
+        assert title.x0 >= 0 and title.x1 <= fig.bbox.x1                      # the title is on the figure
+        assert (tmp_path / "p.png").stat().st_size > 0

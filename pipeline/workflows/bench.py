@@ -732,6 +732,9 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     save_with_legend_outside(fig, ax, path)
 
 
+LEGEND_RIGHT_CHARS = 40   # longer legend labels go under the axes
+
+
 def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) -> None:
     """Each entry's TTFT over --versus's in the same round (geometric mean, 95% bootstrap bars), against length:
     the differences of a few percent that the ratio-to-full plot cannot show apart."""
@@ -759,8 +762,13 @@ def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) ->
 
 
 def save_with_legend_outside(fig, ax, path: Path) -> None:
-    """The bench plots' legend to the right of the data, then the PNG written atomically."""
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    """The bench plots' legend outside the data, then the PNG written atomically: to the right, or under the axes
+    when a label is long (an entry with knobs), where it would squeeze the axes and push the title off the figure."""
+    labels = ax.get_legend_handles_labels()[1]
+    if max(map(len, labels), default=0) > LEGEND_RIGHT_CHARS:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    else:
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=130, format="png")
