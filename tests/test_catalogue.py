@@ -254,10 +254,6 @@ CASES = {
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sink-tokens", "8", "--sinks-after-top", "1",
                       "--locate-from", "0.6", "--locate-to", "0.5", "-n", "1", "-o", t / "o.jsonl"],
         ["--locate-to 0.5: must be above locate_from (0.6)"]),
-    "run --band-weight beside --score-layers last": (
-        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--band-weight", "0.5", "--score-layers", "last",
-                      "-n", "1", "-o", t / "o.jsonl"],
-        ["--band-weight 0.5: mixes the band into every layer's mean, and score_layers=last ranks by other layers"]),
     "run --budget-slope not a number": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--budget-slope", "x",
                                                       "-n", "1", "-o", t / "o.jsonl"], ["--budget-slope", "x"]),
     "run -m full -r 0.3": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full,reuse", "-r", "0.3",

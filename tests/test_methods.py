@@ -676,6 +676,10 @@ def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_res
     get_method("kvfuse", 0.3, band_weight=0.5, locate_from=0.5, propagate="off").prefill(engine, prompt, source)
     mixed = (0.5 * everything + 0.5 * located)[chunk_rows]                    # [c] half each
     assert torch.equal(seen["rows"], top_rows(mixed, chunk_rows, budget))
+    get_method("kvfuse", 0.3, band_weight=0.5, score_layers="last", locate_from=0.5, propagate="off"
+               ).prefill(engine, prompt, source)                               # the band mixed into the last layer's
+    mixed = (0.5 * per_layer[L - 1] + 0.5 * located)[chunk_rows]
+    assert torch.equal(seen["rows"], top_rows(mixed, chunk_rows, budget))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -911,8 +915,5 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
     assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2
     with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top, score_layers=band or band_weight, and none is given; add"):
         get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
-    with pytest.raises(KvfError, match=r"^--band-weight 0.5: mixes the band into every layer's mean, and "
-                                       r"score_layers=last ranks by other layers"):
-        get_method("kvfuse", 0.15, band_weight=0.5, score_layers="last")
     with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
         get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)

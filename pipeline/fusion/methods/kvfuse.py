@@ -89,9 +89,9 @@ class KvFuseKnobs:
                                    "scripts/locate_probe.py); with score_layers=band, the rows too", min=0.0, max=1.0)
     locate_to: float = knob(1.0, "the end of that band of layers (layer l is in it when locate_from <= (l + 0.5) / "
                                  "layers < locate_to)", min=0.0, max=1.0)
-    band_weight: float = knob(0.0, "the band's share of the row ranking: rows ranked by (1 - w) x every layer's "
-                                   "mean attention + w x the band's (score_layers=all; 1 ranks as score_layers=band)",
-                              min=0.0, max=1.0)
+    band_weight: float = knob(0.0, "the band's share of the row ranking: rows ranked by (1 - w) x the mean attention "
+                                   "of score_layers' layers + w x the band's (with score_layers=all, 1 ranks as "
+                                   "score_layers=band)", min=0.0, max=1.0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -131,10 +131,6 @@ class KvFuse(FusionMethod):
         if self.knobs.sinks_after_top and not self.knobs.sink_tokens:   # it places sinks; with none it would do nothing
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
-        if self.knobs.band_weight and self.knobs.score_layers != "all":   # it mixes the band into the layer average
-            raise KnobError("band_weight", str(self.knobs.band_weight),
-                            f"mixes the band into every layer's mean, and score_layers={self.knobs.score_layers} "
-                            "ranks by other layers; leave score_layers at all, or band_weight at 0")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.knobs.sinks_after_top or self.knobs.score_layers == "band"
                                        or self.knobs.band_weight):
@@ -183,7 +179,7 @@ class KvFuse(FusionMethod):
         scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
         located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
                    if self.knobs.sinks_after_top or self.knobs.band_weight else None)   # [n] the band's attention
-        if self.knobs.band_weight:                                          # the band's pull mixed into the average
+        if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
             scores = (1 - self.knobs.band_weight) * scores + self.knobs.band_weight * located
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
                           after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
