@@ -314,8 +314,6 @@ define probe_halves
 	  --report $(KVFUSE_OUT)/$(6)/$(3)-$(shell echo $$(($(4) - 1))).jsonl $(KVFUSE_OUT)/$(6)/$(4)-$(shell echo $$(($(5) - 1))).jsonl \
 	  --out $(KVFUSE_OUT)/$(6).md
 endef
-# how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md), and how much correcting
-# the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction*.md); questions no other run uses
 # step 10's diagnosis (results/kvfuse/locate.md): which layers' question attention points at the fact's chunk, on
 # the RULER dev samples (seed 99) and the scored 2K suite's (seeds 0-4); their workspaces are the runs' (make
 # kvfuse-ruler-dev, make ruler-2048)
@@ -324,6 +322,8 @@ kvfuse-locate-probe: | setup
 	for dir in $(KVFUSE_LOCATE_DATA); do [ -f $$dir/workspace/manifest.json ] || { echo "$$dir: not built; run make \
 	  kvfuse-ruler-dev and make ruler-2048 first" >&2; exit 1; }; done
 	$(PY) -m kvf.scripts.locate_probe --data $(KVFUSE_LOCATE_DATA) --out $(KVFUSE_OUT)/locate.md
+# how much choosing the recomputed rows better could still gain (results/kvfuse/selection.md), and how much correcting
+# the 85% kept rows could, given full prefill's own KV (results/kvfuse/correction*.md); questions no other run uses
 kvfuse-selection: $(WORK)/musique/questions.jsonl
 	$(call probe_halves,selection,musique,50,65,80,selection)
 kvfuse-correction: $(WORK)/musique/questions.jsonl

@@ -30,17 +30,12 @@ from kvf.errors import KvfError  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.files import write_atomic  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
-from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse, band_layers  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = {"locate_from": 0.6, "locate_to": 0.85}      # kvfuse step 10's band (layers 18-24 of 30)
-
-
-def band_layers(n_layers: int) -> list[int]:
-    """The layers kvfuse's locate band (BAND) holds in a model of n_layers."""
-    return KvFuse(0.15, sink_tokens=1, sinks_after_top=1, **BAND).locate_layers(n_layers)
 
 
 class Recording(KvFuse):
@@ -67,7 +62,7 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
         s = ws.session
         doc_chunks = s.ws.doc_chunks()
         method = Recording(ratio)
-        band = band_layers(s.n_layers)
+        band = band_layers(*BAND.values(), s.n_layers)
         for q in track(questions, description=f"{data.name}: pass 1"):
             if not q.fact_chunks:
                 raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
@@ -149,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         table = pd.read_csv(table_path, dtype={"layer": str})
         n_layers = int(table[table.layer.str.isdigit()].layer.astype(int).max()) + 1
-        plot(table, band_layers(n_layers), args.out.with_suffix(".png"))
+        plot(table, band_layers(*BAND.values(), n_layers), args.out.with_suffix(".png"))
         return 0
     if not args.data:
         print("locate_probe: error: pass --data DIR... (prepared RULER-style datasets, built), or --replot", file=sys.stderr)
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"locate_probe: error: {e}", file=sys.stderr)
         return 1
     n_layers = hits[hits.layer.str.isdigit()].layer.astype(int).max() + 1
-    band = band_layers(n_layers)
+    band = band_layers(*BAND.values(), n_layers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table = hits.groupby(["dataset", "task", "layer"]).agg(samples=("hit", "size"), hits=("hit", "sum"),
                                                            top_is_last=("last", "sum")).reset_index()

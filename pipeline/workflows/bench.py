@@ -732,9 +732,6 @@ def plot_ratio_vs_length(df: pd.DataFrame, path: Path, device_label: str) -> Non
     save_with_legend_outside(fig, ax, path)
 
 
-LEGEND_RIGHT_CHARS = 40   # longer legend labels go under the axes
-
-
 def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) -> None:
     """Each entry's TTFT over --versus's in the same round (geometric mean, 95% bootstrap bars), against length:
     the differences of a few percent that the ratio-to-full plot cannot show apart."""
@@ -759,6 +756,9 @@ def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) ->
                  f"geometric mean over {rounds} rounds; bars: 95% bootstrap interval", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     save_with_legend_outside(fig, ax, path)
+
+
+LEGEND_RIGHT_CHARS = 40   # longer legend labels go under the axes
 
 
 def save_with_legend_outside(fig, ax, path: Path) -> None:

@@ -132,8 +132,7 @@ class KvFuse(FusionMethod):
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
-        if band != (0.0, 1.0) and not (self.knobs.sinks_after_top or self.knobs.score_layers == "band"
-                                       or self.knobs.band_weight):
+        if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
             raise KnobError(name, str(getattr(self.knobs, name)),
                             "a band of layers for sinks_after_top, score_layers=band or band_weight, and none is "
@@ -149,16 +148,18 @@ class KvFuse(FusionMethod):
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index == 0 and layer in self.recorded_layers(state.cache.kv.shape[0])
 
+    @property
+    def reads_band(self) -> bool:
+        """Whether pass 2 reads the band's mean attention beside the scored layers' (to place sinks or to mix in)."""
+        return bool(self.knobs.sinks_after_top or self.knobs.band_weight)
+
     def recorded_layers(self, n_layers: int) -> list[int]:
         """The layers pass 1 records Q's attention at: those that rank rows, and those that locate sinks."""
-        locating = self.locate_layers(n_layers) if self.knobs.sinks_after_top or self.knobs.band_weight else []
+        locating = self.locate_layers(n_layers) if self.reads_band else []
         return sorted(set(self.scored_layers(n_layers)) | set(locating))
 
     def locate_layers(self, n_layers: int) -> list[int]:
-        """The band [locate_from, locate_to) of the depth, at least one layer (the one nearest its start)."""
-        lo, hi = self.knobs.locate_from, self.knobs.locate_to
-        band = [layer for layer in range(n_layers) if lo <= (layer + 0.5) / n_layers < hi]
-        return band or [min(int(lo * n_layers), n_layers - 1)]
+        return band_layers(self.knobs.locate_from, self.knobs.locate_to, n_layers)
 
     def scored_layers(self, n_layers: int) -> list[int]:
         if self.knobs.score_layers == "band":
@@ -178,7 +179,7 @@ class KvFuse(FusionMethod):
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
         scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
         located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
-                   if self.knobs.sinks_after_top or self.knobs.band_weight else None)   # [n] the band's attention
+                   if self.reads_band else None)                            # [n] the band's attention
         if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
             scores = (1 - self.knobs.band_weight) * scores + self.knobs.band_weight * located
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
@@ -408,6 +409,13 @@ def cross_chunk_deviation(engine: FusionEngine, state: FusionState) -> torch.Ten
     engine.restart(state, all_chunk_rows(state.prompt), state.pass_index)
     engine.step(state, 0)
     return engine.kv_deviation(state, 1)[state.chunk_row_mask()[state.rows]]
+
+
+def band_layers(start: float, end: float, n_layers: int) -> list[int]:
+    """The layers in [start, end) of the depth (layer l when start <= (l + 0.5) / n_layers < end), at least one:
+    a band between two layers' centres gives the layer nearest its start."""
+    band = [layer for layer in range(n_layers) if start <= (layer + 0.5) / n_layers < end]
+    return band or [min(int(start * n_layers), n_layers - 1)]
 
 
 def sink_rows(prompt: FusedPrompt, per_chunk: int, budget: int, after_top: int = 0,
