@@ -683,6 +683,37 @@ def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_res
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kvfuse_calibration_reweights_the_question_and_decoding_and_leaves_chunk_rows_plain(family):
+    """ape_temperature/ape_scale: APE's calibration of the chunks' attention for the question's rows and decoding only. At
+    ratio 1 every chunk row is recomputed plainly, so the result is full prefill of S and the chunks, then the
+    question's rows over it with the calibration: computed here layer by layer with the model alone."""
+    from kvf.pipeline.model.forward import SpanCalibration
+    engine, prompt, source = tiny_case(family)
+    T, n, q_start = engine.model, prompt.n_tokens, prompt.n_tokens - len(prompt.question_ids)
+    cal = SpanCalibration(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens, 0.7, 0.8, queries_from=q_start)
+    ids = prompt.all_ids()
+    cache = T.new_cache(n)
+    T.prefill(ids[:q_start], cache)                                           # S | C1..Ck, plain
+    cache.length = n
+    rows = torch.arange(q_start, n)
+    hidden, active, mask = T.embed(ids[rows]), T.active_rows(rows, rows), T.causal_mask(rows, n)
+    with torch.inference_mode():
+        for layer in range(T.n_layers):                                       # Q's rows, calibrated
+            hidden = T.layer_step(layer, hidden, active, cache, mask, calibration=cal)
+    expected = T.logits(hidden[-1:])[0]
+    fused = get_method("kvfuse", 1.0, ape_temperature=0.7, ape_scale=0.8).prefill(engine, prompt, source)
+    assert (fused.logits - expected).abs().max().item() <= TOL and fused.calibration == cal   # decoding keeps it
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(fused, full) > 10 * TOL                                 # the calibration does change Q
+    for ratio in (1.0, 0.3):   # in a sweep pass 1 is the shared plain query pass: the same answer as alone
+        alone = get_method("kvfuse", ratio, ape_temperature=0.7, ape_scale=0.8).prefill(engine, prompt, source)
+        swept = get_method("kvfuse", ratio, ape_temperature=0.7, ape_scale=0.8).prefill(engine, prompt, source, shared={})
+        assert torch.equal(alone.logits, swept.logits) and swept.calibration == cal
+        plain = get_method("kvfuse", ratio).prefill(engine, prompt, source, shared={})
+        assert plain.calibration is None and not torch.allclose(plain.logits, swept.logits, atol=TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_all_budget_by_deviation_equals_cacheblend(family):
     """With the whole budget given to the layer-1 deviation (and no shift), kvfuse recomputes CacheBlend's
     rows: CacheBlend recomputes layer 0 everywhere and keeps the most deviating rows from layer 1; kvfuse

@@ -68,6 +68,7 @@ from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, FusionState, 
 from kvf.pipeline.fusion.methods.base import (FusionMethod, KnobError, all_chunk_rows, chunk_attention, knob, register,
                                                top_rows)
 from kvf.pipeline.fusion.methods.epic import chunk_initial_rows
+from kvf.pipeline.model.forward import SpanCalibration
 from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.model.rope import apply_rope, unapply_rope
 
@@ -111,6 +112,11 @@ class KvFuseKnobs:
     select_unit: str = knob("tokens", "what the budget buys: tokens (the top rows by attention, wherever they are) or "
                                       "chunks (whole chunks, the most attended first; the last one by its top rows)",
                             choices=("tokens", "chunks"))
+    ape_temperature: float = knob(1.0, "APE's attention temperature on the chunks' scores, for the question and decoding "
+                                   "only (the chunk rows recomputed beside them attend plainly); 1: none",
+                              min=0.05, max=10.0)
+    ape_scale: float = knob(1.0, "APE's scaling factor of the chunks' total attention weight, for the question and "
+                             "decoding only; 1: none", min=0.0, max=10.0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -140,6 +146,14 @@ class KvFuse(FusionMethod):
                             "score_layers=band or band_weight")
         if band[0] >= band[1]:
             raise KnobError("locate_to", str(band[1]), f"must be above locate_from ({band[0]})")
+
+    def calibration(self, prompt: FusedPrompt) -> SpanCalibration | None:
+        """APE's calibration of the chunks' span for Q's rows (from pass 2 on) and decoding; None at 1, 1. Pass 1
+        stays the plain query pass: it is what ranks the rows, and a sweep's methods share it."""
+        if (self.knobs.ape_temperature, self.knobs.ape_scale) == (1.0, 1.0):
+            return None
+        return SpanCalibration(prompt.n_prefix, prompt.n_prefix + prompt.n_chunk_tokens, self.knobs.ape_temperature,
+                               self.knobs.ape_scale, queries_from=prompt.n_tokens - len(prompt.question_ids))
 
     @property
     def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
@@ -174,6 +188,7 @@ class KvFuse(FusionMethod):
                 self.shift_after_layers(engine, state, stored)
             return torch.empty(0, dtype=torch.long)
         prompt = state.prompt
+        state.calibration = self.calibration(prompt)                      # pass 2 and decoding (None: plain)
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
         n_layers = state.cache.kv.shape[0]
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
