@@ -81,6 +81,7 @@ def test_a_pass_places_its_rows_and_rope_tables_once_not_once_per_layer(monkeypa
     assert len(scattered) == T.n_layers and all(index is scattered[0] for index in scattered)
 
 
+
 def test_calibrated_attention_leaves_queries_before_queries_from_plain():
     """SpanCalibration (APE): a query at or past queries_from attends to the span [start, end) at temperature T with
     the span's total weight rescaled (softmax over [T * S * lse(span / T), lse(rest)]); one before it attends as
@@ -95,21 +96,24 @@ def test_calibrated_attention_leaves_queries_before_queries_from_plain():
     rows = torch.arange(n - t, n)                                             # the queries' cache rows
     mask = T.causal_mask(rows, n)
     cal = SpanCalibration(3, 16, 0.6, 0.7, queries_from=n - 2)
-    got = T.calibrated_attention(q, keys, values, mask, cal, rows)            # [H, t, d]
+    got = T.attend(0, q, keys, values, mask, rows=rows, calibration=cal)       # [t, D] after o_proj
+    o_proj = lambda out: T.layers[0].self_attn.o_proj(out.transpose(0, 1).reshape(t, -1))   # [H, t, d] -> [t, D]
     group = T.n_heads // T.n_kv_heads
     k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    plain = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=T.scaling)[0]
+    plain = o_proj(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=T.scaling)[0])
     before = rows < cal.queries_from
-    assert torch.allclose(got[:, before], plain[:, before], atol=1e-5)
+    assert torch.allclose(got[before], plain[before], atol=1e-5)
     scores = (q @ k.transpose(1, 2) * T.scaling).masked_fill(~mask, float("-inf"))     # [H, t, n]
     span = torch.zeros(n, dtype=torch.bool)
     span[3:16] = True
     weights = torch.where(span, torch.exp(scores / 0.6), torch.exp(scores))           # unnormalised, [H, t, n]
     span_sum, rest_sum = (weights * span).sum(-1, keepdim=True), (weights * ~span).sum(-1, keepdim=True)
     span_mass = span_sum ** (0.6 * 0.7)                                                # exp(T S lse_span)
-    weights = torch.where(span, weights / span_sum * span_mass, weights / rest_sum * rest_sum)
-    expected = (weights / (span_mass + rest_sum)) @ v                                  # [H, t, d]
-    assert torch.allclose(got[:, ~before], expected[:, ~before], atol=1e-5)
-    assert not torch.allclose(got[:, ~before], plain[:, ~before], atol=1e-3)
-    everyone = T.calibrated_attention(q, keys, values, mask, SpanCalibration(3, 16, 0.6, 0.7))
+    weights = torch.where(span, weights / span_sum * span_mass, weights)
+    expected = o_proj((weights / (span_mass + rest_sum)) @ v)                          # [t, D]
+    assert torch.allclose(got[~before], expected[~before], atol=1e-5)
+    assert not torch.allclose(got[~before], plain[~before], atol=1e-3)
+    everyone = T.attend(0, q, keys, values, mask, rows=rows, calibration=SpanCalibration(3, 16, 0.6, 0.7))
     assert torch.allclose(everyone, expected, atol=1e-5)                       # queries_from 0: every query
+    nobody = T.attend(0, q, keys, values, mask, rows=rows, calibration=SpanCalibration(3, 16, 0.6, 0.7, queries_from=n))
+    assert torch.allclose(nobody, plain, atol=1e-5)

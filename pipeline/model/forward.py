@@ -136,10 +136,18 @@ class Transformer:
         Returns the attention output after o_proj, [t, D].
         """
         t = q.shape[1]
+        if calibration is not None and rows is not None and mask is not None:   # sorted rows: the plain ones first
+            plain = int(torch.searchsorted(rows, torch.tensor(calibration.queries_from)))
+            if plain == t:
+                calibration = None
+            elif plain > 0:   # plain rows by the fast path, the rest calibrated; o_proj is per row
+                return torch.cat([self.attend(layer, q[:, :plain], keys, values, mask[:plain], rows=rows[:plain]),
+                                  self.attend(layer, q[:, plain:], keys, values, mask[plain:], rows=rows[plain:],
+                                              calibration=calibration)])
         if calibration is not None:
             if mask is None:
                 mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
-            out = self.calibrated_attention(q, keys, values, mask, calibration, rows)[None]
+            out = self.calibrated_attention(q, keys, values, mask, calibration)[None]
         elif mask is None:
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=is_causal,
                                                  scale=self.scaling, enable_gqa=True)
@@ -155,25 +163,20 @@ class Transformer:
         return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
 
     def calibrated_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                             cal: SpanCalibration, rows: torch.Tensor | None = None) -> torch.Tensor:
+                             cal: SpanCalibration) -> torch.Tensor:
         """q [H, t, d] over keys/values [KV, n, d] with the span [cal.start, cal.end) re-weighted
-        (SpanCalibration) for the queries whose cache row (`rows` [t]; None: all) is at or past
-        cal.queries_from -> [H, t, d]. Explicit scores [H, t, n]: for the few rows that use it."""
+        (SpanCalibration) -> [H, t, d]. Explicit scores [H, t, n]: for the few rows that use it."""
         group = self.n_heads // self.n_kv_heads
         k, v = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)   # [H, n, d]
         scores = ((q @ k.transpose(1, 2)) * self.scaling).masked_fill(~mask, float("-inf"))   # [H, t, n]
-        calibrated = torch.ones(q.shape[1], dtype=torch.bool) if rows is None else rows >= cal.queries_from
-        calibrated = calibrated.to(q.device)[:, None]                                          # [t, 1]
-        temperature = torch.where(calibrated, cal.temperature, 1.0).to(scores.dtype)           # [t, 1]; 1: plain
-        weight = torch.where(calibrated, cal.temperature * cal.scale, 1.0).to(scores.dtype)    # [t, 1]
         in_span = torch.zeros(scores.shape[-1], dtype=torch.bool, device=q.device)
         in_span[cal.start: cal.end] = True
-        span = scores[..., in_span] / temperature                                               # [H, t, s]
+        span = scores[..., in_span] / cal.temperature                                           # [H, t, s]
         rest = scores.masked_fill(in_span, float("-inf"))                                       # [H, t, n]
         lse_span, lse_rest = torch.logsumexp(span, -1), torch.logsumexp(rest, -1)               # [H, t]
         out_span = torch.nan_to_num(span.softmax(-1)) @ v[:, in_span]                          # [H, t, d]
         out_rest = torch.nan_to_num(rest.softmax(-1)) @ v                                      # [H, t, d]
-        mix = torch.stack([lse_span * weight[:, 0], lse_rest], dim=-1).softmax(-1)             # [H, t, 2]
+        mix = torch.stack([lse_span * cal.temperature * cal.scale, lse_rest], dim=-1).softmax(-1)  # [H, t, 2]
         return mix[..., :1] * out_span + mix[..., 1:] * out_rest
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
