@@ -807,7 +807,11 @@ def test_ceiling_is_full_prefill_of_the_context_as_the_store_holds_it_then_q(rou
     got = get_method("ceiling", round_to=round_to).prefill(engine, prompt, InMemoryKV([]))
     full = get_method("full").prefill(engine, prompt)
     assert torch.allclose(got.logits, expected, atol=1e-5)
-    assert torch.allclose(got.cache.kv[:, :, :, :prompt.n_tokens], cache.kv[:, :, :, :prompt.n_tokens], atol=1e-5)
+    # A value that lands between two store-dtype values may round either way when the two prefills sum in
+    # another order (several threads do): up to one store-dtype step apart, in a handful of values.
+    got_kv, want_kv = got.cache.kv[:, :, :, :prompt.n_tokens], cache.kv[:, :, :, :prompt.n_tokens]
+    assert torch.allclose(got_kv, want_kv, atol=1e-5, rtol=torch.finfo(dtype).eps)
+    assert ((got_kv - want_kv).abs() > 1e-5).float().mean() < 0.01
     assert (got.logits - full.logits).abs().max() > 1e-6   # the rounding reached Q
     assert got.recomputed_tokens == prompt.n_chunk_tokens
 
