@@ -50,11 +50,15 @@ later questions, results/kvfuse/runs/):
   0.822: not kept. band_weight=0.5 (half of it in the ranking) with the located sinks led both dev splits and held
   out level with the located sinks alone (2K 0.780, MuSiQue 0.851): not kept.
 
+- APE's calibration (step 11, ape_temperature / ape_scale: the question's attention over the chunks at APE's T and S,
+  in pass 2 and decoding): lost on both dev splits (RULER 0.700 -> 0.575 with the located sinks, alias included;
+  MuSiQue 0.944 -> 0.845). APE's alias score came with its own shared positions, which recomputed rows cannot take.
+
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, propagate (off /
-after / before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, ape_temperature /
+ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
 between the passes; not kept: no gain on either dev split), shift_estimate, shift_parts, budget_slope and
 select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
