@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-bench kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -269,10 +269,19 @@ KVFUSE_LOCATED_SINKS ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:l
 KVFUSE_LOCATED ?= $(KVFUSE_LOCATED_SINKS),kvfuse:score_layers=band:locate_from=0.6:locate_to=0.85,kvfuse:band_weight=0.5:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 located_runs = $(call sinks_pair,$(1),$(2)) $(KVFUSE_RUNS)/located-ruler-$(1)-s$(2).jsonl
 kvfuse-located: kvfuse-located-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-located-ruler-2048-$(seed)) \
-  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed))
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-located-ruler-4096-$(seed)) kvfuse-located-2wikimqa kvfuse-located-nq
 	$(call heldout_tables,located,$(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl,located_runs)
+	for d in 2wikimqa nq; do $(KVF) eval --complete-only $(METHOD_RUNS)/$$d.jsonl.gz $(KVFUSE_RUNS)/located-$$d.jsonl \
+	  --out $(KVFUSE_OUT)/located-$$d || exit 1; done
 kvfuse-located-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_LOCATED) -o $(KVFUSE_RUNS)/located-musique.jsonl
+# the located sinks on the methods sweep's 2WikiMQA and NQ-open questions (settings as methods-2wikimqa and methods-nq)
+kvfuse-located-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
+	$(KVF) run -d $(WORK)/2wikimqa --neighbours $(NEIGHBOURS) -r 0.15 --max-new-tokens 12 --no-show-answers -n $(N) \
+	  -m $(KVFUSE_LOCATED_SINKS) -o $(KVFUSE_RUNS)/located-2wikimqa.jsonl
+kvfuse-located-nq: $(WORK)/nq/questions.jsonl
+	$(KVF) run -d $(WORK)/nq -r 0.15 --max-new-tokens 12 --no-show-answers -n $(N_NQ) -m $(KVFUSE_LOCATED_SINKS) \
+	  -o $(KVFUSE_RUNS)/located-nq.jsonl
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
