@@ -682,6 +682,34 @@ def test_kvfuse_locate_band_picks_the_sinks_chunks_and_the_layer_average_the_res
     assert torch.equal(seen["rows"], top_rows(mixed, chunk_rows, budget))
 
 
+def test_kvfuse_span_after_brings_the_rows_after_each_read_row_within_its_chunk(monkeypatch):
+    """span_after = N: a chunk row ranks as the best of itself and the N rows before it in its chunk, so the budget
+    buys spans that start at the rows the question attends to and never run into the next chunk."""
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    scores = torch.tensor([0.0, 5.0, 0.0, 0.0, 1.0, 0.0, 9.0, 0.0])
+    chunk_of_row = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])
+    assert kvfuse_file.spread_after(scores, chunk_of_row, 2).tolist() == [0, 5, 5, 5, 1, 0, 9, 9]   # 5: a new chunk
+    assert kvfuse_file.spread_after(scores, chunk_of_row, 0).tolist() == scores.tolist()
+    engine, prompt, source = tiny_case("llama")
+    seen = {}
+    pick = kvfuse_file.KvFuse.next_pass_rows
+    def logged(self, engine, state):
+        seen["attention"] = torch.stack(state.query_attention).mean(dim=0)     # [n]
+        seen["rows"] = pick(self, engine, state)
+        return seen["rows"]
+    monkeypatch.setattr(kvfuse_file.KvFuse, "next_pass_rows", logged)
+    budget = recompute_budget(0.3, prompt.n_chunk_tokens)
+    fused = get_method("kvfuse", 0.3, span_after=3, propagate="off").prefill(engine, prompt, source)
+    chunk_rows = all_chunk_rows(prompt)
+    spread = kvfuse_file.spread_after(seen["attention"][chunk_rows], kvfuse_file.chunk_of(prompt, chunk_rows), 3)
+    assert torch.equal(seen["rows"], top_rows(spread, chunk_rows, budget)) and fused.recomputed_tokens == budget
+    plain = seen["rows"]
+    get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source)
+    assert not torch.equal(plain, seen["rows"])                                # the spans are other rows
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, span_after=3).prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_calibration_reweights_the_question_and_decoding_and_leaves_chunk_rows_plain(family):
     """ape_temperature/ape_scale: APE's calibration of the chunks' attention for the question's rows and decoding only. At

@@ -97,6 +97,9 @@ class KvFuseKnobs:
     band_weight: float = knob(0.0, "the band's share of the row ranking: rows ranked by (1 - w) x the mean attention "
                                    "of score_layers' layers + w x the band's (with score_layers=all, 1 ranks as "
                                    "score_layers=band)", min=0.0, max=1.0)
+    span_after: int = knob(0, "each chunk row also ranks as high as the best of the N rows before it in its chunk, so "
+                              "a row the question attends to brings the N that follow it (the rest of its sentence: a "
+                              "fact the question finds by one word may be carried by the words after it)", min=0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -205,6 +208,8 @@ class KvFuse(FusionMethod):
                           after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
         scores = scores[chunk_rows].clone()
+        if self.knobs.span_after:                                           # a read row brings the rows after it
+            scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
         if self.knobs.deviation_share > 0:                                  # then the most moved rows
             share = recompute_budget(self.knobs.deviation_share, budget)
@@ -274,6 +279,16 @@ class KvFuse(FusionMethod):
                 here = torch.isin(rows, self.rows_at(state, layer))
                 mine, before = rows[here], before[:, :, here.to(before.device)]
             shift_kept_rows(engine, state, layer, mine, before, state.cache.kv[layer][:, :, mine], self.knobs)
+
+
+def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int) -> torch.Tensor:
+    """[c] chunk-row scores (rows in order) -> [c]: each row's score raised to the best of the n_after rows before it
+    in the same chunk (a max over a window that looks back and stops at the chunk's start)."""
+    spread = scores.clone()
+    for shift in range(1, min(n_after, len(scores) - 1) + 1):
+        same_chunk = chunk_of_row[shift:] == chunk_of_row[:-shift]                    # [c - shift]
+        spread[shift:] = torch.where(same_chunk, torch.maximum(spread[shift:], scores[:-shift]), spread[shift:])
+    return spread
 
 
 def chunks_first(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
