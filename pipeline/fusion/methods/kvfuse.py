@@ -53,11 +53,14 @@ later questions, results/kvfuse/runs/):
 - APE's calibration (step 11, ape_temperature / ape_scale: the question's attention over the chunks at APE's T and S,
   in pass 2 and decoding): lost on both dev splits (RULER 0.700 -> 0.575 with the located sinks, alias included;
   MuSiQue 0.944 -> 0.845). APE's alias score came with its own shared positions, which recomputed rows cannot take.
+- the rows after each read row (step 12, span_after): alias's value sits in the words after the key the question
+  finds; with 4 or 16 of them per read row RULER dev gains (0.750 vs 0.700 with the located sinks) but MuSiQue dev
+  loses (0.872 / 0.747): not held out.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, ape_temperature /
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after, ape_temperature /
 ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
 between the passes; not kept: no gain on either dev split), shift_estimate, shift_parts, budget_slope and
 select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
@@ -99,7 +102,8 @@ class KvFuseKnobs:
                                    "score_layers=band)", min=0.0, max=1.0)
     span_after: int = knob(0, "each chunk row also ranks as high as the best of the N rows before it in its chunk, so "
                               "a row the question attends to brings the N that follow it (the rest of its sentence: a "
-                              "fact the question finds by one word may be carried by the words after it)", min=0)
+                              "fact the question finds by one word may be carried by the words after it; 4 and 16 "
+                              "lost MuSiQue dev answers: results/kvfuse.md, step 12)", min=0)
     propagate: str = knob("after", "shift each chunk's kept rows by the mean K/V change of its recomputed rows: "
                                "off, after (seen by decoding) or before (seen by this layer too)",
                           choices=("off", "after", "before"))
@@ -120,7 +124,8 @@ class KvFuseKnobs:
                                       "chunks (whole chunks, the most attended first; the last one by its top rows)",
                             choices=("tokens", "chunks"))
     ape_temperature: float = knob(1.0, "APE's attention temperature on the chunks' scores, for the question and decoding "
-                                   "only (the chunk rows recomputed beside them attend plainly); 1: none",
+                                   "only (the chunk rows recomputed beside them attend plainly; 0.9 lost on both dev "
+                                   "splits: results/kvfuse.md, step 11); 1: none",
                               min=0.05, max=10.0)
     ape_scale: float = knob(1.0, "APE's scaling factor of the chunks' total attention weight, for the question and "
                              "decoding only; 1: none", min=0.0, max=10.0)
