@@ -712,8 +712,8 @@ def test_kvfuse_span_after_brings_the_rows_after_each_read_row_within_its_chunk(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_kvfuse_calibration_reweights_the_question_and_decoding_and_leaves_chunk_rows_plain(family):
-    """ape_temperature/ape_scale: APE's calibration of the chunks' attention for the question's rows and decoding only. At
-    ratio 1 every chunk row is recomputed plainly, so the result is full prefill of S and the chunks, then the
+    """ape_temperature/ape_scale: APE's calibration of the chunks' attention for the question's rows and decoding
+    only. At ratio 1 every chunk row is recomputed plainly, so the result is full prefill of S and the chunks, then the
     question's rows over it with the calibration: computed here layer by layer with the model alone."""
     from kvf.pipeline.model.forward import SpanCalibration
     engine, prompt, source = tiny_case(family)

@@ -60,10 +60,11 @@ later questions, results/kvfuse/runs/):
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after, ape_temperature /
-ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the budget by CacheBlend's layer-1 deviation, measured
-between the passes; not kept: no gain on either dev split), shift_estimate, shift_parts, budget_slope and
-select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
+ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
+budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
+shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
+included.
 """
 from __future__ import annotations
 
@@ -123,12 +124,11 @@ class KvFuseKnobs:
     select_unit: str = knob("tokens", "what the budget buys: tokens (the top rows by attention, wherever they are) or "
                                       "chunks (whole chunks, the most attended first; the last one by its top rows)",
                             choices=("tokens", "chunks"))
-    ape_temperature: float = knob(1.0, "APE's attention temperature on the chunks' scores, for the question and decoding "
-                                   "only (the chunk rows recomputed beside them attend plainly; 0.9 lost on both dev "
-                                   "splits: results/kvfuse.md, step 11); 1: none",
-                              min=0.05, max=10.0)
+    ape_temperature: float = knob(1.0, "APE's attention temperature on the chunks' scores, for the question and "
+                                       "decoding only (the chunk rows recomputed beside them attend plainly; 0.9 lost "
+                                       "on both dev splits: results/kvfuse.md, step 11); 1: none", min=0.05, max=10.0)
     ape_scale: float = knob(1.0, "APE's scaling factor of the chunks' total attention weight, for the question and "
-                             "decoding only; 1: none", min=0.0, max=10.0)
+                                 "decoding only; 1: none", min=0.0, max=10.0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
