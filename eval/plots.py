@@ -197,6 +197,9 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     save_figure(fig, path)
 
 
+RANKING_INCHES_PER_CHAR = 0.085   # a row name's width at the tick labels' font size, generously
+
+
 def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     """One family of rows (a dataset at one ratio, with the methods that have no ratio knob) as two
     ranked bar panels: the primary gold metric and fidelity to full, with 95% bootstrap intervals.
@@ -207,7 +210,9 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     # ranked by gold accuracy where it discriminates (generated suites), else by fidelity to full:
     # a weak model's gold F1 on QA sits near its floor; best at the top
     rows = rows.sort_values(metric if metric == "acc" else "fidelity_f1")
-    fig = Figure(figsize=(12, 0.38 * len(rows) + 1.8))
+    # the row names take what they need (~0.085 inch a character) and each panel keeps ~3.5 inches
+    names_inches = RANKING_INCHES_PER_CHAR * max(len(name) for name in rows.name)
+    fig = Figure(figsize=(max(12.0, names_inches + 7.6), 0.38 * len(rows) + 1.8))
     axes = fig.subplots(1, 2, sharey=True)
     for ax, column, low, high, xlabel, empty in (
             (axes[0], metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),

@@ -1088,3 +1088,29 @@ def test_compare_summary_names_the_datasets_it_pools():
                           "fidelity_a": [1.0] * 20, "fidelity_b": [0.5] * 20})
     table.attrs["metric"] = "f1"
     assert comparison_summary(table).startswith("over 20 questions of musique (10) and nq (10) (20 answered differently)")
+
+
+def test_a_ranking_keeps_its_panels_wide_and_their_labels_apart_with_long_row_names(tmp_path, monkeypatch):
+    """kvfuse's dev ranking names rows by their knobs (~100 characters): the figure was 12 inches wide whatever the
+    names, so the names took most of it, the two panels shrank to an inch each and their x labels ran into each
+    other. The figure now widens with its longest name."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    long = "sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:ape_temperature=0.9:ape_scale=0.9"
+    rows = pd.DataFrame({"method": ["full", "kvfuse", "kvfuse"], "label": ["", "", long], "variant": "fusion",
+                         "ratio": 0.15, "metric": "acc", "n": 40, "acc": [0.8, 0.6, 0.5], "metric_low": [0.7, 0.5, 0.4],
+                         "metric_high": [0.9, 0.7, 0.6], "fidelity_f1": [1.0, 0.9, 0.85],
+                         "fidelity_low": [1.0, 0.85, 0.8], "fidelity_high": [1.0, 0.95, 0.9]})
+    plots.plot_ranking(rows, "ruler at recompute ratio 0.15", tmp_path / "ranking.png")
+    fig = figures["ranking.png"]
+    FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    gold, fidelity = fig.axes
+    for ax in (gold, fidelity):
+        assert ax.get_window_extent(renderer).width / fig.dpi >= 2.5                 # inches of panel
+    left, right = gold.xaxis.label.get_window_extent(renderer), fidelity.xaxis.label.get_window_extent(renderer)
+    assert left.x1 < right.x0                                                         # the x labels do not meet
+    names = gold.get_yticklabels()[-1].get_window_extent(renderer)
+    assert names.x0 >= 0                                                              # the longest name is on the figure
