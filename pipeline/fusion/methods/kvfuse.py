@@ -90,8 +90,9 @@ class KvFuseKnobs:
                                "cut by a chunk boundary: results/kvfuse.md, step 9)", min=0)
     sinks_after_top: int = knob(0, "with sink_tokens: only the chunks right after the N chunks the question attends to "
                                    "most get sinks (a fact the question reads may run on past that boundary); 0: every "
-                                   "chunk (1 and 2 did not mend a cut needle on RULER dev: results/kvfuse.md, step 9)",
-                                min=0)
+                                   "chunk. Found by every layer's attention, 1 and 2 did not mend a cut needle on RULER "
+                                   "dev (step 9); found by layers 18-24 (locate_from=0.6, locate_to=0.85), 2 did, held "
+                                   "out (results/kvfuse.md, step 10)", min=0)
     locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
                                    "attention finds the chunks the sinks go after (the layers that find a needle sit "
                                    "deep: 0.6 to 0.85 on SmolLM2-135M, results/kvfuse.md, step 10; another model: "
