@@ -75,17 +75,22 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
             scored = {**{layer: per_layer[layer] for layer in range(len(per_layer))},
                       "average": chunk_attention(method.attention.mean(0), prompt),
                       "band": chunk_attention(method.attention[band].mean(0), prompt)}
-            rows += [dict(dataset=data.name, task=q.task, qid=q.qid, layer=str(layer),
+            rows += [dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid, layer=str(layer),
                           hit=int(torch.argmax(mass)) in facts, last=int(torch.argmax(mass)) == len(mass) - 1)
                      for layer, mass in scored.items()]
     return pd.DataFrame(rows)
+
+
+def layer_count(table: pd.DataFrame) -> int:
+    """How many layers a per-layer table (rows per sample or per task, `layer` a str: an int, "average" or "band") has."""
+    return int(table[table.layer.astype(str).str.isdigit()].layer.astype(int).max()) + 1
 
 
 def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
     """Share of samples whose top chunk holds the fact, per layer, one line per task (pooled over the datasets),
     the band shaded; from the per-layer table the .csv holds, so --replot remakes it without the model."""
     per_layer = table[table.layer.astype(str).str.isdigit()].assign(layer=lambda t: t.layer.astype(int))
-    n_layers, n = per_layer.layer.max() + 1, int(table[table.layer.astype(str) == "average"].samples.sum())
+    n_layers, n = layer_count(table), int(table[table.layer.astype(str) == "average"].samples.sum())
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for task, rows in per_layer.groupby("task"):
         pooled = rows.groupby("layer")[["hits", "samples"]].sum().reindex(range(n_layers))
@@ -94,7 +99,8 @@ def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("samples whose most attended\nchunk holds the fact (share)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"SmolLM2-135M-Instruct, RULER-style samples of {table.dataset.nunique()} sets (n = {n}):\n"
+    ax.set_title(f"{', '.join(sorted(table.model.unique()))}, RULER-style samples of {table.dataset.nunique()} sets "
+                 f"(n = {n}):\n"
                  "where the question's attention points, layer by layer", fontsize=9)
     ax.legend(fontsize=7, ncol=3, loc="upper left", frameon=False)
     fig.tight_layout()
@@ -107,7 +113,7 @@ def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
     lines = ["# Which layers find the fact's chunk (kvfuse step 10)", "",
              f"Made by `make kvfuse-locate-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.locate_probe "
              f"--data {' '.join(str(d) for d in args.data)}`).  ",
-             "Conditions: SmolLM2-135M-Instruct (embedded, float32, CPU); RULER-style samples "
+             f"Conditions: {', '.join(sorted(hits.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(sorted(hits.dataset.unique()))}; n = {hits.qid.nunique()}); kvfuse's pass 1 over the stored "
              f"`fusion` variant at {args.ratio:.0%}. A hit: the chunk with the most question attention (summed over its "
              f"rows) is one of the sample's fact chunks. The band: layers {band[0]}-{band[-1]} of {n_layers} "
@@ -143,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"locate_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
             return 1
         table = pd.read_csv(table_path, dtype={"layer": str})
-        n_layers = int(table[table.layer.str.isdigit()].layer.astype(int).max()) + 1
-        plot(table, band_layers(*BAND.values(), n_layers), args.out.with_suffix(".png"))
+        plot(table, band_layers(*BAND.values(), layer_count(table)), args.out.with_suffix(".png"))
         return 0
     if not args.data:
         print("locate_probe: error: pass --data DIR... (prepared RULER-style datasets, built), or --replot", file=sys.stderr)
@@ -160,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     except KvfError as e:
         print(f"locate_probe: error: {e}", file=sys.stderr)
         return 1
-    n_layers = hits[hits.layer.str.isdigit()].layer.astype(int).max() + 1
+    n_layers = layer_count(hits)
     band = band_layers(*BAND.values(), n_layers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    table = hits.groupby(["dataset", "task", "layer"]).agg(samples=("hit", "size"), hits=("hit", "sum"),
+    table = hits.groupby(["dataset", "model", "task", "layer"]).agg(samples=("hit", "size"), hits=("hit", "sum"),
                                                            top_is_last=("last", "sum")).reset_index()
     write_atomic(table_path, table.to_csv(index=False))
     plot(table, band, args.out.with_suffix(".png"))
