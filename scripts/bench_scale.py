@@ -24,8 +24,9 @@ process computing with one torch thread:
    from build-cache's own cost of one entry measured on an H100, results/gpu/build.csv from
    scripts/bench_gpu_build, and from FLOPs under stated assumptions).
 4b. the driver's share (chunking and indexing stay on the driver, whatever the number of GPUs): its
-   cost per chunk of embedding for the dense index, and of the exact neighbour search (all pairs, so
-   it grows as chunks squared), measured at one thread and projected to the corpus. `--rerender JSON
+   cost per chunk of embedding for the dense index, and of the neighbour search (exact up to 50K chunks:
+   all pairs, so chunks squared; above, an inverted file: about chunks^1.5), measured at one thread and
+   projected to the corpus. `--rerender JSON
    --measure-driver` measures only these and adds them to the numbers.
 5. with --real DIR (a prepared dataset, e.g. work/musique: ~6K tokens a question), part 3's sweep again
    on its first --real-questions questions, v1 against shared work: what sharing saves at a real
@@ -58,6 +59,7 @@ from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.methods import METHODS, method_names
 from kvf.pipeline.records import read_records
+from kvf.pipeline.retrieval.neighbours import EXACT_UP_TO, IVF_PROBES
 from kvf.pipeline.workflows.build import DEFAULT_NEIGHBOURS, BuildOptions, build_cache
 from kvf.pipeline.workflows.provenance import git_commit
 from kvf.pipeline.workflows.run import RunOptions, parse_methods, run
@@ -105,6 +107,8 @@ def parse_args(argv: list[str] | None = None):
                    help="scripts/bench_gpu_build's table (one chunk's entry built on a GPU) for the projection")
     p.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS, help="neighbours per chunk in the projection")
     p.add_argument("--knn-vectors", type=int, default=20_000, help="vectors of the timed exact neighbour search")
+    p.add_argument("--approx-vectors", type=int, default=200_000,
+                   help="vectors of the timed approximate neighbour search (more than the exact search's limit)")
     p.add_argument("--measure-driver", action="store_true",
                    help="with --rerender: measure the driver's per-chunk costs (part 4b) and add them to the numbers")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "scale.md")
@@ -117,6 +121,9 @@ def parse_args(argv: list[str] | None = None):
     if not 1 <= args.neighbours < args.knn_vectors:
         raise SystemExit(f"bench_scale: --neighbours {args.neighbours} --knn-vectors {args.knn_vectors}: need "
                          "1 <= neighbours < vectors")
+    if args.approx_vectors <= EXACT_UP_TO:
+        raise SystemExit(f"bench_scale: --approx-vectors {args.approx_vectors}: the search is exact up to "
+                         f"{EXACT_UP_TO:,} chunks; pass more")
     if args.rerender is not None:
         return args
     # steady-state rates leave out each worker's first question (2 Ray workers) or the first question
@@ -337,13 +344,13 @@ def chunk_texts(text: str, tokenizer, tokens: int, n: int) -> list[str]:
     return [tokenizer.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(n)]
 
 
-def measure_driver(text: str, chunk_tokens: int, n_neighbours: int, knn_vectors: int, n_chunks: int = 128) -> dict:
+def measure_driver(text: str, chunk_tokens: int, n_neighbours: int, knn_vectors: int, approx_vectors: int,
+                   n_chunks: int = 128, exact_up_to: int = EXACT_UP_TO) -> dict:
     """The driver's cost per chunk at one thread: embedding it for the dense index (the default embedder,
-    on the CPU), and the exact neighbour search over knn_vectors unit vectors (kvf's top_neighbours)."""
+    on the CPU), and kvf's top_neighbours over random unit vectors: exact over knn_vectors, approximate
+    (inverted file) over approx_vectors. Random vectors time the search; they say nothing of its recall."""
     import faiss
-    import numpy as np
     from kvf.pipeline.retrieval.dense import DEFAULT_EMBEDDER, Embedder
-    from kvf.pipeline.retrieval.neighbours import top_neighbours
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     embedder = Embedder()
@@ -353,14 +360,36 @@ def measure_driver(text: str, chunk_tokens: int, n_neighbours: int, knn_vectors:
     started = time.perf_counter()
     embedder.encode(texts)
     embed_seconds = time.perf_counter() - started
-    vectors = np.random.default_rng(0).standard_normal((knn_vectors, embedder.dim)).astype(np.float32)
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    started = time.perf_counter()
-    top_neighbours(vectors, [str(i) for i in range(knn_vectors)], n_neighbours)
-    knn_seconds = time.perf_counter() - started
+    knn_seconds = time_neighbours(knn_vectors, embedder.dim, n_neighbours, exact_up_to=knn_vectors)
+    approx_seconds = time_neighbours(approx_vectors, embedder.dim, n_neighbours, exact_up_to=exact_up_to)
     return {"embedder": DEFAULT_EMBEDDER, "embedder_tokens": tokens, "embed_chunks_per_s": n_chunks / embed_seconds,
             "knn_vectors": knn_vectors, "knn_seconds": knn_seconds, "n_neighbours": n_neighbours,
-            "dim": embedder.dim, "threads": 1}
+            "approx_vectors": approx_vectors, "approx_seconds": approx_seconds, "exact_up_to": exact_up_to,
+            "approx_lists_read": IVF_PROBES, "dim": embedder.dim, "threads": 1}
+
+
+def time_neighbours(n_vectors: int, dim: int, n_neighbours: int, exact_up_to: int) -> float:
+    """Seconds of kvf's top_neighbours over n_vectors random unit vectors [n, dim]."""
+    import numpy as np
+    from kvf.pipeline.retrieval.neighbours import top_neighbours
+    vectors = np.random.default_rng(0).standard_normal((n_vectors, dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    started = time.perf_counter()
+    top_neighbours(vectors, [str(i) for i in range(n_vectors)], n_neighbours, exact_up_to=exact_up_to)
+    return time.perf_counter() - started
+
+
+def approximate_search(chunks: float, driver: dict) -> bool:
+    """Whether the projection's neighbour search is the approximate one (an older scale.json timed only the exact)."""
+    return "approx_seconds" in driver and chunks > driver["exact_up_to"]
+
+
+def neighbour_seconds(chunks: float, driver: dict) -> float:
+    """The neighbour search over `chunks`, from the timed one: exact compares every pair (chunks²); the
+    inverted file reads a fixed number of its √chunks lists per chunk (chunks^1.5)."""
+    if approximate_search(chunks, driver):
+        return driver["approx_seconds"] * (chunks / driver["approx_vectors"]) ** 1.5
+    return driver["knn_seconds"] * (chunks / driver["knn_vectors"]) ** 2
 
 
 def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
@@ -396,10 +425,9 @@ def gpu_build_cost(table: Path) -> dict | None:
 def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_cost: dict | None = None,
                driver: dict | None = None) -> dict:
     tokens = chunks * chunk_tokens
-    # the driver's: embedding is per chunk; the exact neighbour search compares every pair
     driver_hours = {} if driver is None else {
         "driver_embed_core_hours": chunks / driver["embed_chunks_per_s"] / 3600,
-        "driver_knn_core_hours": driver["knn_seconds"] * (chunks / driver["knn_vectors"]) ** 2 / 3600}
+        "driver_knn_core_hours": neighbour_seconds(chunks, driver) / 3600}
     llama_bytes = tokens * kv_bytes_per_token(LLAMA3_8B)
     flops_seconds = 2 * LLAMA3_8B["params"] * tokens / (H100_BF16_DENSE_FLOPS * ASSUMED_MFU)
     # measured: a whole entry (prefill, copy to the host, local write) per chunk, in proportion to its tokens
@@ -467,13 +495,19 @@ def plot(build: dict, sweep: dict, path: Path) -> None:
 
 
 def driver_rows(proj: dict, driver: dict) -> list[list]:
+    if approximate_search(proj["chunks"], driver):
+        search = [f"approximate {driver['n_neighbours']} neighbours, CPU core-hours",
+                  f"measured {driver['approx_seconds']:.1f} s for {driver['approx_vectors']:,} chunks (faiss inverted file, "
+                  f"{driver['approx_lists_read']} of √chunks lists read, one thread), x (chunks / that)^1.5"]
+    else:
+        search = [f"exact {driver['n_neighbours']} neighbours, CPU core-hours",
+                  f"measured {driver['knn_seconds']:.1f} s for {driver['knn_vectors']:,} chunks (faiss flat, one thread), "
+                  "x (chunks / that)²"]
     return [
         ["any (driver)", "dense index embeddings, CPU core-hours", f"{proj['driver_embed_core_hours']:,.1f}",
          f"measured {driver['embed_chunks_per_s']:.1f} chunks/s per core ({driver['embedder']}, "
          f"{driver['embedder_tokens']} tokens a chunk, one thread)"],
-        ["any (driver)", f"exact {driver['n_neighbours']} neighbours, CPU core-hours", f"{proj['driver_knn_core_hours']:,.1f}",
-         f"measured {driver['knn_seconds']:.1f} s for {driver['knn_vectors']:,} chunks (faiss flat, one thread), "
-         "x (chunks / that)²"],
+        ["any (driver)", search[0], f"{proj['driver_knn_core_hours']:,.1f}", search[1]],
     ]
 
 
@@ -499,6 +533,15 @@ def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int
     ]
 
 
+def search_note(proj: dict, driver: dict) -> str:
+    if not approximate_search(proj["chunks"], driver):
+        return "the exact neighbour search compares every pair."
+    return (f"above {driver['exact_up_to']:,} chunks the neighbour search is approximate (an inverted file, of whose "
+            f"√chunks lists each chunk's search reads {driver['approx_lists_read']}), timed on random vectors, which say "
+            "nothing of its recall. Its recall against the exact search is tested on clustered vectors (at least 0.9, "
+            "tests/test_retrieval.py) but not measured on a real corpus this large (none is on this machine).")
+
+
 def driver_note(proj: dict, driver: dict, measured_by: str | None) -> str:
     """What the driver rows mean: chunking and indexing stay on the driver, so they do not shrink with GPUs."""
     cores = 64
@@ -506,7 +549,7 @@ def driver_note(proj: dict, driver: dict, measured_by: str | None) -> str:
     return ("The driver rows are the part that more GPUs do not shorten: in a Ray build, chunking and indexing stay on "
             "the driver. They are measured on this CPU at one thread" +
             (f" (by `{measured_by}`, on top of the numbers above)" if measured_by else "") +
-            f" and projected: embedding is per chunk, the exact neighbour search compares every pair. On a "
+            " and projected: embedding is per chunk; " + search_note(proj, driver) + " On a "
             f"{cores}-core CPU head node they take about {hours / cores:,.1f} h, if they scale with cores; with "
             "`--device cuda` and a GPU on the driver the embedder runs there instead (not measured); the neighbour "
             "search stays on its CPU. BM25 indexing (Lucene, on the driver too) is not in these rows.\n")
@@ -554,7 +597,8 @@ def rerender(args, rendered_by: str) -> None:
     measured = parse_args([*measured_argv, "--rerender", str(args.rerender)])
     measured.out, measured.gpu_build = args.out, args.gpu_build
     if args.measure_driver:
-        numbers["driver"] = measure_driver(synthetic_text(), measured.chunk_tokens, args.neighbours, args.knn_vectors)
+        numbers["driver"] = measure_driver(synthetic_text(), measured.chunk_tokens, args.neighbours, args.knn_vectors,
+                                           args.approx_vectors)
         numbers["driver_measured_by"] = rendered_by
     report(measured, numbers, output_console(140), rendered_by=rendered_by)
 
@@ -619,8 +663,8 @@ def bench_scale(args, work: Path, console) -> None:
     share_equal = all(a == share_answers[0] for a in share_answers[1:])
 
     real = real_sweep(work, args.real, args.real_questions, v1, console) if args.real is not None else None
-    console.print("the driver's per-chunk costs (embedding, exact neighbours) ...")
-    driver = measure_driver(synthetic_text(), args.chunk_tokens, args.neighbours, args.knn_vectors)
+    console.print("the driver's per-chunk costs (embedding, exact and approximate neighbours) ...")
+    driver = measure_driver(synthetic_text(), args.chunk_tokens, args.neighbours, args.knn_vectors, args.approx_vectors)
     one = build["one process"]
     numbers = {"build": build, "sweep": {n: {k: v for k, v in r.items() if k != "records"} for n, r in sweep.items()},
                "share": {n: {k: v for k, v in r.items() if k != "records"} for n, r in share.items()},

@@ -167,22 +167,34 @@ def test_recompute_cost_counts_the_flops_torch_counts(monkeypatch):
 
 def test_the_drivers_costs_are_measured_and_projected_per_chunk_and_per_pair():
     """Part 4b: chunking and indexing stay on a Ray build's driver, so the projection counts its embedding (per
-    chunk) and its exact neighbour search (every pair) apart from the GPUs'. Measured here on a small scale:
-    twice the corpus is twice the embedding and four times the search."""
+    chunk) and its neighbour search apart from the GPUs'. Measured here on a small scale: twice the corpus is
+    twice the embedding; up to the exact limit four times the search (every pair), above it 2^1.5 times (the
+    inverted file), and a scale.json timed before the approximate search projects every size as pairs."""
     from kvf.scripts.bench_scale import driver_rows, measure_driver, projection
-    driver = measure_driver("The Kettar mountains lie north of the Ossel sea. " * 40, 64, 3, 2_000, n_chunks=8)
-    assert driver["embed_chunks_per_s"] > 0 and driver["knn_seconds"] > 0 and driver["embedder_tokens"] == 64
+    driver = measure_driver("The Kettar mountains lie north of the Ossel sea. " * 40, 64, 3, 2_000, 3_000,
+                            n_chunks=8, exact_up_to=1_000)
+    assert driver["embed_chunks_per_s"] > 0 and driver["embedder_tokens"] == 64
+    assert driver["knn_seconds"] > 0 and driver["approx_seconds"] > 0 and driver["exact_up_to"] == 1_000
     measured = {"bytes_per_token": 1.0, "tokens_per_core_s": 1.0}
     one, two = (projection(n, 64, 8, measured, None, driver) for n in (1e6, 2e6))
     assert two["driver_embed_core_hours"] == pytest.approx(2 * one["driver_embed_core_hours"])
-    assert two["driver_knn_core_hours"] == pytest.approx(4 * one["driver_knn_core_hours"])
+    assert two["driver_knn_core_hours"] == pytest.approx(2 ** 1.5 * one["driver_knn_core_hours"])
+    assert one["driver_knn_core_hours"] == pytest.approx(driver["approx_seconds"] * (1e6 / 3_000) ** 1.5 / 3600)
+    small, twice_small = (projection(n, 64, 8, measured, None, driver) for n in (500, 1_000))
+    assert twice_small["driver_knn_core_hours"] == pytest.approx(4 * small["driver_knn_core_hours"])
+    older = {k: v for k, v in driver.items() if not k.startswith("approx") and k != "exact_up_to"}
+    assert projection(1e6, 64, 8, measured, None, older)["driver_knn_core_hours"] == pytest.approx(
+        driver["knn_seconds"] * (1e6 / 2_000) ** 2 / 3600)
     assert one["driver_embed_core_hours"] == pytest.approx(1e6 / driver["embed_chunks_per_s"] / 3600)
-    assert [row[0] for row in driver_rows(one, driver)] == ["any (driver)"] * 2
+    rows = driver_rows(one, driver)
+    assert [row[0] for row in rows] == ["any (driver)"] * 2 and rows[1][1].startswith("approximate 3 neighbours")
+    assert driver_rows(small, driver)[1][1].startswith("exact 3 neighbours")
     assert "driver_embed_core_hours" not in projection(1e6, 64, 8, measured)   # numbers measured before part 4b
 
 
 @pytest.mark.parametrize("flags,fragment", [(["--measure-driver"], "--measure-driver: only with --rerender"),
-                                            (["--neighbours", "10", "--knn-vectors", "5"], "need 1 <= neighbours")])
+                                            (["--neighbours", "10", "--knn-vectors", "5"], "need 1 <= neighbours"),
+                                            (["--approx-vectors", "50000"], "--approx-vectors 50000: the search is exact")])
 def test_bad_driver_flags_are_one_line(flags, fragment):
     from kvf.scripts.bench_scale import parse_args
     with pytest.raises(SystemExit, match=fragment):

@@ -218,6 +218,40 @@ def test_neighbours_exclude_self_and_duplicates_and_are_sorted():
     assert "c1" not in neighbours["c0"] and "c0" not in neighbours["c1"]
 
 
+def clustered_unit_vectors(n: int, dim: int = 64, clusters: int = 400, seed: int = 0) -> np.ndarray:
+    """Unit vectors around many centres, as a corpus's embeddings are (random ones have no neighbours to find)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(clusters, dim))
+    vectors = (centres[rng.integers(clusters, size=n)] + rng.normal(size=(n, dim))).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def test_neighbours_above_the_exact_limit_are_approximate_close_and_reproducible():
+    """Above exact_up_to the search is an inverted file: it must find nearly the exact neighbours, keep
+    excluding self and duplicates, and find the same ones however many threads faiss has (they key entries)."""
+    import faiss
+    from kvf.pipeline.retrieval.neighbours import neighbour_index, top_neighbours
+    vectors = clustered_unit_vectors(4000)
+    vectors[1] = vectors[0]
+    ids = [f"c{i}" for i in range(len(vectors))]
+    assert isinstance(neighbour_index(vectors, exact_up_to=1000), faiss.IndexIVFFlat)
+    assert isinstance(neighbour_index(vectors, exact_up_to=4000), faiss.IndexFlatIP)
+    exact = top_neighbours(vectors, ids, n_neighbours=10)
+    threads = faiss.omp_get_max_threads()
+    try:
+        faiss.omp_set_num_threads(1)
+        one = top_neighbours(vectors, ids, n_neighbours=10, exact_up_to=1000)
+        faiss.omp_set_num_threads(2)
+        two = top_neighbours(vectors, ids, n_neighbours=10, exact_up_to=1000)
+    finally:
+        faiss.omp_set_num_threads(threads)
+    assert np.array_equal(one.rows, two.rows)
+    recall = np.mean([len(set(one[c]) & set(exact[c])) / 10 for c in ids])
+    assert 0.9 <= recall < 1.0, recall                     # close to exact, and not the exact search again
+    assert all(len(one[c]) == 10 and c not in one[c] for c in ids)
+    assert "c1" not in one["c0"] and "c0" not in one["c1"]
+
+
 def test_neighbours_round_trip_and_small_sets(tmp_path):
     from kvf.pipeline.retrieval.neighbours import load_neighbours, save_neighbours, top_neighbours
     vectors = np.eye(3, dtype=np.float32)

@@ -11,12 +11,28 @@ from kvf.pipeline.files import atomic_path
 from kvf.pipeline.retrieval.chunking import ChunkRows
 
 
-def search_rows(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact inner-product top-k of each query row among all embeddings, best first."""
+EXACT_UP_TO = 50_000   # chunks searched exactly; above, every pair (n² work) is days at Wikipedia's 21M passages
+IVF_PROBES = 32        # lists an approximate search reads of its about √n
+
+
+def neighbour_index(embeddings: np.ndarray, exact_up_to: int = EXACT_UP_TO):
+    """A faiss inner-product index over embeddings [n, dim]: flat (exact) up to exact_up_to rows; above, an
+    inverted file of about √n lists, of which a search reads IVF_PROBES: about n^1.5 work instead of n².
+
+    Not HNSW, as the dense index is: its graph depends on the order threads insert, and neighbours key the
+    fusion entries, so a rebuild must find the same ones. k-means (faiss's fixed seed) and the lists do not.
+    """
     import faiss
-    index = faiss.IndexFlatIP(embeddings.shape[1])
+    n, dim = embeddings.shape
+    if n <= exact_up_to:
+        index = faiss.IndexFlatIP(dim)
+    else:
+        n_lists = int(round(n ** 0.5))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, n_lists, faiss.METRIC_INNER_PRODUCT)
+        index.train(embeddings)     # faiss samples 256 rows a list, by its fixed seed
+        index.nprobe = min(IVF_PROBES, n_lists)
     index.add(embeddings)
-    return index.search(queries, k)
+    return index
 
 
 class Neighbours(ChunkRows):
@@ -45,8 +61,10 @@ class Neighbours(ChunkRows):
         return [self.ids[j] for j in self.rows[self._row[chunk_id]].tolist() if j >= 0]
 
 
-def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10) -> Neighbours:
-    """For every chunk, its n most similar other chunks (not itself, not exact duplicates of it), best first."""
+def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10,
+                   exact_up_to: int = EXACT_UP_TO) -> Neighbours:
+    """For every chunk, its n most similar other chunks (not itself, not exact duplicates of it), best first:
+    exactly up to exact_up_to chunks, approximately above (neighbour_index)."""
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     n = len(chunk_ids)
     if embeddings.ndim != 2 or embeddings.shape[0] != n:
@@ -54,15 +72,16 @@ def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: i
     if n_neighbours < 1:
         raise KvfError(f"--neighbours must be at least 1 (got {n_neighbours})")
     result = np.full((n, min(n_neighbours, max(0, n - 1))), -1, dtype=np.int32)   # [chunks, n]
+    index = neighbour_index(embeddings, exact_up_to)
     pending, k = np.arange(n), min(n, n_neighbours + 1)  # +1: a chunk finds itself first
     while len(pending):
-        _, rows = search_rows(embeddings, embeddings[pending], k)
+        _, rows = index.search(embeddings[pending], k)
         short = []
         for i, found in zip(pending, rows):
             # exact duplicates (same vector) carry no new information for the chunk
             others = [j for j in found if j >= 0 and j != i and not np.array_equal(embeddings[j], embeddings[i])]
-            if len(others) < n_neighbours and k < n:
-                short.append(i)  # duplicates ate some of the k slots; look further for this chunk
+            if len(others) < n_neighbours and k < n and found[-1] >= 0:
+                short.append(i)  # duplicates ate some of the k slots; look further (-1: nothing further to find)
             others = others[:result.shape[1]]
             result[i, :len(others)] = others
             result[i, len(others):] = -1
