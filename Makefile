@@ -202,7 +202,9 @@ KVFUSE_HELDOUT_A = full,prophetkv,fusionrag,cacheblend,kvfuse:propagate=before:p
 # the raw records and the tables (make verify re-runs into a directory of its own)
 KVFUSE_RUNS ?= results/kvfuse/runs
 KVFUSE_OUT ?= results/kvfuse
-KVFUSE_RUN = $(KVF) run -d $(WORK)/musique --neighbours 3 -r 0.15 --max-new-tokens 12 --no-show-answers
+# kvfuse's QA runs: the methods sweep's settings at 15% (KVFUSE_RUN_AT -d DATASET), MuSiQue's the default
+KVFUSE_RUN_AT = $(KVF) run -r 0.15 --max-new-tokens 12 --no-show-answers
+KVFUSE_RUN = $(KVFUSE_RUN_AT) -d $(WORK)/musique --neighbours 3
 kvfuse-dev: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o $(KVFUSE_RUNS)/dev-musique.jsonl
 kvfuse-ruler-dev: | setup
@@ -277,11 +279,10 @@ kvfuse-located-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_LOCATED) -o $(KVFUSE_RUNS)/located-musique.jsonl
 # the located sinks on the methods sweep's 2WikiMQA and NQ-open questions (settings as methods-2wikimqa and methods-nq)
 kvfuse-located-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
-	$(KVF) run -d $(WORK)/2wikimqa --neighbours $(NEIGHBOURS) -r 0.15 --max-new-tokens 12 --no-show-answers -n $(N) \
-	  -m $(KVFUSE_LOCATED_SINKS) -o $(KVFUSE_RUNS)/located-2wikimqa.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/2wikimqa --neighbours $(NEIGHBOURS) -n $(N) -m $(KVFUSE_LOCATED_SINKS) \
+	  -o $(KVFUSE_RUNS)/located-2wikimqa.jsonl
 kvfuse-located-nq: $(WORK)/nq/questions.jsonl
-	$(KVF) run -d $(WORK)/nq -r 0.15 --max-new-tokens 12 --no-show-answers -n $(N_NQ) -m $(KVFUSE_LOCATED_SINKS) \
-	  -o $(KVFUSE_RUNS)/located-nq.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_LOCATED_SINKS) -o $(KVFUSE_RUNS)/located-nq.jsonl
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
