@@ -252,6 +252,22 @@ def test_neighbours_above_the_exact_limit_are_approximate_close_and_reproducible
     assert "c1" not in one["c0"] and "c0" not in one["c1"]
 
 
+def test_neighbours_asked_in_blocks_are_the_same_and_report_progress(monkeypatch):
+    """The chunks ask in blocks (bounded answers, a progress bar's pace): any block size finds the same
+    neighbours, duplicates' further look included, and on_block counts every chunk once."""
+    from kvf.pipeline.retrieval import neighbours as module
+    vectors = clustered_unit_vectors(300)
+    vectors[7] = vectors[3] = vectors[250]                     # duplicates across blocks
+    ids = [f"c{i}" for i in range(len(vectors))]
+    whole = module.top_neighbours(vectors, ids, n_neighbours=6)
+    monkeypatch.setattr(module, "QUERY_BLOCK", 7)
+    seen = []
+    blocked = module.top_neighbours(vectors, ids, n_neighbours=6, on_block=seen.append)
+    assert np.array_equal(whole.rows, blocked.rows)
+    assert sum(seen) == len(ids) and max(seen) == 7 and len(seen) == -(-len(ids) // 7)
+    assert not {"c3", "c7"} & set(blocked["c250"])
+
+
 def test_neighbours_round_trip_and_small_sets(tmp_path):
     from kvf.pipeline.retrieval.neighbours import load_neighbours, save_neighbours, top_neighbours
     vectors = np.eye(3, dtype=np.float32)

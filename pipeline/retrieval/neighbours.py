@@ -13,6 +13,7 @@ from kvf.pipeline.retrieval.chunking import ChunkRows
 
 EXACT_UP_TO = 50_000   # chunks searched exactly; above, every pair (n² work) is days at Wikipedia's 21M passages
 IVF_PROBES = 32        # lists an approximate search reads of its about √n
+QUERY_BLOCK = 65_536   # chunks a search asks for at once: bounds its [block, k] answers and paces the progress bar
 
 
 def neighbour_index(embeddings: np.ndarray, exact_up_to: int = EXACT_UP_TO):
@@ -62,9 +63,10 @@ class Neighbours(ChunkRows):
 
 
 def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10,
-                   exact_up_to: int = EXACT_UP_TO) -> Neighbours:
+                   exact_up_to: int | None = None, on_block=None) -> Neighbours:
     """For every chunk, its n most similar other chunks (not itself, not exact duplicates of it), best first:
-    exactly up to exact_up_to chunks, approximately above (neighbour_index)."""
+    exactly up to exact_up_to chunks (default EXACT_UP_TO), approximately above (neighbour_index). The
+    chunks ask in blocks of QUERY_BLOCK; on_block(m) after each (a progress bar's advance)."""
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     n = len(chunk_ids)
     if embeddings.ndim != 2 or embeddings.shape[0] != n:
@@ -72,21 +74,31 @@ def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: i
     if n_neighbours < 1:
         raise KvfError(f"--neighbours must be at least 1 (got {n_neighbours})")
     result = np.full((n, min(n_neighbours, max(0, n - 1))), -1, dtype=np.int32)   # [chunks, n]
-    index = neighbour_index(embeddings, exact_up_to)
-    pending, k = np.arange(n), min(n, n_neighbours + 1)  # +1: a chunk finds itself first
+    index = neighbour_index(embeddings, EXACT_UP_TO if exact_up_to is None else exact_up_to)
+    for start in range(0, n, QUERY_BLOCK):
+        rows = np.arange(start, min(n, start + QUERY_BLOCK))
+        fill_neighbours(index, embeddings, rows, result, n_neighbours)
+        if on_block is not None:
+            on_block(len(rows))
+    return Neighbours(list(chunk_ids), result)
+
+
+def fill_neighbours(index, embeddings: np.ndarray, rows: np.ndarray, result: np.ndarray, n_neighbours: int) -> None:
+    """result[rows] <- each row's nearest other rows, best first; a row whose exact duplicates (the same
+    vector: no new information) took some of the k slots asks again with twice k."""
+    n = len(embeddings)
+    pending, k = rows, min(n, n_neighbours + 1)  # +1: a chunk finds itself first
     while len(pending):
-        _, rows = index.search(embeddings[pending], k)
+        _, found_rows = index.search(embeddings[pending], k)                     # [pending, k], -1 padded
         short = []
-        for i, found in zip(pending, rows):
-            # exact duplicates (same vector) carry no new information for the chunk
+        for i, found in zip(pending, found_rows):
             others = [j for j in found if j >= 0 and j != i and not np.array_equal(embeddings[j], embeddings[i])]
             if len(others) < n_neighbours and k < n and found[-1] >= 0:
-                short.append(i)  # duplicates ate some of the k slots; look further (-1: nothing further to find)
+                short.append(i)  # -1 at the end: nothing further to find
             others = others[:result.shape[1]]
             result[i, :len(others)] = others
             result[i, len(others):] = -1
         pending, k = np.array(short, dtype=np.int64), min(n, 2 * k)
-    return Neighbours(list(chunk_ids), result)
 
 
 def save_neighbours(neighbours: Mapping[str, list[str]], path: str | Path):

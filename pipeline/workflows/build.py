@@ -299,8 +299,8 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
         stats.append(StageStat("dense index", len(new), chunks.tokens(new),
                                time.perf_counter() - started, f"{len(chunks) - len(new)} reused" if len(new) < len(chunks) else ""))
         started = time.perf_counter()
-        with stage(console, "neighbours", None):
-            save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours), ws.neighbours_path)
+        with stage(console, "neighbours", len(chunks)) as advance:
+            save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours, on_block=advance), ws.neighbours_path)
             ws.legacy_neighbours_path.unlink(missing_ok=True)
         record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
