@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-locate-probe kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -283,6 +283,21 @@ kvfuse-located-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
 	  -o $(KVFUSE_RUNS)/located-2wikimqa.jsonl
 kvfuse-located-nq: $(WORK)/nq/questions.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_LOCATED_SINKS) -o $(KVFUSE_RUNS)/located-nq.jsonl
+# step 13 (results/kvfuse.md): cut copies, the needle's number begun and cut short (a table from make ruler's
+# records); then the 4K samples where kvfuse cut one at 15%, answered again with its shift and without
+# (SEED:N:QIDS, N samples per task as RULER_4K_SEEDS made them)
+KVFUSE_CUT_4K ?= 1:10:niah_multikey-4096-s1-003,boundary-4096-s1-005,alias-4096-s1-000 2:10:boundary-4096-s2-008 \
+  3:10:niah_single-4096-s3-001,niah_single-4096-s3-002,niah_single-4096-s3-009 5:5:niah_multikey-4096-s5-004
+kvfuse-copies: | setup
+	$(PY) -m kvf.scripts.copy_probe --out $(KVFUSE_OUT)/copies.md
+	for spec in $(KVFUSE_CUT_4K); do \
+	  seed=$${spec%%:*}; rest=$${spec#*:}; n=$${rest%%:*}; qids=$${rest#*:}; dir=$(WORK)/ruler-4096-s$$seed; \
+	  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 4096 --n $$n --seed $$seed \
+	    --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	  $(KVF) run -d $$dir --qid $$qids -m kvfuse,kvfuse:propagate=off -r 0.15 --max-new-tokens 32 --no-show-answers \
+	    -o $(KVFUSE_RUNS)/copies-ruler-4096-s$$seed.jsonl || exit 1; \
+	done
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/copies-ruler-4096-s*.jsonl --out $(KVFUSE_OUT)/copies-rerun
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
