@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvf.errors import KvfError
 from kvf.eval.report import load_runs, suite_of
 from kvf.eval.stats import paired_bootstrap
 from kvf.pipeline.files import write_atomic
@@ -82,7 +83,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="the RULER suite's run files (default: make ruler's)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "copies.md")
     args = p.parse_args(argv)
-    samples = per_sample(args.runs)
+    try:
+        samples = per_sample(args.runs)
+    except KvfError as error:   # a missing or foreign run file: one line, as kvf's own commands say it
+        raise SystemExit(f"copy_probe: {error}") from None
+    if not (samples.method == "kvfuse").any():
+        raise SystemExit(f"copy_probe: no unlabelled kvfuse run in {' '.join(map(str, args.runs))}; pass make ruler's "
+                         "run files (results/ruler/runs/ruler-*.jsonl)")
     counts = table(samples)
     write_atomic(args.out.with_suffix(".csv"), counts.to_csv(index=False, float_format="%.4f"))
     write_atomic(args.out, markdown(counts, samples, "python -m kvf.scripts.copy_probe"))

@@ -336,6 +336,26 @@ def test_the_budget_oracle_refuses_bad_input_in_one_line(args, said, tmp_path):
     assert str(exit_info.value) == said
 
 
+@pytest.mark.parametrize("answer,gold,cut", [
+    ("The special magic number for velvet is 712472.", ["7124722"], True),     # begun, the last digit lost
+    ("The special magic number for velvet is 7124722.", ["7124722"], False),   # the whole number
+    ("The special magic number for lemon is 12.", ["1234567"], False),          # two digits: any number's start
+    ("The special magic number for ember is: 999999.", ["9709422"], False),     # another number
+    ("7124722 and 881", ["7124722", "8812345"], True),                          # one of two values cut
+])
+def test_a_cut_copy_is_a_gold_number_begun_and_cut_short(answer, gold, cut):
+    from kvf.scripts.copy_probe import cut_copy
+    assert cut_copy(answer, gold) is cut
+
+
+def test_the_copy_probe_refuses_bad_input_in_one_line(tmp_path):
+    from kvf.scripts import copy_probe
+    with pytest.raises(SystemExit) as exit_info:
+        copy_probe.main(["--runs", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "c.md")])
+    assert str(exit_info.value).startswith("copy_probe: ") and "nope.jsonl" in str(exit_info.value)
+    assert "\n" not in str(exit_info.value) and not (tmp_path / "c.md").exists()
+
+
 def test_a_stale_eval_folder_names_the_command_that_remakes_it(tmp_path, monkeypatch):
     """verify --rescore checked a folder's numbers only: summary.md written by an older `kvf eval` (other notes,
     other reasons on its significance lines) passed. Now a folder its rescore command made must read as that
