@@ -283,15 +283,14 @@ kvfuse-located-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
 	  -o $(KVFUSE_RUNS)/located-2wikimqa.jsonl
 kvfuse-located-nq: $(WORK)/nq/questions.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_LOCATED_SINKS) -o $(KVFUSE_RUNS)/located-nq.jsonl
-# step 13 (results/kvfuse.md): cut copies, the needle's number begun and cut short (a table from make ruler's
-# records); then the 4K samples where kvfuse cut one at 15%, answered again with its shift and without
+# step 13 (results/kvfuse.md): cut copies, the needle's number begun and cut short (counted in make ruler's
+# records); the 4K samples where kvfuse cut one at 15% are answered again with its shift and without
 # (SEED:N:QIDS, N samples per task as RULER_4K_SEEDS made them), with the shift moving K only or V only, and by
 # the located sinks (step 10), which keep the shift
 KVFUSE_CUT_4K ?= 1:10:niah_multikey-4096-s1-003,boundary-4096-s1-005,alias-4096-s1-000 2:10:boundary-4096-s2-008 \
   3:10:niah_single-4096-s3-001,niah_single-4096-s3-002,niah_single-4096-s3-009 5:5:niah_multikey-4096-s5-004
 KVFUSE_COPIES ?= kvfuse,kvfuse:propagate=off,kvfuse:shift_parts=k,kvfuse:shift_parts=v,$(KVFUSE_LOCATED_SINKS)
 kvfuse-copies: | setup
-	$(PY) -m kvf.scripts.copy_probe --out $(KVFUSE_OUT)/copies.md
 	for spec in $(KVFUSE_CUT_4K); do \
 	  seed=$${spec%%:*}; rest=$${spec#*:}; n=$${rest%%:*}; qids=$${rest#*:}; dir=$(WORK)/ruler-4096-s$$seed; \
 	  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 4096 --n $$n --seed $$seed \
@@ -299,7 +298,7 @@ kvfuse-copies: | setup
 	  $(KVF) run -d $$dir --qid $$qids -m $(KVFUSE_COPIES) -r 0.15 --max-new-tokens 32 --no-show-answers \
 	    -o $(KVFUSE_RUNS)/copies-ruler-4096-s$$seed.jsonl || exit 1; \
 	done
-	$(KVF) eval --complete-only $(KVFUSE_RUNS)/copies-ruler-4096-s*.jsonl --out $(KVFUSE_OUT)/copies-rerun
+	$(PY) -m kvf.scripts.copy_probe --rerun $(KVFUSE_RUNS)/copies-ruler-4096-s*.jsonl --out $(KVFUSE_OUT)/copies.md
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side

@@ -2,12 +2,14 @@
 suite's own records (results/kvfuse.md, step 13); it runs no model.
 
     python -m kvf.scripts.copy_probe --out results/kvfuse/copies.md     # .csv beside it
+    python -m kvf.scripts.copy_probe --rerun results/kvfuse/runs/copies-ruler-4096-s*.jsonl --out ...
 
 An answer is a *cut copy* when it misses a gold value but holds a strict prefix of it, three digits or more
 ("712472." for 7124722): the model found the needle and began copying it, then stopped. Per RULER length,
 method and ratio the table counts wrong answers and cut copies over the suite's samples (the four tasks
 pooled), and tests kvfuse's rate of cut copies against every other method's at the same ratio on the same
-samples (paired bootstrap, 95%).
+samples (paired bootstrap, 95%). With --rerun, the run files of `make kvfuse-copies` (the samples kvfuse cut,
+answered again by other configurations) add a table of what each configuration answered on each of them.
 """
 from __future__ import annotations
 
@@ -57,7 +59,49 @@ def table(samples: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["suite", "ratio", "method"], ignore_index=True)
 
 
-def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str) -> str:
+def outcome(answer: str, gold: list[str]) -> str:
+    """whole (every gold value in the answer), cut (a cut copy) or other."""
+    return "whole" if all(value in answer for value in gold) else "cut" if cut_copy(answer, gold) else "other"
+
+
+RERUN_SUITE = "cut samples again"   # the .csv's suite for the rerun's counts
+
+
+def rerun_samples(run_files: list[Path]) -> pd.DataFrame:
+    """One row per record of make kvfuse-copies' runs: configuration, qid, gold, answer, outcome."""
+    df = load_runs(run_files)
+    df["configuration"] = [f"kvfuse [{label}]" if label else "kvfuse" for label in df.label]
+    df["outcome"] = [outcome(answer, gold) for answer, gold in zip(df.answer, df.gold)]
+    return df
+
+
+def rerun_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration: n, wrong and cut copies, in the table's columns (suite RERUN_SUITE)."""
+    return pd.DataFrame([{"suite": RERUN_SUITE, "method": name, "ratio": rows.ratio.iloc[0], "n": len(rows),
+                          "wrong": int((rows.outcome != "whole").sum()), "cut_copies": int((rows.outcome == "cut").sum())}
+                         for name, rows in df.groupby("configuration", sort=False)])
+
+
+def rerun_section(df: pd.DataFrame) -> list[str]:
+    """The cut samples answered again: per configuration, how many answers are whole, cut or other, then each
+    sample's answers (the numbers in it)."""
+    configurations = list(dict.fromkeys(df.sort_values("line").configuration))
+    counts = df.groupby("configuration").outcome.value_counts().unstack(fill_value=0)
+    lines = [f"\n## The cut samples again ({df.qid.nunique()} samples, ratio "
+             f"{', '.join(f'{r:g}' for r in sorted(df.ratio.unique()))}; `make kvfuse-copies`)\n",
+             "| configuration | whole | cut | other |", "|---|---|---|---|"]
+    for name in configurations:
+        row = counts.loc[name]
+        lines.append(f"| {name} | {row.get('whole', 0)} | {row.get('cut', 0)} | {row.get('other', 0)} |")
+    lines += ["", "| sample | gold | " + " | ".join(configurations) + " |", "|---|---|" + "---|" * len(configurations)]
+    for qid, rows in df.groupby("qid", sort=True):
+        by_name = dict(zip(rows.configuration, rows.answer))
+        numbers = [", ".join(re.findall(r"\d{3,}", by_name.get(name, ""))) or "—" for name in configurations]
+        lines.append(f"| {qid} | {', '.join(rows.gold.iloc[0])} | " + " | ".join(numbers) + " |")
+    return lines
+
+
+def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str, rerun: pd.DataFrame | None) -> str:
     lines = ["# Cut copies: where kvfuse loses on the RULER suite (`python -m kvf.scripts.copy_probe`)\n",
              f"Made by `{command}` at commit {git_commit()}, from the records of `make ruler` "
              f"({RUNS.relative_to(ROOT)}/ruler-*.jsonl: SmolLM2-135M-Instruct, CPU, the four kept tasks pooled, "
@@ -74,25 +118,44 @@ def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str) -> str:
         tasks = samples[(samples.suite == suite) & (samples.method == "kvfuse") & samples.cut]
         by_task = ", ".join(f"{d.rpartition('/')[2]} {c}" for d, c in tasks.groupby("dataset").size().items())
         lines.append(f"\nkvfuse's cut copies by task (all ratios): {by_task or 'none'}.\n")
-    return "\n".join(lines)
+    if rerun is not None:
+        lines += rerun_section(rerun)
+    return "\n".join(lines) + "\n"
+
+
+def command(args) -> str:
+    """The command line that made a report, repo-relative, as anyone re-runs it."""
+    rerun = f" --rerun {' '.join(relative(f) for f in args.rerun)}" if args.rerun else ""
+    return f"python -m kvf.scripts.copy_probe{rerun} --out {relative(args.out)}"
+
+
+def relative(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvf.scripts.copy_probe", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=Path, nargs="+", default=sorted(RUNS.glob("ruler-*.jsonl")),
                    help="the RULER suite's run files (default: make ruler's)")
+    p.add_argument("--rerun", type=Path, nargs="*", default=[],
+                   help="make kvfuse-copies' run files: the cut samples answered again by other configurations")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "copies.md")
     args = p.parse_args(argv)
     try:
         samples = per_sample(args.runs)
+        if not (samples.method == "kvfuse").any():
+            raise SystemExit(f"copy_probe: no unlabelled kvfuse run in {' '.join(map(str, args.runs))}; pass make "
+                             "ruler's run files (results/ruler/runs/ruler-*.jsonl)")
+        counts = table(samples)
+        rerun = rerun_samples(args.rerun) if args.rerun else None
+        text = markdown(counts, samples, command(args), rerun)
+        if rerun is not None:
+            counts = pd.concat([counts, rerun_counts(rerun)], ignore_index=True)
     except KvfError as error:   # a missing or foreign run file: one line, as kvf's own commands say it
         raise SystemExit(f"copy_probe: {error}") from None
-    if not (samples.method == "kvfuse").any():
-        raise SystemExit(f"copy_probe: no unlabelled kvfuse run in {' '.join(map(str, args.runs))}; pass make ruler's "
-                         "run files (results/ruler/runs/ruler-*.jsonl)")
-    counts = table(samples)
     write_atomic(args.out.with_suffix(".csv"), counts.to_csv(index=False, float_format="%.4f"))
-    write_atomic(args.out, markdown(counts, samples, "python -m kvf.scripts.copy_probe"))
+    write_atomic(args.out, text)
     print(f"wrote {args.out} and {args.out.with_suffix('.csv').name}")
 
 
