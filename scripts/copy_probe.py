@@ -3,6 +3,7 @@ suite's own records (results/kvfuse.md, step 13); it runs no model.
 
     python -m kvf.scripts.copy_probe --out results/kvfuse/copies.md     # .csv beside it
     python -m kvf.scripts.copy_probe --rerun results/kvfuse/runs/copies-ruler-4096-s*.jsonl --out ...
+    python -m kvf.scripts.copy_probe --rows work/ruler-4096-s3 niah_single-4096-s3-001   # prints the needle's rows
 
 An answer is a *cut copy* when it misses a gold value but holds a strict prefix of it, three digits or more
 ("712472." for 7124722): the model found the needle and began copying it, then stopped. Per RULER length,
@@ -10,6 +11,8 @@ method and ratio the table counts wrong answers and cut copies over the suite's 
 pooled), and tests kvfuse's rate of cut copies against every other method's at the same ratio on the same
 samples (paired bootstrap, 95%). With --rerun, the run files of `make kvfuse-copies` (the samples kvfuse cut,
 answered again by other configurations) add a table of what each configuration answered on each of them.
+`--rows DATA QID` runs the model instead: it prints the sample's needle with the tokens kvfuse's pass 2 recomputes
+(at 15%) in [brackets], from DATA's workspace (`kvf data ruler`, built by `kvf run`).
 """
 from __future__ import annotations
 
@@ -123,6 +126,43 @@ def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str, rerun: p
     return "\n".join(lines) + "\n"
 
 
+def needle_rows(data: Path, qid: str, ratio: float = 0.15) -> str:
+    """The sample's gold number with the words around it, as kvfuse (defaults) at `ratio` recomputes them: the
+    rows its pass 2 recomputes in [brackets]."""
+    from kvf.pipeline.data.datasets import load_prepared
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuse
+    from kvf.pipeline.workflows.api import WorkspaceSession
+
+    class RowsRecorded(KvFuse):
+        def next_pass_rows(self, engine, state):
+            rows = super().next_pass_rows(engine, state)
+            if state.pass_index == 0:                        # what pass 2 (pass_index 1) recomputes
+                self.recomputed = set(rows.tolist())
+            return rows
+
+    questions, _ = load_prepared(data)
+    question = next((q for q in questions if q.qid == qid), None)
+    if question is None:
+        raise KvfError(f"--rows {data} {qid}: no such question there; the ids are in {data}/questions.jsonl")
+    with WorkspaceSession(data / "workspace") as ws:
+        session = ws.session
+        doc_chunks = session.ws.doc_chunks()
+        chunks = session.chunks([cid for d in question.context_ids for cid in doc_chunks[d]], "retrieval")
+        prompt = session.prompt(chunks, question.question)
+        method = RowsRecorded(ratio)
+        session.answer(prompt, method, session.entries("fusion", chunks), max_new_tokens=1)
+        tokens = [session.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()]
+    starts = [0]
+    for token in tokens:
+        starts.append(starts[-1] + len(token))
+    found = "".join(tokens).find(question.answers[0])
+    if found < 0:
+        raise KvfError(f"--rows {data} {qid}: the prompt does not hold its gold value {question.answers[0]}")
+    first = next(i for i in range(len(tokens)) if starts[i + 1] > found)
+    return "".join(f"[{tokens[i]}]" if i in method.recomputed else tokens[i]
+                   for i in range(max(0, first - 12), min(len(tokens), first + len(question.answers[0]) + 3)))
+
+
 def command(args) -> str:
     """The command line that made a report, repo-relative, as anyone re-runs it."""
     rerun = f" --rerun {' '.join(relative(f) for f in args.rerun)}" if args.rerun else ""
@@ -140,8 +180,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="the RULER suite's run files (default: make ruler's)")
     p.add_argument("--rerun", type=Path, nargs="*", default=[],
                    help="make kvfuse-copies' run files: the cut samples answered again by other configurations")
+    p.add_argument("--rows", nargs=2, metavar=("DATA", "QID"),
+                   help="print a sample's needle with the tokens kvfuse recomputes at 15% in [brackets] (runs the model)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "copies.md")
     args = p.parse_args(argv)
+    if args.rows:
+        try:
+            print(needle_rows(Path(args.rows[0]), args.rows[1]).replace("\n", " "))
+        except KvfError as error:
+            raise SystemExit(f"copy_probe: {error}") from None
+        return
     try:
         samples = per_sample(args.runs)
         if not (samples.method == "kvfuse").any():

@@ -354,6 +354,9 @@ def test_the_copy_probe_refuses_bad_input_in_one_line(tmp_path):
         copy_probe.main(["--runs", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "c.md")])
     assert str(exit_info.value).startswith("copy_probe: ") and "nope.jsonl" in str(exit_info.value)
     assert "\n" not in str(exit_info.value) and not (tmp_path / "c.md").exists()
+    with pytest.raises(SystemExit) as exit_info:                 # --rows on a folder that holds no prepared dataset
+        copy_probe.main(["--rows", str(tmp_path), "some-qid"])
+    assert str(exit_info.value).startswith("copy_probe: ") and "\n" not in str(exit_info.value)
 
 
 def test_a_stale_eval_folder_names_the_command_that_remakes_it(tmp_path, monkeypatch):
