@@ -537,6 +537,37 @@ def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, ans
     assert torch.equal(state.cache.kv, want)
 
 
+def test_kvfuse_shift_guard_keeps_the_rows_after_a_read_row_as_stored(long_case, answerer):
+    """shift_guard = N: a kept row within N rows after a recomputed row of its own chunk keeps its stored K/V (a
+    needle's digits after its recomputed words); every other kept row gets the move it gets without the guard."""
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuseKnobs, shift_kept_rows, unguarded
+    rows, chunk_of_row = torch.tensor([2, 9, 20]), torch.tensor([0, 0, 1])
+    kept, chunk_of_kept = torch.tensor([0, 3, 4, 5, 6, 10, 18, 19, 21, 24]), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    left, _ = unguarded(rows, chunk_of_row, kept, chunk_of_kept, 3)
+    assert left.tolist() == [0, 6, 18, 19, 24]     # 3-5 after 2, 10 after 9, 21 after 20; 19 is chunk 1's, before 20
+    prompt, source, _ = long_case
+    engine, layer = answerer.engine, 2
+    spans = prompt.chunk_spans()
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.randperm(spans[0][1] - spans[0][0], generator=g)[:20] + spans[0][0]).sort().values
+    moved = {}
+    for guard in (0, 3):
+        state = engine.start(prompt, source, FusionPlan(rows))
+        engine.load_layer(state, layer)
+        stored = state.cache.kv[layer][:, :, rows].clone()                         # [2, KV, a, d]
+        fresh = stored + 0.1 * torch.randn(stored.shape, generator=torch.Generator().manual_seed(1))
+        before = state.cache.kv[layer].clone()
+        shift_kept_rows(engine, state, layer, rows, stored, fresh, KvFuseKnobs(shift_guard=guard))
+        moved[guard] = state.cache.kv[layer]
+    chunk = torch.arange(*spans[0])
+    kept = chunk[~torch.isin(chunk, rows)]
+    near = torch.tensor([bool(((r - rows > 0) & (r - rows <= 3)).any()) for r in kept.tolist()])
+    assert near.any() and (~near).any()
+    assert torch.equal(moved[3][:, :, kept[near]], before[:, :, kept[near]])      # guarded: as stored
+    assert torch.equal(moved[3][:, :, kept[~near]], moved[0][:, :, kept[~near]])  # the rest: the unguarded move
+    assert not torch.equal(moved[0][:, :, kept[near]], before[:, :, kept[near]])
+
+
 def test_kvfuse_chunk_moves():
     """The estimates on hand-made moves [KV, r, d]: rows that move together give their mean under every
     estimate; rows that scatter around 0, or a single row, give no move under james-stein; kernel weights

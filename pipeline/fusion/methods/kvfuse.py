@@ -63,7 +63,7 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
+shift_estimate, shift_parts, shift_guard, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
 included.
 """
 from __future__ import annotations
@@ -119,6 +119,9 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
+    shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored: the "
+                               "shift moved a needle's kept digits and cut its copy short at 4K (results/kvfuse.md, "
+                               "step 13)", min=0)
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
@@ -340,6 +343,8 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     if len(rows) == 0:
         return
     chunk_of_row, kept, chunk_of_kept = kept_rows_by_chunk(state, rows)            # [a], [m], [m]
+    if knobs.shift_guard:                                                            # next to a read row: as stored
+        kept, chunk_of_kept = unguarded(rows, chunk_of_row, kept, chunk_of_kept, knobs.shift_guard)
     if len(kept) == 0:
         return
     cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
@@ -365,6 +370,15 @@ def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Te
     moves = torch.bincount(chunk_of_row, minlength=len(state.prompt.chunk_segments)) > 0   # [C] chunks with a move
     keep = moves[chunk_of_kept]
     return chunk_of_row, kept[keep], chunk_of_kept[keep]
+
+
+def unguarded(rows: torch.Tensor, chunk_of_row: torch.Tensor, kept: torch.Tensor, chunk_of_kept: torch.Tensor,
+              guard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kept rows [m] and their chunks, less those within `guard` rows after a recomputed row (rows [a], sorted) of
+    the same chunk: the rows a read row's sentence goes on with (a needle's digits) keep their stored K/V."""
+    before = (torch.searchsorted(rows, kept) - 1).clamp_min(0)                      # [m] the last recomputed row before
+    near = (rows[before] < kept) & (kept - rows[before] <= guard) & (chunk_of_row[before] == chunk_of_kept)
+    return kept[~near], chunk_of_kept[~near]
 
 
 def kept_chunk_rows(state: FusionState, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
