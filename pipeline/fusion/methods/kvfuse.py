@@ -56,6 +56,9 @@ later questions, results/kvfuse/runs/):
 - the rows after each read row (step 12, span_after): alias's value sits in the words after the key the question
   finds; with 4 or 16 of them per read row RULER dev gains (0.750 vs 0.700 with the located sinks) but MuSiQue dev
   loses (0.872 / 0.747): not held out.
+- the shift's guard (step 13, shift_guard): at 4K the shift cut a needle's number short in 8 of 200 samples (its
+  kept digits moved with the chunk); leaving the 8 rows after each recomputed row as stored mends 7 of them and
+  gains on RULER dev (0.650 vs 0.600) but loses MuSiQue dev (0.897 vs 0.944): not held out.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -119,9 +122,9 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
-    shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored: the "
-                               "shift moved a needle's kept digits and cut its copy short at 4K (results/kvfuse.md, "
-                               "step 13)", min=0)
+    shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored (the "
+                               "shift moved a needle's kept digits and cut its copy short at 4K; 8 mended that and "
+                               "lost MuSiQue dev answers: results/kvfuse.md, step 13)", min=0)
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
