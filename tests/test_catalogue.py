@@ -246,6 +246,9 @@ CASES = {
     "run --sinks-after-top without --sink-tokens": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sinks-after-top", "1", "-n", "1", "-o", t / "o.jsonl"],
         ["--sinks-after-top 1: places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens)"]),
+    "run -m kvfuse:shift_guard_closed without shift_guard": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:shift_guard_closed=true", "-n", "1", "-o", t / "o.jsonl"],
+        ["--method kvfuse:shift_guard_closed=true: shift_guard_closed: narrows shift_guard's rows"]),
     "run -m kvfuse:locate_from without sinks_after_top": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
                       "-o", t / "o.jsonl"],

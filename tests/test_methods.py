@@ -541,10 +541,13 @@ def test_kvfuse_shift_guard_keeps_the_rows_after_a_read_row_as_stored(long_case,
     """shift_guard = N: a kept row within N rows after a recomputed row of its own chunk keeps its stored K/V (a
     needle's digits after its recomputed words); every other kept row gets the move it gets without the guard."""
     from kvf.pipeline.fusion.methods.kvfuse import KvFuseKnobs, shift_kept_rows, unguarded
-    rows, chunk_of_row = torch.tensor([2, 9, 20]), torch.tensor([0, 0, 1])
-    kept, chunk_of_kept = torch.tensor([0, 3, 4, 5, 6, 10, 18, 19, 21, 24]), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    rows, chunk_of_row = torch.tensor([2, 9, 12, 20]), torch.tensor([0, 0, 0, 1])
+    kept = torch.tensor([0, 3, 4, 5, 6, 10, 11, 18, 19, 21, 24])
+    chunk_of_kept = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
     left, _ = unguarded(rows, chunk_of_row, kept, chunk_of_kept, 3)
-    assert left.tolist() == [0, 6, 18, 19, 24]     # 3-5 after 2, 10 after 9, 21 after 20; 19 is chunk 1's, before 20
+    assert left.tolist() == [0, 6, 18, 19, 24]   # 3-5 after 2, 10-11 after 9, 21 after 20; 19 is chunk 1's, before 20
+    closed, _ = unguarded(rows, chunk_of_row, kept, chunk_of_kept, 3, closed=True)
+    assert closed.tolist() == [0, 3, 4, 5, 6, 18, 19, 21, 24]   # 10-11 alone lie between recomputed rows 9 and 12
     prompt, source, _ = long_case
     engine, layer = answerer.engine, 2
     spans = prompt.chunk_spans()

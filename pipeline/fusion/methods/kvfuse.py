@@ -66,7 +66,7 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, shift_guard, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
+shift_estimate, shift_parts, shift_guard (shift_guard_closed), budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
 included.
 """
 from __future__ import annotations
@@ -125,6 +125,9 @@ class KvFuseKnobs:
     shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored (the "
                                "shift moved a needle's kept digits and cut its copy short at 4K; 8 mended that and "
                                "lost MuSiQue dev answers: results/kvfuse.md, step 13)", min=0)
+    shift_guard_closed: bool = knob(False, "with shift_guard: only the kept rows that recomputed rows of their chunk close "
+                                           "in on both sides within N (a needle's digits between its read words and its "
+                                           "full stop), not every row after a read one")
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
@@ -156,6 +159,9 @@ class KvFuse(FusionMethod):
         if self.knobs.sinks_after_top and not self.knobs.sink_tokens:   # it places sinks; with none it would do nothing
             raise KnobError("sinks_after_top", str(self.knobs.sinks_after_top),
                             "places the sinks that sink_tokens asks for; give sink_tokens (--sink-tokens) a count above 0 too")
+        if self.knobs.shift_guard_closed and not self.knobs.shift_guard:   # no distance to close in within
+            raise KnobError("shift_guard_closed", "true", "narrows shift_guard's rows; give shift_guard "
+                            "(--shift-guard) a number of rows above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -347,7 +353,8 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
         return
     chunk_of_row, kept, chunk_of_kept = kept_rows_by_chunk(state, rows)            # [a], [m], [m]
     if knobs.shift_guard:                                                            # next to a read row: as stored
-        kept, chunk_of_kept = unguarded(rows, chunk_of_row, kept, chunk_of_kept, knobs.shift_guard)
+        kept, chunk_of_kept = unguarded(rows, chunk_of_row, kept, chunk_of_kept, knobs.shift_guard,
+                                        knobs.shift_guard_closed)
     if len(kept) == 0:
         return
     cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
@@ -376,11 +383,15 @@ def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Te
 
 
 def unguarded(rows: torch.Tensor, chunk_of_row: torch.Tensor, kept: torch.Tensor, chunk_of_kept: torch.Tensor,
-              guard: int) -> tuple[torch.Tensor, torch.Tensor]:
+              guard: int, closed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """kept rows [m] and their chunks, less those within `guard` rows after a recomputed row (rows [a], sorted) of
-    the same chunk: the rows a read row's sentence goes on with (a needle's digits) keep their stored K/V."""
-    before = (torch.searchsorted(rows, kept) - 1).clamp_min(0)                      # [m] the last recomputed row before
+    the same chunk: the rows a read row's sentence goes on with (a needle's digits) keep their stored K/V. closed:
+    only those with a recomputed row of the chunk within `guard` rows after them too (a run closed on both sides)."""
+    at = torch.searchsorted(rows, kept)                                              # [m] the first recomputed row after
+    before, after = (at - 1).clamp_min(0), at.clamp_max(len(rows) - 1)
     near = (rows[before] < kept) & (kept - rows[before] <= guard) & (chunk_of_row[before] == chunk_of_kept)
+    if closed:
+        near &= (rows[after] > kept) & (rows[after] - kept <= guard) & (chunk_of_row[after] == chunk_of_kept)
     return kept[~near], chunk_of_kept[~near]
 
 
