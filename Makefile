@@ -290,8 +290,7 @@ kvfuse-located-nq: $(WORK)/nq/questions.jsonl
 # (or only those that recomputed rows close in on both sides)
 KVFUSE_CUT_4K ?= 1:10:niah_multikey-4096-s1-003,boundary-4096-s1-005,alias-4096-s1-000 2:10:boundary-4096-s2-008 \
   3:10:niah_single-4096-s3-001,niah_single-4096-s3-002,niah_single-4096-s3-009 5:5:niah_multikey-4096-s5-004
-KVFUSE_COPIES ?= kvfuse,kvfuse:propagate=off,kvfuse:shift_parts=k,kvfuse:shift_parts=v,$(KVFUSE_LOCATED_SINKS),kvfuse:shift_guard=8,\
-  kvfuse:shift_guard=8:shift_guard_closed=true
+KVFUSE_COPIES ?= kvfuse,kvfuse:propagate=off,kvfuse:shift_parts=k,kvfuse:shift_parts=v,$(KVFUSE_LOCATED_SINKS),kvfuse:shift_guard=8,kvfuse:shift_guard=8:shift_guard_closed=true
 kvfuse-copies: | setup
 	for spec in $(KVFUSE_CUT_4K); do \
 	  seed=$${spec%%:*}; rest=$${spec#*:}; n=$${rest%%:*}; qids=$${rest#*:}; dir=$(WORK)/ruler-4096-s$$seed; \
