@@ -58,7 +58,8 @@ later questions, results/kvfuse/runs/):
   loses (0.872 / 0.747): not held out.
 - the shift's guard (step 13, shift_guard): at 4K the shift cut a needle's number short in 8 of 200 samples (its
   kept digits moved with the chunk); leaving the 8 rows after each recomputed row as stored mends 7 of them and
-  gains on RULER dev (0.650 vs 0.600) but loses MuSiQue dev (0.897 vs 0.944): not held out.
+  gains on RULER dev (0.650 vs 0.600) but loses MuSiQue dev (0.897 vs 0.944); only the rows closed in by recomputed
+  rows on both sides (shift_guard_closed) mends 7 too, MuSiQue dev 0.924, RULER dev 0.600: neither held out.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
