@@ -67,8 +67,8 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, shift_guard (shift_guard_closed), budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks
-included.
+shift_estimate, shift_parts, shift_guard (shift_guard_closed), budget_slope and select_unit. Budget: exactly
+round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
