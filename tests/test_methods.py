@@ -571,6 +571,38 @@ def test_kvfuse_shift_guard_keeps_the_rows_after_a_read_row_as_stored(long_case,
     assert not torch.equal(moved[0][:, :, kept[near]], before[:, :, kept[near]])
 
 
+def test_kvfuse_shift_guard_ranked_leaves_the_rows_ranked_next_as_stored(monkeypatch):
+    """shift_guard_ranked = N: the chunk rows the question's attention ranks next after the budget (the top (1 + N) x
+    budget less the recomputed ones) keep their stored K/V, as with no shift; every other kept row gets the shift it
+    gets without the guard, and the first token is the same (the shift comes after it)."""
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    engine, prompt, source = tiny_case("llama")
+    seen = {}
+    pick = kvfuse_file.KvFuse.next_pass_rows
+    def logged(self, engine, state):
+        rows = pick(self, engine, state)
+        if state.pass_index == 0:
+            seen["attention"] = torch.stack(state.query_attention).mean(dim=0)   # [n]
+            seen["rows"], seen["guarded"] = rows, state.scratch.get("guarded")
+        return rows
+    monkeypatch.setattr(kvfuse_file.KvFuse, "next_pass_rows", logged)
+    fused = {knobs: get_method("kvfuse", 0.2, **dict(knobs)).prefill(engine, prompt, source)
+             for knobs in [(("propagate", "off"),), (), (("shift_guard_ranked", 0.5),)]}
+    off, shifted, guarded = fused.values()
+    budget, chunk_rows = recompute_budget(0.2, prompt.n_chunk_tokens), all_chunk_rows(prompt)
+    nearly = top_rows(seen["attention"][chunk_rows], chunk_rows, budget + int(0.5 * budget + 0.5))
+    assert torch.equal(seen["guarded"], nearly[~torch.isin(nearly, seen["rows"])]) and len(seen["guarded"]) > 0
+    kept = chunk_rows[~torch.isin(chunk_rows, seen["rows"])]
+    left = kept[~torch.isin(kept, seen["guarded"])]
+    kv = lambda r, rows: r.cache.kv[:, :, :, rows]                                 # [L, 2, KV, rows, d]
+    assert torch.equal(kv(guarded, seen["guarded"]), kv(off, seen["guarded"]))      # as stored
+    assert not torch.equal(kv(shifted, seen["guarded"]), kv(off, seen["guarded"]))  # which the shift would move
+    assert torch.equal(kv(guarded, left), kv(shifted, left))                        # the rest: the plain shift
+    assert torch.equal(guarded.logits, shifted.logits)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, shift_guard_ranked=0.5).prefill(engine, prompt, source), full) <= TOL
+
+
 def test_kvfuse_chunk_moves():
     """The estimates on hand-made moves [KV, r, d]: rows that move together give their mean under every
     estimate; rows that scatter around 0, or a single row, give no move under james-stein; kernel weights

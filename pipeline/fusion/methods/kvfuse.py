@@ -129,6 +129,10 @@ class KvFuseKnobs:
     shift_guard_closed: bool = knob(False, "with shift_guard: only the kept rows that recomputed rows of their chunk close "
                                            "in on both sides within N (a needle's digits between its read words and its "
                                            "full stop), not every row after a read one")
+    shift_guard_ranked: float = knob(0.0, "kept rows the question's attention ranks next after the budget (the top "
+                                          "(1 + N) x budget rows less the recomputed ones) stay as stored: what the "
+                                          "question reads but the budget missed, e.g. a needle's last digits, keeps "
+                                          "its stored K/V to be copied from (results/kvfuse.md, step 14)", min=0.0, max=4.0)
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
@@ -243,6 +247,10 @@ class KvFuse(FusionMethod):
             selected = torch.sort(ranked[:counts[0]]).values
         else:
             selected = top_rows(scores, chunk_rows, budget)
+        if self.knobs.shift_guard_ranked:                                  # ranked next: left as stored
+            next_rows = int(self.knobs.shift_guard_ranked * budget + 0.5)                 # N x budget, halves up
+            nearly = top_rows(scores, chunk_rows, budget + next_rows)
+            state.scratch["guarded"] = nearly[~torch.isin(nearly, selected)]   # [g] sorted
         state.scratch["selected"] = selected
         return selected
 
@@ -356,6 +364,9 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     if knobs.shift_guard:                                                            # next to a read row: as stored
         kept, chunk_of_kept = unguarded(rows, chunk_of_row, kept, chunk_of_kept, knobs.shift_guard,
                                         knobs.shift_guard_closed)
+    if "guarded" in state.scratch:                                                   # ranked next: as stored
+        unmoved = torch.isin(kept, state.scratch["guarded"])
+        kept, chunk_of_kept = kept[~unmoved], chunk_of_kept[~unmoved]
     if len(kept) == 0:
         return
     cos, sin, scaling = state.cos, state.sin, engine.model.rope.scaling              # [n, d] at state.positions
