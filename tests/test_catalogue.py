@@ -249,6 +249,10 @@ CASES = {
     "run -m kvfuse:shift_guard_closed without shift_guard": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:shift_guard_closed=true", "-n", "1", "-o", t / "o.jsonl"],
         ["--method kvfuse:shift_guard_closed=true: shift_guard_closed: narrows shift_guard's rows"]),
+    "run -m kvfuse:shift_max_spread with propagate=off": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:propagate=off:shift_max_spread=0.5", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:propagate=off:shift_max_spread=0.5: shift_max_spread: decides when the shift runs, and propagate=off runs none"]),
     "run -m kvfuse:locate_from without sinks_after_top": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
                       "-o", t / "o.jsonl"],

@@ -603,6 +603,34 @@ def test_kvfuse_shift_guard_ranked_leaves_the_rows_ranked_next_as_stored(monkeyp
     assert logits_gap(get_method("kvfuse", 1.0, shift_guard_ranked=0.5).prefill(engine, prompt, source), full) <= TOL
 
 
+def test_kvfuse_shift_max_spread_shifts_only_a_question_that_reads_few_chunks(monkeypatch):
+    """shift_max_spread = s: the shift runs when the question's attention over the chunks (effective number of chunks
+    over C) is at most s; just above the question's own spread kvfuse is the default bit for bit, just below it is
+    propagate=off bit for bit."""
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    one, even = torch.tensor([0.0, 3.0, 0.0, 0.0]), torch.ones(4)
+    assert kvfuse_file.chunk_spread(one) == 0.25 and abs(kvfuse_file.chunk_spread(even) - 1.0) < 1e-12
+    assert abs(kvfuse_file.chunk_spread(torch.tensor([1.0, 1.0, 0.0, 0.0])) - 0.5) < 1e-12
+    engine, prompt, source = tiny_case("llama")
+    seen = {}
+    pick = kvfuse_file.KvFuse.next_pass_rows
+    def logged(self, engine, state):
+        rows = pick(self, engine, state)
+        seen["attention"] = torch.stack(state.query_attention).mean(dim=0)       # [n]
+        return rows
+    monkeypatch.setattr(kvfuse_file.KvFuse, "next_pass_rows", logged)
+    shifted = get_method("kvfuse", 0.3).prefill(engine, prompt, source).cache.kv
+    spread = kvfuse_file.chunk_spread(chunk_attention(seen["attention"], prompt))
+    assert 1 / len(prompt.chunk_segments) < spread < 1
+    off = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source).cache.kv
+    assert not torch.equal(shifted, off)
+    above = get_method("kvfuse", 0.3, shift_max_spread=spread + 1e-6).prefill(engine, prompt, source).cache.kv
+    below = get_method("kvfuse", 0.3, shift_max_spread=spread - 1e-6).prefill(engine, prompt, source).cache.kv
+    assert torch.equal(above, shifted) and torch.equal(below, off)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, shift_max_spread=0.5).prefill(engine, prompt, source), full) <= TOL
+
+
 def test_kvfuse_chunk_moves():
     """The estimates on hand-made moves [KV, r, d]: rows that move together give their mean under every
     estimate; rows that scatter around 0, or a single row, give no move under james-stein; kernel weights

@@ -133,6 +133,11 @@ class KvFuseKnobs:
                                           "(1 + N) x budget rows less the recomputed ones) stay as stored: what the "
                                           "question reads but the budget missed, e.g. a needle's last digits, keeps "
                                           "its stored K/V to be copied from (results/kvfuse.md, step 14)", min=0.0, max=4.0)
+    shift_max_spread: float = knob(1.0, "the shift runs only for a question whose attention over the chunks (the "
+                                        "scored layers' average) is at most this spread: the effective number of "
+                                        "chunks it reads (1 / sum of squared chunk shares) over the number of chunks, "
+                                        "1/C when it reads one chunk, 1 when it reads all evenly; 1: always "
+                                        "(results/kvfuse.md, step 14)", min=0.0, max=1.0)
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
@@ -167,6 +172,9 @@ class KvFuse(FusionMethod):
         if self.knobs.shift_guard_closed and not self.knobs.shift_guard:   # no distance to close in within
             raise KnobError("shift_guard_closed", "true", "narrows shift_guard's rows; give shift_guard "
                             "(--shift-guard) a number of rows above 0 too")
+        if self.knobs.shift_max_spread < 1.0 and self.knobs.propagate == "off":   # no shift to hold back
+            raise KnobError("shift_max_spread", str(self.knobs.shift_max_spread), "decides when the shift runs, and "
+                            "propagate=off runs none; drop one of them")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -223,6 +231,7 @@ class KvFuse(FusionMethod):
         n_layers = state.cache.kv.shape[0]
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
         scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
+        state.scratch["spread"] = chunk_spread(chunk_attention(scores, prompt))      # how evenly Q reads the chunks
         located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
                    if self.reads_band else None)                            # [n] the band's attention
         if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
@@ -262,7 +271,8 @@ class KvFuse(FusionMethod):
     def propagates(self, state: FusionState, layer: int) -> bool:
         n_layers = state.cache.kv.shape[0]
         return (state.pass_index == 1 and self.knobs.propagate != "off"
-                and layer >= round(self.knobs.propagate_from * n_layers))
+                and layer >= round(self.knobs.propagate_from * n_layers)
+                and (self.knobs.shift_max_spread == 1.0 or state.scratch["spread"] <= self.knobs.shift_max_spread))
 
     def keep_layer_rows(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
         """budget_slope > 0: this layer recomputes fewer rows than the one before; the rows it drops keep their
@@ -316,6 +326,13 @@ def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int)
         same_chunk = chunk_of_row[shift:] == chunk_of_row[:-shift]                    # [c - shift]
         spread[shift:] = torch.where(same_chunk, torch.maximum(spread[shift:], scores[:-shift]), spread[shift:])
     return spread
+
+
+def chunk_spread(mass: torch.Tensor) -> float:
+    """[C] attention per chunk -> the effective number of chunks it falls on (1 / sum of squared shares, an inverse
+    Simpson index) over C: 1/C when all of it is on one chunk, 1 when it is even."""
+    share = mass.double() / mass.double().sum()
+    return float(1 / (share ** 2).sum() / len(mass))
 
 
 def chunks_first(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_chunks: int) -> torch.Tensor:
