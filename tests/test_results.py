@@ -336,6 +336,18 @@ def test_the_budget_oracle_refuses_bad_input_in_one_line(args, said, tmp_path):
     assert str(exit_info.value) == said
 
 
+def test_the_spread_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from kvf.scripts import spread_probe
+    out = ["--out", str(tmp_path / "s.md")]
+    for argv, code, named in ((["--data", str(tmp_path)], 2, "one run file per dataset"),
+                              (["--data", str(tmp_path / "none"), "--runs", str(tmp_path / "r.jsonl")], 1, "none"),
+                              (["--replot"], 1, "s.csv")):
+        assert spread_probe.main([*argv, *out]) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("spread_probe: error: ") and named in err, err
+    assert not (tmp_path / "s.md").exists()
+
+
 @pytest.mark.parametrize("answer,gold,cut", [
     ("The special magic number for velvet is 712472.", ["7124722"], True),     # begun, the last digit lost
     ("The special magic number for velvet is 7124722.", ["7124722"], False),   # the whole number

@@ -1,0 +1,145 @@
+"""How spread is each question's attention over its chunks? kvfuse step 14's diagnosis (results/kvfuse.md): the
+shift that helps MuSiQue's questions (step 3) breaks RULER's copies (step 13), and what tells the two apart on the
+dev splits is how evenly the question reads the chunks, which `kvfuse:shift_max_spread` gates the shift by.
+
+    python -m kvf.scripts.spread_probe --data work/ruler-2048-s99 work/musique \
+        --runs results/kvfuse/runs/dev-ruler-2048.jsonl results/kvfuse/runs/dev-musique.jsonl \
+        --out results/kvfuse/spread.md                       # .csv and .png beside it
+    python -m kvf.scripts.spread_probe --replot --out results/kvfuse/spread.md   # the .png again, from the .csv
+
+Per question of each run file (its kvfuse records: the prompt's chunk ids and question, so the prompts are the
+run's), kvfuse's pass 1 over the stored `fusion` variant in the prepared dataset's workspace records the question's
+attention at every layer; the spread is kvfuse's own `chunk_spread` of the layer average (the attention that ranks
+its rows): the effective number of chunks the attention falls on, over the number of chunks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import torch
+from rich.progress import track
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvf.errors import KvfError  # noqa: E402
+from kvf.pipeline.files import write_atomic  # noqa: E402
+from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
+from kvf.pipeline.fusion.methods.kvfuse import chunk_spread  # noqa: E402
+from kvf.pipeline.records import read_records  # noqa: E402
+from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
+from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
+from kvf.scripts.locate_probe import Recording  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GATE = 0.5      # the dev choice, kvfuse:shift_max_spread=0.5 (step 14)
+
+
+def spreads(data: Path, runs: Path, ratio: float) -> pd.DataFrame:
+    """One row per question of the run file's kvfuse records -> dataset, qid, chunks, spread."""
+    prompts = {}
+    for rec in read_records(runs):
+        if rec.method == "kvfuse":
+            prompts.setdefault(rec.qid, (rec.dataset, rec.chunk_ids, rec.question))
+    if not prompts:
+        raise KvfError(f"--runs {runs}: no kvfuse records; pass a run file with kvfuse in it")
+    rows = []
+    with WorkspaceSession(data / "workspace") as ws:
+        s = ws.session
+        method = Recording(ratio)
+        for qid, (dataset, chunk_ids, question) in track(prompts.items(), description=f"{data.name}: pass 1"):
+            chunks = s.chunks(chunk_ids, "retrieval")
+            prompt = s.prompt(chunks, question)
+            s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
+            mass = chunk_attention(method.attention.mean(0), prompt)                  # [C] the layer average's
+            rows.append(dict(dataset=dataset, model=s.manifest["model"], qid=qid, chunks=len(chunks),
+                             spread=chunk_spread(mass)))
+    return pd.DataFrame(rows)
+
+
+def plot(table: pd.DataFrame, out: Path) -> None:
+    """Each question's spread, one row of dots per dataset, the gate drawn; from the .csv, so --replot needs no model."""
+    datasets = sorted(table.dataset.unique())
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(datasets)))
+    for i, dataset in enumerate(datasets):
+        rows = table[table.dataset == dataset]
+        jitter = torch.linspace(-0.15, 0.15, len(rows)).tolist()
+        ax.scatter(rows.spread, [i + j for j in jitter], s=14, alpha=0.8,
+                   label=f"{dataset} (n = {len(rows)}, {int(rows.chunks.median())} chunks)")
+    ax.axvline(GATE, color="0.3", linestyle="--", linewidth=1, label=f"shift_max_spread = {GATE}")
+    ax.set_yticks(range(len(datasets)), datasets)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("question's attention over the chunks: effective chunks read / chunks")
+    ax.set_title(f"{', '.join(sorted(table.model.unique()))}: how evenly each question reads its chunks "
+                 "(kvfuse pass 1, layer average)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * len(datasets)), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+def report(table: pd.DataFrame, args) -> str:
+    """Markdown: per dataset, the spread's range and how many questions the gate shifts."""
+    lines = ["# How spread each question's attention is over its chunks (kvfuse step 14)", "",
+             f"Made by `make kvfuse-spread-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.spread_probe "
+             f"--data {' '.join(str(d) for d in args.data)} --runs {' '.join(str(r) for r in args.runs)}`).  ",
+             f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); the questions of the run files "
+             f"(n = {len(table)}), their prompts as the runs built them; kvfuse's pass 1 over the stored `fusion` "
+             f"variant at {args.ratio:.0%}, attention averaged over every layer. Spread: the effective number of chunks "
+             "the attention falls on (1 / the sum of the squared chunk shares) over the number of chunks; 1/C when it "
+             f"falls on one chunk, 1 when evenly on all. `kvfuse:shift_max_spread={GATE}` shifts a question at or "
+             "below the gate.", "",
+             "| data | n | chunks | spread: min | median | max | at or below the gate (shifted) |",
+             "|---|---|---|---|---|---|---|"]
+    for dataset, rows in table.groupby("dataset"):
+        lines.append(f"| {dataset} | {len(rows)} | {int(rows.chunks.median())} | {rows.spread.min():.3f} | "
+                     f"{rows.spread.median():.3f} | {rows.spread.max():.3f} | {int((rows.spread <= GATE).sum())} |")
+    lines += ["", f"Per question: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spread_probe", description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, nargs="+", help="prepared datasets, built (one per run file)")
+    p.add_argument("--runs", type=Path, nargs="+", help="run files with kvfuse records of those datasets, in order")
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "spread.md")
+    p.add_argument("--replot", action="store_true", help="remake the .png from the .csv beside --out, without the model")
+    args = p.parse_args(argv)
+    table_path = args.out.with_suffix(".csv")
+    if args.replot:
+        if not table_path.is_file():
+            print(f"spread_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
+            return 1
+        plot(pd.read_csv(table_path), args.out.with_suffix(".png"))
+        return 0
+    if not args.data or not args.runs or len(args.data) != len(args.runs):
+        print("spread_probe: error: pass --data DIR... and --runs FILE..., one run file per dataset, or --replot",
+              file=sys.stderr)
+        return 2
+    missing = [d for d in args.data if not (d / "workspace" / "manifest.json").is_file()]
+    if missing:
+        print(f"spread_probe: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
+              "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)
+    try:
+        table = pd.concat([spreads(d, r, args.ratio) for d, r in zip(args.data, args.runs)])
+    except KvfError as e:
+        print(f"spread_probe: error: {e}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(table_path, table.to_csv(index=False, float_format="%.4f"))
+    plot(table, args.out.with_suffix(".png"))
+    text = report(table, args)
+    write_atomic(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
