@@ -309,8 +309,10 @@ kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 KVFUSE_SPREAD ?= kvfuse:shift_max_spread=0.5,kvfuse:shift_max_spread=0.5:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
 kvfuse-spread-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SPREAD) -o $(KVFUSE_RUNS)/spread-musique.jsonl
+# on RULER with the default and the located sinks again beside them, on the same workspace (built by this run)
+KVFUSE_SPREAD_RULER ?= kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SPREAD)
 kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
-	$(call ruler_heldout,$(KVFUSE_SPREAD),spread)
+	$(call ruler_heldout,$(KVFUSE_SPREAD_RULER),spread)
 # step 14's diagnosis: how evenly each dev question's attention reads its chunks (the spread shift_max_spread gates by)
 kvfuse-spread-probe: | setup
 	$(PY) -m kvf.scripts.spread_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/musique \
