@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread-musique kvfuse-spread-probe kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -305,8 +305,14 @@ kvfuse-copies: | setup
 kvfuse-located-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_LOCATED),located)
 # step 14's dev choice (results/kvfuse.md): the shift only for a question that reads few chunks, alone and with the
-# located sinks, held out on MuSiQue 11-49 and the RULER suite's seeds (`make kvfuse-spread-ruler-2048-0`)
+# located sinks, held out on MuSiQue 11-49 and the RULER suite's seeds 0-1 (`make kvfuse-spread`: runs and tables)
 KVFUSE_SPREAD ?= kvfuse:shift_max_spread=0.5,kvfuse:shift_max_spread=0.5:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+KVFUSE_SPREAD_RULER_SEEDS ?= 0 1
+kvfuse-spread: kvfuse-spread-musique $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-spread-ruler-2048-$(seed))
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/located-musique.jsonl $(KVFUSE_RUNS)/spread-musique.jsonl --out $(KVFUSE_OUT)/spread-musique
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl) \
+	  --out $(KVFUSE_OUT)/spread-ruler
 kvfuse-spread-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SPREAD) -o $(KVFUSE_RUNS)/spread-musique.jsonl
 # on RULER with the default and the located sinks again beside them, on the same workspace (built by this run)

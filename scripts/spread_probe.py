@@ -64,19 +64,21 @@ def spreads(data: Path, runs: Path, ratio: float) -> pd.DataFrame:
 def plot(table: pd.DataFrame, out: Path) -> None:
     """Each question's spread, one row of dots per dataset, the gate drawn; from the .csv, so --replot needs no model."""
     datasets = sorted(table.dataset.unique())
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(datasets)))
+    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.45 * len(datasets)))
+    labels = []
     for i, dataset in enumerate(datasets):
         rows = table[table.dataset == dataset]
         jitter = torch.linspace(-0.15, 0.15, len(rows)).tolist()
-        ax.scatter(rows.spread, [i + j for j in jitter], s=14, alpha=0.8,
-                   label=f"{dataset} (n = {len(rows)}, {int(rows.chunks.median())} chunks)")
-    ax.axvline(GATE, color="0.3", linestyle="--", linewidth=1, label=f"shift_max_spread = {GATE}")
-    ax.set_yticks(range(len(datasets)), datasets)
+        ax.scatter(rows.spread, [i + j for j in jitter], s=14, alpha=0.8, color="C0")
+        labels.append(f"{dataset}\n(n = {len(rows)}, {int(rows.chunks.median())} chunks)")
+    ax.axvline(GATE, color="0.3", linestyle="--", linewidth=1)
+    ax.text(GATE, len(datasets) - 0.45, f" shift_max_spread = {GATE}", fontsize=7, va="bottom", color="0.3")
+    ax.set_yticks(range(len(datasets)), labels, fontsize=7)
+    ax.set_ylim(-0.5, len(datasets) - 0.1)
     ax.set_xlim(0, 1)
     ax.set_xlabel("question's attention over the chunks: effective chunks read / chunks")
     ax.set_title(f"{', '.join(sorted(table.model.unique()))}: how evenly each question reads its chunks "
                  "(kvfuse pass 1, layer average)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * len(datasets)), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=150, bbox_inches="tight")
     plt.close(fig)
@@ -85,7 +87,8 @@ def plot(table: pd.DataFrame, out: Path) -> None:
 def report(table: pd.DataFrame, args) -> str:
     """Markdown: per dataset, the spread's range and how many questions the gate shifts."""
     lines = ["# How spread each question's attention is over its chunks (kvfuse step 14)", "",
-             f"Made by `make kvfuse-spread-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.spread_probe "
+             f"Made by `make kvfuse-spread-probe` at commit {git_commit() or 'unknown'} "
+             "(`python -m kvf.scripts.spread_probe "
              f"--data {' '.join(str(d) for d in args.data)} --runs {' '.join(str(r) for r in args.runs)}`).  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); the questions of the run files "
              f"(n = {len(table)}), their prompts as the runs built them; kvfuse's pass 1 over the stored `fusion` "

@@ -60,6 +60,10 @@ later questions, results/kvfuse/runs/):
   kept digits moved with the chunk); leaving the 8 rows after each recomputed row as stored mends 7 of them and
   gains on RULER dev (0.650 vs 0.600) but loses MuSiQue dev (0.897 vs 0.944); only the rows closed in by recomputed
   rows on both sides (shift_guard_closed) mends 7 too, MuSiQue dev 0.924, RULER dev 0.600: neither held out.
+- telling a copied number from a read sentence (step 14): the kept rows ranked next after the budget left as stored
+  (shift_guard_ranked) mend 4-5 of the 8 and lose both dev splits; the shift only for a question whose attention reads
+  few of its chunks (shift_max_spread=0.5: every MuSiQue dev question, no RULER dev sample) mends 7, ties MuSiQue and
+  leads RULER dev (0.700), but held out loses RULER 2K (0.675 vs 0.750, alias 0.60 -> 0.20): the shift carries alias.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -67,7 +71,8 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, shift_guard (shift_guard_closed), budget_slope and select_unit. Budget: exactly
+shift_estimate, shift_parts, shift_guard (shift_guard_closed), shift_guard_ranked, shift_max_spread, budget_slope and
+select_unit. Budget: exactly
 round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
@@ -132,12 +137,14 @@ class KvFuseKnobs:
     shift_guard_ranked: float = knob(0.0, "kept rows the question's attention ranks next after the budget (the top "
                                           "(1 + N) x budget rows less the recomputed ones) stay as stored: what the "
                                           "question reads but the budget missed, e.g. a needle's last digits, keeps "
-                                          "its stored K/V to be copied from (results/kvfuse.md, step 14)", min=0.0, max=4.0)
+                                          "its stored K/V to be copied from; 0.5 and 1 lost both dev splits: "
+                                          "results/kvfuse.md, step 14)", min=0.0, max=4.0)
     shift_max_spread: float = knob(1.0, "the shift runs only for a question whose attention over the chunks (the "
                                         "scored layers' average) is at most this spread: the effective number of "
                                         "chunks it reads (1 / sum of squared chunk shares) over the number of chunks, "
-                                        "1/C when it reads one chunk, 1 when it reads all evenly; 1: always "
-                                        "(results/kvfuse.md, step 14)", min=0.0, max=1.0)
+                                        "1/C when it reads one chunk, 1 when it reads all evenly; 1: always (0.5 "
+                                        "led RULER dev and lost held out, alias without the shift: results/kvfuse.md, "
+                                        "step 14)", min=0.0, max=1.0)
     budget_slope: float = knob(0.0, "per-layer budget: layer l recomputes the top (1 + s (1 - 2l/(L-1))) x budget rows "
                                     "(more early, fewer late, each layer's rows among the layer before's; the same "
                                     "token-layers in all); 0: the same rows at every layer", min=0.0, max=1.0)
