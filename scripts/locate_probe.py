@@ -81,6 +81,25 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def probe_parser(prog: str, doc: str, data_help: str, out_name: str) -> argparse.ArgumentParser:
+    """The arguments kvfuse's pass-1 probes share: --data, --ratio, --out (results/kvfuse/OUT_NAME) and --replot."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("--data", type=Path, nargs="+", help=data_help)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / out_name)
+    p.add_argument("--replot", action="store_true", help="remake the .png from the .csv beside --out, without the model")
+    return p
+
+
+def all_built(prog: str, data: list[Path]) -> bool:
+    """Whether every --data folder holds a built workspace; if not, says which (one line on stderr) and how to build it."""
+    missing = [d for d in data if not (d / "workspace" / "manifest.json").is_file()]
+    if missing:
+        print(f"{prog}: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
+              "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
+    return not missing
+
+
 def layer_count(table: pd.DataFrame) -> int:
     """How many layers a per-layer table (rows per sample or per task, `layer` a str: an int, "average" or "band") has."""
     return int(table[table.layer.astype(str).str.isdigit()].layer.astype(int).max()) + 1
@@ -137,12 +156,7 @@ def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="locate_probe", description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, nargs="+", help="prepared RULER-style datasets, built")
-    p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "locate.md")
-    p.add_argument("--replot", action="store_true", help="remake the .png from the .csv beside --out, without the model")
-    args = p.parse_args(argv)
+    args = probe_parser("locate_probe", __doc__, "prepared RULER-style datasets, built", "locate.md").parse_args(argv)
     table_path = args.out.with_suffix(".csv")
     if args.replot:
         if not table_path.is_file():
@@ -154,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data:
         print("locate_probe: error: pass --data DIR... (prepared RULER-style datasets, built), or --replot", file=sys.stderr)
         return 2
-    missing = [d for d in args.data if not (d / "workspace" / "manifest.json").is_file()]
-    if missing:
-        print(f"locate_probe: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
-              "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
+    if not all_built("locate_probe", args.data):
         return 1
     torch.set_num_threads(1)
     try:

@@ -14,7 +14,6 @@ its rows): the effective number of chunks the attention falls on, over the numbe
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from kvf.pipeline.fusion.methods.kvfuse import chunk_spread  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
-from kvf.scripts.locate_probe import Recording  # noqa: E402
+from kvf.scripts.locate_probe import Recording, all_built, probe_parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GATE = 0.5      # the dev choice, kvfuse:shift_max_spread=0.5 (step 14)
@@ -106,12 +105,8 @@ def report(table: pd.DataFrame, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spread_probe", description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, nargs="+", help="prepared datasets, built (one per run file)")
+    p = probe_parser("spread_probe", __doc__, "prepared datasets, built (one per run file)", "spread.md")
     p.add_argument("--runs", type=Path, nargs="+", help="run files with kvfuse records of those datasets, in order")
-    p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "kvfuse" / "spread.md")
-    p.add_argument("--replot", action="store_true", help="remake the .png from the .csv beside --out, without the model")
     args = p.parse_args(argv)
     table_path = args.out.with_suffix(".csv")
     if args.replot:
@@ -124,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print("spread_probe: error: pass --data DIR... and --runs FILE..., one run file per dataset, or --replot",
               file=sys.stderr)
         return 2
-    missing = [d for d in args.data if not (d / "workspace" / "manifest.json").is_file()]
-    if missing:
-        print(f"spread_probe: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
-              "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
+    if not all_built("spread_probe", args.data):
         return 1
     torch.set_num_threads(1)
     try:

@@ -72,8 +72,7 @@ score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, shift_guard (shift_guard_closed), shift_guard_ranked, shift_max_spread, budget_slope and
-select_unit. Budget: exactly
-round(ratio x chunk tokens), sinks included.
+select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -137,7 +136,7 @@ class KvFuseKnobs:
     shift_guard_ranked: float = knob(0.0, "kept rows the question's attention ranks next after the budget (the top "
                                           "(1 + N) x budget rows less the recomputed ones) stay as stored: what the "
                                           "question reads but the budget missed, e.g. a needle's last digits, keeps "
-                                          "its stored K/V to be copied from; 0.5 and 1 lost both dev splits: "
+                                          "its stored K/V to be copied from (0.5 and 1 lost both dev splits: "
                                           "results/kvfuse.md, step 14)", min=0.0, max=4.0)
     shift_max_spread: float = knob(1.0, "the shift runs only for a question whose attention over the chunks (the "
                                         "scored layers' average) is at most this spread: the effective number of "
