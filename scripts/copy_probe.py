@@ -133,15 +133,8 @@ def needle_rows(data: Path, qid: str, ratio: float = 0.15) -> str:
     """The sample's gold number with the words around it, as kvfuse (defaults) at `ratio` recomputes them: the
     rows its pass 2 recomputes in [brackets]."""
     from kvf.pipeline.data.datasets import load_prepared
-    from kvf.pipeline.fusion.methods.kvfuse import KvFuse
     from kvf.pipeline.workflows.api import WorkspaceSession
-
-    class RowsRecorded(KvFuse):
-        def next_pass_rows(self, engine, state):
-            rows = super().next_pass_rows(engine, state)
-            if state.pass_index == 0:                        # what pass 2 (pass_index 1) recomputes
-                self.recomputed = set(rows.tolist())
-            return rows
+    from kvf.scripts.locate_probe import Recording, question_chunk_ids
 
     questions, _ = load_prepared(data)
     question = next((q for q in questions if q.qid == qid), None)
@@ -150,9 +143,9 @@ def needle_rows(data: Path, qid: str, ratio: float = 0.15) -> str:
     with WorkspaceSession(data / "workspace") as ws:
         session = ws.session
         doc_chunks = session.ws.doc_chunks()
-        chunks = session.chunks([cid for d in question.context_ids for cid in doc_chunks[d]], "retrieval")
+        chunks = session.chunks(question_chunk_ids(question, doc_chunks), "retrieval")
         prompt = session.prompt(chunks, question.question)
-        method = RowsRecorded(ratio)
+        method = Recording(ratio)
         session.answer(prompt, method, session.entries("fusion", chunks), max_new_tokens=1)
         tokens = [session.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()]
     starts = [0]

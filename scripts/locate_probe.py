@@ -39,12 +39,21 @@ BAND = {"locate_from": 0.6, "locate_to": 0.85}      # kvfuse step 10's band (lay
 
 
 class Recording(KvFuse):
-    """kvfuse (defaults) that keeps pass 1's per-layer question attention, [L, n], before choosing its rows."""
+    """kvfuse (defaults) that keeps what its pass 1 saw: the question's attention at every layer, [L, n]
+    (score_layers=all), and the rows pass 2 recomputes (`recomputed`, a set)."""
 
     def next_pass_rows(self, engine, state):
         if state.pass_index == 0:
-            self.attention = torch.stack(state.query_attention).float().cpu()     # [L, n] (score_layers=all)
-        return super().next_pass_rows(engine, state)
+            self.attention = torch.stack(state.query_attention).float().cpu()     # [L, n]
+        rows = super().next_pass_rows(engine, state)
+        if state.pass_index == 0:
+            self.recomputed = set(rows.tolist())
+        return rows
+
+
+def question_chunk_ids(question, doc_chunks: dict) -> list[str]:
+    """A prepared question's chunk ids in prompt order (its passages' chunks), as `kvf run` lays them out."""
+    return [cid for d in question.context_ids for cid in doc_chunks[d]]
 
 
 def fact_chunk_positions(chunk_ids: list[str], doc_chunks: dict, context_ids: list[str], facts: list[int]) -> set[int]:
@@ -66,7 +75,7 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
         for q in track(questions, description=f"{data.name}: pass 1"):
             if not q.fact_chunks:
                 raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
-            chunk_ids = [cid for d in q.context_ids for cid in doc_chunks[d]]
+            chunk_ids = question_chunk_ids(q, doc_chunks)
             chunks = s.chunks(chunk_ids, "retrieval")
             prompt = s.prompt(chunks, q.question)
             s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)

@@ -237,7 +237,8 @@ class KvFuse(FusionMethod):
         n_layers = state.cache.kv.shape[0]
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
         scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
-        state.scratch["spread"] = chunk_spread(chunk_attention(scores, prompt))      # how evenly Q reads the chunks
+        if self.knobs.shift_max_spread < 1.0:                               # how evenly Q reads the chunks
+            state.scratch["spread"] = chunk_spread(chunk_attention(scores, prompt))   # (a device sync: only if asked)
         located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
                    if self.reads_band else None)                            # [n] the band's attention
         if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
