@@ -85,7 +85,8 @@ def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataF
                      "metric": metric[dataset], "score_a": ra[metric[dataset]], "score_b": rb[metric[dataset]],
                      "fidelity_a": token_f1(ra.answer, [full_answer]) if full_answer else math.nan,
                      "fidelity_b": token_f1(rb.answer, [full_answer]) if full_answer else math.nan,
-                     "kl_a": ra.kl_full, "kl_b": rb.kl_full})
+                     "kl_a": ra.kl_full, "kl_b": rb.kl_full, "answer_kl_a": ra.answer_kl, "answer_kl_b": rb.answer_kl,
+                     "answer_agree_a": ra.answer_agree, "answer_agree_b": rb.answer_agree})
     table = pd.DataFrame(rows)
     table.attrs["full_side"] = full_side   # "A" or "B" when that run is full prefill: one fact of the table
     # the score column's name: the one metric of the datasets compared, else "gold" (each question its dataset's)
@@ -128,8 +129,10 @@ def comparison_summary(table: pd.DataFrame) -> str:
     against full prefill, and A - B with its paired 95% bootstrap interval."""
     index = table.dataset + "/" + table.qid                  # a qid may recur across the datasets of a run
     parts = []
-    for measure, a, b in ((table.attrs["metric"], table.score_a, table.score_b),
-                          ("vs full", table.fidelity_a, table.fidelity_b)):
+    measures = [(table.attrs["metric"], "score"), ("vs full", "fidelity"),
+                # where both runs measured them (kvf run --compare-full since 2026-11-30)
+                ("full's answer KL", "answer_kl"), ("full's answer tokens agreed", "answer_agree")]
+    for measure, a, b in ((m, table[f"{c}_a"], table[f"{c}_b"]) for m, c in measures if f"{c}_a" in table):
         a, b = pd.Series(a.to_numpy(float), index=index).dropna(), pd.Series(b.to_numpy(float), index=index).dropna()
         if len(a) and len(b):
             diff = describe_difference(*paired_bootstrap(a, b))

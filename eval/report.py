@@ -67,6 +67,7 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            "answer": rec.answer,
            "gold": list(rec.gold), "gold_mode": rec.gold_mode, "full_answer": rec.full_answer,
            "kl_full": _number(rec.kl_full), "top1_agree": _number(rec.top1_agree_full),
+           "answer_kl": _number(rec.answer_kl_full), "answer_agree": _number(rec.answer_agree_full),
            "t_full_first_token": _number(rec.full_first_token),
            "prompt_tokens": rec.prompt_tokens, "chunk_tokens": rec.chunk_tokens,
            "recomputed_tokens": rec.recomputed_tokens,
@@ -414,6 +415,9 @@ def compare_full_records(records: pd.DataFrame) -> pd.DataFrame:
     rows = records[records.full_answer.map(lambda answer: isinstance(answer, str))].drop_duplicates(["dataset", "qid"])
     full = rows.assign(method="full", label="", variant="prefix", ratio=1.0, answer=rows.full_answer,
                        t_first_token=rows.t_full_first_token, kl_full=0.0, top1_agree=1.0,
+                       # full against itself, where the records measured the answer (else they stay unmeasured)
+                       answer_kl=rows.answer_kl.where(rows.answer_kl.isna(), 0.0),
+                       answer_agree=rows.answer_agree.where(rows.answer_agree.isna(), 1.0),
                        recomputed_tokens=rows.chunk_tokens)
     return score(full)
 
@@ -453,7 +457,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
             "metric_low": metric_low, "metric_high": metric_high, "fidelity_low": fidelity_low,
             "fidelity_high": fidelity_high,
             "norm_f1": norm, "fidelity_f1": _mean(fidelity), "kl_full": group.kl_full.mean(),
-            "top1_agree": group.top1_agree.mean(), "ttft_ratio": ttft,
+            "top1_agree": group.top1_agree.mean(), "answer_kl": group.answer_kl.mean(),
+            "answer_agree": group.answer_agree.mean(), "ttft_ratio": ttft,
             "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
             "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
             "recompute_s": group.t_recompute.mean(), "decode_s": group.t_decode.mean(),
@@ -502,6 +507,16 @@ def format_cell(row: pd.Series, column: str) -> str:
 DISPLAY_COLUMNS = ["dataset", "method", "label", "variant", "ratio", "n", "f1", "acc", "vs_full", "vs_reuse",
                    "fidelity_f1", "top1_agree", "ttft_ratio", "recomputed_frac"]
 MARKDOWN_COLUMNS = [c for c in SUMMARY_COLUMNS if not c.endswith(("_low", "_high"))]
+ANSWER_COLUMNS = ["answer_kl", "answer_agree"]   # measured by runs since 2026-11-30 only: shown where they were
+
+
+def with_answer_columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
+    """columns, with answer_kl and answer_agree after top1_agree where some record measured them (a table made
+    from older records stays as it was)."""
+    if not summary.get("answer_kl", pd.Series(dtype=float)).notna().any():
+        return columns
+    at = columns.index("top1_agree") + 1
+    return columns[:at] + ANSWER_COLUMNS + columns[at:]
 
 
 def _columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
@@ -511,7 +526,7 @@ def _columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
 
 def summary_markdown(summary: pd.DataFrame, columns=None) -> str:
     """The summary as a GitHub markdown table; vs_full / vs_reuse as 'mean [low, high]'."""
-    columns = _columns(summary, columns or MARKDOWN_COLUMNS)
+    columns = _columns(summary, columns or with_answer_columns(summary, MARKDOWN_COLUMNS))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for _, row in summary.iterrows():
         lines.append("| " + " | ".join(format_cell(row, c) for c in columns) + " |")
@@ -649,7 +664,7 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
     from kvf.pipeline.files import write_atomic
     from kvf.pipeline.workflows.provenance import git_commit
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
-    write_atomic(written[0], summary[[c for c in SUMMARY_COLUMNS]].to_csv(index=False))
+    write_atomic(written[0], summary[with_answer_columns(summary, SUMMARY_COLUMNS)].to_csv(index=False))
     best = most_faithful(summary, df=df)
     header = (f"Made by `{command or 'kvf eval'}` at commit {git_commit() or 'unknown'}.\n\n")
     runs = "" if df is None else "Runs:\n\n" + runs_markdown(df) + "\nSummary:\n\n"
@@ -658,7 +673,12 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
               "95% paired bootstrap interval over the questions both answered. `fidelity_f1`: answer F1 against full "
               "prefill's answer to the same question. `kl_full` / `top1_agree`: KL divergence of the first-token "
               "distribution from full prefill's, and the share of first tokens equal to full's; recorded only by "
-              "`kvf run --compare-full` (`-` without it). `ttft_ratio`: mean TTFT over full prefill's on the same "
+              "`kvf run --compare-full` (`-` without it). "
+            + ("`answer_kl` / `answer_agree`: the same over full prefill's whole answer, each token predicted from "
+               "full's tokens before it (teacher-forced): the mean KL divergence per token, and the share of tokens "
+               "the method's cache would pick itself; they tell how far apart answers are where answer F1 only "
+               "says that they differ. " if "answer_kl" in with_answer_columns(summary, SUMMARY_COLUMNS) else "")
+            + "`ttft_ratio`: mean TTFT over full prefill's on the same "
               "questions, from the `full` run, or else from the full prefill `--compare-full` timed with each record.\n"
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
             + ("\nMost fidelity to full prefill at 15% recomputation:\n\n" + "\n".join(best) + "\n" if best else ""))

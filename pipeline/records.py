@@ -15,7 +15,10 @@
                                          # query-pass:VARIANT, reuse-prefill:VARIANT, decode-batch:N (run.py)
      # with --compare-full:
      "full_answer": str, "kl_full": float, "top1_agree_full": bool,
-     "full_first_token": s}              # full prefill's TTFT on the same prompt (kvf eval's ttft_ratio without -m full)
+     "full_first_token": s,              # full prefill's TTFT on the same prompt (kvf eval's ttft_ratio without -m full)
+     "answer_kl_full": float,            # mean KL(full || method) over full's answer tokens, each predicted from
+                                         # full's tokens before it (teacher-forced; absent where full answered nothing)
+     "answer_agree_full": float}         # the share of those tokens the method's cache would pick itself
 
 `first_token` is TTFT: from request start to the first token, loading included.
 
@@ -83,6 +86,8 @@ class RunRecord(BaseModel):
     kl_full: float | None = Field(default=None, allow_inf_nan=False)
     top1_agree_full: bool | None = None
     full_first_token: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    answer_kl_full: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    answer_agree_full: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
 
     @field_validator("qid", "dataset", "method", "question", "answer", mode="before")
     @classmethod

@@ -117,3 +117,23 @@ def test_calibrated_attention_leaves_queries_before_queries_from_plain():
     assert torch.allclose(everyone, expected, atol=1e-5)                       # queries_from 0: every query
     nobody = T.attend(0, q, keys, values, mask, rows=rows, calibration=SpanCalibration(3, 16, 0.6, 0.7, queries_from=n))
     assert torch.allclose(nobody, plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_forced_logits_are_those_decoding_sees(family):
+    """teacher_forced_logits predicts T tokens in one pass over a prefilled cache: row i equals the logits
+    decoding has after feeding tokens[:i] one step at a time (<= 1e-4), though other tokens were decoded into
+    the rows past the prefill first (they are overwritten, not read)."""
+    from kvf.pipeline.model.decode import teacher_forced_logits
+    T = Transformer(tiny_model(family, seed=2))
+    prompt, tokens = torch.randint(0, 128, (20,)), torch.randint(0, 128, (6,)).tolist()
+    stepwise_cache, cache = T.new_cache(28), T.new_cache(28)
+    first, _ = T.prefill(prompt, stepwise_cache)
+    stepwise = [first] + [T.decode_step(t, 20 + i, stepwise_cache) for i, t in enumerate(tokens[:-1])]
+    T.prefill(prompt, cache)
+    for i, t in enumerate(torch.randint(0, 128, (7,)).tolist()):   # another answer, decoded into rows 20-26
+        T.decode_step(t, 20 + i, cache)
+    got = teacher_forced_logits(T, first, cache, 20, 20, tokens)                    # [6, vocab]
+    assert got.shape == (6, 128)
+    assert (got - torch.stack(stepwise)).abs().max().item() <= 1e-4
+    assert torch.equal(teacher_forced_logits(T, first, cache, 20, 20, tokens[:1]), first[None])

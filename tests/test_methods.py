@@ -1074,3 +1074,25 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
         get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
     with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
         get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)
+
+
+@pytest.mark.parametrize("name, knobs", [("kvfuse", {}), ("ape", {}), ("cachefocus", {"prune_every": 4}),
+                                         ("cacheblend", {})])
+def test_a_cache_teacher_forced_on_its_own_answer_gives_decodings_logits(answerer, long_case, name, knobs):
+    """Answerer.predictions (kvf run's answer_kl_full / answer_agree_full) reads a fused cache as decoding
+    reads it: given the method's own greedy answer, each row is the logits decoding had there (<= 1e-3),
+    so it picks every token of it. kvfuse's shift runs after the first token, APE decodes with its
+    calibration, CacheFocus decodes from a compacted cache."""
+    prompt, source, _ = long_case
+    method = get_method(name, 0.0 if name in ("ape", "cachefocus") else 0.15, **knobs)
+    decoded = method.prefill(answerer.engine, prompt, source, 10)
+    model, cache, position = answerer.transformer, decoded.cache, decoded.next_position
+    stepwise, tokens = [decoded.logits], []
+    for _ in range(8):   # greedy decoding, one step at a time, keeping each step's logits
+        tokens.append(int(stepwise[-1].argmax()))
+        stepwise.append(model.decode_step(tokens[-1], position, cache, decoded.calibration))
+        position += 1
+    fused = method.prefill(answerer.engine, prompt, source, 10)
+    steps = answerer.predictions(fused, tokens)                                  # [8, vocab]
+    assert (steps - torch.stack(stepwise[:-1])).abs().max().item() <= 1e-3
+    assert steps.argmax(-1).tolist() == tokens

@@ -381,7 +381,8 @@ def test_bad_run_files(tmp_path, runs, capsys):
     (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + "\n{not json\n")
     with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON"):
         evaluate([tmp_path / "broken.jsonl"], tmp_path / "out")
-    bad_values = {"qid": None, "timings": {"load": "fast"}, "settings": [1, 2]}
+    bad_values = {"qid": None, "timings": {"load": "fast"}, "settings": [1, 2], "answer_agree_full": 1.5,
+                  "answer_kl_full": -0.1}
     for field, value in bad_values.items():
         (tmp_path / "bad.jsonl").write_text(json.dumps({**record("q1-0", "full", "Paris"), field: value}) + "\n")
         with pytest.raises(KvfError, match=f"bad.jsonl line 1: not a kvf run record \\({field}"):
@@ -1114,3 +1115,31 @@ def test_a_ranking_keeps_its_panels_wide_and_their_labels_apart_with_long_row_na
     assert left.x1 < right.x0                                                         # the x labels do not meet
     names = gold.get_yticklabels()[-1].get_window_extent(renderer)
     assert names.x0 >= 0                                                              # the longest name is on the figure
+
+
+def test_answer_kl_and_agreement_are_columns_only_where_records_measured_them(runs, tmp_path):
+    """kvf run --compare-full records answer_kl_full / answer_agree_full (full's whole answer, teacher-forced
+    over each cache) since 2026-11-30: their means are summary columns beside top1_agree, and tables of older
+    records keep their columns (and bytes). kvf compare takes full's answers from --compare-full alone (0 and 1)."""
+    before = evaluate(runs, tmp_path / "old")
+    header = (tmp_path / "old" / "summary.csv").read_text().splitlines()[0].split(",")
+    assert "answer_kl" not in header and "answer_kl" not in (tmp_path / "old" / "summary.md").read_text()
+    measured = write_run(tmp_path / "measured.jsonl", replicated("prophetkv", {
+        q: (answer, {"full_answer": full, "kl_full": 0.1, "top1_agree_full": True,
+                     "answer_kl_full": kl, "answer_agree_full": agree})
+        for q, answer, full, kl, agree in (("q1", "Paris", "Paris", 0.0, 1.0), ("q2", "Rome", "Rome", 0.2, 1.0),
+                                           ("q3", "Munich", "Berlin", 0.4, 0.5), ("q4", "Porto", "Lisbon", 0.6, 0.0))},
+        ratio=0.2))
+    summary = evaluate([measured], tmp_path / "new")
+    prophet = row(summary, "prophetkv")
+    assert prophet.answer_kl == pytest.approx(0.3) and prophet.answer_agree == pytest.approx(0.625)
+    header = (tmp_path / "new" / "summary.csv").read_text().splitlines()[0].split(",")
+    assert header[header.index("top1_agree") + 1: header.index("top1_agree") + 3] == ["answer_kl", "answer_agree"]
+    assert "`answer_kl` / `answer_agree`" in (tmp_path / "new" / "summary.md").read_text()
+    assert "answer_kl" not in before.columns or before.answer_kl.isna().all()
+    # kvf compare gives their paired differences too
+    from kvf.eval.compare import comparison_summary, per_question, select
+    from kvf.eval.report import load_runs
+    df = load_runs([measured])
+    line = comparison_summary(per_question(df, select(df, "prophetkv@0.2"), select(df, "full")))
+    assert "full's answer KL: A 0.300, B 0.000" in line and "full's answer tokens agreed: A 0.625, B 1.000" in line

@@ -48,6 +48,12 @@ def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
     # ratio 1.0 reproduces full prefill: same first token distribution, same answer
     assert blend[1.0]["kl_full"] < 1e-4 and blend[1.0]["answer"] == blend[1.0]["full_answer"]
     assert all(r["kl_full"] < 1e-6 for r in records if r["method"] == "full")
+    # full's whole answer, teacher-forced over each cache: full's own predicts it exactly, ratio 1 too
+    assert all(r["answer_kl_full"] == 0.0 and r["answer_agree_full"] == 1.0 for r in records if r["method"] == "full")
+    assert blend[1.0]["answer_kl_full"] < 1e-4 and blend[1.0]["answer_agree_full"] == 1.0
+    # an answer that parts from full's (other than by going on after it) missed one of full's tokens at least
+    parted = [r for r in records if not r["answer"].startswith(r["full_answer"])]
+    assert parted and all(r["answer_agree_full"] < 1 and r["answer_kl_full"] > 0 for r in parted)
 
 
 def test_full_is_one_request_whatever_the_variant(built, tmp_path):

@@ -6,11 +6,11 @@ loading stored KVs, selection and recomputation.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvf.pipeline.model.decode import Generation, Pending, greedy_decode, greedy_decode_batch
+from kvf.pipeline.model.decode import Generation, Pending, greedy_decode, greedy_decode_batch, teacher_forced_logits
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -24,6 +24,7 @@ class Answer:
     fused: FusionResult
     timings: dict          # load, select, recompute, first_token, decode (seconds)
     decoded_with: int = 1  # answers decoded in the same batch (decode seconds are the batch's, shared)
+    token_ids: list[int] = field(default_factory=list)   # the answer's tokens, as generated
 
     def record(self) -> dict:
         return {"answer": self.text, "prompt_tokens": self.prompt.n_tokens,
@@ -61,7 +62,15 @@ class Answerer:
         fused, timings = self.prefill(prompt, method, source, max_new_tokens)
         generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
                                    max_new_tokens, stop_strings, fused.calibration)
-        return Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation))
+        return Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation),
+                      token_ids=generation.token_ids)
+
+    @torch.inference_mode()
+    def predictions(self, fused: FusionResult, tokens: list[int]) -> torch.Tensor:
+        """[T, vocab]: how fused's cache predicts each of `tokens` (e.g. full prefill's answer) from the ones
+        before it, after decoding (its kept-until-after-the-first-token work included, as decoding reads it)."""
+        return teacher_forced_logits(self.transformer, fused.logits, fused.cache, fused.prefill_rows,
+                                     fused.next_position, tokens, fused.calibration)
 
     @torch.inference_mode()
     def prefill(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,
@@ -89,7 +98,8 @@ class Answerer:
             generation = generations.get(i) or greedy_decode(
                 self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position, max_new_tokens,
                 stop_strings, fused.calibration)
-            answer = Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation))
+            answer = Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation),
+                            token_ids=generation.token_ids)
             answer.decoded_with = len(batched) if i in generations else 1
             answers.append(answer)
         return answers

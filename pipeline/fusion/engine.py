@@ -156,6 +156,10 @@ class FusionResult:
     calibration: SpanCalibration | None = None   # decoding keeps the method's attention calibration
     after_first_token: Callable[[], None] | None = None  # work only decoding reads (kvfuse's shift), not yet run
     after_first_token_seconds: float = 0.0              # what that work took, once run
+    prefill_rows: int = field(init=False)               # cache rows the prefill filled (decoding appends after)
+
+    def __post_init__(self) -> None:
+        self.prefill_rows = self._cache.length
 
     @property
     def cache(self) -> KVCache:
@@ -175,6 +179,7 @@ class FusionResult:
     @cache.setter
     def cache(self, cache: KVCache) -> None:
         self._cache = cache
+        self.prefill_rows = cache.length
 
 
 class FusionEngine:

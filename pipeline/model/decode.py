@@ -59,6 +59,27 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
     return Generation(text.strip(), token_ids, time.perf_counter() - started)
 
 
+@torch.inference_mode()
+def teacher_forced_logits(model: Transformer, first_logits: torch.Tensor, cache: KVCache, prefill_rows: int,
+                          next_position: int, tokens: list[int],
+                          calibration: SpanCalibration | None = None) -> torch.Tensor:
+    """The logits [T, vocab] with which a fused cache would predict `tokens` (T of them, e.g. full prefill's
+    answer), each given the ones before it: row 0 is the prefill's first_logits, row i comes from tokens[:i]
+    appended to the cache after its first prefill_rows rows, in one pass, as greedy_decode would append them one
+    by one. Rows past prefill_rows (an answer decoded there) are overwritten."""
+    if len(tokens) < 2:
+        return first_logits[None, :].expand(len(tokens), -1)
+    fed = len(tokens) - 1
+    rows = torch.arange(prefill_rows, prefill_rows + fed)                             # [T-1] new cache rows
+    cache.length = prefill_rows + fed
+    active = model.active_rows(rows, torch.arange(next_position, next_position + fed))
+    mask = model.causal_mask(rows, cache.length)                                      # [T-1, n + T-1]
+    hidden = model.embed(torch.tensor(tokens[:-1]))                                   # [T-1, D]
+    for layer in range(model.n_layers):
+        hidden = model.layer_step(layer, hidden, active, cache, mask, calibration=calibration)
+    return torch.cat([first_logits[None, :], model.logits(hidden)])                  # [T, vocab]
+
+
 @dataclass
 class Pending:
     """A prefilled answer waiting to be decoded: first-token logits [vocab], its cache, its next position."""

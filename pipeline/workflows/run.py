@@ -712,9 +712,10 @@ def warn_passages_cut(opts: RunOptions, ws: Workspace) -> None:
 
 # ---- the run -------------------------------------------------------------------------------------
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(P || Q) of the first-token distributions, P = full prefill."""
+    """KL(P || Q) of next-token distributions, P = full prefill's: of one [vocab], or the mean over the rows
+    of [T, vocab] (each answer token's)."""
     p_log, q_log = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
-    return float((p_log.exp() * (p_log - q_log)).sum())
+    return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
 
 def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:
@@ -922,6 +923,8 @@ class QuestionRunner:
         to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]}.values())
         answer_of = {id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}
         full_answer = answer_of[id(full)] if full else None
+        on_full_answer = (self.on_full_answer(full_answer, answer_of)
+                          if full_answer is not None and opts.compare_full else {})
         for p, method, prefilled in jobs:
             ans = answer_of[id(prefilled)]
             settings = {**self.settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
@@ -945,7 +948,26 @@ class QuestionRunner:
                            kl_full=kl_divergence(full_answer.fused.logits, ans.fused.logits),
                            top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)),
                            full_first_token=round(full_answer.timings["first_token"], 6))
+                if id(prefilled) in on_full_answer:
+                    rec["answer_kl_full"], rec["answer_agree_full"] = on_full_answer[id(prefilled)]
             yield rec
+
+    def on_full_answer(self, full_answer, answer_of: dict) -> dict[int, tuple[float, float]]:
+        """Per answer (by its prefill's id): how its cache predicts full prefill's answer token by token, each
+        from full's tokens before it: the mean KL(full || it) over those tokens, and the share of them it would
+        pick itself. Where answers part in decoding, this tells how far apart, as answer F1 cannot. Untimed:
+        one pass of the answer's tokens over each cache, after decoding."""
+        tokens = full_answer.token_ids
+        if not tokens:   # full prefill answered nothing: no token to predict
+            return {}
+        answerer, target = self.session.answerer, torch.tensor(tokens)
+        full_steps = answerer.predictions(full_answer.fused, tokens)                        # [T, vocab]
+        scores = {}
+        for key, ans in answer_of.items():
+            steps = full_steps if ans is full_answer else answerer.predictions(ans.fused, tokens)   # [T, vocab]
+            agree = (steps.argmax(-1).cpu() == target).float().mean()
+            scores[key] = (max(0.0, kl_divergence(full_steps, steps)), float(agree))   # KL >= 0 but for rounding
+        return scores
 
     def prefill(self, prompt, method: FusionMethod, variant_keys, shared: dict | None):
         self.warm(prompt, method, variant_keys)
