@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -323,6 +323,15 @@ kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
 kvfuse-spread-probe: | setup
 	$(PY) -m kvf.scripts.spread_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/musique \
 	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/spread.md
+# full prefill's whole answer teacher-forced over each cache (answer_kl / answer_agree, kvf run --compare-full) on the
+# methods sweep's MuSiQue questions 0-49 at 15%: can the finer measure tell apart what answer F1 could not? Two halves side by side
+KVFUSE_ANSWER_KL ?= prophetkv,fusionrag,kvfuse,kvfuse:propagate=off:propagate_from=0,$(KVFUSE_LOCATED_SINKS)
+kvfuse-answer-kl: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --compare-full -n 25 -m $(KVFUSE_ANSWER_KL) -o $(KVFUSE_RUNS)/answer-kl-musique-0.jsonl & a=$$!; \
+	$(KVFUSE_RUN) --compare-full --offset 25 -n 25 -m $(KVFUSE_ANSWER_KL) -o $(KVFUSE_RUNS)/answer-kl-musique-25.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/answer-kl-musique-0.jsonl $(KVFUSE_RUNS)/answer-kl-musique-25.jsonl \
+	  --out $(KVFUSE_OUT)/answer-kl
 # step 6's dev choice (per-layer budget, results/kvfuse.md) on MuSiQue 11-49 of the methods sweep, two halves side by side
 KVFUSE_SLOPE ?= kvfuse:budget_slope=0.5
 kvfuse-slope-heldout: $(WORK)/musique/questions.jsonl
