@@ -7,7 +7,10 @@ asks whether method A beats method B. Choices:
   method in the dataset joins every ratio's family.
 - Two measures: the dataset's primary metric against gold, and fidelity to full prefill (answer F1
   against full's answer; full itself is left out, its fidelity is 1 by definition). With a weak
-  model gold F1 sits near its floor on QA datasets, and fidelity is where methods differ.
+  model gold F1 sits near its floor on QA datasets, and fidelity is where methods differ. Where the
+  records measured it (`kvf run --compare-full` since 2026-11-30), a third: `answer_agree`, the share of
+  full's answer tokens each cache picks when fed full's tokens before them, which still differs between
+  two answers that part from full's at different tokens.
 - A difference is paired over the questions both answered, with the 95% paired bootstrap interval
   of eval/stats.py.
 - Many pairs are tested at once (78 for 13 rows), so a pair counts as different only when its
@@ -25,6 +28,7 @@ from kvf.eval.stats import MIN_QUESTIONS, holm, paired_bootstrap, paired_p_value
 
 ALPHA = 0.05
 FIDELITY = "fidelity_f1"
+AGREEMENT = "answer_agree"
 PAIR_COLUMNS = ["dataset", "ratio", "measure", "a", "b", "n", "a_mean", "b_mean", "diff", "low", "high",
                 "p", "p_holm", "significant"]
 
@@ -57,7 +61,7 @@ def per_question(df: pd.DataFrame, row: pd.Series, measure: str) -> pd.Series:
 def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd.DataFrame,
                    measure: str) -> list[dict]:
     """Every pair of rows in one family, oriented so that `a` scores higher; Holm-adjusted."""
-    if measure == FIDELITY:
+    if measure in (FIDELITY, AGREEMENT):   # full against itself: 1 by definition
         rows = rows[rows.method != "full"]
     scores = {row_name(r): per_question(df, r, measure) for _, r in rows.iterrows()}
     pairs = []
@@ -81,10 +85,15 @@ def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame, track=no_progr
     """One row per compared pair: dataset, ratio, measure, a, b, paired difference a - b (>= 0), its 95%
     interval, the paired permutation p-value and its Holm adjustment, and whether the pair differs."""
     tests = [(dataset, ratio, rows, measure) for dataset, ratio, rows in families(summary)
-             for measure in (rows.metric.iloc[0], FIDELITY)]
+             for measure in (rows.metric.iloc[0], FIDELITY) + measured_answers(rows)]
     pairs = [pair for dataset, ratio, rows, measure in track(tests, description="testing every pair of methods")
              for pair in compare_family(df, dataset, ratio, rows, measure)]
     return pd.DataFrame(pairs, columns=PAIR_COLUMNS)
+
+
+def measured_answers(rows: pd.DataFrame) -> tuple[str, ...]:
+    """(AGREEMENT,) where some row of the family has it (its records measured full's answer), else ()."""
+    return (AGREEMENT,) if rows.get(AGREEMENT, pd.Series(dtype=float)).notna().any() else ()
 
 
 def pairs_lines(pairs: pd.DataFrame) -> list[str]:
@@ -93,7 +102,8 @@ def pairs_lines(pairs: pd.DataFrame) -> list[str]:
     for (dataset, ratio, measure), family in pairs.groupby(["dataset", "ratio", "measure"], dropna=False, sort=True):
         different = family[family.significant].sort_values("diff", ascending=False)
         at = "" if pd.isna(ratio) else f" at ratio {ratio:g}"
-        measure = "fidelity to full" if measure == FIDELITY else f"{measure} vs gold"
+        measure = {FIDELITY: "fidelity to full", AGREEMENT: "full's answer tokens agreed"}.get(measure,
+                                                                                         f"{measure} vs gold")
         lines.append(f"- {dataset}{at}, {measure} ({len(family)} pairs tested, "
                      f"n = {int(family.n.max())}): " + (f"{len(different)} differ" if len(different)
                                                         else "no pair differs after Holm adjustment"))

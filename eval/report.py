@@ -686,7 +686,9 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
         pairs = pairwise_differences(df, summary, track)
         written.append(out_dir / "pairs.csv")
         write_atomic(written[-1], pairs.to_csv(index=False))
-        body += ("\nMethod pairs that differ (`pairs.csv`), in the primary metric vs gold and in fidelity to full: "
+        measures = ("the primary metric vs gold, in fidelity to full and in full's answer tokens agreed (`answer_agree`)"
+                    if (pairs.measure == "answer_agree").any() else "the primary metric vs gold and in fidelity to full")
+        body += (f"\nMethod pairs that differ (`pairs.csv`), in {measures}: "
                  "paired difference with its 95% interval, listed when the Holm-adjusted permutation p-value within "
                  f"the dataset, ratio and measure is below {ALPHA}; "
                  f"pairs on fewer than {MIN_QUESTIONS} common questions are not tested.\n\n"

@@ -1143,3 +1143,23 @@ def test_answer_kl_and_agreement_are_columns_only_where_records_measured_them(ru
     df = load_runs([measured])
     line = comparison_summary(per_question(df, select(df, "prophetkv@0.2"), select(df, "full")))
     assert "full's answer KL: A 0.300, B 0.000" in line and "full's answer tokens agreed: A 0.625, B 1.000" in line
+
+
+def test_pairs_test_full_answer_agreement_where_records_measured_it(tmp_path):
+    """Where records carry answer_agree_full, pairs.csv tests it as a third measure (Holm within its family);
+    two runs whose answers part from full's equally often in F1 but at different tokens differ there."""
+    full_answers = {"q1": "the city of Paris", "q2": "in Rome today", "q3": "Berlin was it", "q4": "Lisbon by the sea"}
+
+    def run(method, agree):
+        return replicated(method, {q: ("x", {"full_answer": a, "answer_agree_full": agree[i], "answer_kl_full": 1 - agree[i]})
+                                   for i, (q, a) in enumerate(full_answers.items())}, ratio=0.2)
+    early = write_run(tmp_path / "early.jsonl", run("prophetkv", [0.0, 0.25, 0.0, 0.25]))
+    late = write_run(tmp_path / "late.jsonl", run("cacheblend", [0.75, 0.75, 1.0, 0.75]))
+    evaluate([early, late], tmp_path / "out", command="kvf eval")
+    pairs = pd.read_csv(tmp_path / "out" / "pairs.csv")
+    agreement = pairs[pairs.measure == "answer_agree"].iloc[0]
+    assert agreement.a.startswith("cacheblend") and agreement["diff"] == pytest.approx(0.8125 - 0.125)
+    assert agreement.significant
+    fidelity = pairs[pairs.measure == "fidelity_f1"].iloc[0]
+    assert fidelity["diff"] == 0 and not fidelity.significant        # the same answer F1 ("x" against each)
+    assert "full's answer tokens agreed" in (tmp_path / "out" / "summary.md").read_text()
