@@ -535,7 +535,7 @@ def summary_markdown(summary: pd.DataFrame, columns=None) -> str:
 
 # left out first when a terminal is narrow (summary.md keeps them); the variant and the dataset only
 # where the rows stay distinct without them
-DISPLAY_DROPPABLE = ["vs_reuse", "top1_agree", "recomputed_frac", "acc", "n"]
+DISPLAY_DROPPABLE = ["vs_reuse", "answer_kl", "top1_agree", "answer_agree", "recomputed_frac", "acc", "n"]
 
 
 def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 10_000):
@@ -557,7 +557,8 @@ def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 1
         for _, row in summary.iterrows():
             table.add_row(*(Text(format_cell(row, c)) for c in columns))   # a label "[v2]" is not markup
         return table
-    return fit_table(build, _columns(summary, DISPLAY_COLUMNS), droppable, width, "summary.md")
+    return fit_table(build, _columns(summary, with_answer_columns(summary, DISPLAY_COLUMNS)), droppable, width,
+                     "summary.md")
 
 
 def summary_group(df: pd.DataFrame, row: pd.Series) -> pd.DataFrame:
