@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 REFERENCE_METHODS = ("full", "reuse")
@@ -152,6 +153,9 @@ def gold_count(rows: pd.DataFrame) -> str:
 def axis_top(rows: pd.DataFrame, column: str, high: str) -> float:
     """Where a quality axis ends: fidelity spans [0, 1] with full at 1; gold scores of a small model may all
     sit below 0.1, where a [0, 1] axis would flatten every method into the floor, so theirs follows the data."""
+    if column == "answer_kl":   # a divergence: unbounded, nearer full is lower
+        values = rows[[column, high]].to_numpy(dtype=float)
+        return float(1.15 * np.nanmax(values)) if np.isfinite(values).any() and np.nanmax(values) > 0 else 1.0
     return 1.02 if column == "fidelity_f1" else data_top(rows, [column, high])
 
 
@@ -212,11 +216,14 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     rows = rows.sort_values(metric if metric == "acc" else "fidelity_f1")
     # the row names take what they need (~0.085 inch a character) and each panel keeps ~3.5 inches
     names_inches = RANKING_INCHES_PER_CHAR * max(len(name) for name in rows.name)
-    fig = Figure(figsize=(max(12.0, names_inches + 7.6), 0.38 * len(rows) + 1.8))
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, column, low, high, xlabel, empty in (
-            (axes[0], metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
-            (axes[1], "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)):
+    panels = [(metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
+              ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)]
+    if rows.get("answer_kl", pd.Series(dtype=float)).notna().any():   # records that measured full's answer
+        panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
+                       "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
+    fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(panels)), 0.38 * len(rows) + 1.8))
+    axes = fig.subplots(1, len(panels), sharey=True)
+    for ax, (column, low, high, xlabel, empty) in zip(axes, panels):
         missing = rows[column].isna().to_numpy()   # no score: no bar, never a bar of 0
         values = rows[column].fillna(0)
         xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]

@@ -448,6 +448,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     fidelity = fidelity_scores(group, full)
     metric_low, metric_high = mean_interval(group.set_index("qid")[metric])
     fidelity_low, fidelity_high = mean_interval(fidelity)
+    answer_kl_low, answer_kl_high = mean_interval(group.set_index("qid").answer_kl)   # NaN where unmeasured
     return {"dataset": first.dataset, "method": first.method, "label": first.label, "variant": first.variant,
             "ratio": first.ratio, "n": len(group), "n_gold": n_gold, "metric": metric, "em": group.em.mean(), "f1": group.f1.mean(),
             "substring": group.substring.mean(), "acc": group.acc.mean(),
@@ -458,6 +459,7 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
             "fidelity_high": fidelity_high,
             "norm_f1": norm, "fidelity_f1": _mean(fidelity), "kl_full": group.kl_full.mean(),
             "top1_agree": group.top1_agree.mean(), "answer_kl": group.answer_kl.mean(),
+            "answer_kl_low": answer_kl_low, "answer_kl_high": answer_kl_high,
             "answer_agree": group.answer_agree.mean(), "ttft_ratio": ttft,
             "recomputed_frac": recomputed_fraction(group), "ttft_s": group.t_first_token.mean(),
             "load_s": group.t_load.mean(), "select_s": group.t_select.mean(),
@@ -507,16 +509,17 @@ def format_cell(row: pd.Series, column: str) -> str:
 DISPLAY_COLUMNS = ["dataset", "method", "label", "variant", "ratio", "n", "f1", "acc", "vs_full", "vs_reuse",
                    "fidelity_f1", "top1_agree", "ttft_ratio", "recomputed_frac"]
 MARKDOWN_COLUMNS = [c for c in SUMMARY_COLUMNS if not c.endswith(("_low", "_high"))]
-ANSWER_COLUMNS = ["answer_kl", "answer_agree"]   # measured by runs since 2026-11-30 only: shown where they were
+ANSWER_COLUMNS = ["answer_kl", "answer_kl_low", "answer_kl_high", "answer_agree"]   # runs since 2026-11-30
 
 
 def with_answer_columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
-    """columns, with answer_kl and answer_agree after top1_agree where some record measured them (a table made
-    from older records stays as it was)."""
+    """columns, with answer_kl (its interval too where the columns hold intervals) and answer_agree after
+    top1_agree where some record measured them (a table made from older records stays as it was)."""
     if not summary.get("answer_kl", pd.Series(dtype=float)).notna().any():
         return columns
     at = columns.index("top1_agree") + 1
-    return columns[:at] + ANSWER_COLUMNS + columns[at:]
+    intervals = "fidelity_low" in columns
+    return columns[:at] + [c for c in ANSWER_COLUMNS if intervals or not c.endswith(("_low", "_high"))] + columns[at:]
 
 
 def _columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:

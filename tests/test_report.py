@@ -1134,8 +1134,19 @@ def test_answer_kl_and_agreement_are_columns_only_where_records_measured_them(ru
     prophet = row(summary, "prophetkv")
     assert prophet.answer_kl == pytest.approx(0.3) and prophet.answer_agree == pytest.approx(0.625)
     header = (tmp_path / "new" / "summary.csv").read_text().splitlines()[0].split(",")
-    assert header[header.index("top1_agree") + 1: header.index("top1_agree") + 3] == ["answer_kl", "answer_agree"]
+    at = header.index("top1_agree") + 1
+    assert header[at: at + 4] == ["answer_kl", "answer_kl_low", "answer_kl_high", "answer_agree"]
+    assert prophet.answer_kl_low < 0.3 < prophet.answer_kl_high
     assert "`answer_kl` / `answer_agree`" in (tmp_path / "new" / "summary.md").read_text()
+    # the ranking figure gets a third panel, the KL with its interval; older tables keep two
+    from kvf.eval import plots
+    panels = {}
+    for name, files in (("old", runs), ("new", [measured])):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(plots, "save_figure", lambda fig, path, name=name: panels.setdefault(name, fig.axes))
+            evaluate(files, tmp_path / f"{name}-figures")
+    assert len(panels["old"]) == 2 and len(panels["new"]) == 3
+    assert "KL" in panels["new"][2].get_xlabel() and len(panels["new"][2].patches) == 1   # one bar: prophetkv
     assert "answer_kl" not in before.columns or before.answer_kl.isna().all()
     # kvf compare gives their paired differences too
     from kvf.eval.compare import comparison_summary, per_question, select
