@@ -325,10 +325,10 @@ kvfuse-spread-probe: | setup
 	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/spread.md
 # full prefill's whole answer teacher-forced over each cache (answer_kl / answer_agree, kvf run --compare-full) on the
 # methods sweep's MuSiQue questions 0-49 at 15%: can the finer measure tell apart what answer F1 could not? Two halves side by side
-KVFUSE_ANSWER_KL ?= prophetkv,fusionrag,kvfuse,kvfuse:propagate=off:propagate_from=0,$(KVFUSE_LOCATED_SINKS)
+KVFUSE_ANSWER_KL ?= prophetkv,fusionrag,kvfuse,kvfuse:propagate=off:propagate_from=0,$(KVFUSE_LOCATED_SINKS),kvfuse:shift_parts=k,kvfuse:shift_parts=v
 # kvfuse against each of the others: kvf compare's summary line (on stderr) gives the paired differences
 KVFUSE_ANSWER_KL_VERSUS ?= prophetkv@0.15 fusionrag@0.15 kvfuse@0.15:propagate=off:propagate_from=0 \
-  kvfuse@0.15:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85
+  kvfuse@0.15:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85 kvfuse@0.15:shift_parts=k kvfuse@0.15:shift_parts=v
 kvfuse-answer-kl: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --compare-full -n 25 -m $(KVFUSE_ANSWER_KL) -o $(KVFUSE_RUNS)/answer-kl/musique-0.jsonl & a=$$!; \
 	$(KVFUSE_RUN) --compare-full --offset 25 -n 25 -m $(KVFUSE_ANSWER_KL) -o $(KVFUSE_RUNS)/answer-kl/musique-25.jsonl & b=$$!; \
