@@ -23,7 +23,7 @@ import itertools
 
 import pandas as pd
 
-from kvf.eval.report import fidelity_scores, no_progress, reference_rows, summary_group
+from kvf.eval.report import answers_measured, fidelity_scores, no_progress, reference_rows, summary_group
 from kvf.eval.stats import MIN_QUESTIONS, holm, paired_bootstrap, paired_p_value
 
 ALPHA = 0.05
@@ -93,7 +93,7 @@ def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame, track=no_progr
 
 def measured_answers(rows: pd.DataFrame) -> tuple[str, ...]:
     """(AGREEMENT,) where some row of the family has it (its records measured full's answer), else ()."""
-    return (AGREEMENT,) if rows.get(AGREEMENT, pd.Series(dtype=float)).notna().any() else ()
+    return (AGREEMENT,) if answers_measured(rows) else ()
 
 
 def pairs_lines(pairs: pd.DataFrame) -> list[str]:

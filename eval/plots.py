@@ -209,6 +209,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     ranked bar panels: the primary gold metric and fidelity to full, with 95% bootstrap intervals.
     Reads better than a ratio axis when a sweep ran at one ratio."""
     from matplotlib.figure import Figure
+    from kvf.eval.report import answers_measured   # report draws with this module: imported where used
     metric = rows.metric.iloc[0]
     rows = rows.assign(name=[_label(r, rows.variant.nunique() > 1) for _, r in rows.iterrows()])
     # ranked by gold accuracy where it discriminates (generated suites), else by fidelity to full:
@@ -218,7 +219,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     names_inches = RANKING_INCHES_PER_CHAR * max(len(name) for name in rows.name)
     panels = [(metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
               ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)]
-    if rows.get("answer_kl", pd.Series(dtype=float)).notna().any():   # records that measured full's answer
+    if answers_measured(rows):   # records that measured full's answer: its KL, a third panel
         panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
                        "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
     fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(panels)), 0.38 * len(rows) + 1.8))

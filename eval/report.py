@@ -512,10 +512,16 @@ MARKDOWN_COLUMNS = [c for c in SUMMARY_COLUMNS if not c.endswith(("_low", "_high
 ANSWER_COLUMNS = ["answer_kl", "answer_kl_low", "answer_kl_high", "answer_agree"]   # runs since 2026-11-30
 
 
+def answers_measured(frame: pd.DataFrame) -> bool:
+    """Whether some record (or summary row) of `frame` measured full's answer teacher-forced (answer_kl and
+    answer_agree, recorded together by kvf run --compare-full since 2026-11-30)."""
+    return bool(frame.get("answer_kl", pd.Series(dtype=float)).notna().any())
+
+
 def with_answer_columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
     """columns, with answer_kl (its interval too where the columns hold intervals) and answer_agree after
     top1_agree where some record measured them (a table made from older records stays as it was)."""
-    if not summary.get("answer_kl", pd.Series(dtype=float)).notna().any():
+    if not answers_measured(summary):
         return columns
     at = columns.index("top1_agree") + 1
     intervals = "fidelity_low" in columns
@@ -681,7 +687,7 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
             + ("`answer_kl` / `answer_agree`: the same over full prefill's whole answer, each token predicted from "
                "full's tokens before it (teacher-forced): the mean KL divergence per token, and the share of tokens "
                "the method's cache would pick itself; they tell how far apart answers are where answer F1 only "
-               "says that they differ. " if "answer_kl" in with_answer_columns(summary, SUMMARY_COLUMNS) else "")
+               "says that they differ. " if answers_measured(summary) else "")
             + "`ttft_ratio`: mean TTFT over full prefill's on the same "
               "questions, from the `full` run, or else from the full prefill `--compare-full` timed with each record.\n"
             + "\nSignificant differences (95% interval excludes 0):\n\n" + "\n".join(significance_lines(summary)) + "\n"
