@@ -360,6 +360,11 @@ CASES = {
     "eval string ratio": (lambda d, t: ["eval", write(t / "s.jsonl", record(settings={"ratio": "0.15"})), "--out", t / "e"], ["settings"]),
     "eval string timings": (lambda d, t: ["eval", write(t / "s.jsonl", record(timings="fast")), "--out", t / "e"], ["timings"]),
     "eval null qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid=None)), "--out", t / "e"], ["qid"]),
+    # kvf run --compare-full's teacher-forced fields (since 2026-11-30), edited out of their bounds
+    "eval answer agreement above 1": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_agree_full=1.5)),
+                                                    "--out", t / "e"], ["s.jsonl line 1", "answer_agree_full"]),
+    "eval negative answer KL": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_kl_full=-0.1)),
+                                              "--out", t / "e"], ["s.jsonl line 1", "answer_kl_full"]),
     "eval dict qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid={"a": 1})), "--out", t / "e"], ["qid"]),
     "eval NaN timing": (lambda d, t: ["eval", write(t / "s.jsonl", record().replace(b'"load": 0.1', b'"load": NaN')),
                                       "--out", t / "e"], ["timings.load"]),
