@@ -249,6 +249,10 @@ CASES = {
     "run -m kvfuse:shift_guard_closed without shift_guard": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:shift_guard_closed=true", "-n", "1", "-o", t / "o.jsonl"],
         ["--method kvfuse:shift_guard_closed=true: shift_guard_closed: narrows shift_guard's rows"]),
+    "run -m kvfuse:key_shift_scale with shift_parts=v": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:shift_parts=v:key_shift_scale=0.5", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:shift_parts=v:key_shift_scale=0.5: key_shift_scale: scales the keys' shift, and propagate=off or shift_parts=v moves no key"]),
     "run -m kvfuse:shift_max_spread with propagate=off": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:propagate=off:shift_max_spread=0.5", "-n", "1",
                       "-o", t / "o.jsonl"],

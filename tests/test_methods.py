@@ -491,6 +491,22 @@ def test_kvfuse_shift_parts(parts):
     assert not torch.allclose(got["off"][:, moved], got["after"][:, moved])
 
 
+def test_kvfuse_key_shift_scale():
+    """key_shift_scale = c moves the kept rows' keys by c x the key move (RoPE is linear, so c x the default's key
+    change over no shift) and their values by the whole move; 1 is the default bit for bit, 0 leaves the keys as
+    no shift has them, and at ratio 1 (no kept row) it is full prefill."""
+    engine, prompt, source = tiny_case("llama")
+    kv = {c: get_method("kvfuse", 0.3, key_shift_scale=c).prefill(engine, prompt, source).cache.kv
+          for c in (0.0, 0.5, 1.0)}                                              # [L, 2, KV, n, d]
+    off = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source).cache.kv
+    default = get_method("kvfuse", 0.3).prefill(engine, prompt, source).cache.kv
+    assert torch.equal(kv[1.0], default) and torch.equal(kv[0.0][:, 0], off[:, 0])
+    assert torch.equal(kv[0.5][:, 1], default[:, 1]) and not torch.equal(default[:, 0], off[:, 0])
+    assert torch.allclose(kv[0.5][:, 0] - off[:, 0], 0.5 * (default[:, 0] - off[:, 0]), atol=1e-5)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, key_shift_scale=0.5).prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

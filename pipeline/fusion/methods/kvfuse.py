@@ -71,8 +71,8 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, shift_guard (shift_guard_closed), shift_guard_ranked, shift_max_spread, budget_slope and
-select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
+shift_estimate, shift_parts, key_shift_scale, shift_guard (shift_guard_closed), shift_guard_ranked, shift_max_spread,
+budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -127,6 +127,10 @@ class KvFuseKnobs:
                                        "(weighted by stored-key similarity)", choices=("mean", "james-stein", "kernel"))
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
+    key_shift_scale: float = knob(1.0, "the keys' share of the move: kept rows' keys move by c x their chunk's key "
+                                       "move (values by the whole of theirs); the keys' move is what costs answer KL "
+                                       "on MuSiQue while it gained RULER held out (results/kvfuse.md, step 15); 1: "
+                                       "the whole move", min=0.0, max=2.0)
     shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored (the "
                                "shift moved a needle's kept digits and cut its copy short at 4K; 8 mended that and "
                                "lost MuSiQue dev answers: results/kvfuse.md, step 13)", min=0)
@@ -181,6 +185,9 @@ class KvFuse(FusionMethod):
         if self.knobs.shift_max_spread < 1.0 and self.knobs.propagate == "off":   # no shift to hold back
             raise KnobError("shift_max_spread", str(self.knobs.shift_max_spread), "decides when the shift runs, and "
                             "propagate=off runs none; drop one of them")
+        if self.knobs.key_shift_scale != 1.0 and (self.knobs.propagate == "off" or self.knobs.shift_parts == "v"):
+            raise KnobError("key_shift_scale", str(self.knobs.key_shift_scale), "scales the keys' shift, and "
+                            "propagate=off or shift_parts=v moves no key; drop one of them")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -403,7 +410,7 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
         move_k, move_v = per_chunk_moves(engine, state, layer, rows, chunk_of_row, kept, chunk_of_kept,
                                          stored, delta_k, delta_v, knobs.shift_estimate)
     if "k" in knobs.shift_parts:
-        state.cache.kv[layer, 0][:, kept] += apply_rope(move_k, cos[kept], sin[kept])
+        state.cache.kv[layer, 0][:, kept] += apply_rope(knobs.key_shift_scale * move_k, cos[kept], sin[kept])
     if "v" in knobs.shift_parts:
         state.cache.kv[layer, 1][:, kept] += move_v
 
