@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -319,6 +319,15 @@ kvfuse-spread-musique: $(WORK)/musique/questions.jsonl
 KVFUSE_SPREAD_RULER ?= kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SPREAD)
 kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SPREAD_RULER),spread)
+# step 16's dev choice (results/kvfuse.md): the keys' shift halved (key_shift_scale=0.5), alone and with the located
+# sinks, on the RULER suite's seeds 0-1 beside kvfuse-spread's rows of the default and the located sinks (the same
+# workspaces); MuSiQue 11-49 is in kvfuse-answer-kl's records (`make -j2 kvfuse-key-scale`)
+KVFUSE_KEY_SCALE ?= kvfuse:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:key_shift_scale=0.5
+kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
+	  $(KVFUSE_RUNS)/key-scale-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/key-scale-ruler
+kvfuse-key-scale-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_KEY_SCALE),key-scale)
 # step 14's diagnosis: how evenly each dev question's attention reads its chunks (the spread shift_max_spread gates by)
 kvfuse-spread-probe: | setup
 	$(PY) -m kvf.scripts.spread_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/musique \
