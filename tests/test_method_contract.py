@@ -128,12 +128,18 @@ def other_value(field, kind):
     return default + 1 if kind is int else min(meta.get("max") or 1.0, default + 0.25)
 
 
+# other values that keep every knob's non-default value valid together (propagate=off, the first other choice,
+# would leave key_shift_scale no key to scale, which kvfuse refuses)
+TOGETHER = {"kvfuse": {"propagate": "before"}}
+
+
 def non_default_knobs() -> dict[str, dict]:
     out = {}
     for name in NAMES:
         cls = METHODS[name]
         types = knob_types(cls.Knobs)
         out[name] = {f.name: other_value(f, types[f.name]) for f in dataclasses.fields(cls.Knobs)}
+        out[name].update(TOGETHER.get(name, {}))
     return out
 
 
