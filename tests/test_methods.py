@@ -507,6 +507,33 @@ def test_kvfuse_key_shift_scale():
     assert logits_gap(get_method("kvfuse", 1.0, key_shift_scale=0.5).prefill(engine, prompt, source), full) <= TOL
 
 
+def test_kvfuse_key_shift_by_attention(monkeypatch):
+    """key_shift_by_attention: each kept row's key moves by (its attention / the budget's cut, at most 1) x the
+    default's key move (RoPE is linear), its value by the whole move; at ratio 1 it is full prefill."""
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    weights = kvfuse_file.attention_over_cut(torch.tensor([9.0, 4.0, 2.0, 1.0, 0.5]), torch.tensor([1, 2, 3, 4]), 2)
+    assert torch.allclose(weights, torch.tensor([1.0, 1.0, 1.0, 0.5, 0.25]))   # cut: the 2nd highest chunk row, 2
+    engine, prompt, source = tiny_case("llama")
+    seen = {}
+    pick = kvfuse_file.KvFuse.next_pass_rows
+    def logged(self, engine, state):
+        rows = pick(self, engine, state)
+        seen.update({k: state.scratch[k] for k in ("key_weight", "selected") if k in state.scratch})
+        return rows
+    monkeypatch.setattr(kvfuse_file.KvFuse, "next_pass_rows", logged)
+    weighted = get_method("kvfuse", 0.3, key_shift_by_attention=True).prefill(engine, prompt, source).cache.kv
+    weight = seen["key_weight"]                                                    # [n]
+    assert torch.all(weight[seen["selected"]] == 1) and 0 < weight[all_chunk_rows(prompt)].min() < 1
+    off = get_method("kvfuse", 0.3, propagate="off").prefill(engine, prompt, source).cache.kv
+    default = get_method("kvfuse", 0.3).prefill(engine, prompt, source).cache.kv   # [L, 2, KV, n, d]
+    assert torch.equal(weighted[:, 1], default[:, 1]) and not torch.allclose(weighted[:, 0], default[:, 0], atol=1e-5)
+    assert torch.allclose(weighted[:, 0] - off[:, 0], weight[None, None, :, None] * (default[:, 0] - off[:, 0]),
+                          atol=1e-5)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, key_shift_by_attention=True).prefill(engine, prompt, source),
+                      full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

@@ -74,8 +74,8 @@ each chunk's kept rows after every layer from propagate_from on. Knobs for the a
 score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
-shift_estimate, shift_parts, key_shift_scale, shift_guard (shift_guard_closed), shift_guard_ranked, shift_max_spread,
-budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
+shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
+shift_guard_ranked, shift_max_spread, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
 """
 from __future__ import annotations
 
@@ -134,6 +134,10 @@ class KvFuseKnobs:
                                        "move (values by the whole of theirs); the keys' move is what costs answer KL "
                                        "on MuSiQue while it gained RULER held out (results/kvfuse.md, step 15); 1: "
                                        "the whole move", min=0.0, max=2.0)
+    key_shift_by_attention: bool = knob(False, "each kept row's key move is also scaled by its attention over the "
+                                               "budget's cut (the scored layers' mean; at most 1): rows the question "
+                                               "nearly reads move whole, rows it ignores barely (the keys' move costs "
+                                               "MuSiQue KL and carries alias: results/kvfuse.md, step 16)")
     shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored (the "
                                "shift moved a needle's kept digits and cut its copy short at 4K; 8 mended that and "
                                "lost MuSiQue dev answers: results/kvfuse.md, step 13)", min=0)
@@ -188,9 +192,12 @@ class KvFuse(FusionMethod):
         if self.knobs.shift_max_spread < 1.0 and self.knobs.propagate == "off":   # no shift to hold back
             raise KnobError("shift_max_spread", str(self.knobs.shift_max_spread), "decides when the shift runs, and "
                             "propagate=off runs none; drop one of them")
-        if self.knobs.key_shift_scale != 1.0 and (self.knobs.propagate == "off" or self.knobs.shift_parts == "v"):
-            raise KnobError("key_shift_scale", str(self.knobs.key_shift_scale), "scales the keys' shift, and "
-                            "propagate=off or shift_parts=v moves no key; drop one of them")
+        for name in ("key_shift_scale", "key_shift_by_attention"):       # no key moves: nothing to scale
+            value = getattr(self.knobs, name)
+            if value != KvFuseKnobs.__dataclass_fields__[name].default and (self.knobs.propagate == "off"
+                                                                             or self.knobs.shift_parts == "v"):
+                raise KnobError(name, str(value).lower(), "scales the keys' shift, and propagate=off or "
+                                "shift_parts=v moves no key; drop one of them")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -256,6 +263,8 @@ class KvFuse(FusionMethod):
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
                           after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
+        if self.knobs.key_shift_by_attention:                               # [n] attention over the budget's cut
+            state.scratch["key_weight"] = attention_over_cut(scores, chunk_rows, budget)
         scores = scores[chunk_rows].clone()
         if self.knobs.span_after:                                           # a read row brings the rows after it
             scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
@@ -412,10 +421,22 @@ def shift_kept_rows(engine: FusionEngine, state: FusionState, layer: int, rows: 
     else:
         move_k, move_v = per_chunk_moves(engine, state, layer, rows, chunk_of_row, kept, chunk_of_kept,
                                          stored, delta_k, delta_v, knobs.shift_estimate)
+    if "key_weight" in state.scratch:                                                # [m] attention over the cut
+        move_k = move_k * state.scratch["key_weight"][kept].to(move_k.device)[None, :, None]
     if "k" in knobs.shift_parts:
         state.cache.kv[layer, 0][:, kept] += apply_rope(knobs.key_shift_scale * move_k, cos[kept], sin[kept])
     if "v" in knobs.shift_parts:
         state.cache.kv[layer, 1][:, kept] += move_v
+
+
+def attention_over_cut(scores: torch.Tensor, chunk_rows: torch.Tensor, budget: int) -> torch.Tensor:
+    """scores [n] (the question's attention per row) -> [n] each row's score over the budget-th highest chunk row's
+    (the attention at which the budget's ranking cuts), at most 1; 1 for every row if the budget takes all. On the CPU."""
+    chunk_scores = scores[chunk_rows].float().cpu()                                  # [c]
+    if budget == 0 or budget >= len(chunk_rows):
+        return torch.ones(len(scores))
+    cut = torch.topk(chunk_scores, budget).values[-1].clamp_min(1e-12)
+    return (scores.float().cpu() / cut).clamp(max=1.0)
 
 
 def kept_rows_by_chunk(state: FusionState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
