@@ -67,6 +67,8 @@ later questions, results/kvfuse/runs/):
 - the key move's size (step 16, key_shift_scale): half of it keeps MuSiQue 0-49's answers with full's answer KL 0.037
   against 0.053 (0.034 without the shift), ties RULER dev (0.600), and held out loses alias at RULER 2K (0.60 -> 0.35,
   all tasks 0.700 vs 0.750); 1.5 and 2 buy alias with boundary on RULER dev: a dial, not a gain. Not the default.
+  Scaling each kept row's key move by its attention over the budget's cut (key_shift_by_attention) is no shift on
+  both (RULER dev alias 0.4, MuSiQue KL 0.035): alias needs the keys of rows the question does not read. Not kept.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
