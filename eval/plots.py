@@ -13,7 +13,7 @@ REFERENCE_METHODS = ("full", "reuse")
 POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
 METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
 NO_GOLD = "no gold answers in these records"
-NO_FIDELITY = "no data: run with --compare-full (or include a full run) for fidelity"
+NO_FIDELITY = "no fidelity to full prefill: run with --compare-full (or include a full run)"
 
 
 def save_figure(fig, path: Path) -> None:
@@ -119,22 +119,25 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
     metric = rows.metric.iloc[0]
     show_variant = rows[~rows.method.isin(["full"])].variant.nunique() > 1
     colours = _palette([_label(r, show_variant) for _, r in rows.iterrows() if r.method not in REFERENCE_METHODS])
-    fig = Figure(figsize=(13, 4.8))
-    gold_ax, fidelity_ax = fig.subplots(1, 2)
-    for ax, column, low, high, ylabel, title in (
-            (gold_ax, metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), "answer quality vs gold"),
-            (fidelity_ax, "fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
-             "fidelity to full prefill")):
+    panels = [(metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), "answer quality vs gold",
+               NO_GOLD),
+              ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
+               "fidelity to full prefill", NO_FIDELITY)]
+    drawn = [panel for panel in panels if rows[panel[0]].notna().any()] or panels[:1]
+    left_out = [panel[-1] for panel in panels if panel not in drawn]   # said in the title, not drawn empty
+    fig = Figure(figsize=(6.5 * len(drawn), 4.8))
+    axes = np.atleast_1d(fig.subplots(1, len(drawn)))
+    for ax, (column, low, high, ylabel, title, empty) in zip(axes, drawn):
         if plot_panel(ax, rows, column, low, high, ylabel, colours, show_variant):
             top = axis_top(rows, column, high)
             ax.set_ylim(-0.02 * top, top)   # a score of 0 (reuse's line, often) drawn above the frame, not under it
             ax.set_title(title + gold_count(rows) if column == metric else title)
         else:
-            _annotate_empty(ax, NO_FIDELITY if column == "fidelity_f1" else NO_GOLD)
+            _annotate_empty(ax, empty)
     fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals; "
-                 "methods set side by side at each ratio)")
-    _legend_outside(fig, [gold_ax, fidelity_ax])
-    fig.tight_layout(rect=(0, 0, 0.85, 0.95))
+                 "methods set side by side at each ratio)" + "".join(f"\n{why}" for why in left_out))
+    _legend_outside(fig, list(axes))
+    fig.tight_layout(rect=(0, 0, 0.85, 0.95 - 0.04 * len(left_out)))
     save_figure(fig, path)
 
 
@@ -222,9 +225,12 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     if answers_measured(rows):   # records that measured full's answer: its KL, a third panel
         panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
                        "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
-    fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(panels)), 0.38 * len(rows) + 1.8))
-    axes = fig.subplots(1, len(panels), sharey=True)
-    for ax, (column, low, high, xlabel, empty) in zip(axes, panels):
+    drawn = [panel for panel in panels if rows[panel[0]].notna().any()] or panels[:1]
+    # a measure no row has is left out, not drawn as an empty frame; the title says why
+    left_out = [empty for (column, *_, empty) in panels if all(column != kept[0] for kept in drawn)]
+    fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), 0.38 * len(rows) + 1.8))
+    axes = np.atleast_1d(fig.subplots(1, len(drawn), sharey=True))
+    for ax, (column, low, high, xlabel, empty) in zip(axes, drawn):
         missing = rows[column].isna().to_numpy()   # no score: no bar, never a bar of 0
         values = rows[column].fillna(0)
         xerr = [(values - rows[low]).clip(lower=0).fillna(0), (rows[high] - values).clip(lower=0).fillna(0)]
@@ -243,6 +249,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     # the colour key names only the reference rows this figure has
     key = [f"{colour}: {name}" for method, colour, name in (("full", "black", "full prefill"), ("reuse", "grey", "reuse"))
            if method in set(rows.method)]
-    fig.suptitle(f"{title} ({'; '.join([count_questions(rows), 'bars: 95% bootstrap intervals', *key])})", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95), w_pad=3)   # room between the panels' end and start ticks
+    fig.suptitle(f"{title} ({'; '.join([count_questions(rows), 'bars: 95% bootstrap intervals', *key])})"
+                 + "".join(f"\n{why}" for why in dict.fromkeys(left_out)), fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95 - 0.03 * len(set(left_out))), w_pad=3)   # room between the panels
     save_figure(fig, path)

@@ -789,8 +789,8 @@ def test_a_ranking_draws_no_bar_where_a_row_has_no_score(tmp_path, monkeypatch):
                          "fidelity_f1": [1.0, 0.7, float("nan")], "fidelity_low": [1.0, 0.6, float("nan")],
                          "fidelity_high": [1.0, 0.8, float("nan")]})
     plots.plot_ranking(rows, "mine at recompute ratio 0.15", tmp_path / "ranking.png")
-    gold, fidelity = figures["ranking.png"].axes
-    assert [t.get_text() for t in gold.texts] == [plots.NO_GOLD]
+    [fidelity] = figures["ranking.png"].axes                      # no row has gold: no empty gold frame
+    assert figures["ranking.png"].texts[0].get_text().endswith("\n" + plots.NO_GOLD)   # the title says why
     assert [t.get_text() for t in fidelity.texts] == ["n/a"]
     assert [bar.get_width() for bar in fidelity.patches] == [0.7, 1.0, 0.0]   # ranked; the row with no score last
     assert fidelity.texts[0].get_position()[1] == 2                            # n/a on that row
@@ -1089,6 +1089,26 @@ def test_compare_summary_names_the_datasets_it_pools():
                           "fidelity_a": [1.0] * 20, "fidelity_b": [0.5] * 20})
     table.attrs["metric"] = "f1"
     assert comparison_summary(table).startswith("over 20 questions of musique (10) and nq (10) (20 answered differently)")
+
+
+def test_a_ranking_leaves_out_a_measure_no_row_has_and_says_why(tmp_path, monkeypatch):
+    """RULER rows run without --compare-full and without a full run drew a fidelity frame with nothing in it, its
+    note over the x label. A ranking now draws only the measures some row has; the title names what is missing
+    and how to get it. With no measure at all the gold frame stays, saying so."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.update({Path(path).name: fig}))
+    nan = float("nan")
+    rows = pd.DataFrame({"method": ["kvfuse", "kvfuse"], "label": ["", "key_shift_scale=0.5"], "variant": "fusion",
+                         "ratio": 0.15, "metric": "acc", "n": 80, "acc": [0.75, 0.7], "metric_low": [0.65, 0.6],
+                         "metric_high": [0.85, 0.8], "fidelity_f1": nan, "fidelity_low": nan, "fidelity_high": nan})
+    plots.plot_ranking(rows, "ruler at recompute ratio 0.15", tmp_path / "ranking.png")
+    [gold] = figures["ranking.png"].axes
+    assert [bar.get_width() for bar in gold.patches] == [0.7, 0.75] and gold.get_xlabel() == plots.METRIC_NAMES["acc"]
+    assert figures["ranking.png"].texts[0].get_text().endswith("\n" + plots.NO_FIDELITY)
+    plots.plot_ranking(rows.assign(acc=nan, metric_low=nan, metric_high=nan), "none", tmp_path / "ranking.png")
+    [gold] = figures["ranking.png"].axes
+    assert [t.get_text() for t in gold.texts] == [plots.NO_GOLD]
 
 
 def test_a_ranking_keeps_its_panels_wide_and_their_labels_apart_with_long_row_names(tmp_path, monkeypatch):
