@@ -77,7 +77,8 @@ score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
-shift_guard_ranked, shift_max_spread, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens), sinks included.
+shift_guard_ranked, shift_max_spread, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens),
+sinks included.
 """
 from __future__ import annotations
 
@@ -133,13 +134,13 @@ class KvFuseKnobs:
     shift_parts: str = knob("kv", "what the shift moves: kv (both), k only (where rows are attended) or v only "
                                   "(what they carry)", choices=("kv", "k", "v"))
     key_shift_scale: float = knob(1.0, "the keys' share of the move: kept rows' keys move by c x their chunk's key "
-                                       "move (values by the whole of theirs); the keys' move is what costs answer KL "
-                                       "on MuSiQue while it gained RULER held out (results/kvfuse.md, step 15); 1: "
-                                       "the whole move", min=0.0, max=2.0)
+                                       "move (values by the whole of theirs); 1: the whole move. 0.5 kept MuSiQue's "
+                                       "answers at a lower answer KL and lost alias held out; above 1 buys alias "
+                                       "with boundary (results/kvfuse.md, step 16)", min=0.0, max=2.0)
     key_shift_by_attention: bool = knob(False, "each kept row's key move is also scaled by its attention over the "
                                                "budget's cut (the scored layers' mean; at most 1): rows the question "
-                                               "nearly reads move whole, rows it ignores barely (the keys' move costs "
-                                               "MuSiQue KL and carries alias: results/kvfuse.md, step 16)")
+                                               "nearly reads move whole, rows it ignores barely (no shift's alias and KL "
+                                               "on both dev splits: results/kvfuse.md, step 16)")
     shift_guard: int = knob(0, "kept rows within N rows after a recomputed row of their chunk stay as stored (the "
                                "shift moved a needle's kept digits and cut its copy short at 4K; 8 mended that and "
                                "lost MuSiQue dev answers: results/kvfuse.md, step 13)", min=0)
