@@ -320,8 +320,9 @@ KVFUSE_SPREAD_RULER ?= kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SPREAD)
 kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SPREAD_RULER),spread)
 # step 16's dev choices (results/kvfuse.md): the keys' shift halved (key_shift_scale=0.5), alone and with the located
-# sinks, and the located sinks with the shift on K only, on the RULER suite's seeds 0-1 beside kvfuse-spread's rows of the default and the located sinks (the same
-# workspaces); MuSiQue 11-49 is in kvfuse-answer-kl's records (`make -j2 kvfuse-key-scale`)
+# sinks, and the located sinks with the shift on K only, on the RULER suite's seeds 0-1 beside kvfuse-spread's rows
+# of the default and the located sinks (the same workspaces); MuSiQue 11-49 is in kvfuse-answer-kl's records
+# (`make -j2 kvfuse-key-scale`)
 KVFUSE_KEY_SCALE ?= kvfuse:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:shift_parts=k
 kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
 	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
