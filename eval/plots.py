@@ -123,8 +123,7 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
                NO_GOLD),
               ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer",
                "fidelity to full prefill", NO_FIDELITY)]
-    drawn = [panel for panel in panels if rows[panel[0]].notna().any()] or panels[:1]
-    left_out = [panel[-1] for panel in panels if panel not in drawn]   # said in the title, not drawn empty
+    drawn, notes = measured_panels(rows, panels)
     fig = Figure(figsize=(6.5 * len(drawn), 4.8))
     axes = np.atleast_1d(fig.subplots(1, len(drawn)))
     for ax, (column, low, high, ylabel, title, empty) in zip(axes, drawn):
@@ -135,10 +134,19 @@ def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
         else:
             _annotate_empty(ax, empty)
     fig.suptitle(f"{dataset}: quality vs recompute ratio ({count_questions(rows)}; bars: 95% bootstrap intervals; "
-                 "methods set side by side at each ratio)" + "".join(f"\n{why}" for why in left_out))
+                 "methods set side by side at each ratio)" + notes)
     _legend_outside(fig, list(axes))
-    fig.tight_layout(rect=(0, 0, 0.85, 0.95 - 0.04 * len(left_out)))
+    fig.tight_layout(rect=(0, 0, 0.85, 0.95 - 0.04 * notes.count("\n")))
     save_figure(fig, path)
+
+
+def measured_panels(rows: pd.DataFrame, panels: list[tuple]) -> tuple[list[tuple], str]:
+    """panels (column first, why-it-is-empty last) -> those some row has a value in (the first alone if none has:
+    it says why), and a title's extra lines naming each measure left out and how to get it. A measure no row has
+    is not drawn as an empty frame."""
+    drawn = [panel for panel in panels if rows[panel[0]].notna().any()] or panels[:1]
+    missing = dict.fromkeys(panel[-1] for panel in panels if panel not in drawn)   # once each
+    return drawn, "".join(f"\n{why}" for why in missing)
 
 
 def count_questions(rows) -> str:
@@ -225,9 +233,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     if answers_measured(rows):   # records that measured full's answer: its KL, a third panel
         panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
                        "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
-    drawn = [panel for panel in panels if rows[panel[0]].notna().any()] or panels[:1]
-    # a measure no row has is left out, not drawn as an empty frame; the title says why
-    left_out = [empty for (column, *_, empty) in panels if all(column != kept[0] for kept in drawn)]
+    drawn, notes = measured_panels(rows, panels)
     fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), 0.38 * len(rows) + 1.8))
     axes = np.atleast_1d(fig.subplots(1, len(drawn), sharey=True))
     for ax, (column, low, high, xlabel, empty) in zip(axes, drawn):
@@ -250,6 +256,6 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     key = [f"{colour}: {name}" for method, colour, name in (("full", "black", "full prefill"), ("reuse", "grey", "reuse"))
            if method in set(rows.method)]
     fig.suptitle(f"{title} ({'; '.join([count_questions(rows), 'bars: 95% bootstrap intervals', *key])})"
-                 + "".join(f"\n{why}" for why in dict.fromkeys(left_out)), fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95 - 0.03 * len(set(left_out))), w_pad=3)   # room between the panels
+                 + notes, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95 - 0.03 * notes.count("\n")), w_pad=3)   # room between the panels
     save_figure(fig, path)
