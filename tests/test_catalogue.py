@@ -253,6 +253,10 @@ CASES = {
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:shift_parts=v:key_shift_scale=0.5", "-n", "1",
                       "-o", t / "o.jsonl"],
         ["--method kvfuse:shift_parts=v:key_shift_scale=0.5: key_shift_scale: scales the keys' shift, and propagate=off or shift_parts=v moves no key"]),
+    "run -m kvfuse:hop_weight without hop_rows": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_weight=0.8", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:hop_weight=0.8: hop_weight: weighs the second hop's attention, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
     "run -m kvfuse:key_shift_by_attention with propagate=off": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:propagate=off:key_shift_by_attention=true", "-n",
                       "1", "-o", t / "o.jsonl"],

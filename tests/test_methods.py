@@ -534,6 +534,38 @@ def test_kvfuse_key_shift_by_attention(monkeypatch):
                       full) <= TOL
 
 
+def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypatch):
+    """hop_rows: the question's top chunk rows, computed alone over the stored cache, record their attention. With
+    one chunk stored after S (its stored KV is full prefill's) that is full prefill's attention of those rows. The
+    hop's pass leaves no trace: at hop_weight 0 kvfuse is the default bit for bit, also where the stored rows are
+    copied before pass 2 overwrites them (as on an accelerator). At ratio 1 it is full prefill."""
+    import kvf.pipeline.fusion.engine as fusion_engine
+    import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
+    engine, prompt, source = tiny_case("llama")
+    seen = {}
+    end = kvfuse_file.KvFuse.end_hop
+    def logged(self, state):
+        seen["rows"] = state.scratch["hop_stored"][0]
+        seen["attention"] = end(self, state)
+        return seen["attention"]
+    monkeypatch.setattr(kvfuse_file.KvFuse, "end_hop", logged)
+    one = FusedPrompt(prompt.prefix_ids, prompt.chunk_segments[1:2], prompt.question_ids)
+    get_method("kvfuse", 0.3, hop_rows=3, hop_weight=1.0).prefill(engine, one, prefix_kvs_with_summaries(engine, one))
+    per_layer = []                                                                 # [n, n] each
+    engine.model.prefill(one.all_ids(), engine.model.new_cache(one.n_tokens), attention_out=per_layer)
+    expected = torch.stack([attention[seen["rows"]].mean(dim=0) for attention in per_layer]).mean(dim=0)   # [n]
+    assert len(seen["rows"]) == 3 and torch.allclose(seen["attention"], expected, atol=1e-5)
+    for copied in (False, True):
+        monkeypatch.setattr(fusion_engine, "COPY_STORED_ROWS_ON_CPU", copied)
+        hop = get_method("kvfuse", 0.3, hop_rows=4, hop_weight=0.0).prefill(engine, prompt, source)
+        default = get_method("kvfuse", 0.3).prefill(engine, prompt, source)
+        assert torch.equal(hop.logits, default.logits) and torch.equal(hop.cache.kv, default.cache.kv), copied
+        assert hop.recomputed_tokens == default.recomputed_tokens
+        assert hop.recomputed_token_layers == default.recomputed_token_layers + 4 * engine.model.n_layers
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, hop_rows=4).prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

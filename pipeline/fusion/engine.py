@@ -99,6 +99,7 @@ class FusionState:
     token_layers: int = 0                  # sum over layers of active chunk rows (real compute spent)
     select_seconds: float = 0.0
     query_attention: list = field(default_factory=list)  # per recorded layer [n] (methods that ask for it)
+    recorded_rows: slice | None = None    # the active rows whose mean attention step records (None: Q's rows)
 
     @property
     def n(self) -> int:
@@ -452,17 +453,20 @@ class FusionEngine:
         """Run one layer for the active rows over the (loaded + recomputed) cache.
 
         record_query_attention appends to state.query_attention the mean attention of Q's tokens to
-        every cache row at this layer, [n]: only Q's rows of attention are formed, [H, |Q|, n].
+        every cache row at this layer, [n]: only Q's rows of attention are formed, [H, |Q|, n]. A method
+        may name other active rows to record instead (state.recorded_rows).
         """
         self.load_layer(state, layer)
         if state.mask is None:
             state.mask = self.model.causal_mask(state.rows, state.n, state.key_keep)
         if state.active is None:
             state.active = self.model.active_rows(state.rows, state.positions[state.rows])
-        question = slice(len(state.rows) - len(state.prompt.question_ids), None)  # Q's rows are the last active rows
+        recorded = state.recorded_rows                                            # Q's rows: the last active rows
+        if recorded is None:
+            recorded = slice(len(state.rows) - len(state.prompt.question_ids), None)
         attention = [] if record_query_attention else None
         state.hidden = self.model.layer_step(layer, state.hidden, state.active, state.cache, state.mask,
-                                             attention_out=attention, attention_rows=question,
+                                             attention_out=attention, attention_rows=recorded,
                                              calibration=state.calibration)
         n_chunk_active = int(state.chunk_row_mask()[state.rows].sum())
         state.token_layers += n_chunk_active

@@ -169,6 +169,13 @@ class KvFuseKnobs:
                                        "on both dev splits: results/kvfuse.md, step 11); 1: none", min=0.05, max=10.0)
     ape_scale: float = knob(1.0, "APE's scaling factor of the chunks' total attention weight, for the question and "
                                  "decoding only; 1: none", min=0.0, max=10.0)
+    hop_rows: int = knob(0, "a second hop: the question's top N chunk rows are first computed alone over the stored "
+                            "cache (a pass of their own, which leaves the cache as it found it), and the rows they "
+                            "attend to join the ranking (a chain the question reads one link of: the link names the "
+                            "next); 0: none", min=0)
+    hop_weight: float = knob(0.5, "with hop_rows: the hop's share of the row ranking, rows ranked by (1 - w) x the "
+                                  "question's attention + w x the top rows' (the scored layers' mean of each)",
+                             min=0.0, max=1.0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -201,6 +208,9 @@ class KvFuse(FusionMethod):
                                                                              or self.knobs.shift_parts == "v"):
                 raise KnobError(name, str(value).lower(), "scales the keys' shift, and propagate=off or "
                                 "shift_parts=v moves no key; drop one of them")
+        if self.knobs.hop_weight != 0.5 and not self.knobs.hop_rows:     # a share of a hop that never runs
+            raise KnobError("hop_weight", str(self.knobs.hop_weight), "weighs the second hop's attention, and "
+                            "hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -220,11 +230,16 @@ class KvFuse(FusionMethod):
                                self.knobs.ape_scale, queries_from=prompt.n_tokens - len(prompt.question_ids))
 
     @property
-    def passes(self) -> int:     # Q attention, recompute, and with requery Q alone over the shifted rows
-        return 3 if self.knobs.requery else 2
+    def passes(self) -> int:     # Q attention, (the hop,) recompute, and with requery Q alone over the shifted rows
+        return 2 + int(bool(self.knobs.hop_rows)) + int(self.knobs.requery)
+
+    @property
+    def recompute_pass(self) -> int:
+        """The pass that recomputes the budget's rows: after the question's pass, and after the hop's if any."""
+        return 2 if self.knobs.hop_rows else 1
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
-        return state.pass_index == 0 and layer in self.recorded_layers(state.cache.kv.shape[0])
+        return state.pass_index < self.recompute_pass and layer in self.recorded_layers(state.cache.kv.shape[0])
 
     @property
     def reads_band(self) -> bool:
@@ -246,11 +261,14 @@ class KvFuse(FusionMethod):
                 "late": list(range(n_layers // 2, n_layers))}[self.knobs.score_layers]
 
     def next_pass_rows(self, engine: FusionEngine, state: FusionState) -> torch.Tensor:
-        if state.pass_index == 1:                 # requery: the shift now (if `after`), then Q's rows alone again
+        if state.pass_index == self.recompute_pass:   # requery: the shift now (if `after`), then Q's rows alone again
             stored = state.scratch.pop("stored", None)
             if stored:
                 self.shift_after_layers(engine, state, stored)
             return torch.empty(0, dtype=torch.long)
+        if self.knobs.hop_rows and state.pass_index == 0:                   # the hop's pass first
+            return self.start_hop(state)
+        hop = self.end_hop(state) if self.knobs.hop_rows else None          # [n] the top rows' attention
         prompt = state.prompt
         state.calibration = self.calibration(prompt)                      # pass 2 and decoding (None: plain)
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
@@ -263,6 +281,8 @@ class KvFuse(FusionMethod):
                    if self.reads_band else None)                            # [n] the band's attention
         if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
             scores = (1 - self.knobs.band_weight) * scores + self.knobs.band_weight * located
+        if hop is not None:                                                 # what the question's top rows read
+            scores = (1 - self.knobs.hop_weight) * scores + self.knobs.hop_weight * hop
         sinks = sink_rows(prompt, self.knobs.sink_tokens, budget,          # [s] first tokens of every chunk,
                           after_top=self.knobs.sinks_after_top, scores=located)   # or of those after the most read
         chunk_rows = all_chunk_rows(prompt)
@@ -292,6 +312,33 @@ class KvFuse(FusionMethod):
         state.scratch["selected"] = selected
         return selected
 
+    # ---- the second hop: the rows the question's top rows attend to ----
+    def start_hop(self, state: FusionState) -> torch.Tensor:
+        """The question's top hop_rows chunk rows, to compute alone over the stored cache, their attention recorded.
+        Their stored K/V is kept and put back after (end_hop), so the pass leaves no trace in the cache: pass 2 and
+        the shift see the stored rows, as without the hop."""
+        n_layers = state.cache.kv.shape[0]
+        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
+        scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
+        chunk_rows = all_chunk_rows(state.prompt)
+        hop = top_rows(scores[chunk_rows], chunk_rows, min(self.knobs.hop_rows, len(chunk_rows)))    # [h] sorted
+        state.scratch["question_attention"] = state.query_attention
+        state.scratch["hop_stored"] = (hop, state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone())
+        state.recorded_rows = slice(0, len(hop))       # chunk rows come before Q's among the active rows
+        return hop
+
+    def end_hop(self, state: FusionState) -> torch.Tensor:
+        """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
+        and the question's attention where the ranking reads it."""
+        n_layers = state.cache.kv.shape[0]
+        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
+        hop_attention = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)
+        hop, stored = state.scratch.pop("hop_stored")                                # [h], [L, 2, KV, h, d]
+        state.cache.kv[:, :, :, hop.to(state.cache.kv.device)] = stored
+        state.query_attention = state.scratch.pop("question_attention")
+        state.recorded_rows = None
+        return hop_attention
+
     def rows_at(self, state: FusionState, layer: int) -> torch.Tensor:
         """budget_slope > 0: the chunk rows recomputed at this layer, sorted (the top of the ranking)."""
         return torch.sort(state.scratch["ranked"][:state.scratch["layer_counts"][layer]]).values
@@ -299,7 +346,7 @@ class KvFuse(FusionMethod):
     # ---- propagation: the rows kept from the store move with their chunk's recomputed rows ----
     def propagates(self, state: FusionState, layer: int) -> bool:
         n_layers = state.cache.kv.shape[0]
-        return (state.pass_index == 1 and self.knobs.propagate != "off"
+        return (state.pass_index == self.recompute_pass and self.knobs.propagate != "off"
                 and layer >= round(self.knobs.propagate_from * n_layers)
                 and (self.knobs.shift_max_spread == 1.0 or state.scratch["spread"] <= self.knobs.shift_max_spread))
 
@@ -307,7 +354,7 @@ class KvFuse(FusionMethod):
         """budget_slope > 0: this layer recomputes fewer rows than the one before; the rows it drops keep their
         stored KV from here on (no later layer could compute them: their hidden state ends here)."""
         counts = state.scratch.get("layer_counts")
-        if state.pass_index == 1 and counts and layer > 0 and counts[layer] < counts[layer - 1]:
+        if state.pass_index == self.recompute_pass and counts and layer > 0 and counts[layer] < counts[layer - 1]:
             engine.keep_rows(state, self.rows_at(state, layer))
 
     def before_layer(self, engine: FusionEngine, state: FusionState, layer: int) -> None:
