@@ -256,7 +256,7 @@ CASES = {
     "run -m kvfuse:hop_weight without hop_rows": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_weight=0.8", "-n", "1",
                       "-o", t / "o.jsonl"],
-        ["--method kvfuse:hop_weight=0.8: hop_weight: weighs the second hop's attention, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
+        ["--method kvfuse:hop_weight=0.8: hop_weight: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
     "run -m kvfuse:key_shift_by_attention with propagate=off": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:propagate=off:key_shift_by_attention=true", "-n",
                       "1", "-o", t / "o.jsonl"],
@@ -268,7 +268,7 @@ CASES = {
     "run -m kvfuse:locate_from without sinks_after_top": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:sink_tokens=8:locate_from=0.6", "-n", "1",
                       "-o", t / "o.jsonl"],
-        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: a band of layers for sinks_after_top, score_layers=band or band_weight, and none is given"]),
+        ["--method kvfuse:sink_tokens=8:locate_from=0.6: locate_from: a band of layers for sinks_after_top, score_layers=band, band_weight or hop_seeds=band, and none is given"]),
     "run --locate-to below --locate-from": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--sink-tokens", "8", "--sinks-after-top", "1",
                       "--locate-from", "0.6", "--locate-to", "0.5", "-n", "1", "-o", t / "o.jsonl"],

@@ -555,11 +555,12 @@ def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypat
     engine.model.prefill(one.all_ids(), engine.model.new_cache(one.n_tokens), attention_out=per_layer)
     expected = torch.stack([attention[seen["rows"]].mean(dim=0) for attention in per_layer]).mean(dim=0)   # [n]
     assert len(seen["rows"]) == 3 and torch.allclose(seen["attention"], expected, atol=1e-5)
-    for copied in (False, True):
+    band = {"hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}        # seeds ranked by the band's layers
+    for copied, seeds in ((False, {}), (True, {}), (False, band)):
         monkeypatch.setattr(fusion_engine, "COPY_STORED_ROWS_ON_CPU", copied)
-        hop = get_method("kvfuse", 0.3, hop_rows=4, hop_weight=0.0).prefill(engine, prompt, source)
+        hop = get_method("kvfuse", 0.3, hop_rows=4, hop_weight=0.0, **seeds).prefill(engine, prompt, source)
         default = get_method("kvfuse", 0.3).prefill(engine, prompt, source)
-        assert torch.equal(hop.logits, default.logits) and torch.equal(hop.cache.kv, default.cache.kv), copied
+        assert torch.equal(hop.logits, default.logits) and torch.equal(hop.cache.kv, default.cache.kv), (copied, seeds)
         assert hop.recomputed_tokens == default.recomputed_tokens
         assert hop.recomputed_token_layers == default.recomputed_token_layers + 4 * engine.model.n_layers
     full = get_method("full").prefill(engine, prompt)
@@ -1145,7 +1146,7 @@ def test_kvfuse_sinks_after_top_without_sinks_is_refused_in_one_line():
     with pytest.raises(KvfError, match=r"^--sinks-after-top 2: places the sinks that sink_tokens asks for; give sink_tokens"):
         get_method("kvfuse", 0.15, sinks_after_top=2)
     assert get_method("kvfuse", 0.15, sinks_after_top=2, sink_tokens=8).knobs.sinks_after_top == 2
-    with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top, score_layers=band or band_weight, and none is given; add"):
+    with pytest.raises(KvfError, match=r"^--locate-from 0.6: a band of layers for sinks_after_top, score_layers=band, band_weight or hop_seeds=band, and none is given; add"):
         get_method("kvfuse", 0.15, sink_tokens=8, locate_from=0.6)
     with pytest.raises(KvfError, match=r"^--locate-to 0.5: must be above locate_from \(0.6\)"):
         get_method("kvfuse", 0.15, sink_tokens=8, sinks_after_top=1, locate_from=0.6, locate_to=0.5)

@@ -173,6 +173,9 @@ class KvFuseKnobs:
                             "cache (a pass of their own, which leaves the cache as it found it), and the rows they "
                             "attend to join the ranking (a chain the question reads one link of: the link names the "
                             "next); 0: none", min=0)
+    hop_seeds: str = knob("scores", "with hop_rows: what ranks the hop's rows, the question's attention that ranks the "
+                                    "budget (scores) or the locate band's (band: locate_from to locate_to; its top rows "
+                                    "lie in RULER's fact chunks far more often)", choices=("scores", "band"))
     hop_weight: float = knob(0.5, "with hop_rows: the hop's share of the row ranking, rows ranked by (1 - w) x the "
                                   "question's attention + w x the top rows' (the scored layers' mean of each)",
                              min=0.0, max=1.0)
@@ -208,16 +211,18 @@ class KvFuse(FusionMethod):
                                                                              or self.knobs.shift_parts == "v"):
                 raise KnobError(name, str(value).lower(), "scales the keys' shift, and propagate=off or "
                                 "shift_parts=v moves no key; drop one of them")
-        if self.knobs.hop_weight != 0.5 and not self.knobs.hop_rows:     # a share of a hop that never runs
-            raise KnobError("hop_weight", str(self.knobs.hop_weight), "weighs the second hop's attention, and "
-                            "hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too")
+        for name in ("hop_weight", "hop_seeds"):                           # a part of a hop that never runs
+            value = getattr(self.knobs, name)
+            if value != KvFuseKnobs.__dataclass_fields__[name].default and not self.knobs.hop_rows:
+                raise KnobError(name, str(value), "shapes the second hop, and hop_rows is 0; give hop_rows "
+                                "(--hop-rows) a count above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
             raise KnobError(name, str(getattr(self.knobs, name)),
-                            "a band of layers for sinks_after_top, score_layers=band or band_weight, and none is "
-                            "given; add sinks_after_top (--sinks-after-top) with sink_tokens (--sink-tokens), "
-                            "score_layers=band or band_weight")
+                            "a band of layers for sinks_after_top, score_layers=band, band_weight or hop_seeds=band, "
+                            "and none is given; add sinks_after_top (--sinks-after-top) with sink_tokens "
+                            "(--sink-tokens), score_layers=band, band_weight or hop_seeds=band with hop_rows")
         if band[0] >= band[1]:
             raise KnobError("locate_to", str(band[1]), f"must be above locate_from ({band[0]})")
 
@@ -244,7 +249,8 @@ class KvFuse(FusionMethod):
     @property
     def reads_band(self) -> bool:
         """Whether pass 2 reads the band's mean attention beside the scored layers' (to place sinks or to mix in)."""
-        return bool(self.knobs.sinks_after_top or self.knobs.band_weight)
+        return bool(self.knobs.sinks_after_top or self.knobs.band_weight
+                    or (self.knobs.hop_rows and self.knobs.hop_seeds == "band"))
 
     def recorded_layers(self, n_layers: int) -> list[int]:
         """The layers pass 1 records Q's attention at: those that rank rows, and those that locate sinks."""
@@ -319,7 +325,8 @@ class KvFuse(FusionMethod):
         the shift see the stored rows, as without the hop."""
         n_layers = state.cache.kv.shape[0]
         recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
-        scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
+        seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
+        scores = torch.stack([recorded[layer] for layer in seeding]).mean(dim=0)      # [n]
         chunk_rows = all_chunk_rows(state.prompt)
         hop = top_rows(scores[chunk_rows], chunk_rows, min(self.knobs.hop_rows, len(chunk_rows)))    # [h] sorted
         state.scratch["question_attention"] = state.query_attention
