@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -324,6 +324,19 @@ kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
 # of the default and the located sinks (the same workspaces); MuSiQue 11-49 is in kvfuse-answer-kl's records
 # (`make -j2 kvfuse-key-scale`)
 KVFUSE_KEY_SCALE ?= kvfuse:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:shift_parts=k
+# step 17's dev choices (results/kvfuse.md): a second hop, the rows that the locate band's top 16 rows attend to, ranking
+# the budget alone with the located sinks, and half of it without them; held out on MuSiQue 11-49 and the RULER suite's
+# seeds 0-1 beside kvfuse-spread's rows of the default and the located sinks (`make -j2 kvfuse-hop`)
+KVFUSE_HOP ?= $(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band:hop_weight=1,kvfuse:locate_from=0.6:locate_to=0.85:hop_rows=16:hop_seeds=band
+kvfuse-hop: kvfuse-hop-musique $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-hop-ruler-2048-$(seed))
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/located-musique.jsonl $(KVFUSE_RUNS)/hop-musique.jsonl --out $(KVFUSE_OUT)/hop-musique
+	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
+	  $(KVFUSE_RUNS)/hop-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/hop-ruler
+kvfuse-hop-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_HOP) -o $(KVFUSE_RUNS)/hop-musique.jsonl
+kvfuse-hop-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_HOP),hop)
 kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
 	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
 	  $(KVFUSE_RUNS)/key-scale-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/key-scale-ruler
