@@ -325,14 +325,14 @@ kvfuse-spread-ruler-%: | setup   # % = LENGTH-SEED
 # (`make -j2 kvfuse-key-scale`)
 KVFUSE_KEY_SCALE ?= kvfuse:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:shift_parts=k
 # step 17's dev choices (results/kvfuse.md): a second hop, the rows that the locate band's top 16 rows attend to, ranking
-# the budget alone with the located sinks, and half of it without them; held out on MuSiQue 11-49 and the RULER suite's
-# seeds 0-1 beside kvfuse-spread's rows of the default and the located sinks (`make -j2 kvfuse-hop`)
+# the budget alone with the located sinks, and half of it without them; held out as step 10's located sinks were
+# (MuSiQue 11-49, the RULER suite at 2K and 4K), their tables beside those rows (`make -j2 kvfuse-hop`)
 KVFUSE_HOP ?= $(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band:hop_weight=1,kvfuse:locate_from=0.6:locate_to=0.85:hop_rows=16:hop_seeds=band
-kvfuse-hop: kvfuse-hop-musique $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-hop-ruler-2048-$(seed))
-	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  $(KVFUSE_RUNS)/located-musique.jsonl $(KVFUSE_RUNS)/hop-musique.jsonl --out $(KVFUSE_OUT)/hop-musique
-	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
-	  $(KVFUSE_RUNS)/hop-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/hop-ruler
+hop_runs = $(call located_runs,$(1),$(2)) $(KVFUSE_RUNS)/hop-ruler-$(1)-s$(2).jsonl
+kvfuse-hop: kvfuse-hop-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-hop-ruler-2048-$(seed)) \
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-hop-ruler-4096-$(seed))
+	$(call heldout_tables,hop,$(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl \
+	  $(KVFUSE_RUNS)/hop-musique.jsonl,hop_runs)
 kvfuse-hop-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_HOP) -o $(KVFUSE_RUNS)/hop-musique.jsonl
 kvfuse-hop-ruler-%: | setup   # % = LENGTH-SEED
