@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -327,7 +327,8 @@ KVFUSE_KEY_SCALE ?= kvfuse:key_shift_scale=0.5,kvfuse:sink_tokens=8:sinks_after_
 # step 17's dev choices (results/kvfuse.md): a second hop, the rows that the locate band's top 16 rows attend to, ranking
 # the budget alone with the located sinks, and half of it without them; held out as step 10's located sinks were
 # (MuSiQue 11-49, the RULER suite at 2K and 4K), their tables beside those rows (`make -j2 kvfuse-hop`)
-KVFUSE_HOP ?= $(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band:hop_weight=1,kvfuse:locate_from=0.6:locate_to=0.85:hop_rows=16:hop_seeds=band
+KVFUSE_HOP_KEPT ?= $(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band:hop_weight=1
+KVFUSE_HOP ?= $(KVFUSE_HOP_KEPT),kvfuse:locate_from=0.6:locate_to=0.85:hop_rows=16:hop_seeds=band
 hop_runs = $(call located_runs,$(1),$(2)) $(KVFUSE_RUNS)/hop-ruler-$(1)-s$(2).jsonl
 kvfuse-hop: kvfuse-hop-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-hop-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-hop-ruler-4096-$(seed))
@@ -449,6 +450,11 @@ kvfuse-bench: setup
 kvfuse-located-bench: setup
 	$(KVF) bench -m full,prophetkv,kvfuse,$(KVFUSE_LOCATED_SINKS) -r 0.15 --lengths 2048,4096 \
 	  --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline --no-auto-ratio --out $(KVFUSE_OUT)/bench-located
+# step 17's held-out choice (the located sinks with the band-seeded hop) against prophetkv, as kvfuse-located-bench
+# times the located sinks: what the hop's own pass costs before the first token (results/kvfuse.md, step 17)
+kvfuse-hop-bench: setup
+	$(KVF) bench -m full,prophetkv,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT) -r 0.15 --lengths 2048,4096 \
+	  --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline --no-auto-ratio --out $(KVFUSE_OUT)/bench-hop
 # how much recomputation the leading methods need to keep 0.95 of full prefill's answers (results/kvfuse.md,
 # "How far 0.95 is"): 2WikiMQA questions the methods sweep (0-49) never ran, at ratios up to 0.7, and the
 # last MuSiQue questions, which no run before it used (0-49 methods sweep and dev, 100-134 held-out A and B)
