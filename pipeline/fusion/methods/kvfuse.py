@@ -252,6 +252,11 @@ class KvFuse(FusionMethod):
         return bool(self.knobs.sinks_after_top or self.knobs.band_weight
                     or (self.knobs.hop_rows and self.knobs.hop_seeds == "band"))
 
+    def recorded_mean(self, state: FusionState, layers: list[int]) -> torch.Tensor:
+        """[n] the mean over `layers` of the attention this pass recorded (at recorded_layers, in order)."""
+        recorded = dict(zip(self.recorded_layers(state.cache.kv.shape[0]), state.query_attention))   # layer -> [n]
+        return torch.stack([recorded[layer] for layer in layers]).mean(dim=0)
+
     def recorded_layers(self, n_layers: int) -> list[int]:
         """The layers pass 1 records Q's attention at: those that rank rows, and those that locate sinks."""
         locating = self.locate_layers(n_layers) if self.reads_band else []
@@ -279,11 +284,10 @@ class KvFuse(FusionMethod):
         state.calibration = self.calibration(prompt)                      # pass 2 and decoding (None: plain)
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
         n_layers = state.cache.kv.shape[0]
-        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
-        scores = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)   # [n]
+        scores = self.recorded_mean(state, self.scored_layers(n_layers))     # [n]
         if self.knobs.shift_max_spread < 1.0:                               # how evenly Q reads the chunks
             state.scratch["spread"] = chunk_spread(chunk_attention(scores, prompt))   # (a device sync: only if asked)
-        located = (torch.stack([recorded[layer] for layer in self.locate_layers(n_layers)]).mean(dim=0)
+        located = (self.recorded_mean(state, self.locate_layers(n_layers))
                    if self.reads_band else None)                            # [n] the band's attention
         if self.knobs.band_weight:                                          # the band's pull mixed into the ranking
             scores = (1 - self.knobs.band_weight) * scores + self.knobs.band_weight * located
@@ -324,9 +328,8 @@ class KvFuse(FusionMethod):
         Their stored K/V is kept and put back after (end_hop), so the pass leaves no trace in the cache: pass 2 and
         the shift see the stored rows, as without the hop."""
         n_layers = state.cache.kv.shape[0]
-        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
         seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
-        scores = torch.stack([recorded[layer] for layer in seeding]).mean(dim=0)      # [n]
+        scores = self.recorded_mean(state, seeding)                                    # [n]
         chunk_rows = all_chunk_rows(state.prompt)
         hop = top_rows(scores[chunk_rows], chunk_rows, min(self.knobs.hop_rows, len(chunk_rows)))    # [h] sorted
         state.scratch["question_attention"] = state.query_attention
@@ -337,9 +340,7 @@ class KvFuse(FusionMethod):
     def end_hop(self, state: FusionState) -> torch.Tensor:
         """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
         and the question's attention where the ranking reads it."""
-        n_layers = state.cache.kv.shape[0]
-        recorded = dict(zip(self.recorded_layers(n_layers), state.query_attention))   # layer -> [n]
-        hop_attention = torch.stack([recorded[layer] for layer in self.scored_layers(n_layers)]).mean(dim=0)
+        hop_attention = self.recorded_mean(state, self.scored_layers(state.cache.kv.shape[0]))   # [n]
         hop, stored = state.scratch.pop("hop_stored")                                # [h], [L, 2, KV, h, d]
         state.cache.kv[:, :, :, hop.to(state.cache.kv.device)] = stored
         state.query_attention = state.scratch.pop("question_attention")
