@@ -69,6 +69,12 @@ later questions, results/kvfuse/runs/):
   all tasks 0.700 vs 0.750); 1.5 and 2 buy alias with boundary on RULER dev: a dial, not a gain. Not the default.
   Scaling each kept row's key move by its attention over the budget's cut (key_shift_by_attention) is no shift on
   both (RULER dev alias 0.4, MuSiQue KL 0.035): alias needs the keys of rows the question does not read. Not kept.
+- a second hop (step 17, hop_rows): the question's top 16 rows computed alone over the stored cache, their attention
+  ranking the budget. Seeded by the layer average it changed nothing on RULER dev; seeded by the locate band
+  (hop_seeds=band) and ranking alone (hop_weight=1) with the located sinks it held out at RULER 2K 0.825 vs full's
+  0.915 (the located sinks 0.775; boundary, niah_single and niah_multikey within 0.05 of full, alias not) and kept
+  MuSiQue 11-49 (0.852 vs 0.855), but lost at 4K (0.500 vs 0.588) and its pass costs TTFT (1.28x ProphetKV's at 2K,
+  1.11x at 4K). Not kept.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -77,8 +83,9 @@ score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
-shift_guard_ranked, shift_max_spread, budget_slope and select_unit. Budget: exactly round(ratio x chunk tokens),
-sinks included.
+shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight). Budget:
+exactly round(ratio x chunk tokens), sinks included; the hop's rows are a pass of their own, outside it (they count
+in recomputed_token_layers).
 """
 from __future__ import annotations
 
@@ -172,7 +179,8 @@ class KvFuseKnobs:
     hop_rows: int = knob(0, "a second hop: the question's top N chunk rows are first computed alone over the stored "
                             "cache (a pass of their own, which leaves the cache as it found it), and the rows they "
                             "attend to join the ranking (a chain the question reads one link of: the link names the "
-                            "next); 0: none", min=0)
+                            "next); 0: none. 16 seeded by the band gained at RULER 2K and lost at 4K, and its pass "
+                            "costs TTFT (results/kvfuse.md, step 17)", min=0)
     hop_seeds: str = knob("scores", "with hop_rows: what ranks the hop's rows, the question's attention that ranks the "
                                     "budget (scores) or the locate band's (band: locate_from to locate_to; its top rows "
                                     "lie in RULER's fact chunks far more often)", choices=("scores", "band"))
