@@ -182,8 +182,8 @@ class KvFuseKnobs:
                             "next); 0: none. 16 seeded by the band gained at RULER 2K and lost at 4K, and its pass "
                             "costs TTFT (results/kvfuse.md, step 17)", min=0)
     hop_seeds: str = knob("scores", "with hop_rows: what ranks the hop's rows, the question's attention that ranks the "
-                                    "budget (scores) or the locate band's (band: locate_from to locate_to; its top rows "
-                                    "lie in RULER's fact chunks far more often)", choices=("scores", "band"))
+                                    "budget (scores) or the locate band's (band: locate_from to locate_to, the layers that "
+                                    "find a fact's chunk: results/kvfuse.md, step 10)", choices=("scores", "band"))
     hop_weight: float = knob(0.5, "with hop_rows: the hop's share of the row ranking, rows ranked by (1 - w) x the "
                                   "question's attention + w x the top rows' (the scored layers' mean of each)",
                              min=0.0, max=1.0)
