@@ -213,17 +213,14 @@ class KvFuse(FusionMethod):
         if self.knobs.shift_max_spread < 1.0 and self.knobs.propagate == "off":   # no shift to hold back
             raise KnobError("shift_max_spread", str(self.knobs.shift_max_spread), "decides when the shift runs, and "
                             "propagate=off runs none; drop one of them")
-        for name in ("key_shift_scale", "key_shift_by_attention"):       # no key moves: nothing to scale
-            value = getattr(self.knobs, name)
-            if value != KvFuseKnobs.__dataclass_fields__[name].default and (self.knobs.propagate == "off"
-                                                                             or self.knobs.shift_parts == "v"):
-                raise KnobError(name, str(value).lower(), "scales the keys' shift, and propagate=off or "
-                                "shift_parts=v moves no key; drop one of them")
-        for name in ("hop_weight", "hop_seeds"):                           # a part of a hop that never runs
-            value = getattr(self.knobs, name)
-            if value != KvFuseKnobs.__dataclass_fields__[name].default and not self.knobs.hop_rows:
-                raise KnobError(name, str(value), "shapes the second hop, and hop_rows is 0; give hop_rows "
-                                "(--hop-rows) a count above 0 too")
+        for name in changed_knobs(self.knobs, ("key_shift_scale", "key_shift_by_attention")):   # no key moves:
+            if self.knobs.propagate == "off" or self.knobs.shift_parts == "v":                  # nothing to scale
+                raise KnobError(name, str(getattr(self.knobs, name)).lower(), "scales the keys' shift, and "
+                                "propagate=off or shift_parts=v moves no key; drop one of them")
+        for name in changed_knobs(self.knobs, ("hop_weight", "hop_seeds")):   # a part of a hop that never runs
+            if not self.knobs.hop_rows:
+                raise KnobError(name, str(getattr(self.knobs, name)), "shapes the second hop, and hop_rows is 0; "
+                                "give hop_rows (--hop-rows) a count above 0 too")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -339,7 +336,7 @@ class KvFuse(FusionMethod):
         seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
         scores = self.recorded_mean(state, seeding)                                    # [n]
         chunk_rows = all_chunk_rows(state.prompt)
-        hop = top_rows(scores[chunk_rows], chunk_rows, min(self.knobs.hop_rows, len(chunk_rows)))    # [h] sorted
+        hop = top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)          # [h] sorted, h <= chunk rows
         state.scratch["question_attention"] = state.query_attention
         state.scratch["hop_stored"] = (hop, state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone())
         state.recorded_rows = slice(0, len(hop))       # chunk rows come before Q's among the active rows
@@ -408,6 +405,11 @@ class KvFuse(FusionMethod):
                 here = torch.isin(rows, self.rows_at(state, layer))
                 mine, before = rows[here], before[:, :, here.to(before.device)]
             shift_kept_rows(engine, state, layer, mine, before, state.cache.kv[layer][:, :, mine], self.knobs)
+
+
+def changed_knobs(knobs: KvFuseKnobs, names: tuple[str, ...]) -> list[str]:
+    """Those of `names` whose value is not their default (what a user set)."""
+    return [name for name in names if getattr(knobs, name) != KvFuseKnobs.__dataclass_fields__[name].default]
 
 
 def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int) -> torch.Tensor:
