@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -207,10 +207,19 @@ KVFUSE_RUN_AT = $(KVF) run -r 0.15 --max-new-tokens 12 --no-show-answers
 KVFUSE_RUN = $(KVFUSE_RUN_AT) -d $(WORK)/musique --neighbours 3
 kvfuse-dev: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o $(KVFUSE_RUNS)/dev-musique.jsonl
-kvfuse-ruler-dev: | setup
-	dir=$(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 2048 \
+# the RULER dev split at LENGTH ($(1)) with the configurations $(2), into dev-ruler-LENGTH.jsonl
+define ruler_dev
+	dir=$(WORK)/ruler-$(1)-s$(KVFUSE_RULER_DEV_SEED); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $(1) \
 	  --n $(RULER_N) --seed $(KVFUSE_RULER_DEV_SEED) --tasks $(RULER_TASKS) --out $$dir || exit 1; \
-	$(KVF) run -d $$dir -m $(KVFUSE_RULER_DEV) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/dev-ruler-2048.jsonl
+	$(KVF) run -d $$dir -m $(2) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/dev-ruler-$(1).jsonl
+endef
+kvfuse-ruler-dev: | setup
+	$(call ruler_dev,2048,$(KVFUSE_RULER_DEV))
+# the same seed at 4K (step 18): a dev split for choices the 2K one cannot make, since step 17's hop won at 2K and lost at 4K
+KVFUSE_RULER_DEV_4K ?= full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT),$(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band
+kvfuse-ruler-dev-4096: | setup
+	$(call ruler_dev,4096,$(KVFUSE_RULER_DEV_4K))
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-4096.jsonl --out $(KVFUSE_OUT)/dev-ruler-4096
 kvfuse-test: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o $(KVFUSE_RUNS)/test-musique.jsonl
 	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o $(KVFUSE_RUNS)/test-b-musique.jsonl
@@ -473,7 +482,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
-kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
+kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
