@@ -148,15 +148,25 @@ def needle_rows(data: Path, qid: str, ratio: float = 0.15) -> str:
         method = Recording(ratio)
         session.answer(prompt, method, session.entries("fusion", chunks), max_new_tokens=1)
         tokens = [session.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()]
+    rows = value_rows(tokens, question.answers[0])
+    if rows is None:
+        raise KvfError(f"--rows {data} {qid}: the prompt does not hold its gold value {question.answers[0]}")
+    return "".join(f"[{tokens[i]}]" if i in method.recomputed else tokens[i]
+                   for i in range(max(0, rows.start - 12), min(len(tokens), rows.start + len(question.answers[0]) + 3)))
+
+
+def value_rows(tokens: list[str], value: str) -> range | None:
+    """The rows (token indices) that spell the first occurrence of `value` in the prompt's decoded tokens; None if
+    it does not occur. A token only partly in the value counts."""
     starts = [0]
     for token in tokens:
         starts.append(starts[-1] + len(token))
-    found = "".join(tokens).find(question.answers[0])
+    found = "".join(tokens).find(value)
     if found < 0:
-        raise KvfError(f"--rows {data} {qid}: the prompt does not hold its gold value {question.answers[0]}")
+        return None
     first = next(i for i in range(len(tokens)) if starts[i + 1] > found)
-    return "".join(f"[{tokens[i]}]" if i in method.recomputed else tokens[i]
-                   for i in range(max(0, first - 12), min(len(tokens), first + len(question.answers[0]) + 3)))
+    last = next(i for i in range(first, len(tokens)) if starts[i + 1] >= found + len(value))
+    return range(first, last + 1)
 
 
 def command(args) -> str:

@@ -257,6 +257,9 @@ CASES = {
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_weight=0.8", "-n", "1",
                       "-o", t / "o.jsonl"],
         ["--method kvfuse:hop_weight=0.8: hop_weight: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
+    "kvfuse --hop-after without --hop-rows": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--hop-after", "12", "-n", "1", "-o", t / "o.jsonl"],
+        ["--hop-after 12: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
     "run -m kvfuse:key_shift_by_attention with propagate=off": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:propagate=off:key_shift_by_attention=true", "-n",
                       "1", "-o", t / "o.jsonl"],

@@ -567,6 +567,48 @@ def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypat
     assert logits_gap(get_method("kvfuse", 1.0, hop_rows=4).prefill(engine, prompt, source), full) <= TOL
 
 
+def test_the_hop_probe_traces_the_rows_kvfuse_recomputes():
+    """scripts/hop_probe.py counts where kvfuse's budget and the hop's seeds fall: what it traces must be what kvfuse
+    does (the seeds are the rows the hop's pass computes, the budget is the rows pass 2 recomputes, the same logits),
+    and its shares must place rows in the right chunks."""
+    from kvf.pipeline.fusion.methods.base import all_chunk_rows
+    from kvf.scripts.hop_probe import Tracing, in_facts, mass_on
+    engine, prompt, source = tiny_case("llama")
+    knobs = {"hop_rows": 3, "hop_weight": 1.0, "hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}
+    traced = Tracing(0.3, **knobs)
+    result = traced.prefill(engine, prompt, source)
+    assert torch.equal(result.logits, get_method("kvfuse", 0.3, **knobs).prefill(engine, prompt, source).logits)
+    assert len(traced.seeds) == 3 and len(traced.selected) == result.recomputed_tokens
+    assert traced.hop.shape == (prompt.n_tokens,)
+    spans, chunk_rows = prompt.chunk_spans(), all_chunk_rows(prompt)          # chunks of 9, 14 and 7 rows
+    assert in_facts(chunk_rows, prompt, {1}) == pytest.approx(14 / 30)
+    assert in_facts(torch.arange(*spans[2]), prompt, {2}) == 1.0 and in_facts(torch.arange(*spans[2]), prompt, {0, 1}) == 0.0
+    scores = torch.zeros(prompt.n_tokens)
+    scores[spans[0][0]], scores[spans[2][0] + 1], scores[0] = 1.0, 3.0, 5.0          # the prefix's row is not a chunk's
+    assert mass_on(scores, prompt, {2}) == pytest.approx(0.75)
+
+
+def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
+    """hop_after=N: each of the hop's rows and the N rows after it in its chunk are bought first, after the sinks;
+    the window stops at its chunk's end. At ratio 1 it is full prefill."""
+    from kvf.pipeline.fusion.methods.kvfuse import rows_after
+    from kvf.scripts.hop_probe import Tracing
+    two = FusedPrompt([1, 2], [[3] * 5, [4] * 4], [5, 6])                       # chunk rows 2-6 and 7-10
+    assert rows_after(torch.tensor([2, 5, 6, 8]), two, 2).tolist() == [2, 3, 4, 5, 6, 8, 9, 10]
+    engine, prompt, source = tiny_case("llama")
+    for knobs in ({"hop_weight": 0.0}, {"hop_weight": 1.0, "hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}):
+        traced = Tracing(0.3, hop_rows=2, hop_after=2, **knobs)
+        result = traced.prefill(engine, prompt, source)
+        after = rows_after(traced.seeds, prompt, 2)
+        assert set(after.tolist()) <= set(traced.selected.tolist()), knobs
+        plain = Tracing(0.3, hop_rows=2, **knobs)
+        plain.prefill(engine, prompt, source)
+        assert not set(after.tolist()) <= set(plain.selected.tolist()), knobs     # bought because of hop_after
+        assert result.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, hop_rows=2, hop_after=3).prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

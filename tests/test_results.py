@@ -348,6 +348,25 @@ def test_the_spread_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "s.md").exists()
 
 
+def test_the_hop_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from kvf.scripts import hop_probe
+    out = ["--out", str(tmp_path / "h.md")]
+    built = tmp_path / "built"
+    (built / "workspace").mkdir(parents=True)
+    (built / "workspace" / "manifest.json").write_text("{}")
+    for argv, code, named in ((["--data", str(tmp_path)], 2, "--methods"),
+                              (["--data", str(tmp_path), "--methods", "kvfuse", "--runs", "a", "b"], 2, "--runs"),
+                              (["--data", str(tmp_path / "none"), "--methods", "kvfuse"], 1, "none"),
+                              (["--data", str(built), "--methods", "prophetkv"], 1, "--methods prophetkv"),
+                              (["--data", str(built), "--methods", "kvfuse:hop_weight=1"], 1, "hop_rows"),
+                              (["--data", str(built), "--methods", "kvfuse:hops=2"], 1, "no knob 'hops'"),
+                              (["--replot"], 1, "h.csv")):
+        assert hop_probe.main([*argv, *out]) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("hop_probe: error: ") and named in err, err
+    assert not (tmp_path / "h.md").exists()
+
+
 @pytest.mark.parametrize("answer,gold,cut", [
     ("The special magic number for velvet is 712472.", ["7124722"], True),     # begun, the last digit lost
     ("The special magic number for velvet is 7124722.", ["7124722"], False),   # the whole number

@@ -83,7 +83,7 @@ score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
-shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight). Budget:
+shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight, hop_after). Budget:
 exactly round(ratio x chunk tokens), sinks included; the hop's rows are a pass of their own, outside it (they count
 in recomputed_token_layers).
 """
@@ -187,6 +187,10 @@ class KvFuseKnobs:
     hop_weight: float = knob(0.5, "with hop_rows: the hop's share of the row ranking, rows ranked by (1 - w) x the "
                                   "question's attention + w x the top rows' (the scored layers' mean of each)",
                              min=0.0, max=1.0)
+    hop_after: int = knob(0, "with hop_rows: each of the hop's rows and the N rows after it in its chunk are bought "
+                             "first, after the sinks (a fact's value follows the words that find it; at 4K the hop "
+                             "bought a needle's words and left its digits stored, to be copied short once the shift "
+                             "moved them: results/kvfuse.md, step 18); 0: none", min=0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -217,7 +221,7 @@ class KvFuse(FusionMethod):
             if self.knobs.propagate == "off" or self.knobs.shift_parts == "v":                  # nothing to scale
                 raise KnobError(name, str(getattr(self.knobs, name)).lower(), "scales the keys' shift, and "
                                 "propagate=off or shift_parts=v moves no key; drop one of them")
-        for name in changed_knobs(self.knobs, ("hop_weight", "hop_seeds")):   # a part of a hop that never runs
+        for name in changed_knobs(self.knobs, ("hop_weight", "hop_seeds", "hop_after")):   # a part of a hop that never runs
             if not self.knobs.hop_rows:
                 raise KnobError(name, str(getattr(self.knobs, name)), "shapes the second hop, and hop_rows is 0; "
                                 "give hop_rows (--hop-rows) a count above 0 too")
@@ -306,6 +310,9 @@ class KvFuse(FusionMethod):
         scores = scores[chunk_rows].clone()
         if self.knobs.span_after:                                           # a read row brings the rows after it
             scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
+        if self.knobs.hop_after:                                            # the hop's rows and what follows them
+            after = rows_after(state.scratch["hop_seeds"], prompt, self.knobs.hop_after) - prompt.n_prefix
+            scores[after] = torch.finfo(scores.dtype).max                   # next after the sinks
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
         if self.knobs.deviation_share > 0:                                  # then the most moved rows
             share = recompute_budget(self.knobs.deviation_share, budget)
@@ -338,6 +345,7 @@ class KvFuse(FusionMethod):
         chunk_rows = all_chunk_rows(state.prompt)
         hop = top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)          # [h] sorted, h <= chunk rows
         state.scratch["question_attention"] = state.query_attention
+        state.scratch["hop_seeds"] = hop
         state.scratch["hop_stored"] = (hop, state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone())
         state.recorded_rows = slice(0, len(hop))       # chunk rows come before Q's among the active rows
         return hop
@@ -420,6 +428,13 @@ def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int)
         same_chunk = chunk_of_row[shift:] == chunk_of_row[:-shift]                    # [c - shift]
         spread[shift:] = torch.where(same_chunk, torch.maximum(spread[shift:], scores[:-shift]), spread[shift:])
     return spread
+
+
+def rows_after(rows: torch.Tensor, prompt: FusedPrompt, n: int) -> torch.Tensor:
+    """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk."""
+    ends = torch.tensor([end for _, end in prompt.chunk_spans()])[chunk_of(prompt, rows)]     # [r] its chunk's end
+    window = rows[:, None] + torch.arange(n + 1)[None, :]                                  # [r, n + 1]
+    return torch.unique(window[window < ends[:, None]])
 
 
 def chunk_spread(mass: torch.Tensor) -> float:

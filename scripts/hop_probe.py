@@ -1,0 +1,236 @@
+"""Where does kvfuse's second hop put the budget, at 2K and at 4K? kvfuse step 18's diagnosis (results/kvfuse.md):
+step 17's hop (hop_rows=16, seeded by the locate band, ranking alone) with the located sinks held out at RULER 2K
+0.825 against the located sinks' 0.775, and at 4K 0.500 against their 0.588.
+
+    python -m kvf.scripts.hop_probe --data work/ruler-2048-s99 work/ruler-4096-s99 \
+        --runs results/kvfuse/runs/dev-ruler-2048.jsonl results/kvfuse/runs/dev-ruler-4096.jsonl \
+        --methods kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85 ... \
+        --out results/kvfuse/hop-probe.md                      # .csv and .png beside it
+    python -m kvf.scripts.hop_probe --replot --out results/kvfuse/hop-probe.md   # the .png again, from the .csv
+
+Per sample of each prepared RULER-style dataset (built) and per kvfuse entry of --methods (as `kvf run -m` takes
+them), kvfuse runs its passes over the stored `fusion` variant up to the first token and keeps what ranked its
+budget. Per sample it counts, against the sample's fact chunks (`fact_chunks`: the needle's, or the two a fact is
+cut or linked across):
+  band_hit          the band's most attended chunk (attention summed over its rows) is a fact's (step 10's hit);
+  seeds_in_facts    the share of the hop's seed rows (the band's top hop_rows rows) that lie in a fact's chunk;
+  hop_on_facts      the share of the hop's attention (over chunk rows) that falls on the fact chunks;
+  budget_in_facts   the share of the budget's rows (the rows pass 2 recomputes, sinks included) in the fact chunks;
+  chance            the fact chunks' share of all chunk rows (what a budget spread evenly would give);
+  value_recomputed  the share of the rows that spell the gold number (its first occurrence) that the budget
+                    recomputes; `split` when some are and some are not (step 13: the shift then moves the kept
+                    digits by their chunk's mean move, and a copy of the number can stop short).
+With --runs (one run file per dataset), each sample's answer under the same entry is joined: its accuracy
+(`correct`) and whether it is a cut copy (`cut`: a strict prefix of the gold number, scripts/copy_probe.py).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import torch
+from rich.progress import track
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvf.errors import KvfError  # noqa: E402
+from kvf.eval.metrics import accuracy  # noqa: E402
+from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
+from kvf.pipeline.files import write_atomic  # noqa: E402
+from kvf.pipeline.fusion.methods.base import all_chunk_rows, chunk_attention  # noqa: E402
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_of  # noqa: E402
+from kvf.pipeline.records import read_records  # noqa: E402
+from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
+from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
+from kvf.pipeline.workflows.run import MethodSpec, parse_method_spec  # noqa: E402
+from kvf.scripts.copy_probe import cut_copy, value_rows  # noqa: E402
+from kvf.scripts.locate_probe import all_built, fact_chunk_positions, probe_parser, question_chunk_ids  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Tracing(KvFuse):
+    """kvfuse that keeps, for the last prompt, what ranked its budget: the band's attention [n] (the question's
+    pass), the hop's seed rows [h] and their attention [n] (with hop_rows), and the budget's rows [b]."""
+
+    def next_pass_rows(self, engine, state):
+        if state.pass_index == 0:
+            self.band = self.recorded_mean(state, self.locate_layers(state.cache.kv.shape[0])).float().cpu()   # [n]
+            self.seeds, self.hop = None, None
+        rows = super().next_pass_rows(engine, state)
+        if self.knobs.hop_rows and state.pass_index == 0:
+            self.seeds = rows.cpu()                                                  # [h]
+        if state.pass_index == self.recompute_pass - 1:
+            self.selected = rows.cpu()                                               # [b]
+        return rows
+
+    def end_hop(self, state):
+        self.hop = super().end_hop(state)
+        return self.hop
+
+
+def in_facts(rows: torch.Tensor, prompt, facts: set[int]) -> float:
+    """The share of chunk rows [r] that lie in one of the chunks at positions `facts`."""
+    chunks = chunk_of(prompt, rows)
+    return float(sum(int(c) in facts for c in chunks.tolist())) / max(len(rows), 1)
+
+
+def mass_on(scores: torch.Tensor, prompt, facts: set[int]) -> float:
+    """The share of the attention [n] over chunk rows that falls on the chunks at positions `facts`."""
+    mass = chunk_attention(scores.float().cpu(), prompt)                             # [C]
+    return float(mass[sorted(facts)].sum() / mass.sum())
+
+
+def answers(runs: Path | None) -> dict:
+    """(qid, method, label) -> (accuracy, cut copy), from a run file (the last record of each); {} without one."""
+    if runs is None:
+        return {}
+    return {(r.qid, r.method, r.label): (accuracy(r.answer, r.gold, r.gold_mode), cut_copy(r.answer, r.gold))
+            for r in read_records(runs)}
+
+
+def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None) -> pd.DataFrame:
+    """One row per (sample, entry) of a prepared, built RULER-style dataset: what ranked the budget, see the doc."""
+    questions, _ = load_prepared(data)
+    answered = answers(runs)
+    rows = []
+    with WorkspaceSession(data / "workspace") as ws:
+        s = ws.session
+        doc_chunks = s.ws.doc_chunks()
+        for q in track(questions, description=f"{data.name}: kvfuse to the first token"):
+            if not q.fact_chunks:
+                raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
+            chunk_ids = question_chunk_ids(q, doc_chunks)
+            chunks = s.chunks(chunk_ids, "retrieval")
+            prompt = s.prompt(chunks, q.question)
+            facts = fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks)
+            chance = in_facts(all_chunk_rows(prompt), prompt, facts)
+            value = value_rows([s.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
+            if value is None:
+                raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
+            value = torch.tensor(value)                                               # [v] the number's rows
+            for spec in specs:
+                method = Tracing(ratio, **spec.knobs)
+                s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
+                band_mass = chunk_attention(method.band, prompt)                     # [C]
+                hopped = method.seeds is not None
+                value_recomputed = float(torch.isin(value, method.selected).float().mean())
+                correct, cut = answered.get((q.qid, spec.name, spec.label), (float("nan"), float("nan")))
+                rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
+                                 entry=spec.label or spec.name, chunks=len(chunks),
+                                 band_hit=int(torch.argmax(band_mass)) in facts,
+                                 seeds_in_facts=in_facts(method.seeds, prompt, facts) if hopped else float("nan"),
+                                 hop_on_facts=mass_on(method.hop, prompt, facts) if hopped else float("nan"),
+                                 budget_in_facts=in_facts(method.selected, prompt, facts), chance=chance,
+                                 value_recomputed=value_recomputed, split=0.0 < value_recomputed < 1.0,
+                                 correct=correct, cut=cut))
+    return pd.DataFrame(rows)
+
+
+def plot(table: pd.DataFrame, out: Path) -> None:
+    """Mean share of the budget in the fact chunks, one group of bars per dataset, one bar per entry, chance marked;
+    from the per-sample .csv, so --replot remakes it without the model."""
+    means = table.groupby(["dataset", "entry"], sort=False).budget_in_facts.mean().unstack("entry")
+    chance = table.groupby("dataset", sort=False).chance.mean()
+    entries, datasets = list(means.columns), list(means.index)
+    width = 0.8 / len(entries)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, entry in enumerate(entries):
+        ax.bar([d + (i - (len(entries) - 1) / 2) * width for d in range(len(datasets))], means[entry], width,
+               label=entry, color=f"C{i}")
+    for d, dataset in enumerate(datasets):
+        ax.hlines(chance[dataset], d - 0.42, d + 0.42, colors="0.2", linestyles="--", linewidth=1,
+                  label="chance (fact chunks' share of rows)" if d == 0 else None)
+    n = table.groupby("dataset", sort=False).qid.nunique()
+    ax.set_xticks(range(len(datasets)), [f"{d}\n(n = {n[d]})" for d in datasets], fontsize=8)
+    ax.set_ylabel("budget rows in the fact chunks\n(share, mean over samples)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{', '.join(sorted(table.model.unique()))}, kvfuse at 15%: where the budget goes", fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper right", frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+
+
+def report(table: pd.DataFrame, args) -> str:
+    """Markdown: per dataset, task and entry, the means of the per-sample counts; and per dataset and entry."""
+    def share(values: pd.Series) -> str:
+        return "—" if values.isna().all() else f"{values.mean():.2f}"
+
+    def row(keys, group) -> str:
+        answered = group.correct.notna().all()
+        split = group[group.split]
+        return (f"| {' | '.join(str(k) for k in keys)} | {group.qid.nunique()} | {int(group.band_hit.sum())} | "
+                f"{share(group.seeds_in_facts)} | {share(group.hop_on_facts)} | {group.budget_in_facts.mean():.2f} | "
+                f"{group.chance.mean():.2f} | {int(group.split.sum())} | "
+                + (f"{int(split.cut.sum())} of {int(group.cut.sum())} | {group.correct.mean():.2f} |" if answered else "— | — |"))
+    header = ["| data | task | entry | n | band hits | seeds in facts | hop's attention on facts | budget in facts | "
+              "chance | number split | cut copies: split of all | accuracy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# Where the second hop puts the budget (kvfuse step 18)", "",
+             f"Made by `make kvfuse-hop-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.hop_probe "
+             f"--data {' '.join(str(d) for d in args.data)}`, with the entries below as --methods).  ",
+             f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
+             f"({', '.join(table.dataset.unique())}; n = {table.qid.nunique()}); each entry's passes over the stored "
+             f"`fusion` variant at {args.ratio:.0%}, to the first token. Shares are means over samples; `band hits` "
+             "counts samples whose band's most attended chunk is a fact's; `number split` counts samples whose gold number's "
+             "rows the budget recomputes in part; `cut copies` counts the entry's answers (in the run files, `--runs`) "
+             "that stop short inside the gold number, and how many of them had it split; `accuracy` is the entry's. "
+             "What each column counts: the docstring of `scripts/hop_probe.py`.", "",
+             "By dataset:", "", *header]
+    for (dataset, entry), group in table.groupby(["dataset", "entry"], sort=False):
+        lines.append(row((dataset, "all", entry), group))
+    lines += ["", "By task:", "", *header]
+    for (dataset, task, entry), group in table.groupby(["dataset", "task", "entry"], sort=False):
+        lines.append(row((dataset, task, entry), group))
+    lines += ["", f"Per sample: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = probe_parser("hop_probe", __doc__, "prepared RULER-style datasets, built", "hop-probe.md")
+    p.add_argument("--methods", nargs="+", help="kvfuse entries as kvf run -m takes them (kvfuse:KNOB=VALUE...)")
+    p.add_argument("--runs", type=Path, nargs="+", help="run files of those datasets, in order (accuracy joined)")
+    args = p.parse_args(argv)
+    table_path = args.out.with_suffix(".csv")
+    if args.replot:
+        if not table_path.is_file():
+            print(f"hop_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
+            return 1
+        plot(pd.read_csv(table_path), args.out.with_suffix(".png"))
+        return 0
+    if not args.data or not args.methods:
+        print("hop_probe: error: pass --data DIR... and --methods ENTRY..., or --replot", file=sys.stderr)
+        return 2
+    if args.runs and len(args.runs) != len(args.data):
+        print(f"hop_probe: error: --runs: {len(args.runs)} files for {len(args.data)} --data folders; give one run "
+              "file per dataset, in the same order", file=sys.stderr)
+        return 2
+    if not all_built("hop_probe", args.data):
+        return 1
+    torch.set_num_threads(1)
+    try:
+        specs = [parse_method_spec(text) for text in args.methods]
+        for spec in specs:
+            if spec.name != "kvfuse" or spec.variant not in (None, "fusion"):
+                raise KvfError(f"--methods {spec.text}: the probe traces kvfuse on the fusion variant; give kvfuse:KNOB=VALUE...")
+            with spec.names_its_knobs():
+                Tracing(args.ratio, **spec.knobs)                # a refused knob: one line, before any work
+        runs = args.runs or [None] * len(args.data)
+        table = pd.concat([traced(d, specs, args.ratio, r) for d, r in zip(args.data, runs)])
+    except KvfError as e:
+        print(f"hop_probe: error: {e}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(table_path, table.to_csv(index=False, float_format="%.4f"))
+    plot(table, args.out.with_suffix(".png"))
+    text = report(table, args)
+    write_atomic(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
