@@ -567,6 +567,23 @@ def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypat
     assert logits_gap(get_method("kvfuse", 1.0, hop_rows=4).prefill(engine, prompt, source), full) <= TOL
 
 
+def test_kvfuse_hop_pass_computes_its_rows_alone(monkeypatch):
+    """The hop's pass runs only its rows (a chunk row never attends to Q, and pass 2 computes Q afresh); the passes
+    around it run Q's rows too. The test above holds its attention to full prefill's."""
+    engine, prompt, source = tiny_case("llama")
+    passes = []
+    restart = FusionEngine.restart
+    def logged(self, state, rows, pass_index, **kwargs):
+        restart(self, state, rows, pass_index, **kwargs)
+        passes.append(state.rows.clone())
+    monkeypatch.setattr(FusionEngine, "restart", logged)
+    get_method("kvfuse", 0.3, hop_rows=3).prefill(engine, prompt, source)
+    hop, recompute = passes
+    question = set(prompt.question_rows().tolist())
+    assert len(hop) == 3 and not set(hop.tolist()) & question
+    assert question <= set(recompute.tolist())
+
+
 def test_the_hop_probe_traces_the_rows_kvfuse_recomputes():
     """scripts/hop_probe.py counts where kvfuse's budget and the hop's seeds fall: what it traces must be what kvfuse
     does (the seeds are the rows the hop's pass computes, the budget is the rows pass 2 recomputes, the same logits),

@@ -268,7 +268,7 @@ class FusionEngine:
                 t0 = time.perf_counter()
                 rows = method.next_pass_rows(self, state)
                 state.select_seconds += time.perf_counter() - t0
-                self.restart(state, rows, pass_index)
+                self.restart(state, rows, pass_index, with_question=method.pass_computes_question(pass_index))
             for layer in range(self.model.n_layers):
                 t0 = time.perf_counter()
                 method.before_layer(self, state, layer)
@@ -477,8 +477,10 @@ class FusionEngine:
 
     # ---- a new pass, or new positions, on an existing state (two-pass and pruning methods) -------
     @torch.inference_mode()
-    def restart(self, state: FusionState, recompute_chunk_rows: torch.Tensor, pass_index: int) -> None:
-        """Begin a new pass from layer 0 over an already-run state, recomputing `recompute_chunk_rows` (plus Q).
+    def restart(self, state: FusionState, recompute_chunk_rows: torch.Tensor, pass_index: int,
+                with_question: bool = True) -> None:
+        """Begin a new pass from layer 0 over an already-run state, recomputing `recompute_chunk_rows` (plus Q,
+        unless with_question is False: a pass that only records what chunk rows attend to).
 
         Used by two-pass methods (FusionRAG, ProphetKV): pass 1 loaded every layer and ran Q only;
         pass 2 reuses that cache instead of loading again. The restarted rows get fresh hidden states
@@ -486,7 +488,8 @@ class FusionEngine:
         the active rows' fresh K/V before they attend, so no row ever reads its own pass-1 values,
         and rows not restarted still hold their stored KV (pass 1 wrote only Q's rows).
         """
-        rows = torch.unique(torch.cat([recompute_chunk_rows.long(), state.prompt.question_rows()]))  # sorted
+        question = state.prompt.question_rows() if with_question else torch.empty(0, dtype=torch.long)
+        rows = torch.unique(torch.cat([recompute_chunk_rows.long(), question]))  # sorted
         state.rows, state.hidden = rows, self.model.embed(state.prompt.all_ids()[rows])
         state.mask, state.active = None, None
         state.query_attention, state.pass_index = [], pass_index

@@ -208,6 +208,12 @@ class FusionMethod:
         """Between passes: the chunk rows the next pass recomputes from layer 0."""
         raise NotImplementedError(f"{self.name} declares {self.passes} passes but no next_pass_rows")
 
+    def pass_computes_question(self, pass_index: int) -> bool:
+        """Whether a pass after the first computes Q's rows beside its chunk rows. The last pass must (its Q gives
+        the first token); an earlier one that only records what chunk rows attend to need not, since a chunk row
+        never attends to Q (causal), and Q's rows are computed afresh by the pass after."""
+        return True
+
     def finish(self, engine: FusionEngine, state: FusionState, result: FusionResult) -> None:
         """After the last layer: adjust the result (e.g. compact the cache, report info)."""
 

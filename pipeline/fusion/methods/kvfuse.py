@@ -252,6 +252,11 @@ class KvFuse(FusionMethod):
         """The pass that recomputes the budget's rows: after the question's pass, and after the hop's if any."""
         return 2 if self.knobs.hop_rows else 1
 
+    def pass_computes_question(self, pass_index: int) -> bool:
+        """The hop's pass records what its rows attend to, which Q's rows never change (a chunk row does not attend
+        to Q), and pass 2 computes Q afresh: it runs the hop's rows alone."""
+        return not (self.knobs.hop_rows and pass_index == 1)
+
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index < self.recompute_pass and layer in self.recorded_layers(state.cache.kv.shape[0])
 
@@ -347,7 +352,7 @@ class KvFuse(FusionMethod):
         state.scratch["question_attention"] = state.query_attention
         state.scratch["hop_seeds"] = hop
         state.scratch["hop_stored"] = (hop, state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone())
-        state.recorded_rows = slice(0, len(hop))       # chunk rows come before Q's among the active rows
+        state.recorded_rows = slice(0, len(hop))       # the hop's pass runs its rows alone (pass_computes_question)
         return hop
 
     def end_hop(self, state: FusionState) -> torch.Tensor:
