@@ -75,6 +75,12 @@ later questions, results/kvfuse/runs/):
   0.915 (the located sinks 0.775; boundary, niah_single and niah_multikey within 0.05 of full, alias not) and kept
   MuSiQue 11-49 (0.852 vs 0.855), but lost at 4K (0.500 vs 0.588) and its pass costs TTFT (1.28x ProphetKV's at 2K,
   1.11x at 4K). Not kept.
+- the rows after the hop's rows (step 18, hop_after): at 4K the hop bought a needle's words and left its digits to the
+  shift, which cut their copy short (9 cut copies of 80 against the located sinks' 2). Buying each hop row and the 12
+  rows after it first, with the located sinks and the hop, held out at RULER 2K 0.855 vs full's 0.915 (boundary,
+  niah_single and niah_multikey at full's numbers; alias 0.56 vs 0.80), at 4K 0.688 vs the located sinks' 0.588 and
+  full's 0.825, and kept MuSiQue 11-49 (0.852). Its hop pass (its rows only since step 18) costs 1.16x ProphetKV's
+  TTFT at 2K and 1.07x at 4K: the configuration for quality, not the default.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
