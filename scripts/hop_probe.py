@@ -31,7 +31,6 @@ from pathlib import Path
 import matplotlib
 import pandas as pd
 import torch
-from rich.progress import track
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,7 +38,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvf.errors import KvfError  # noqa: E402
 from kvf.eval.metrics import accuracy  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
-from kvf.pipeline.files import write_atomic  # noqa: E402
 from kvf.pipeline.fusion.methods.base import all_chunk_rows, chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_of  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
@@ -47,7 +45,7 @@ from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
 from kvf.pipeline.workflows.run import MethodSpec, parse_method_spec  # noqa: E402
 from kvf.scripts.copy_probe import cut_copy, value_rows  # noqa: E402
-from kvf.scripts.locate_probe import all_built, fact_chunk_positions, probe_parser, question_chunk_ids  # noqa: E402
+from kvf.scripts.locate_probe import all_built, fact_prompts, probe_parser, replotted, saved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,14 +97,7 @@ def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None)
     rows = []
     with WorkspaceSession(data / "workspace") as ws:
         s = ws.session
-        doc_chunks = s.ws.doc_chunks()
-        for q in track(questions, description=f"{data.name}: kvfuse to the first token"):
-            if not q.fact_chunks:
-                raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
-            chunk_ids = question_chunk_ids(q, doc_chunks)
-            chunks = s.chunks(chunk_ids, "retrieval")
-            prompt = s.prompt(chunks, q.question)
-            facts = fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks)
+        for q, chunks, prompt, facts in fact_prompts(data, s, questions, f"{data.name}: kvfuse to the first token"):
             chance = in_facts(all_chunk_rows(prompt), prompt, facts)
             value = value_rows([s.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
             if value is None:
@@ -194,13 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", help="kvfuse entries as kvf run -m takes them (kvfuse:KNOB=VALUE...)")
     p.add_argument("--runs", type=Path, nargs="+", help="run files of those datasets, in order (accuracy joined)")
     args = p.parse_args(argv)
-    table_path = args.out.with_suffix(".csv")
     if args.replot:
-        if not table_path.is_file():
-            print(f"hop_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
-            return 1
-        plot(pd.read_csv(table_path), args.out.with_suffix(".png"))
-        return 0
+        return replotted("hop_probe", args, plot)
     if not args.data or not args.methods:
         print("hop_probe: error: pass --data DIR... and --methods ENTRY..., or --replot", file=sys.stderr)
         return 2
@@ -223,13 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvfError as e:
         print(f"hop_probe: error: {e}", file=sys.stderr)
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(table_path, table.to_csv(index=False, float_format="%.4f"))
-    plot(table, args.out.with_suffix(".png"))
-    text = report(table, args)
-    write_atomic(args.out, text)
-    print(text)
-    return 0
+    return saved(table, args, plot, report)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,19 @@ def fact_chunk_positions(chunk_ids: list[str], doc_chunks: dict, context_ids: li
     return {pos for pos, cid in enumerate(chunk_ids) if cid in fact_chunks}
 
 
+def fact_prompts(data: Path, session, questions, description: str):
+    """Each prepared RULER-style question of `data` as `kvf run` lays it out: (question, its chunks, its prompt, the
+    prompt positions of its fact chunks), with a progress bar; a question without fact_chunks is an error."""
+    doc_chunks = session.ws.doc_chunks()
+    for q in track(questions, description=description):
+        if not q.fact_chunks:
+            raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
+        chunk_ids = question_chunk_ids(q, doc_chunks)
+        chunks = session.chunks(chunk_ids, "retrieval")
+        yield (q, chunks, session.prompt(chunks, q.question),
+               fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks))
+
+
 def located(data: Path, ratio: float) -> pd.DataFrame:
     """One row per (sample, layer) -> task, layer (an int, "average" or "band"), whether its top chunk is a fact's,
     and whether it is the prompt's last chunk (the one next to the question)."""
@@ -69,17 +82,10 @@ def located(data: Path, ratio: float) -> pd.DataFrame:
     rows = []
     with WorkspaceSession(data / "workspace") as ws:
         s = ws.session
-        doc_chunks = s.ws.doc_chunks()
         method = Recording(ratio)
         band = band_layers(*BAND.values(), s.n_layers)
-        for q in track(questions, description=f"{data.name}: pass 1"):
-            if not q.fact_chunks:
-                raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
-            chunk_ids = question_chunk_ids(q, doc_chunks)
-            chunks = s.chunks(chunk_ids, "retrieval")
-            prompt = s.prompt(chunks, q.question)
+        for q, chunks, prompt, facts in fact_prompts(data, s, questions, f"{data.name}: pass 1"):
             s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
-            facts = fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks)
             per_layer = torch.stack([chunk_attention(a, prompt) for a in method.attention])       # [L, C]
             scored = {**{layer: per_layer[layer] for layer in range(len(per_layer))},
                       "average": chunk_attention(method.attention.mean(0), prompt),
@@ -107,6 +113,29 @@ def all_built(prog: str, data: list[Path]) -> bool:
         print(f"{prog}: error: --data {missing[0]}: no built workspace there; run `kvf run -d {missing[0]} "
               "-m kvfuse` (or the make target that makes it) first", file=sys.stderr)
     return not missing
+
+
+def replotted(prog: str, args, plot, **read_csv) -> int:
+    """--replot: remake the .png beside --out from the .csv there, without the model (plot(table, png)); 0, or 1 with
+    one line on stderr when the .csv is missing."""
+    table_path = args.out.with_suffix(".csv")
+    if not table_path.is_file():
+        print(f"{prog}: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
+        return 1
+    plot(pd.read_csv(table_path, **read_csv), args.out.with_suffix(".png"))
+    return 0
+
+
+def saved(table: pd.DataFrame, args, plot, report) -> int:
+    """A probe's per-row .csv, its .png (plot(table, png)) and its .md (report(table, args)) beside --out, each
+    written atomically, and the .md printed; 0."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out.with_suffix(".csv"), table.to_csv(index=False, float_format="%.4f"))
+    plot(table, args.out.with_suffix(".png"))
+    text = report(table, args)
+    write_atomic(args.out, text)
+    print(text)
+    return 0
 
 
 def layer_count(table: pd.DataFrame) -> int:

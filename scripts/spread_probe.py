@@ -26,13 +26,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kvf.errors import KvfError  # noqa: E402
-from kvf.pipeline.files import write_atomic  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import chunk_spread  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
-from kvf.scripts.locate_probe import Recording, all_built, probe_parser  # noqa: E402
+from kvf.scripts.locate_probe import Recording, all_built, probe_parser, replotted, saved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GATE = 0.5      # the dev choice, kvfuse:shift_max_spread=0.5 (step 14)
@@ -108,13 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = probe_parser("spread_probe", __doc__, "prepared datasets, built (one per run file)", "spread.md")
     p.add_argument("--runs", type=Path, nargs="+", help="run files with kvfuse records of those datasets, in order")
     args = p.parse_args(argv)
-    table_path = args.out.with_suffix(".csv")
     if args.replot:
-        if not table_path.is_file():
-            print(f"spread_probe: error: --replot: {table_path} not found; run the probe with --data first", file=sys.stderr)
-            return 1
-        plot(pd.read_csv(table_path), args.out.with_suffix(".png"))
-        return 0
+        return replotted("spread_probe", args, plot)
     if not args.data or not args.runs or len(args.data) != len(args.runs):
         print("spread_probe: error: pass --data DIR... and --runs FILE..., one run file per dataset, or --replot",
               file=sys.stderr)
@@ -127,13 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvfError as e:
         print(f"spread_probe: error: {e}", file=sys.stderr)
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(table_path, table.to_csv(index=False, float_format="%.4f"))
-    plot(table, args.out.with_suffix(".png"))
-    text = report(table, args)
-    write_atomic(args.out, text)
-    print(text)
-    return 0
+    return saved(table, args, plot, report)
 
 
 if __name__ == "__main__":
