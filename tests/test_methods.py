@@ -545,7 +545,7 @@ def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypat
     seen = {}
     end = kvfuse_file.KvFuse.end_hop
     def logged(self, state):
-        seen["rows"] = state.scratch["hop_stored"][0]
+        seen["rows"] = state.scratch["hop_seeds"]
         seen["attention"] = end(self, state)
         return seen["attention"]
     monkeypatch.setattr(kvfuse_file.KvFuse, "end_hop", logged)

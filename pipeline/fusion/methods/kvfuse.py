@@ -356,8 +356,8 @@ class KvFuse(FusionMethod):
         chunk_rows = all_chunk_rows(state.prompt)
         hop = top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)          # [h] sorted, h <= chunk rows
         state.scratch["question_attention"] = state.query_attention
-        state.scratch["hop_seeds"] = hop
-        state.scratch["hop_stored"] = (hop, state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone())
+        state.scratch["hop_seeds"] = hop                                   # pass 2 reads them too (hop_after)
+        state.scratch["hop_stored"] = state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone()
         state.recorded_rows = slice(0, len(hop))       # the hop's pass runs its rows alone (pass_computes_question)
         return hop
 
@@ -365,7 +365,7 @@ class KvFuse(FusionMethod):
         """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
         and the question's attention where the ranking reads it."""
         hop_attention = self.recorded_mean(state, self.scored_layers(state.cache.kv.shape[0]))   # [n]
-        hop, stored = state.scratch.pop("hop_stored")                                # [h], [L, 2, KV, h, d]
+        hop, stored = state.scratch["hop_seeds"], state.scratch.pop("hop_stored")    # [h], [L, 2, KV, h, d]
         state.cache.kv[:, :, :, hop.to(state.cache.kv.device)] = stored
         state.query_attention = state.scratch.pop("question_attention")
         state.recorded_rows = None
