@@ -122,26 +122,34 @@ def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None)
 
 
 def plot(table: pd.DataFrame, out: Path) -> None:
-    """Mean share of the budget in the fact chunks, one group of bars per dataset, one bar per entry, chance marked;
-    from the per-sample .csv, so --replot remakes it without the model."""
-    means = table.groupby(["dataset", "entry"], sort=False).budget_in_facts.mean().unstack("entry")
-    chance = table.groupby("dataset", sort=False).chance.mean()
-    entries, datasets = list(means.columns), list(means.index)
-    width = 0.8 / len(entries)
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    for i, entry in enumerate(entries):
-        ax.bar([d + (i - (len(entries) - 1) / 2) * width for d in range(len(datasets))], means[entry], width,
-               label=entry, color=f"C{i}")
-    for d, dataset in enumerate(datasets):
-        ax.hlines(chance[dataset], d - 0.42, d + 0.42, colors="0.2", linestyles="--", linewidth=1,
-                  label="chance (fact chunks' share of rows)" if d == 0 else None)
+    """Per dataset, one bar per entry: (left) the budget's mean share in the fact chunks, chance marked; (right) the
+    share of samples whose gold number the budget recomputes whole. From the per-sample .csv, so --replot remakes it
+    without the model."""
+    whole = table.assign(whole=table.value_recomputed >= 1.0)
+    panels = [("budget_in_facts", "budget rows in the fact chunks\n(share, mean over samples)"),
+              ("whole", "samples whose gold number\nis recomputed whole (share)")]
+    entries, datasets = list(table.entry.unique()), list(table.dataset.unique())
     n = table.groupby("dataset", sort=False).qid.nunique()
-    ax.set_xticks(range(len(datasets)), [f"{d}\n(n = {n[d]})" for d in datasets], fontsize=8)
-    ax.set_ylabel("budget rows in the fact chunks\n(share, mean over samples)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{', '.join(sorted(table.model.unique()))}, kvfuse at 15%: where the budget goes", fontsize=9)
-    ax.legend(fontsize=6.5, loc="upper right", frameon=False)
-    fig.tight_layout()
+    width = 0.8 / len(entries)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.8))
+    for ax, (column, label) in zip(axes, panels):
+        means = whole.groupby(["dataset", "entry"], sort=False)[column].mean().unstack("entry")
+        for i, entry in enumerate(entries):
+            ax.bar([d + (i - (len(entries) - 1) / 2) * width for d in range(len(datasets))], means.loc[datasets, entry],
+                   width, label=entry, color=f"C{i}")
+        if column == "budget_in_facts":
+            chance = table.groupby("dataset", sort=False).chance.mean()
+            for d, dataset in enumerate(datasets):
+                ax.hlines(chance[dataset], d - 0.42, d + 0.42, colors="0.2", linestyles="--", linewidth=1,
+                          label="chance (the fact chunks' share of all chunk rows)" if d == 0 else None)
+        ax.set_xticks(range(len(datasets)), [f"{d}\n(n = {n[d]})" for d in datasets], fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+        ax.set_ylim(0, 1)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", fontsize=7, frameon=False, ncol=1)
+    fig.suptitle(f"{', '.join(sorted(table.model.unique()))}, kvfuse at 15%: where the budget goes, and whether it "
+                 "buys the gold number", fontsize=10)
+    fig.subplots_adjust(bottom=0.36, top=0.9, wspace=0.3)
     fig.savefig(out, dpi=150)
     plt.close(fig)
 
