@@ -57,10 +57,11 @@ class Tracing(KvFuse):
     def next_pass_rows(self, engine, state):
         if state.pass_index == 0:
             self.band = self.recorded_mean(state, self.locate_layers(state.cache.kv.shape[0])).float().cpu()   # [n]
-            self.seeds, self.hop = None, None
+            self.hop = None
         rows = super().next_pass_rows(engine, state)
-        if self.knobs.hop_rows and state.pass_index == 0:
-            self.seeds = rows.cpu()                                                  # [h]
+        if state.pass_index == 0:
+            seeds = state.scratch.get("hop_seeds")                                   # [h], with or without a pass
+            self.seeds = None if seeds is None else seeds.cpu()
         if state.pass_index == self.recompute_pass - 1:
             self.selected = rows.cpu()                                               # [b]
         return rows
@@ -108,13 +109,14 @@ def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None)
                 s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
                 band_mass = chunk_attention(method.band, prompt)                     # [C]
                 hopped = method.seeds is not None
+                hop_attention = mass_on(method.hop, prompt, facts) if method.hop is not None else float("nan")
                 value_recomputed = float(torch.isin(value, method.selected).float().mean())
                 correct, cut = answered.get((q.qid, spec.name, spec.label), (float("nan"), float("nan")))
                 rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
                                  entry=spec.label or spec.name, chunks=len(chunks),
                                  band_hit=int(torch.argmax(band_mass)) in facts,
                                  seeds_in_facts=in_facts(method.seeds, prompt, facts) if hopped else float("nan"),
-                                 hop_on_facts=mass_on(method.hop, prompt, facts) if hopped else float("nan"),
+                                 hop_on_facts=hop_attention,
                                  budget_in_facts=in_facts(method.selected, prompt, facts), chance=chance,
                                  value_recomputed=value_recomputed, split=0.0 < value_recomputed < 1.0,
                                  correct=correct, cut=cut))

@@ -257,6 +257,10 @@ CASES = {
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_weight=0.8", "-n", "1",
                       "-o", t / "o.jsonl"],
         ["--method kvfuse:hop_weight=0.8: hop_weight: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),
+    "run -m kvfuse:hop_rows with hop_weight=0 and no hop_after": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_rows=16:hop_weight=0", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:hop_rows=16:hop_weight=0: hop_weight: leaves the hop's rows without a pass, and only hop_after buys them then; give hop_after (--hop-after) a count above 0, or hop_weight above 0"]),
     "kvfuse --hop-after without --hop-rows": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--hop-after", "12", "-n", "1", "-o", t / "o.jsonl"],
         ["--hop-after 12: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),

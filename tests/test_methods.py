@@ -537,8 +537,9 @@ def test_kvfuse_key_shift_by_attention(monkeypatch):
 def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypatch):
     """hop_rows: the question's top chunk rows, computed alone over the stored cache, record their attention. With
     one chunk stored after S (its stored KV is full prefill's) that is full prefill's attention of those rows. The
-    hop's pass leaves no trace: at hop_weight 0 kvfuse is the default bit for bit, also where the stored rows are
-    copied before pass 2 overwrites them (as on an accelerator). At ratio 1 it is full prefill."""
+    hop's pass leaves no trace: at hop_weight 0, its pass forced (without hop_after it would have none), kvfuse is the
+    default bit for bit, also where the stored rows are copied before pass 2 overwrites them (as on an accelerator).
+    At ratio 1 it is full prefill."""
     import kvf.pipeline.fusion.engine as fusion_engine
     import kvf.pipeline.fusion.methods.kvfuse as kvfuse_file
     engine, prompt, source = tiny_case("llama")
@@ -556,6 +557,7 @@ def test_kvfuse_hop_records_the_top_rows_attention_and_leaves_no_trace(monkeypat
     expected = torch.stack([attention[seen["rows"]].mean(dim=0) for attention in per_layer]).mean(dim=0)   # [n]
     assert len(seen["rows"]) == 3 and torch.allclose(seen["attention"], expected, atol=1e-5)
     band = {"hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}        # seeds ranked by the band's layers
+    monkeypatch.setattr(kvfuse_file.KvFuse, "runs_hop", property(lambda self: bool(self.knobs.hop_rows)))
     for copied, seeds in ((False, {}), (True, {}), (False, band)):
         monkeypatch.setattr(fusion_engine, "COPY_STORED_ROWS_ON_CPU", copied)
         hop = get_method("kvfuse", 0.3, hop_rows=4, hop_weight=0.0, **seeds).prefill(engine, prompt, source)
@@ -613,15 +615,20 @@ def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     two = FusedPrompt([1, 2], [[3] * 5, [4] * 4], [5, 6])                       # chunk rows 2-6 and 7-10
     assert rows_after(torch.tensor([2, 5, 6, 8]), two, 2).tolist() == [2, 3, 4, 5, 6, 8, 9, 10]
     engine, prompt, source = tiny_case("llama")
+    default = get_method("kvfuse", 0.3).prefill(engine, prompt, source)
     for knobs in ({"hop_weight": 0.0}, {"hop_weight": 1.0, "hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}):
         traced = Tracing(0.3, hop_rows=2, hop_after=2, **knobs)
         result = traced.prefill(engine, prompt, source)
         after = rows_after(traced.seeds, prompt, 2)
         assert set(after.tolist()) <= set(traced.selected.tolist()), knobs
-        plain = Tracing(0.3, hop_rows=2, **knobs)
+        plain = Tracing(0.3, **{k: v for k, v in knobs.items() if k != "hop_weight"},
+                        **({"hop_rows": 2} if knobs["hop_weight"] else {}))
         plain.prefill(engine, prompt, source)
         assert not set(after.tolist()) <= set(plain.selected.tolist()), knobs     # bought because of hop_after
         assert result.recomputed_tokens == recompute_budget(0.3, prompt.n_chunk_tokens)
+    assert traced.passes == 3 and Tracing(0.3, hop_rows=2, hop_weight=0.0, hop_after=2).passes == 2
+    no_pass = get_method("kvfuse", 0.3, hop_rows=2, hop_weight=0.0, hop_after=2).prefill(engine, prompt, source)
+    assert no_pass.recomputed_token_layers == default.recomputed_token_layers      # at w = 0 the rows get no pass
     full = get_method("full").prefill(engine, prompt)
     assert logits_gap(get_method("kvfuse", 1.0, hop_rows=2, hop_after=3).prefill(engine, prompt, source), full) <= TOL
 

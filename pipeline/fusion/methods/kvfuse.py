@@ -191,7 +191,8 @@ class KvFuseKnobs:
                                     "budget (scores) or the locate band's (band: locate_from to locate_to, the layers that "
                                     "find a fact's chunk: results/kvfuse.md, step 10)", choices=("scores", "band"))
     hop_weight: float = knob(0.5, "with hop_rows: the hop's share of the row ranking, rows ranked by (1 - w) x the "
-                                  "question's attention + w x the top rows' (the scored layers' mean of each)",
+                                  "question's attention + w x the top rows' (the scored layers' mean of each); 0: the "
+                                  "rows get no pass, and only hop_after uses them",
                              min=0.0, max=1.0)
     hop_after: int = knob(0, "with hop_rows: each of the hop's rows and the N rows after it in its chunk are bought "
                              "first, after the sinks (a fact's value follows the words that find it; at 4K the hop "
@@ -231,6 +232,9 @@ class KvFuse(FusionMethod):
             if not self.knobs.hop_rows:
                 raise KnobError(name, str(getattr(self.knobs, name)), "shapes the second hop, and hop_rows is 0; "
                                 "give hop_rows (--hop-rows) a count above 0 too")
+        if self.knobs.hop_rows and not self.runs_hop and not self.knobs.hop_after:   # rows chosen for nothing
+            raise KnobError("hop_weight", "0", "leaves the hop's rows without a pass, and only hop_after buys them "
+                            "then; give hop_after (--hop-after) a count above 0, or hop_weight above 0")
         band = (self.knobs.locate_from, self.knobs.locate_to)
         if band != (0.0, 1.0) and not (self.reads_band or self.knobs.score_layers == "band"):
             name = "locate_from" if band[0] != 0.0 else "locate_to"      # the band has nothing to find
@@ -251,17 +255,23 @@ class KvFuse(FusionMethod):
 
     @property
     def passes(self) -> int:     # Q attention, (the hop,) recompute, and with requery Q alone over the shifted rows
-        return 2 + int(bool(self.knobs.hop_rows)) + int(self.knobs.requery)
+        return 2 + int(self.runs_hop) + int(self.knobs.requery)
+
+    @property
+    def runs_hop(self) -> bool:
+        """Whether the hop's rows get a pass of their own: only when their attention ranks the budget (hop_weight >
+        0); at 0 they are chosen and bought with the rows after them (hop_after), with no pass."""
+        return bool(self.knobs.hop_rows) and self.knobs.hop_weight > 0
 
     @property
     def recompute_pass(self) -> int:
         """The pass that recomputes the budget's rows: after the question's pass, and after the hop's if any."""
-        return 2 if self.knobs.hop_rows else 1
+        return 2 if self.runs_hop else 1
 
     def pass_computes_question(self, pass_index: int) -> bool:
         """The hop's pass records what its rows attend to, which Q's rows never change (a chunk row does not attend
         to Q), and pass 2 computes Q afresh: it runs the hop's rows alone."""
-        return not (self.knobs.hop_rows and pass_index == 1)
+        return not (self.runs_hop and pass_index == 1)
 
     def records_query_attention(self, state: FusionState, layer: int) -> bool:
         return state.pass_index < self.recompute_pass and layer in self.recorded_layers(state.cache.kv.shape[0])
@@ -297,9 +307,11 @@ class KvFuse(FusionMethod):
             if stored:
                 self.shift_after_layers(engine, state, stored)
             return torch.empty(0, dtype=torch.long)
-        if self.knobs.hop_rows and state.pass_index == 0:                   # the hop's pass first
+        if self.runs_hop and state.pass_index == 0:                         # the hop's pass first
             return self.start_hop(state)
-        hop = self.end_hop(state) if self.knobs.hop_rows else None          # [n] the top rows' attention
+        hop = self.end_hop(state) if self.runs_hop else None                # [n] the top rows' attention
+        if self.knobs.hop_rows and not self.runs_hop:                       # the hop's rows, with no pass
+            state.scratch["hop_seeds"] = self.hop_seeds(state)
         prompt = state.prompt
         state.calibration = self.calibration(prompt)                      # pass 2 and decoding (None: plain)
         budget = recompute_budget(self.recompute_ratio, prompt.n_chunk_tokens)
@@ -350,16 +362,20 @@ class KvFuse(FusionMethod):
         """The question's top hop_rows chunk rows, to compute alone over the stored cache, their attention recorded.
         Their stored K/V is kept and put back after (end_hop), so the pass leaves no trace in the cache: pass 2 and
         the shift see the stored rows, as without the hop."""
-        n_layers = state.cache.kv.shape[0]
-        seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
-        scores = self.recorded_mean(state, seeding)                                    # [n]
-        chunk_rows = all_chunk_rows(state.prompt)
-        hop = top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)          # [h] sorted, h <= chunk rows
+        hop = self.hop_seeds(state)                                                  # [h]
         state.scratch["question_attention"] = state.query_attention
         state.scratch["hop_seeds"] = hop                                   # pass 2 reads them too (hop_after)
         state.scratch["hop_stored"] = state.cache.kv[:, :, :, hop.to(state.cache.kv.device)].clone()
         state.recorded_rows = slice(0, len(hop))       # the hop's pass runs its rows alone (pass_computes_question)
         return hop
+
+    def hop_seeds(self, state: FusionState) -> torch.Tensor:
+        """[h] sorted: the question's top hop_rows chunk rows, by the attention hop_seeds names (pass 1's)."""
+        n_layers = state.cache.kv.shape[0]
+        seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
+        scores = self.recorded_mean(state, seeding)                                    # [n]
+        chunk_rows = all_chunk_rows(state.prompt)
+        return top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)         # h <= chunk rows
 
     def end_hop(self, state: FusionState) -> torch.Tensor:
         """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
