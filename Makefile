@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -364,6 +364,16 @@ kvfuse-hop-after-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_HOP_AFTER) -o $(KVFUSE_RUNS)/hop-after-musique.jsonl
 kvfuse-hop-after-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_HOP_AFTER),hop-after)
+# step 19's dev choice held out as step 18's was, its tables beside step 18's rows (`make -j2 kvfuse-seeds-after`)
+seeds_after_runs = $(call hop_after_runs,$(1),$(2)) $(KVFUSE_RUNS)/seeds-after-ruler-$(1)-s$(2).jsonl
+kvfuse-seeds-after: kvfuse-seeds-after-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-seeds-after-ruler-2048-$(seed)) \
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-seeds-after-ruler-4096-$(seed))
+	$(call heldout_tables,seeds-after,$(KVFUSE_RUNS)/sinks-musique.jsonl $(KVFUSE_RUNS)/located-musique.jsonl \
+	  $(KVFUSE_RUNS)/hop-musique.jsonl $(KVFUSE_RUNS)/hop-after-musique.jsonl $(KVFUSE_RUNS)/seeds-after-musique.jsonl,seeds_after_runs)
+kvfuse-seeds-after-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SEEDS_AFTER) -o $(KVFUSE_RUNS)/seeds-after-musique.jsonl
+kvfuse-seeds-after-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_SEEDS_AFTER),seeds-after)
 kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
 	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
 	  $(KVFUSE_RUNS)/key-scale-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/key-scale-ruler
