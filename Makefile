@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -496,6 +496,10 @@ kvfuse-located-bench: setup
 kvfuse-hop-bench: setup
 	$(KVF) bench -m full,prophetkv,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT) -r 0.15 --lengths 2048,4096 \
 	  --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline --no-auto-ratio --out $(KVFUSE_OUT)/bench-hop
+# step 19's TTFT: the hop's rows and their next rows with no hop pass, beside the located sinks and ProphetKV
+kvfuse-seeds-after-bench: setup
+	$(KVF) bench -m full,prophetkv,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SEEDS_AFTER) -r 0.15 --lengths 2048,4096 \
+	  --repeats 12 --versus prophetkv --no-cold --no-compare-no-pipeline --no-auto-ratio --out $(KVFUSE_OUT)/bench-seeds-after
 # step 18's TTFT: the hop with hop_after=12, its pass now computing its own rows only, beside step 17's hop
 kvfuse-hop-after-bench: setup
 	$(KVF) bench -m full,prophetkv,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT),$(KVFUSE_HOP_AFTER) -r 0.15 \
