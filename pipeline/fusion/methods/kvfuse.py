@@ -81,6 +81,9 @@ later questions, results/kvfuse/runs/):
   niah_single and niah_multikey at full's numbers; alias 0.56 vs 0.80), at 4K 0.688 vs the located sinks' 0.588 and
   full's 0.825, and kept MuSiQue 11-49 (0.852). Its hop pass (its rows only since step 18) costs 1.16x ProphetKV's
   TTFT at 2K and 1.07x at 4K: the configuration for quality, not the default.
+- the same with no hop pass (step 19, hop_weight=0 with hop_after): the band's top 16 rows and the 12 after each
+  bought first, the rest ranked by the question. Held out RULER 2K 0.850 (alias 0.60), 4K 0.662, MuSiQue 11-49 0.851,
+  at ProphetKV's TTFT (1.01x at 2K and 4K): the configuration to use; not yet the default (every row re-run).
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
