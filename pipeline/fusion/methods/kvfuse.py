@@ -461,10 +461,12 @@ def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int)
 
 
 def rows_after(rows: torch.Tensor, prompt: FusedPrompt, n: int) -> torch.Tensor:
-    """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk."""
-    ends = torch.tensor([end for _, end in prompt.chunk_spans()])[chunk_of(prompt, rows)]     # [r] its chunk's end
-    window = rows[:, None] + torch.arange(n + 1)[None, :]                                  # [r, n + 1]
-    return torch.unique(window[window < ends[:, None]])
+    """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk (span_after's
+    window, spread_after, over the rows marked)."""
+    chunk_rows = all_chunk_rows(prompt)                                                  # [c]
+    marked = torch.zeros(len(chunk_rows))
+    marked[rows - prompt.n_prefix] = 1.0
+    return chunk_rows[spread_after(marked, chunk_of(prompt, chunk_rows), n) > 0]
 
 
 def chunk_spread(mass: torch.Tensor) -> float:
