@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -374,6 +374,16 @@ kvfuse-seeds-after-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SEEDS_AFTER) -o $(KVFUSE_RUNS)/seeds-after-musique.jsonl
 kvfuse-seeds-after-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SEEDS_AFTER),seeds-after)
+# step 19 on the methods sweep's 2WikiMQA and NQ-open questions (settings as kvfuse-located-2wikimqa and -nq), its
+# tables beside the located sinks' rows (`make -j2 kvfuse-seeds-after-qa`)
+kvfuse-seeds-after-qa: kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq
+	for d in 2wikimqa nq; do $(KVF) eval --complete-only $(METHOD_RUNS)/$$d.jsonl.gz $(KVFUSE_RUNS)/located-$$d.jsonl \
+	  $(KVFUSE_RUNS)/seeds-after-$$d.jsonl --out $(KVFUSE_OUT)/seeds-after-$$d || exit 1; done
+kvfuse-seeds-after-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/2wikimqa --neighbours $(NEIGHBOURS) -n $(N) -m $(KVFUSE_SEEDS_AFTER) \
+	  -o $(KVFUSE_RUNS)/seeds-after-2wikimqa.jsonl
+kvfuse-seeds-after-nq: $(WORK)/nq/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_SEEDS_AFTER) -o $(KVFUSE_RUNS)/seeds-after-nq.jsonl
 kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
 	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
 	  $(KVFUSE_RUNS)/key-scale-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/key-scale-ruler
