@@ -124,6 +124,32 @@ def test_versus_adds_a_paired_plot(tiny_bench, tmp_path):
     assert paths[4].stat().st_size > 1000
 
 
+def test_replot_draws_from_the_committed_files_what_the_run_drew(tiny_bench, tmp_path, monkeypatch):
+    """scripts/replot_bench: the plots drawn again from ttft.csv, rounds.csv and ttft.md get the same rows, rounds,
+    device label and --versus as the run's own plots."""
+    from kvf.pipeline.workflows import bench as bench_module
+    from kvf.pipeline.workflows.bench import add_versus, replot
+    from kvf.scripts.replot_bench import main as replot_main
+    drawn = []
+    monkeypatch.setattr(bench_module, "plot_ratio_vs_length", lambda df, path, label: drawn.append(("length", df, label)))
+    monkeypatch.setattr(bench_module, "plot_paired", lambda df, path, versus, label: drawn.append((versus, df, label)))
+    df, _ = tiny_bench
+    write_results(add_versus(df, "cacheblend"), tmp_path, "tiny on cpu", versus="cacheblend")
+    by_run = list(drawn)
+    drawn.clear()
+    assert [p.name for p in replot(tmp_path)] == ["ttft_vs_context.png", "ttft_paired.png"]
+    assert [(kind, label) for kind, _, label in drawn] == [(kind, label) for kind, _, label in by_run] \
+        == [("length", "tiny on cpu"), ("cacheblend", "tiny on cpu")]
+    columns = ["length", "mode", "label", "pipeline", "ratio_auto", "ratio", "ttft_ratio", "vs_ratio", "vs_low", "vs_high"]
+    for (_, got, _), (_, want, _) in zip(drawn, by_run):
+        pd.testing.assert_frame_equal(got[columns].reset_index(drop=True), want[columns].reset_index(drop=True),
+                                      check_dtype=False)
+        assert [len(r) for r in got.round_ttfts] == [len(r) for r in want.round_ttfts]
+        assert [t for r in got.round_ttfts for t in r] == pytest.approx([t for r in want.round_ttfts for t in r])
+    (tmp_path / "rounds.csv").unlink()
+    assert replot_main([str(tmp_path)]) == 1                                   # a folder kvf bench did not write
+
+
 def test_full_prefill_is_timed_even_when_not_named(tmp_path):
     """`kvf bench -m prophetkv,kvfuse` printed '-' in every "x full" cell: nothing divided by full prefill."""
     df = bench(BenchOptions(lengths=[96], chunk_tokens=32, methods=["reuse"], ratios=[0.15], repeats=1,
@@ -354,6 +380,15 @@ def test_a_length_named_twice_is_timed_once():
     assert _ints("256,256,512,256", "--lengths") == [256, 512]
 
 
+def test_a_long_label_is_broken_after_a_knob_into_lines_that_keep_every_character():
+    from kvf.pipeline.workflows.bench import wrapped_label
+    label = "kvfuse [" + ":".join(f"knob_{i}={i * 7}" for i in range(12)) + "]@0.15"
+    lines = wrapped_label(label, width=30).split("\n")
+    assert len(lines) > 1 and max(map(len, lines)) <= 30 and "".join(lines) == label
+    assert all(line.endswith(":") for line in lines[:-1])                      # broken between knobs, never inside
+    assert wrapped_label("kvfuse@0.15", width=30) == "kvfuse@0.15"
+
+
 def test_a_long_legend_label_goes_under_the_axes_and_the_title_stays_on_the_figure(tmp_path):
     """kvfuse's located sinks as a bench entry ('kvfuse [sink_tokens=8:...:locate_to=0.85]@0.15', 72 characters):
     the legend to the right squeezed the axes to a sliver and pushed their title off the figure's left edge.
@@ -361,8 +396,10 @@ def test_a_long_legend_label_goes_under_the_axes_and_the_title_stays_on_the_figu
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from kvf.pipeline.workflows import bench as bench_module
+    seeds_after = ("kvfuse [sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:hop_rows=16:hop_seeds=band:"
+                   "hop_weight=0:hop_after=12]@0.15")
     for label, below in (("kvfuse [sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85]@0.15", True),
-                         ("kvfuse@0.15", False)):
+                         (seeds_after, True), ("kvfuse@0.15", False)):
         fig = Figure(figsize=(7.5, 4.2))
         FigureCanvasAgg(fig)                                                   # a renderer to measure with
         ax = fig.subplots()
@@ -374,4 +411,6 @@ def test_a_long_legend_label_goes_under_the_axes_and_the_title_stays_on_the_figu
         assert (legend.y1 <= axes_box.y0) == below and (legend.x0 >= axes_box.x1) == (not below)
         title = ax.title.get_window_extent(renderer)
         assert title.x0 >= 0 and title.x1 <= fig.bbox.x1                      # the title is on the figure
+        assert legend.x0 >= 0 and legend.x1 <= fig.bbox.x1 and legend.y0 >= 0  # and so is the legend (step 19's
+        # 115-character label ran past both edges)
         assert (tmp_path / "p.png").stat().st_size > 0

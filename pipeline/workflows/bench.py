@@ -650,6 +650,27 @@ def write_results(df: pd.DataFrame, out: Path, device_label: str, command: str =
     return [csv, rounds_csv, md, png, paired_png]
 
 
+def replot(out: Path) -> list[Path]:
+    """The plots of a bench folder drawn again from its ttft.csv, rounds.csv and ttft.md (device label, --versus),
+    with no timing: for a plotting change to reach committed benches."""
+    df = pd.read_csv(out / "ttft.csv")
+    df["ratio_auto"] = df.ratio_auto.astype(bool)   # pandas reads a column of True/False as bool, of blanks as float
+    df["pipeline"] = df.pipeline.astype(bool)
+    rounds = pd.read_csv(out / "rounds.csv").groupby(["length", "mode", "label", "pipeline"]).ttft_ms.apply(list)
+    df["round_ttfts"] = [[t / 1000 for t in rounds.get((r.length, r["mode"], r.label, r.pipeline), [])]
+                         for _, r in df.iterrows()]
+    md = (out / "ttft.md").read_text().splitlines()
+    device_label = md[0].removeprefix("# TTFT vs full prefill (").removesuffix(")")
+    paths = [out / "ttft_vs_context.png"]
+    plot_ratio_vs_length(df, paths[0], device_label)
+    versus = next((line.removeprefix("## Paired with ").removesuffix(", round by round") for line in md
+                   if line.startswith("## Paired with ")), None)
+    if versus and "vs_ratio" in df and df.vs_ratio.notna().any():
+        paths.append(out / "ttft_paired.png")
+        plot_paired(df, paths[1], versus, device_label)
+    return paths
+
+
 def round_rows(df: pd.DataFrame) -> pd.DataFrame:
     """One row per timed request: length, mode, label, pipeline, round (0-based, in time order per entry), ttft_ms."""
     keys = ["length", "mode", "label", "pipeline"]
@@ -759,14 +780,31 @@ def plot_paired(df: pd.DataFrame, path: Path, versus: str, device_label: str) ->
 
 
 LEGEND_RIGHT_CHARS = 40   # longer legend labels go under the axes
+LEGEND_LINE_CHARS = 80    # under the axes, a label is broken after a knob's ":" into lines no longer than this
+
+
+def wrapped_label(label: str, width: int = LEGEND_LINE_CHARS) -> str:
+    """A legend label in lines of at most `width` characters, broken after the ':' between knobs (a label with
+    step 19's five knobs ran past both edges of the figure)."""
+    lines = [""]
+    for part in label.split(":"):
+        piece = part if lines == [""] else ":" + part
+        if lines[-1] and len(lines[-1]) + len(piece) + 1 > width:   # + 1: the ":" a broken line ends with
+            lines[-1] += ":"
+            lines.append(part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
 
 
 def save_with_legend_outside(fig, ax, path: Path) -> None:
     """The bench plots' legend outside the data, then the PNG written atomically: to the right, or under the axes
-    when a label is long (an entry with knobs), where it would squeeze the axes and push the title off the figure."""
-    labels = ax.get_legend_handles_labels()[1]
+    when a label is long (an entry with knobs), where it would squeeze the axes and push the title off the figure;
+    there each label is broken into lines that fit the figure."""
+    handles, labels = ax.get_legend_handles_labels()
     if max(map(len, labels), default=0) > LEGEND_RIGHT_CHARS:
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+        ax.legend(handles, [wrapped_label(label) for label in labels], fontsize=8, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.16), frameon=False)
     else:
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
