@@ -614,6 +614,11 @@ def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     from kvf.scripts.hop_probe import Tracing
     two = FusedPrompt([1, 2], [[3] * 5, [4] * 4], [5, 6])                       # chunk rows 2-6 and 7-10
     assert rows_after(torch.tensor([2, 5, 6, 8]), two, 2).tolist() == [2, 3, 4, 5, 6, 8, 9, 10]
+    # hop_after_crosses: the window runs on into the next chunk (a value cut off at a chunk's end), never into Q
+    assert rows_after(torch.tensor([6]), two, 2).tolist() == [6]
+    assert rows_after(torch.tensor([6]), two, 2, crosses=True).tolist() == [6, 7, 8]
+    assert rows_after(torch.tensor([2, 5, 6, 8]), two, 2, crosses=True).tolist() == list(range(2, 11))
+    assert rows_after(torch.tensor([9]), two, 5, crosses=True).tolist() == [9, 10]          # Q's rows 11-12: no
     engine, prompt, source = tiny_case("llama")
     default = get_method("kvfuse", 0.3).prefill(engine, prompt, source)
     for knobs in ({"hop_weight": 0.0}, {"hop_weight": 1.0, "hop_seeds": "band", "locate_from": 0.6, "locate_to": 0.85}):
@@ -631,6 +636,26 @@ def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     assert no_pass.recomputed_token_layers == default.recomputed_token_layers      # at w = 0 the rows get no pass
     full = get_method("full").prefill(engine, prompt)
     assert logits_gap(get_method("kvfuse", 1.0, hop_rows=2, hop_after=3).prefill(engine, prompt, source), full) <= TOL
+    crossing = get_method("kvfuse", 1.0, hop_rows=2, hop_after=3, hop_after_crosses=True)
+    assert logits_gap(crossing.prefill(engine, prompt, source), full) <= TOL
+
+
+def test_kvfuse_hop_after_crosses_buys_the_next_chunks_first_rows():
+    """hop_after_crosses: a hop row near its chunk's end brings the next chunk's first rows, which hop_after alone
+    leaves to the ranking (the tiny case's seeds are rows 24 and 30; chunk 1 ends at row 27)."""
+    from kvf.pipeline.fusion.methods.kvfuse import rows_after
+    from kvf.scripts.hop_probe import Tracing
+    engine, prompt, source = tiny_case("llama")
+    next_start = prompt.chunk_spans()[2][0]                                      # row 28
+    for knobs in ({"hop_weight": 0.0}, {"hop_weight": 1.0}):
+        traced = Tracing(0.5, hop_rows=2, hop_after=4, hop_after_crosses=True, **knobs)
+        traced.prefill(engine, prompt, source)
+        crossed, within = rows_after(traced.seeds, prompt, 4, crosses=True), rows_after(traced.seeds, prompt, 4)
+        assert set(crossed.tolist()) <= set(traced.selected.tolist()), knobs
+        assert next_start in crossed.tolist() and next_start not in within.tolist(), knobs
+    plain = Tracing(0.5, hop_rows=2, hop_after=4, hop_weight=1.0)
+    plain.prefill(engine, prompt, source)
+    assert next_start not in plain.selected.tolist()                            # bought because the window crossed
 
 
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])

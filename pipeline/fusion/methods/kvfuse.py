@@ -92,7 +92,8 @@ score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
-shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight, hop_after). Budget:
+shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight, hop_after,
+hop_after_crosses). Budget:
 exactly round(ratio x chunk tokens), sinks included; the hop's rows are a pass of their own, outside it (they count
 in recomputed_token_layers).
 """
@@ -201,6 +202,9 @@ class KvFuseKnobs:
                              "first, after the sinks (a fact's value follows the words that find it; at 4K the hop "
                              "bought a needle's words and left its digits stored, to be copied short once the shift "
                              "moved them: results/kvfuse.md, step 18); 0: none", min=0)
+    hop_after_crosses: bool = knob(False, "with hop_after: the window runs on past its chunk's end into the next "
+                                          "chunk's first rows, as the prompt reads (a fact cut by a chunk boundary "
+                                          "opens the next chunk with its value: RULER's boundary task)")
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -231,6 +235,9 @@ class KvFuse(FusionMethod):
             if self.knobs.propagate == "off" or self.knobs.shift_parts == "v":                  # nothing to scale
                 raise KnobError(name, str(getattr(self.knobs, name)).lower(), "scales the keys' shift, and "
                                 "propagate=off or shift_parts=v moves no key; drop one of them")
+        if self.knobs.hop_after_crosses and not self.knobs.hop_after:                  # a window of no rows
+            raise KnobError("hop_after_crosses", "true", "carries hop_after's window past its chunk's end, and "
+                            "hop_after is 0; give hop_after (--hop-after) a count above 0 too")
         for name in changed_knobs(self.knobs, ("hop_weight", "hop_seeds", "hop_after")):   # a part of a hop that never runs
             if not self.knobs.hop_rows:
                 raise KnobError(name, str(getattr(self.knobs, name)), "shapes the second hop, and hop_rows is 0; "
@@ -337,7 +344,8 @@ class KvFuse(FusionMethod):
         if self.knobs.span_after:                                           # a read row brings the rows after it
             scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
         if self.knobs.hop_after:                                            # the hop's rows and what follows them
-            after = rows_after(state.scratch["hop_seeds"], prompt, self.knobs.hop_after) - prompt.n_prefix
+            after = rows_after(state.scratch["hop_seeds"], prompt, self.knobs.hop_after,
+                               self.knobs.hop_after_crosses) - prompt.n_prefix
             scores[after] = torch.finfo(scores.dtype).max                   # next after the sinks
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
         if self.knobs.deviation_share > 0:                                  # then the most moved rows
@@ -460,13 +468,14 @@ def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int)
     return spread
 
 
-def rows_after(rows: torch.Tensor, prompt: FusedPrompt, n: int) -> torch.Tensor:
+def rows_after(rows: torch.Tensor, prompt: FusedPrompt, n: int, crosses: bool = False) -> torch.Tensor:
     """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk (span_after's
-    window, spread_after, over the rows marked)."""
-    chunk_rows = all_chunk_rows(prompt)                                                  # [c]
+    window, spread_after, over the rows marked), or with `crosses` on into the next chunks (never into Q)."""
+    chunk_rows = all_chunk_rows(prompt)                                                  # [c] in prompt order
     marked = torch.zeros(len(chunk_rows))
     marked[rows - prompt.n_prefix] = 1.0
-    return chunk_rows[spread_after(marked, chunk_of(prompt, chunk_rows), n) > 0]
+    window = torch.zeros_like(chunk_rows) if crosses else chunk_of(prompt, chunk_rows)   # [c] one chunk, or each
+    return chunk_rows[spread_after(marked, window, n) > 0]
 
 
 def chunk_spread(mass: torch.Tensor) -> float:
