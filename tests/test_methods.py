@@ -658,6 +658,39 @@ def test_kvfuse_hop_after_crosses_buys_the_next_chunks_first_rows():
     assert next_start not in plain.selected.tolist()                            # bought because the window crossed
 
 
+def test_kvfuse_hop_share_caps_the_windows_best_seed_first():
+    """hop_share < 1: the hop's windows take at most that share of the budget, a row ranked by the best seed whose
+    window holds it (earliest first within a window); the rows they leave are ranked by the question as any other.
+    At ratio 1 it is full prefill."""
+    from kvf.pipeline.fusion.methods.kvfuse import rows_after, window_scores
+    from kvf.scripts.hop_probe import Tracing
+    two = FusedPrompt([1, 2], [[3] * 5, [4] * 4], [5, 6])                       # chunk rows 2-6 and 7-10
+    got = window_scores(torch.tensor([2, 4, 8]), torch.tensor([0.5, 0.2, 0.9]), two, 2)
+    assert got.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.2, 0.2, 0, 0.9, 0.9, 0.9])   # chunk 0 stops row 6's
+    engine, prompt, source = tiny_case("llama")
+    knobs = dict(hop_rows=4, hop_seeds="band", hop_weight=0.0, hop_after=4, locate_from=0.6, locate_to=0.85)
+    budget = recompute_budget(0.5, prompt.n_chunk_tokens)
+    traced = Tracing(0.5, hop_share=0.25, **knobs)
+    traced.prefill(engine, prompt, source)
+    most = recompute_budget(0.25, budget)
+    assert len(rows_after(traced.seeds, prompt, 4)) > most                     # the cap binds here
+    window = window_scores(traced.seeds, traced.band[traced.seeds], prompt, 4)
+    forced = all_chunk_rows(prompt)[torch.argsort(window, descending=True, stable=True)[:most]]
+    assert len(forced) == most and set(forced.tolist()) <= set(traced.selected.tolist())
+    best = int(traced.seeds[torch.argmax(traced.band[traced.seeds])])
+    by_row = dict(zip(all_chunk_rows(prompt).tolist(), window.tolist()))
+    left = set(rows_after(traced.seeds, prompt, 4).tolist()) - set(forced.tolist())
+    assert best in forced.tolist() and min(by_row[r] for r in forced.tolist()) >= max(by_row[r] for r in left)
+    whole = Tracing(0.5, **knobs)                                               # hop_share 1: every window row
+    whole.prefill(engine, prompt, source)
+    assert set(rows_after(whole.seeds, prompt, 4).tolist()) <= set(whole.selected.tolist())
+    dropped = left - set(traced.selected.tolist())                             # capped out, and not ranked in
+    assert dropped and dropped <= set(whole.selected.tolist())
+    full = get_method("full").prefill(engine, prompt)
+    capped = get_method("kvfuse", 1.0, hop_rows=2, hop_weight=0.0, hop_after=3, hop_share=0.5)
+    assert logits_gap(capped.prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

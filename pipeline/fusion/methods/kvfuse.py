@@ -93,7 +93,7 @@ ape_temperature / ape_scale, propagate (off / after / before), propagate_from an
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
 shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight, hop_after,
-hop_after_crosses). Budget:
+hop_after_crosses, hop_share). Budget:
 exactly round(ratio x chunk tokens), sinks included; the hop's rows are a pass of their own, outside it (they count
 in recomputed_token_layers).
 """
@@ -205,6 +205,10 @@ class KvFuseKnobs:
     hop_after_crosses: bool = knob(False, "with hop_after: the window runs on past its chunk's end into the next "
                                           "chunk's first rows, as the prompt reads (a fact cut by a chunk boundary "
                                           "opens the next chunk with its value: RULER's boundary task)")
+    hop_share: float = knob(1.0, "with hop_after: the most of the budget that the hop's rows and the rows after them "
+                                 "take, the best-ranked rows' windows first; 1: all of them (at NQ's 90-row budget "
+                                 "step 19's 16 windows of 13 rows took the whole budget: results/kvfuse.md, step 20)",
+                            min=0.0, max=1.0)
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -235,9 +239,10 @@ class KvFuse(FusionMethod):
             if self.knobs.propagate == "off" or self.knobs.shift_parts == "v":                  # nothing to scale
                 raise KnobError(name, str(getattr(self.knobs, name)).lower(), "scales the keys' shift, and "
                                 "propagate=off or shift_parts=v moves no key; drop one of them")
-        if self.knobs.hop_after_crosses and not self.knobs.hop_after:                  # a window of no rows
-            raise KnobError("hop_after_crosses", "true", "carries hop_after's window past its chunk's end, and "
-                            "hop_after is 0; give hop_after (--hop-after) a count above 0 too")
+        for name in changed_knobs(self.knobs, ("hop_after_crosses", "hop_share")):     # a window of no rows
+            if not self.knobs.hop_after:
+                raise KnobError(name, str(getattr(self.knobs, name)).lower(), "shapes hop_after's windows, and "
+                                "hop_after is 0; give hop_after (--hop-after) a count above 0 too")
         for name in changed_knobs(self.knobs, ("hop_weight", "hop_seeds", "hop_after")):   # a part of a hop that never runs
             if not self.knobs.hop_rows:
                 raise KnobError(name, str(getattr(self.knobs, name)), "shapes the second hop, and hop_rows is 0; "
@@ -344,8 +349,7 @@ class KvFuse(FusionMethod):
         if self.knobs.span_after:                                           # a read row brings the rows after it
             scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
         if self.knobs.hop_after:                                            # the hop's rows and what follows them
-            after = rows_after(state.scratch["hop_seeds"], prompt, self.knobs.hop_after,
-                               self.knobs.hop_after_crosses) - prompt.n_prefix
+            after = self.hop_windows(state, budget) - prompt.n_prefix
             scores[after] = torch.finfo(scores.dtype).max                   # next after the sinks
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
         if self.knobs.deviation_share > 0:                                  # then the most moved rows
@@ -382,11 +386,27 @@ class KvFuse(FusionMethod):
 
     def hop_seeds(self, state: FusionState) -> torch.Tensor:
         """[h] sorted: the question's top hop_rows chunk rows, by the attention hop_seeds names (pass 1's)."""
+        chunk_rows = all_chunk_rows(state.prompt)
+        return top_rows(self.seed_scores(state)[chunk_rows], chunk_rows, self.knobs.hop_rows)   # h <= chunk rows
+
+    def seed_scores(self, state: FusionState) -> torch.Tensor:
+        """[n] the question's attention that ranks the hop's rows: the locate band's or the scored layers' mean."""
         n_layers = state.cache.kv.shape[0]
         seeding = self.locate_layers(n_layers) if self.knobs.hop_seeds == "band" else self.scored_layers(n_layers)
-        scores = self.recorded_mean(state, seeding)                                    # [n]
-        chunk_rows = all_chunk_rows(state.prompt)
-        return top_rows(scores[chunk_rows], chunk_rows, self.knobs.hop_rows)         # h <= chunk rows
+        return self.recorded_mean(state, seeding)
+
+    def hop_windows(self, state: FusionState, budget: int) -> torch.Tensor:
+        """[m] sorted: the hop's rows and the hop_after rows after each; with hop_share below 1 at most that share
+        of the budget, a row ranked by the best seed whose window holds it, and within a window the earliest
+        first (the seed's words, then what follows them)."""
+        seeds, prompt, n_after = state.scratch["hop_seeds"], state.prompt, self.knobs.hop_after
+        if self.knobs.hop_share == 1.0:
+            return rows_after(seeds, prompt, n_after, self.knobs.hop_after_crosses)
+        weights = self.seed_scores(state)[seeds].float().cpu().clamp_min(torch.finfo(torch.float32).tiny)  # [h] > 0
+        window = window_scores(seeds, weights, prompt, n_after, self.knobs.hop_after_crosses)     # [c]
+        most = min(recompute_budget(self.knobs.hop_share, budget), int((window > 0).sum()))
+        ranked = torch.argsort(window, descending=True, stable=True)[:most]   # a window's rows: its earliest first
+        return torch.sort(all_chunk_rows(prompt)[ranked]).values
 
     def end_hop(self, state: FusionState) -> torch.Tensor:
         """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
@@ -469,13 +489,20 @@ def spread_after(scores: torch.Tensor, chunk_of_row: torch.Tensor, n_after: int)
 
 
 def rows_after(rows: torch.Tensor, prompt: FusedPrompt, n: int, crosses: bool = False) -> torch.Tensor:
-    """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk (span_after's
-    window, spread_after, over the rows marked), or with `crosses` on into the next chunks (never into Q)."""
+    """[r] chunk rows -> [m] sorted and distinct: each row and the n rows after it, within its chunk, or with
+    `crosses` on into the next chunks (never into Q)."""
+    return all_chunk_rows(prompt)[window_scores(rows, torch.ones(len(rows)), prompt, n, crosses) > 0]
+
+
+def window_scores(rows: torch.Tensor, weights: torch.Tensor, prompt: FusedPrompt, n: int,
+                  crosses: bool = False) -> torch.Tensor:
+    """[r] chunk rows, [r] their weights (> 0) -> [c] per chunk row the best weight of a marked row at most n rows
+    before it (span_after's window, spread_after), within its chunk or, with `crosses`, across; 0 outside."""
     chunk_rows = all_chunk_rows(prompt)                                                  # [c] in prompt order
     marked = torch.zeros(len(chunk_rows))
-    marked[rows - prompt.n_prefix] = 1.0
+    marked[rows - prompt.n_prefix] = weights
     window = torch.zeros_like(chunk_rows) if crosses else chunk_of(prompt, chunk_rows)   # [c] one chunk, or each
-    return chunk_rows[spread_after(marked, window, n) > 0]
+    return spread_after(marked, window, n)
 
 
 def chunk_spread(mass: torch.Tensor) -> float:
