@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -390,6 +390,15 @@ kvfuse-seeds-after-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
 	  -o $(KVFUSE_RUNS)/seeds-after-2wikimqa.jsonl
 kvfuse-seeds-after-nq: $(WORK)/nq/questions.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_SEEDS_AFTER) -o $(KVFUSE_RUNS)/seeds-after-nq.jsonl
+# step 20 on NQ-open: hop_share on the 50 questions whose loss it answers (0-49, beside step 19's rows), then held out on
+# 50 fresh ones (50-99) with full prefill, the default, the located sinks and step 19 beside it (`make kvfuse-share-nq`)
+kvfuse-share-nq: $(WORK)/nq/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_SHARE) -o $(KVFUSE_RUNS)/share-nq.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq --offset $(N_NQ) -n $(N_NQ) \
+	  -m full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_SHARE) -o $(KVFUSE_RUNS)/share-nq-heldout.jsonl
+	$(KVF) eval --complete-only $(METHOD_RUNS)/nq.jsonl.gz $(KVFUSE_RUNS)/located-nq.jsonl $(KVFUSE_RUNS)/seeds-after-nq.jsonl \
+	  $(KVFUSE_RUNS)/share-nq.jsonl --out $(KVFUSE_OUT)/share-nq
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/share-nq-heldout.jsonl --out $(KVFUSE_OUT)/share-nq-heldout
 kvfuse-key-scale: $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),kvfuse-key-scale-ruler-2048-$(seed))
 	$(KVF) eval --complete-only $(foreach seed,$(KVFUSE_SPREAD_RULER_SEEDS),$(KVFUSE_RUNS)/spread-ruler-2048-s$(seed).jsonl \
 	  $(KVFUSE_RUNS)/key-scale-ruler-2048-s$(seed).jsonl) --out $(KVFUSE_OUT)/key-scale-ruler
