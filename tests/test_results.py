@@ -416,3 +416,31 @@ def test_a_stale_eval_folder_names_the_command_that_remakes_it(tmp_path, monkeyp
     report = []
     verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
     assert report == []
+
+
+def test_same_answers_counts_the_questions_two_configurations_answer_alike(tmp_path, capsys):
+    """scripts/same_answers: the "N of M answers changed" results/kvfuse.md quotes, from the run files; a
+    configuration with no records is refused in one line naming those there are."""
+    from kvf.scripts import same_answers
+
+    def rec(qid, method, answer, ratio=0.15, label=None):
+        return {"qid": qid, "dataset": "toy", "method": method, "label": label,
+                "settings": {"ratio": 1.0 if method == "full" else ratio, "variant": "fusion", "top_k": 4,
+                             "chunk_tokens": 100},
+                "chunk_ids": ["c1"], "question": f"question {qid}", "answer": answer, "gold": ["x"],
+                "prompt_tokens": 500, "chunk_tokens": 400, "recomputed_tokens": 60,
+                "timings": {"load": 0.1, "select": 0.0, "recompute": 0.2, "first_token": 1.0, "decode": 0.5}}
+    run = tmp_path / "r.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in [
+        rec("q1", "full", "Paris"), rec("q2", "full", "Rome"), rec("q3", "full", "Oslo"),
+        rec("q1", "kvfuse", "Paris"), rec("q2", "kvfuse", "Milan"),
+        rec("q1", "kvfuse", "Paris", label="sink_tokens=8"), rec("q2", "kvfuse", "Rome", label="sink_tokens=8"),
+        rec("q3", "kvfuse", "Oslo", label="sink_tokens=8")]))
+    assert same_answers.main([str(run), "--a", "kvfuse@0.15", "--b", "kvfuse@0.15:sink_tokens=8"]) == 0
+    assert capsys.readouterr().out.strip() == "2 questions answered by both; same answers: 1; changed: 1"
+    assert same_answers.main([str(run), "--a", "full", "--b", "kvfuse@0.15:sink_tokens=8"]) == 0
+    assert capsys.readouterr().out.strip() == "3 questions answered by both; same answers: 3; changed: 0"
+    assert same_answers.main([str(run), "--a", "kvfuse@0.3", "--b", "full"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --a kvfuse@0.3: no records of it in") and "kvfuse@0.15:sink_tokens=8" in err
+    assert len(err.splitlines()) == 1
