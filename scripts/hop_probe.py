@@ -170,9 +170,10 @@ def report(table: pd.DataFrame, args) -> str:
                 + (f"{int(split.cut.sum())} of {int(group.cut.sum())} | {group.correct.mean():.2f} |" if answered else "— | — |"))
     header = ["| data | task | entry | n | band hits | seeds in facts | hop's attention on facts | budget in facts | "
               "chance | number split | cut copies: split of all | accuracy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines = ["# Where the second hop puts the budget (kvfuse step 18)", "",
-             f"Made by `make kvfuse-hop-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.hop_probe "
-             f"--data {' '.join(str(d) for d in args.data)}`, with the entries below as --methods).  ",
+    lines = ["# Where kvfuse's hop rows put the budget (kvfuse steps 18 and 20)", "",
+             f"Made by `python -m kvf.scripts.hop_probe --data {' '.join(str(d) for d in args.data)} --out {args.out}` "
+             f"with the entries below as --methods (`make kvfuse-hop-probe` or `make kvfuse-crosses-probe`) at commit "
+             f"{git_commit() or 'unknown'}.  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(table.dataset.unique())}; n = {table.qid.nunique()}); each entry's passes over the stored "
              f"`fusion` variant at {args.ratio:.0%}, to the first token. Shares are means over samples; `band hits` "

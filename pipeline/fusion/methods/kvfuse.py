@@ -83,7 +83,12 @@ later questions, results/kvfuse/runs/):
   TTFT at 2K and 1.07x at 4K: the configuration for quality, not the default.
 - the same with no hop pass (step 19, hop_weight=0 with hop_after): the band's top 16 rows and the 12 after each
   bought first, the rest ranked by the question. Held out RULER 2K 0.850 (alias 0.60), 4K 0.662, MuSiQue 11-49 0.851,
-  at ProphetKV's TTFT (1.01x at 2K and 4K): the configuration to use; not yet the default (every row re-run).
+  at ProphetKV's TTFT (1.01x at 2K and 4K): the configuration to use on long prompts; not the default, since on
+  NQ-open's short prompts its windows take the whole budget (0.560 vs the located sinks' 0.658 on 0-49, 0.538 vs
+  0.572 on 50-99; 2WikiMQA 0.878 vs 0.886).
+- step 19's windows run on into the next chunk (step 20a, hop_after_crosses): RULER dev 4K unchanged (0.800); the
+  dev `boundary` misses get their number recomputed and stay wrong. Held to half the budget (step 20b, hop_share=0.5):
+  every RULER and MuSiQue dev answer kept, NQ 0-49 0.648, but held out on NQ 50-99 0.525. Neither kept.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
