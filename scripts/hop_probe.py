@@ -42,10 +42,9 @@ from kvf.pipeline.fusion.methods.base import all_chunk_rows, chunk_attention  # 
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_of  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
-from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
 from kvf.pipeline.workflows.run import MethodSpec, parse_method_spec  # noqa: E402
 from kvf.scripts.copy_probe import cut_copy, value_rows  # noqa: E402
-from kvf.scripts.locate_probe import all_built, fact_prompts, probe_parser, replotted, saved  # noqa: E402
+from kvf.scripts.locate_probe import all_built, fact_prompts, made_by, probe_parser, replotted, saved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,9 +170,8 @@ def report(table: pd.DataFrame, args) -> str:
     header = ["| data | task | entry | n | band hits | seeds in facts | hop's attention on facts | budget in facts | "
               "chance | number split | cut copies: split of all | accuracy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = ["# Where kvfuse's hop rows put the budget (kvfuse steps 18 and 20)", "",
-             f"Made by `python -m kvf.scripts.hop_probe --data {' '.join(str(d) for d in args.data)} --out {args.out}` "
-             f"with the entries below as --methods (`make kvfuse-hop-probe` or `make kvfuse-crosses-probe`) at commit "
-             f"{git_commit() or 'unknown'}.  ",
+             made_by("hop_probe", args, "the entries below as --methods; `make kvfuse-hop-probe` or "
+                     "`make kvfuse-crosses-probe`") + "  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(table.dataset.unique())}; n = {table.qid.nunique()}); each entry's passes over the stored "
              f"`fusion` variant at {args.ratio:.0%}, to the first token. Shares are means over samples; `band hits` "

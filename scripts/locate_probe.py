@@ -165,11 +165,16 @@ def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
     plt.close(fig)
 
 
+def made_by(prog: str, args, targets: str) -> str:
+    """A probe report's provenance line: the command that made it (with the make targets that run it) and the commit."""
+    return (f"Made by `python -m kvf.scripts.{prog} --data {' '.join(str(d) for d in args.data)} --out {args.out}` "
+            f"({targets}) at commit {git_commit() or 'unknown'}.")
+
+
 def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
     """Markdown: per dataset and task, hits of the layer average, the band, and the best single layers."""
-    lines = ["# Which layers find the fact's chunk (kvfuse step 10)", "",
-             f"Made by `make kvfuse-locate-probe` at commit {git_commit() or 'unknown'} (`python -m kvf.scripts.locate_probe "
-             f"--data {' '.join(str(d) for d in args.data)}`).  ",
+    lines = ["# Which layers find the fact's chunk (kvfuse steps 10 and 21)", "",
+             made_by("locate_probe", args, "`make kvfuse-locate-probe` or `make kvfuse-locate-probe-4096`") + "  ",
              f"Conditions: {', '.join(sorted(hits.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(sorted(hits.dataset.unique()))}; n = {hits.qid.nunique()}); kvfuse's pass 1 over the stored "
              f"`fusion` variant at {args.ratio:.0%}. A hit: the chunk with the most question attention (summed over its "
