@@ -26,7 +26,7 @@ from rich.progress import track
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvf.errors import KvfError  # noqa: E402
+from kvf.errors import KvfError, counted  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.files import write_atomic  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
@@ -156,7 +156,7 @@ def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("samples whose most attended\nchunk holds the fact (share)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{', '.join(sorted(table.model.unique()))}, RULER-style samples of {table.dataset.nunique()} sets "
+    ax.set_title(f"{', '.join(sorted(table.model.unique()))}, RULER-style samples of {counted(table.dataset.nunique(), 'set')} "
                  f"(n = {n}):\n"
                  "where the question's attention points, layer by layer", fontsize=9)
     ax.legend(fontsize=7, ncol=3, loc="upper left", frameon=False)
