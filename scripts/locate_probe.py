@@ -168,7 +168,7 @@ def plot(table: pd.DataFrame, band: list[int], out: Path) -> None:
 def made_by(prog: str, args, targets: str) -> str:
     """A probe report's provenance line: the command that made it (with the make targets that run it) and the commit."""
     return (f"Made by `python -m kvf.scripts.{prog} --data {' '.join(str(d) for d in args.data)} --out {args.out}` "
-            f"({targets}) at commit {git_commit() or 'unknown'}.")
+            f"at commit {git_commit() or 'unknown'} ({targets}).")
 
 
 def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
