@@ -607,6 +607,25 @@ def test_the_hop_probe_traces_the_rows_kvfuse_recomputes():
     assert mass_on(scores, prompt, {2}) == pytest.approx(0.75)
 
 
+def test_the_read_probe_records_the_last_pass_and_at_ratio_1_it_is_full_prefills_read():
+    """scripts/read_probe.py: the question's attention in kvfuse's last pass; at ratio 1 every chunk row is recomputed,
+    so it must be what one pass computing every row from scratch (full prefill) records, layer by layer."""
+    from kvf.scripts.read_probe import Reading
+    engine, prompt, source = tiny_case("llama")
+    L = engine.model.n_layers
+    full = engine.start(prompt, source, FusionPlan(all_chunk_rows(prompt)))
+    for layer in range(L):
+        engine.step(full, layer, record_query_attention=True)
+    want = torch.stack(full.query_attention)                                    # [L, n]
+    at_one = Reading(1.0, sink_tokens=2, sinks_after_top=1, locate_from=0.6, locate_to=0.85)
+    at_one.prefill(engine, prompt, source)
+    assert at_one.read.shape == (L, prompt.n_tokens)
+    torch.testing.assert_close(at_one.read, want.float(), atol=1e-5, rtol=1e-4)
+    partial = Reading(0.3)
+    partial.prefill(engine, prompt, source)
+    assert not torch.allclose(partial.read, want.float(), atol=1e-5, rtol=1e-4)  # 30%: another cache, another read
+
+
 def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     """hop_after=N: each of the hop's rows and the N rows after it in its chunk are bought first, after the sinks;
     the window stops at its chunk's end. At ratio 1 it is full prefill."""
