@@ -190,20 +190,28 @@ def report(table: pd.DataFrame, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = probe_parser("hop_probe", __doc__, "prepared RULER-style datasets, built", "hop-probe.md")
+    return kvfuse_probe_main("hop_probe", __doc__, "hop-probe.md", Tracing, traced, plot, report, argv)
+
+
+def kvfuse_probe_main(prog: str, doc: str, out_name: str, method_cls, run_one, plot, report,
+                      argv: list[str] | None = None) -> int:
+    """A probe of kvfuse entries over prepared RULER-style datasets: --data, --methods, --runs (one per dataset) and
+    --replot checked (one line each), then run_one(data, specs, ratio, runs) per dataset, the table saved as
+    .csv, .png (plot) and .md (report); 0, or 1 / 2 with one line on stderr."""
+    p = probe_parser(prog, doc, "prepared RULER-style datasets, built", out_name)
     p.add_argument("--methods", nargs="+", help="kvfuse entries as kvf run -m takes them (kvfuse:KNOB=VALUE...)")
     p.add_argument("--runs", type=Path, nargs="+", help="run files of those datasets, in order (accuracy joined)")
     args = p.parse_args(argv)
     if args.replot:
-        return replotted("hop_probe", args, plot)
+        return replotted(prog, args, plot)
     if not args.data or not args.methods:
-        print("hop_probe: error: pass --data DIR... and --methods ENTRY..., or --replot", file=sys.stderr)
+        print(f"{prog}: error: pass --data DIR... and --methods ENTRY..., or --replot", file=sys.stderr)
         return 2
     if args.runs and len(args.runs) != len(args.data):
-        print(f"hop_probe: error: --runs: {len(args.runs)} files for {len(args.data)} --data folders; give one run "
+        print(f"{prog}: error: --runs: {len(args.runs)} files for {len(args.data)} --data folders; give one run "
               "file per dataset, in the same order", file=sys.stderr)
         return 2
-    if not all_built("hop_probe", args.data):
+    if not all_built(prog, args.data):
         return 1
     torch.set_num_threads(1)
     try:
@@ -212,14 +220,13 @@ def main(argv: list[str] | None = None) -> int:
             if spec.name != "kvfuse" or spec.variant not in (None, "fusion"):
                 raise KvfError(f"--methods {spec.text}: the probe traces kvfuse on the fusion variant; give kvfuse:KNOB=VALUE...")
             with spec.names_its_knobs():
-                Tracing(args.ratio, **spec.knobs)                # a refused knob: one line, before any work
+                method_cls(args.ratio, **spec.knobs)                  # a refused knob: one line, before any work
         runs = args.runs or [None] * len(args.data)
-        table = pd.concat([traced(d, specs, args.ratio, r) for d, r in zip(args.data, runs)])
+        table = pd.concat([run_one(d, specs, args.ratio, r) for d, r in zip(args.data, runs)])
     except KvfError as e:
-        print(f"hop_probe: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     return saved(table, args, plot, report)
-
 
 if __name__ == "__main__":
     sys.exit(main())

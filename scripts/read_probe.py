@@ -26,14 +26,12 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvf.errors import KvfError  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
-from kvf.pipeline.workflows.run import parse_method_spec  # noqa: E402
-from kvf.scripts.hop_probe import answers, mass_on  # noqa: E402
-from kvf.scripts.locate_probe import all_built, fact_prompts, made_by, probe_parser, replotted, saved  # noqa: E402
+from kvf.scripts.hop_probe import answers, kvfuse_probe_main, mass_on  # noqa: E402
+from kvf.scripts.locate_probe import fact_prompts, made_by  # noqa: E402
 
 FULL = "full prefill"
 
@@ -116,36 +114,7 @@ def report(table: pd.DataFrame, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = probe_parser("read_probe", __doc__, "prepared RULER-style datasets, built", "read-probe.md")
-    p.add_argument("--methods", nargs="+", help="kvfuse entries as kvf run -m takes them (kvfuse:KNOB=VALUE...)")
-    p.add_argument("--runs", type=Path, nargs="+", help="run files of those datasets, in order (accuracy joined)")
-    args = p.parse_args(argv)
-    if args.replot:
-        return replotted("read_probe", args, plot)
-    if not args.data or not args.methods:
-        print("read_probe: error: pass --data DIR... and --methods ENTRY..., or --replot", file=sys.stderr)
-        return 2
-    if args.runs and len(args.runs) != len(args.data):
-        print(f"read_probe: error: --runs: {len(args.runs)} files for {len(args.data)} --data folders; give one run "
-              "file per dataset, in the same order", file=sys.stderr)
-        return 2
-    if not all_built("read_probe", args.data):
-        return 1
-    torch.set_num_threads(1)
-    try:
-        specs = [parse_method_spec(text) for text in args.methods]
-        for spec in specs:
-            if spec.name != "kvfuse" or spec.variant not in (None, "fusion"):
-                raise KvfError(f"--methods {spec.text}: the probe reads kvfuse on the fusion variant; give kvfuse:KNOB=VALUE...")
-            with spec.names_its_knobs():
-                Reading(args.ratio, **spec.knobs)                       # a refused knob: one line, before any work
-        runs = args.runs or [None] * len(args.data)
-        table = pd.concat([read(d, specs, args.ratio, r) for d, r in zip(args.data, runs)])
-    except KvfError as e:
-        print(f"read_probe: error: {e}", file=sys.stderr)
-        return 1
-    return saved(table, args, plot, report)
-
+    return kvfuse_probe_main("read_probe", __doc__, "read-probe.md", Reading, read, plot, report, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -348,8 +348,10 @@ def test_the_spread_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "s.md").exists()
 
 
-def test_the_hop_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
-    from kvf.scripts import hop_probe
+@pytest.mark.parametrize("probe", ["hop_probe", "read_probe"])
+def test_the_hop_and_read_probes_refuse_bad_input_in_one_line(tmp_path, capsys, probe):
+    import importlib
+    script = importlib.import_module(f"kvf.scripts.{probe}")
     out = ["--out", str(tmp_path / "h.md")]
     built = tmp_path / "built"
     (built / "workspace").mkdir(parents=True)
@@ -361,9 +363,9 @@ def test_the_hop_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
                               (["--data", str(built), "--methods", "kvfuse:hop_weight=1"], 1, "hop_rows"),
                               (["--data", str(built), "--methods", "kvfuse:hops=2"], 1, "no knob 'hops'"),
                               (["--replot"], 1, "h.csv")):
-        assert hop_probe.main([*argv, *out]) == code
+        assert script.main([*argv, *out]) == code
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("hop_probe: error: ") and named in err, err
+        assert err.count("\n") == 1 and err.startswith(f"{probe}: error: ") and named in err, err
     assert not (tmp_path / "h.md").exists()
 
 
