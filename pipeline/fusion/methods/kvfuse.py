@@ -91,6 +91,8 @@ later questions, results/kvfuse/runs/):
   every RULER and MuSiQue dev answer kept, NQ 0-49 0.648, but held out on NQ 50-99 0.525. Neither kept.
 - step 19 located by layer 18 alone (step 21, locate_to=0.62; at 4K it finds the fact's chunk in 39 of 40 dev samples,
   the band in 19): RULER dev 2K 0.875, 4K 0.825 (one sample each over step 19), MuSiQue dev 0.953 (0.974). Not held out.
+- where the question reads in the pass that makes the first token (step 22, scripts/read_probe.py): at 4K step 19's
+  read of the fact chunks is full prefill's (0.54 vs 0.51 at layer 18); the answers part later, in decoding.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
