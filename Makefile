@@ -207,11 +207,12 @@ KVFUSE_RUN_AT = $(KVF) run -r 0.15 --max-new-tokens 12 --no-show-answers
 KVFUSE_RUN = $(KVFUSE_RUN_AT) -d $(WORK)/musique --neighbours 3
 kvfuse-dev: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) -n $(KVFUSE_DEV_N) -m "$(KVFUSE_ABLATION)" -o $(KVFUSE_RUNS)/dev-musique.jsonl
-# the RULER dev split at LENGTH ($(1)) with the configurations $(2), into dev-ruler-LENGTH.jsonl
+# the RULER dev split at LENGTH ($(1)) with the configurations $(2), into dev-ruler-LENGTH.jsonl.gz (a resumable
+# sweep: the 2K file passed 5 MB plain)
 define ruler_dev
 	dir=$(WORK)/ruler-$(1)-s$(KVFUSE_RULER_DEV_SEED); [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $(1) \
 	  --n $(RULER_N) --seed $(KVFUSE_RULER_DEV_SEED) --tasks $(RULER_TASKS) --out $$dir || exit 1; \
-	$(KVF) run -d $$dir -m $(2) -r 0.15 --max-new-tokens 32 --no-show-answers -o $(KVFUSE_RUNS)/dev-ruler-$(1).jsonl
+	$(call resumable_sweep,dev-ruler-$(1),-d $$dir -m $(2) -r 0.15 --max-new-tokens 32 --no-show-answers,$(KVF) run,$(KVFUSE_RUNS))
 endef
 kvfuse-ruler-dev: | setup
 	$(call ruler_dev,2048,$(KVFUSE_RULER_DEV))
@@ -219,7 +220,7 @@ kvfuse-ruler-dev: | setup
 KVFUSE_RULER_DEV_4K ?= full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT),$(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band,$(KVFUSE_HOP_AFTER),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_CROSSES),$(KVFUSE_SHARE),$(KVFUSE_SEEDS_L18)
 kvfuse-ruler-dev-4096: | setup
 	$(call ruler_dev,4096,$(KVFUSE_RULER_DEV_4K))
-	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-4096.jsonl --out $(KVFUSE_OUT)/dev-ruler-4096
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz --out $(KVFUSE_OUT)/dev-ruler-4096
 kvfuse-test: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 100 -n 15 -m $(KVFUSE_HELDOUT_A) -o $(KVFUSE_RUNS)/test-musique.jsonl
 	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n $(KVFUSE_TEST_N) -m $(KVFUSE_BASELINES) -o $(KVFUSE_RUNS)/test-b-musique.jsonl
@@ -411,21 +412,21 @@ kvfuse-key-scale-ruler-%: | setup   # % = LENGTH-SEED
 KVFUSE_HOP_PROBE ?= kvfuse $(KVFUSE_LOCATED_SINKS) $(KVFUSE_HOP_KEPT) $(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band $(KVFUSE_HOP_AFTER)
 kvfuse-hop-probe: | setup
 	$(PY) -m kvf.scripts.hop_probe --data $(foreach n,2048 4096,$(WORK)/ruler-$(n)-s$(KVFUSE_RULER_DEV_SEED)) \
-	  --runs $(foreach n,2048 4096,$(KVFUSE_RUNS)/dev-ruler-$(n).jsonl) --methods $(KVFUSE_HOP_PROBE) --out $(KVFUSE_OUT)/hop-probe.md
+	  --runs $(foreach n,2048 4096,$(KVFUSE_RUNS)/dev-ruler-$(n).jsonl.gz) --methods $(KVFUSE_HOP_PROBE) --out $(KVFUSE_OUT)/hop-probe.md
 # step 20a's diagnosis: on the 4K dev split, whether step 19's windows run on past a chunk's end buy the gold number
 # (value_recomputed) and find its chunk (band_hit), sample by sample beside each answer (results/kvfuse/crosses-probe.md)
 kvfuse-crosses-probe: | setup
-	$(PY) -m kvf.scripts.hop_probe --data $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) --runs $(KVFUSE_RUNS)/dev-ruler-4096.jsonl \
+	$(PY) -m kvf.scripts.hop_probe --data $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) --runs $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz \
 	  --methods $(KVFUSE_SEEDS_AFTER) $(KVFUSE_CROSSES) --out $(KVFUSE_OUT)/crosses-probe.md
 # step 22's diagnosis: on the 4K dev split, where the question reads in step 19's last pass, the pass that makes the
 # first token, against full prefill's read (results/kvfuse/read-probe.md)
 kvfuse-read-probe: | setup
-	$(PY) -m kvf.scripts.read_probe --data $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) --runs $(KVFUSE_RUNS)/dev-ruler-4096.jsonl \
+	$(PY) -m kvf.scripts.read_probe --data $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) --runs $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz \
 	  --methods $(KVFUSE_SEEDS_AFTER) --out $(KVFUSE_OUT)/read-probe.md
 # step 14's diagnosis: how evenly each dev question's attention reads its chunks (the spread shift_max_spread gates by)
 kvfuse-spread-probe: | setup
 	$(PY) -m kvf.scripts.spread_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/musique \
-	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/spread.md
+	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/spread.md
 # full prefill's whole answer teacher-forced over each cache (answer_kl / answer_agree, kvf run --compare-full) on the
 # methods sweep's MuSiQue questions 0-49 at 15%: can the finer measure tell apart what answer F1 could not? Two halves side by side
 KVFUSE_ANSWER_KL ?= prophetkv,fusionrag,kvfuse,kvfuse:propagate=off:propagate_from=0,$(KVFUSE_LOCATED_SINKS),kvfuse:shift_parts=k,kvfuse:shift_parts=v,kvfuse:shift_parts=k:propagate_from=0.6,kvfuse:key_shift_scale=0.5,kvfuse:key_shift_scale=0.25,kvfuse:key_shift_by_attention=true
@@ -566,7 +567,7 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
 kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
-	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl --out $(KVFUSE_OUT)/dev-ruler
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  --out $(KVFUSE_OUT)/heldout-musique
 

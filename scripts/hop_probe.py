@@ -3,7 +3,7 @@ step 17's hop (hop_rows=16, seeded by the locate band, ranking alone) with the l
 0.825 against the located sinks' 0.775, and at 4K 0.500 against their 0.588.
 
     python -m kvf.scripts.hop_probe --data work/ruler-2048-s99 work/ruler-4096-s99 \
-        --runs results/kvfuse/runs/dev-ruler-2048.jsonl results/kvfuse/runs/dev-ruler-4096.jsonl \
+        --runs results/kvfuse/runs/dev-ruler-2048.jsonl.gz results/kvfuse/runs/dev-ruler-4096.jsonl.gz \
         --methods kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85 ... \
         --out results/kvfuse/hop-probe.md                      # .csv and .png beside it
     python -m kvf.scripts.hop_probe --replot --out results/kvfuse/hop-probe.md   # the .png again, from the .csv

@@ -2,7 +2,7 @@
 step 19's budget finds the fact's chunk and buys its number (steps 20a and 21), and its answers still trail full
 prefill's.
 
-    python -m kvf.scripts.read_probe --data work/ruler-4096-s99 --runs results/kvfuse/runs/dev-ruler-4096.jsonl \\
+    python -m kvf.scripts.read_probe --data work/ruler-4096-s99 --runs results/kvfuse/runs/dev-ruler-4096.jsonl.gz \\
         --methods kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:... \\
         --out results/kvfuse/read-probe.md                     # .csv and .png beside it
     python -m kvf.scripts.read_probe --replot --out results/kvfuse/read-probe.md

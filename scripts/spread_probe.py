@@ -3,7 +3,7 @@ shift that helps MuSiQue's questions (step 3) breaks RULER's copies (step 13), a
 dev splits is how evenly the question reads the chunks, which `kvfuse:shift_max_spread` gates the shift by.
 
     python -m kvf.scripts.spread_probe --data work/ruler-2048-s99 work/musique \
-        --runs results/kvfuse/runs/dev-ruler-2048.jsonl results/kvfuse/runs/dev-musique.jsonl \
+        --runs results/kvfuse/runs/dev-ruler-2048.jsonl.gz results/kvfuse/runs/dev-musique.jsonl \
         --out results/kvfuse/spread.md                       # .csv and .png beside it
     python -m kvf.scripts.spread_probe --replot --out results/kvfuse/spread.md   # the .png again, from the .csv
 
