@@ -90,35 +90,41 @@ def answers(runs: Path | None) -> dict:
             for r in read_records(runs)}
 
 
-def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None) -> pd.DataFrame:
-    """One row per (sample, entry) of a prepared, built RULER-style dataset: what ranked the budget, see the doc."""
+def probed_samples(data: Path, runs: Path | None, description: str):
+    """Each sample of a prepared, built RULER-style dataset as `kvf run` lays it out, with the open session and the
+    run file's answers (answers()): (session, answered, question, its chunks, its prompt, its fact chunks)."""
     questions, _ = load_prepared(data)
     answered = answers(runs)
-    rows = []
     with WorkspaceSession(data / "workspace") as ws:
-        s = ws.session
-        for q, chunks, prompt, facts in fact_prompts(data, s, questions, f"{data.name}: kvfuse to the first token"):
-            chance = in_facts(all_chunk_rows(prompt), prompt, facts)
-            value = value_rows([s.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
-            if value is None:
-                raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
-            value = torch.tensor(value)                                               # [v] the number's rows
-            for spec in specs:
-                method = Tracing(ratio, **spec.knobs)
-                s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
-                band_mass = chunk_attention(method.band, prompt)                     # [C]
-                hopped = method.seeds is not None
-                hop_attention = mass_on(method.hop, prompt, facts) if method.hop is not None else float("nan")
-                value_recomputed = float(torch.isin(value, method.selected).float().mean())
-                correct, cut = answered.get((q.qid, spec.name, spec.label), (float("nan"), float("nan")))
-                rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
-                                 entry=spec.label or spec.name, chunks=len(chunks),
-                                 band_hit=int(torch.argmax(band_mass)) in facts,
-                                 seeds_in_facts=in_facts(method.seeds, prompt, facts) if hopped else float("nan"),
-                                 hop_on_facts=hop_attention,
-                                 budget_in_facts=in_facts(method.selected, prompt, facts), chance=chance,
-                                 value_recomputed=value_recomputed, split=0.0 < value_recomputed < 1.0,
-                                 correct=correct, cut=cut))
+        for q, chunks, prompt, facts in fact_prompts(data, ws.session, questions, description):
+            yield ws.session, answered, q, chunks, prompt, facts
+
+
+def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None) -> pd.DataFrame:
+    """One row per (sample, entry) of a prepared, built RULER-style dataset: what ranked the budget, see the doc."""
+    rows = []
+    for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: kvfuse to the first token"):
+        chance = in_facts(all_chunk_rows(prompt), prompt, facts)
+        value = value_rows([s.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
+        if value is None:
+            raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
+        value = torch.tensor(value)                                               # [v] the number's rows
+        for spec in specs:
+            method = Tracing(ratio, **spec.knobs)
+            s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
+            band_mass = chunk_attention(method.band, prompt)                     # [C]
+            hopped = method.seeds is not None
+            hop_attention = mass_on(method.hop, prompt, facts) if method.hop is not None else float("nan")
+            value_recomputed = float(torch.isin(value, method.selected).float().mean())
+            correct, cut = answered.get((q.qid, spec.name, spec.label), (float("nan"), float("nan")))
+            rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
+                             entry=spec.label or spec.name, chunks=len(chunks),
+                             band_hit=int(torch.argmax(band_mass)) in facts,
+                             seeds_in_facts=in_facts(method.seeds, prompt, facts) if hopped else float("nan"),
+                             hop_on_facts=hop_attention,
+                             budget_in_facts=in_facts(method.selected, prompt, facts), chance=chance,
+                             value_recomputed=value_recomputed, split=0.0 < value_recomputed < 1.0,
+                             correct=correct, cut=cut))
     return pd.DataFrame(rows)
 
 

@@ -26,12 +26,10 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
-from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
-from kvf.scripts.hop_probe import answers, kvfuse_probe_main, mass_on  # noqa: E402
-from kvf.scripts.locate_probe import fact_prompts, made_by  # noqa: E402
+from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples  # noqa: E402
+from kvf.scripts.locate_probe import made_by  # noqa: E402
 
 FULL = "full prefill"
 
@@ -52,23 +50,19 @@ class Reading(KvFuse):
 
 def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
     """One row per (sample, entry or full prefill, layer): fact_share, top_is_fact, correct."""
-    questions, _ = load_prepared(data)
-    answered = answers(runs)
     rows = []
-    with WorkspaceSession(data / "workspace") as ws:
-        s = ws.session
-        for q, chunks, prompt, facts in fact_prompts(data, s, questions, f"{data.name}: the last pass's read"):
-            entries = [(FULL, 1.0, {}, ("full", None))] + [(spec.label or spec.name, ratio, spec.knobs,
-                                                            (spec.name, spec.label)) for spec in specs]
-            for entry, at, knobs, key in entries:
-                method = Reading(at, **knobs)
-                s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
-                correct = answered.get((q.qid, *key), (float("nan"),))[0]
-                for layer, attention in enumerate(method.read):                      # [n] per layer
-                    mass = chunk_attention(attention, prompt)                          # [C]
-                    rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
-                                     entry=entry, layer=layer, fact_share=mass_on(attention, prompt, facts),
-                                     top_is_fact=int(torch.argmax(mass)) in facts, correct=correct))
+    for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: the last pass's read"):
+        entries = [(FULL, 1.0, {}, ("full", None))] + [(spec.label or spec.name, ratio, spec.knobs,
+                                                        (spec.name, spec.label)) for spec in specs]
+        for entry, at, knobs, key in entries:
+            method = Reading(at, **knobs)
+            s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)
+            correct = answered.get((q.qid, *key), (float("nan"),))[0]
+            for layer, attention in enumerate(method.read):                          # [n] per layer
+                mass = chunk_attention(attention, prompt)                              # [C]
+                rows.append(dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid,
+                                 entry=entry, layer=layer, fact_share=mass_on(attention, prompt, facts),
+                                 top_is_fact=int(torch.argmax(mass)) in facts, correct=correct))
     return pd.DataFrame(rows)
 
 

@@ -409,7 +409,7 @@ class KvFuse(FusionMethod):
         of the budget, a row ranked by the best seed whose window holds it, and within a window the earliest
         first (the seed's words, then what follows them)."""
         seeds, prompt, n_after = state.scratch["hop_seeds"], state.prompt, self.knobs.hop_after
-        if self.knobs.hop_share == 1.0:
+        if self.knobs.hop_share == 1.0:   # every window row: no ranking among them (steps 18-19's rows as recorded)
             return rows_after(seeds, prompt, n_after, self.knobs.hop_after_crosses)
         weights = self.seed_scores(state)[seeds].float().cpu().clamp_min(torch.finfo(torch.float32).tiny)  # [h] > 0
         window = window_scores(seeds, weights, prompt, n_after, self.knobs.hop_after_crosses)     # [c]
