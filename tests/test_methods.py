@@ -710,6 +710,23 @@ def test_kvfuse_hop_share_caps_the_windows_best_seed_first():
     assert logits_gap(capped.prefill(engine, prompt, source), full) <= TOL
 
 
+def test_kvfuse_seam_tokens_buys_every_chunks_first_tokens():
+    """seam_tokens=s: the first s rows of every chunk are recomputed first, inside the budget (its size unchanged),
+    beside the located sinks; at ratio 1 it is full prefill."""
+    from kvf.scripts.hop_probe import Tracing
+    engine, prompt, source = tiny_case("llama")
+    seams = {start + i for start, _ in prompt.chunk_spans() for i in range(2)}
+    budget = recompute_budget(0.5, prompt.n_chunk_tokens)
+    plain = Tracing(0.5, sink_tokens=2, sinks_after_top=1, locate_from=0.6, locate_to=0.85)
+    plain.prefill(engine, prompt, source)
+    assert not seams <= set(plain.selected.tolist())                            # the ranking alone leaves some
+    seamed = Tracing(0.5, seam_tokens=2, sink_tokens=2, sinks_after_top=1, locate_from=0.6, locate_to=0.85)
+    seamed.prefill(engine, prompt, source)
+    assert seams <= set(seamed.selected.tolist()) and len(seamed.selected) == budget
+    full = get_method("full").prefill(engine, prompt)
+    assert logits_gap(get_method("kvfuse", 1.0, seam_tokens=2).prefill(engine, prompt, source), full) <= TOL
+
+
 @pytest.mark.parametrize("estimate", ["mean", "james-stein", "kernel"])
 @pytest.mark.parametrize("parts", ["kv", "k"])
 def test_kvfuse_shift_of_all_chunks_at_once_equals_chunk_by_chunk(long_case, answerer, estimate, parts):

@@ -97,7 +97,7 @@ later questions, results/kvfuse/runs/):
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
 each chunk's kept rows after every layer from propagate_from on. Knobs for the ablation:
-score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), band_weight, span_after,
+score_layers, sink_tokens (and sinks_after_top, located by locate_from / locate_to), seam_tokens, band_weight, span_after,
 ape_temperature / ape_scale, propagate (off / after / before), propagate_from and deviation_share (part of the
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
@@ -133,6 +133,10 @@ class KvFuseKnobs:
                                    "chunk. Found by every layer's attention, 1 and 2 did not mend a cut needle on RULER "
                                    "dev (step 9); found by layers 18-24 (locate_from=0.6, locate_to=0.85), 2 did, held "
                                    "out (results/kvfuse.md, step 10)", min=0)
+    seam_tokens: int = knob(0, "the first N tokens of every chunk, recomputed first beside the sinks: stored alone, a "
+                               "chunk's first token never saw the token before it, and a copying head finds a value "
+                               "by what precedes it (at 4K a number that opens its chunk got 0.01 of layer 20's read "
+                               "against full prefill's 0.73: results/kvfuse.md, step 23); 0: none", min=0)
     locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
                                    "attention finds the chunks the sinks go after (the layers that find a needle sit "
                                    "deep: 0.6 to 0.85 on SmolLM2-135M, results/kvfuse.md, step 10; another model: "
@@ -361,6 +365,8 @@ class KvFuse(FusionMethod):
             after = self.hop_windows(state, budget) - prompt.n_prefix
             scores[after] = torch.finfo(scores.dtype).max                   # next after the sinks
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
+        if self.knobs.seam_tokens:                                          # every chunk's first tokens, beside them
+            scores[sink_rows(prompt, self.knobs.seam_tokens, budget) - prompt.n_prefix] = float("inf")
         if self.knobs.deviation_share > 0:                                  # then the most moved rows
             share = recompute_budget(self.knobs.deviation_share, budget)
             moved = top_rows(cross_chunk_deviation(engine, state), chunk_rows, share)
