@@ -68,16 +68,22 @@ def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
 
 def plot(table: pd.DataFrame, out: Path) -> None:
     """The question's mean attention share on the fact chunks per layer, one line per entry (full prefill dashed)."""
+    share_by_layer(table, out, "fact_share", "question's attention on the\nfact chunks (share, mean)",
+                   "the read that makes the first token")
+
+
+def share_by_layer(table: pd.DataFrame, out: Path, column: str, ylabel: str, what: str) -> None:
+    """A per-layer share (`column`, mean over samples), one line per entry, full prefill dashed in black."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for i, (entry, rows) in enumerate(table.groupby("entry", sort=False)):
-        share = rows.groupby("layer").fact_share.mean()
+        share = rows.groupby("layer")[column].mean()
         ax.plot(share.index, share.values, marker="o", ms=3, label=entry, color="black" if entry == FULL else f"C{i}",
                 linestyle="--" if entry == FULL else "-")
     ax.set_xlabel("layer")
-    ax.set_ylabel("question's attention on the\nfact chunks (share, mean)")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
     ax.set_title(f"{', '.join(sorted(table.model.unique()))}, {', '.join(table.dataset.unique())} "
-                 f"(n = {table.qid.nunique()}): the read that makes the first token", fontsize=9)
+                 f"(n = {table.qid.nunique()}): {what}", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=130)

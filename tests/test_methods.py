@@ -626,6 +626,35 @@ def test_the_read_probe_records_the_last_pass_and_at_ratio_1_it_is_full_prefills
     assert not torch.allclose(partial.read, want.float(), atol=1e-5, rtol=1e-4)  # 30%: another cache, another read
 
 
+def test_teacher_forced_reads_are_those_of_one_prefill_of_prompt_and_answer():
+    """teacher_forced_logits' attention_out (the value probe's read): feeding an answer over full prefill's cache must
+    read, layer by layer, as one ordinary prefill of prompt and answer together does at the same rows."""
+    from kvf.pipeline.model.decode import teacher_forced_logits
+    engine, prompt, _ = tiny_case("llama")
+    model, ids, answer = engine.model, prompt.all_ids(), [7, 99, 3, 41]
+    n, k = len(ids), 3                                                           # the read of the 3rd fed token
+    whole, want = model.new_cache(n + len(answer)), []
+    model.prefill(torch.cat([ids, torch.tensor(answer[:-1])]), whole, attention_out=want)     # per layer [n + 3, n + 3]
+    cache = model.new_cache(n + len(answer))
+    first, _ = model.prefill(ids, cache)
+    got = []
+    with torch.inference_mode():
+        logits = teacher_forced_logits(model, first, cache, n, n, answer, attention_out=got,
+                                       attention_rows=slice(k - 1, k))
+    assert len(got) == model.n_layers and logits.shape[0] == len(answer)
+    for layer in range(model.n_layers):                                         # [1, n + 3] each
+        torch.testing.assert_close(got[layer][0], want[layer][n + k - 1], atol=1e-5, rtol=1e-4)
+
+
+def test_the_value_probe_finds_the_step_that_writes_the_value():
+    from kvf.scripts.value_probe import value_step
+    pieces = {1: "The number", 2: " is", 3: " 7", 4: "04", 5: "6.", 6: "7"}
+    decode = lambda ids: "".join(pieces[i] for i in ids)                         # noqa: E731
+    assert value_step([1, 2, 3, 4, 5], decode, "7046") == 2                     # " 7" writes its first character
+    assert value_step([1, 2, 5], decode, "7046") is None                         # not spelt
+    assert value_step([6, 4, 5], decode, "7046") is None                         # from the first token: read_probe's
+
+
 def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     """hop_after=N: each of the hop's rows and the N rows after it in its chunk are bought first, after the sinks;
     the window stops at its chunk's end. At ratio 1 it is full prefill."""

@@ -348,8 +348,8 @@ def test_the_spread_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "s.md").exists()
 
 
-@pytest.mark.parametrize("probe", ["hop_probe", "read_probe"])
-def test_the_hop_and_read_probes_refuse_bad_input_in_one_line(tmp_path, capsys, probe):
+@pytest.mark.parametrize("probe", ["hop_probe", "read_probe", "value_probe"])
+def test_the_hop_read_and_value_probes_refuse_bad_input_in_one_line(tmp_path, capsys, probe):
     import importlib
     script = importlib.import_module(f"kvf.scripts.{probe}")
     out = ["--out", str(tmp_path / "h.md")]

@@ -62,11 +62,13 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
 @torch.inference_mode()
 def teacher_forced_logits(model: Transformer, first_logits: torch.Tensor, cache: KVCache, prefill_rows: int,
                           next_position: int, tokens: list[int],
-                          calibration: SpanCalibration | None = None) -> torch.Tensor:
+                          calibration: SpanCalibration | None = None, attention_out: list | None = None,
+                          attention_rows: slice = slice(None)) -> torch.Tensor:
     """The logits [T, vocab] with which a fused cache would predict `tokens` (T of them, e.g. full prefill's
     answer), each given the ones before it: row 0 is the prefill's first_logits, row i comes from tokens[:i]
     appended to the cache after its first prefill_rows rows, in one pass, as greedy_decode would append them one
-    by one. Rows past prefill_rows (an answer decoded there) are overwritten."""
+    by one. Rows past prefill_rows (an answer decoded there) are overwritten. attention_out collects, per layer,
+    the head-averaged attention [t', n] of the fed tokens picked by attention_rows (Transformer.layer_step)."""
     if len(tokens) < 2:
         return first_logits[None, :].expand(len(tokens), -1)
     fed = len(tokens) - 1
@@ -76,7 +78,8 @@ def teacher_forced_logits(model: Transformer, first_logits: torch.Tensor, cache:
     mask = model.causal_mask(rows, cache.length)                                      # [T-1, n + T-1]
     hidden = model.embed(torch.tensor(tokens[:-1]))                                   # [T-1, D]
     for layer in range(model.n_layers):
-        hidden = model.layer_step(layer, hidden, active, cache, mask, calibration=calibration)
+        hidden = model.layer_step(layer, hidden, active, cache, mask, attention_out=attention_out,
+                                  attention_rows=attention_rows, calibration=calibration)
     return torch.cat([first_logits[None, :], model.logits(hidden)])                  # [T, vocab]
 
 

@@ -1,0 +1,150 @@
+"""Where does decoding read when it writes the answer's value? kvfuse step 23's diagnosis (results/kvfuse.md): by
+the first token step 19's question reads the fact chunks as full prefill's does (step 22), and at 4K its answers
+still trail full's.
+
+    python -m kvf.scripts.value_probe --data work/ruler-4096-s99 --runs results/kvfuse/runs/dev-ruler-4096.jsonl.gz \\
+        --methods kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:... \\
+        --out results/kvfuse/value-probe.md                    # .csv and .png beside it
+    python -m kvf.scripts.value_probe --replot --out results/kvfuse/value-probe.md
+
+Per sample of a prepared RULER-style dataset (built), full prefill (kvfuse at ratio 1) answers, and the decoding step
+that writes the first token of the gold value in its answer is found. Full's answer up to that step is then fed,
+teacher-forced, over full prefill's cache and over each kvfuse entry's (after its work after the first token, as
+decoding reads it). At that step the probe keeps, per layer, the share of the step's attention over chunk rows that
+falls on the rows spelling the value in the prompt (`value_share`) and on the fact chunks (`fact_share`), and per
+sample the probability given to full's token there (`p_value`) and whether it is the top one. A sample whose full
+answer does not spell the gold value, or spells it with its first token (that read is read_probe's), is left out
+and counted. With --runs, each sample's answer under the entry (and under `full`) is joined as `correct`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvf.pipeline.fusion.methods.base import chunk_attention
+from kvf.pipeline.fusion.methods.kvfuse import KvFuse
+from kvf.pipeline.model.decode import teacher_forced_logits
+from kvf.scripts.copy_probe import value_rows
+from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples
+from kvf.scripts.locate_probe import made_by
+from kvf.scripts.read_probe import FULL, share_by_layer
+
+
+def value_step(token_ids: list[int], decode, value: str) -> int | None:
+    """The index of the answer token that writes the first character of `value`; None if the answer does not spell
+    it or spells it from its first token."""
+    at = decode(token_ids).find(value)
+    if at < 0:
+        return None
+    step = next(i for i in range(len(token_ids)) if len(decode(token_ids[:i + 1])) > at)
+    return step or None
+
+
+@torch.inference_mode()
+def read_at(session, fused, forced: list[int], prompt, value: torch.Tensor, facts: set[int]) -> tuple[list, float, bool]:
+    """Feed forced[:-1] over fused's cache -> (per layer (value_share, fact_share) of the last fed token's read,
+    the probability of forced[-1] next, whether it is the top token)."""
+    reads = []                                                                   # per layer [1, n + fed]
+    step = len(forced) - 1
+    logits = teacher_forced_logits(session.answerer.transformer, fused.logits, fused.cache, fused.prefill_rows,
+                                   fused.next_position, forced, fused.calibration, attention_out=reads,
+                                   attention_rows=slice(step - 1, step))
+    p = logits[step].float().softmax(dim=-1)                                     # [vocab]
+    shares = []
+    for read in reads:
+        attention = read[0, :fused.prefill_rows].float().cpu()                  # [n] over the prompt's rows
+        shares.append((float(attention[value].sum() / chunk_attention(attention, prompt).sum()),
+                       mass_on(attention, prompt, facts)))
+    return shares, float(p[forced[-1]]), int(torch.argmax(p)) == forced[-1]
+
+
+def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
+    """One row per (sample, entry or full prefill, layer): value_share, fact_share, p_value, top_is_value, correct;
+    a left-out sample is one row with layer -1."""
+    rows = []
+    for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: the step that writes the value"):
+        decode, keys = s.model_ref.tokenizer.decode, s.entries("fusion", chunks)
+        full = s.answer(prompt, KvFuse(1.0), keys, max_new_tokens=32).answer
+        step = value_step(full.token_ids, decode, q.answers[0])
+        base = dict(dataset=data.name, model=s.manifest["model"], task=q.task, qid=q.qid)
+        if step is None:
+            rows.append(dict(base, entry=FULL, layer=-1))
+            continue
+        value = torch.tensor(list(value_rows([decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])))
+        forced = full.token_ids[:step + 1]                                       # the answer up to the value's token
+        entries = [(FULL, full.fused, ("full", None))]
+        for spec in specs:
+            entries.append((spec.label or spec.name,
+                            s.prefill(prompt, KvFuse(ratio, **spec.knobs), keys, max_new_tokens=32)[0],
+                            (spec.name, spec.label)))
+        for entry, fused, key in entries:
+            shares, p_value, top = read_at(s, fused, forced, prompt, value, facts)
+            correct = answered.get((q.qid, *key), (float("nan"),))[0]
+            for layer, (value_share, fact_share) in enumerate(shares):
+                rows.append(dict(base, entry=entry, layer=layer, value_share=value_share, fact_share=fact_share,
+                                 p_value=p_value, top_is_value=top, correct=correct))
+    return pd.DataFrame(rows)
+
+
+def probed(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of samples whose value step was read (left-out samples dropped)."""
+    return table[table.layer >= 0]
+
+
+def plot(table: pd.DataFrame, out: Path) -> None:
+    share_by_layer(probed(table), out, "value_share", "attention on the value's rows\n(share of chunk rows, mean)",
+                   "the step that writes the value")
+
+
+def copy_layer(table: pd.DataFrame) -> int:
+    """The layer at which full prefill's value step reads the value's rows most (mean over samples)."""
+    full = probed(table)[lambda t: t.entry == FULL]
+    return int(full.groupby("layer").value_share.mean().idxmax())
+
+
+def report(table: pd.DataFrame, args) -> str:
+    """Markdown: per task and entry, the value share at full's copy layer and its most over layers, the probability of
+    full's value token and the samples that put it first, and accuracy; then the samples where an entry does not."""
+    left_out = table[table.layer < 0].qid.nunique()
+    read_rows, copy = probed(table), copy_layer(table)
+    lines = ["# Where decoding reads when it writes the value (kvfuse step 23)", "",
+             made_by("value_probe", args, "the entries below as --methods; `make kvfuse-value-probe`") + "  ",
+             f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
+             f"({', '.join(table.dataset.unique())}; n = {read_rows.qid.nunique()} read, {left_out} left out: full "
+             f"prefill's answer does not spell the gold value); each entry at {args.ratio:.0%} and `{FULL}` (kvfuse at "
+             "ratio 1) over the stored `fusion` variant, full prefill's answer teacher-forced up to the token that "
+             f"writes the value's first character. `value share`: the share of that step's attention over chunk rows "
+             f"on the rows that spell the value in the prompt (mean over samples), at layer {copy} (where full prefill's "
+             "reads it most) and at each sample's most; `p(value)`: the probability given to full's token there; `top`: "
+             "samples that put it first; `accuracy`: the entry's answers in --runs.", "",
+             f"| task | entry | n | value share, layer {copy} | value share, most over layers | p(value) | top | accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (task, entry), rows in pd.concat([read_rows.assign(task="all"), read_rows]).groupby(["task", "entry"], sort=False):
+        per_sample = rows.groupby("qid")
+        lines.append(f"| {task} | {entry} | {per_sample.ngroups} | {rows[rows.layer == copy].value_share.mean():.2f} | "
+                     f"{per_sample.value_share.max().mean():.2f} | {per_sample.p_value.first().mean():.2f} | "
+                     f"{int(per_sample.top_is_value.first().sum())} | {per_sample.correct.first().mean():.2f} |")
+    missed = read_rows[(read_rows.layer == copy) & ~read_rows.top_is_value.astype(bool)]
+    lines += ["", f"Samples where an entry does not put full's value token first (value share at layer {copy}, "
+              "p(value); full prefill's beside it):", "",
+              "| sample | entry | value share | p(value) | full prefill's value share | full prefill's p(value) |",
+              "|---|---|---|---|---|---|"]
+    full_at = read_rows[(read_rows.layer == copy) & (read_rows.entry == FULL)].set_index("qid")
+    for _, r in missed.iterrows():
+        lines.append(f"| {r.qid} | {r.entry} | {r.value_share:.2f} | {r.p_value:.2f} | "
+                     f"{full_at.value_share[r.qid]:.2f} | {full_at.p_value[r.qid]:.2f} |")
+    if missed.empty:
+        lines.append("| (none) | | | | | |")
+    lines += ["", f"Per sample and layer: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return kvfuse_probe_main("value_probe", __doc__, "value-probe.md", KvFuse, read, plot, report, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
