@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -388,6 +388,21 @@ kvfuse-seeds-after-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SEEDS_AFTER) -o $(KVFUSE_RUNS)/seeds-after-musique.jsonl
 kvfuse-seeds-after-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SEEDS_AFTER),seeds-after)
+# step 23's dev choice held out as step 19 was: step 19 with every chunk's first 2 tokens recomputed (seam_tokens=2 led
+# or tied on the three dev splits), its tables beside step 19's rows (`make -j2 kvfuse-seams`), and on NQ-open 0-49
+seams_runs = $(call seeds_after_runs,$(1),$(2)) $(KVFUSE_RUNS)/seams-ruler-$(1)-s$(2).jsonl
+kvfuse-seams: kvfuse-seams-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-seams-ruler-2048-$(seed)) \
+  $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-seams-ruler-4096-$(seed)) kvfuse-seams-nq
+	$(call heldout_tables,seams,$(KVFUSE_RUNS)/located-musique.jsonl $(KVFUSE_RUNS)/seeds-after-musique.jsonl \
+	  $(KVFUSE_RUNS)/seams-musique.jsonl,seams_runs)
+	$(KVF) eval --complete-only $(METHOD_RUNS)/nq.jsonl.gz $(KVFUSE_RUNS)/located-nq.jsonl $(KVFUSE_RUNS)/seeds-after-nq.jsonl \
+	  $(KVFUSE_RUNS)/seams-nq.jsonl --out $(KVFUSE_OUT)/seams-nq
+kvfuse-seams-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_SEAMS_2) -o $(KVFUSE_RUNS)/seams-musique.jsonl
+kvfuse-seams-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_SEAMS_2),seams)
+kvfuse-seams-nq: $(WORK)/nq/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_SEAMS_2) -o $(KVFUSE_RUNS)/seams-nq.jsonl
 # step 19 on the methods sweep's 2WikiMQA and NQ-open questions (settings as kvfuse-located-2wikimqa and -nq), its
 # tables beside the located sinks' rows (`make -j2 kvfuse-seeds-after-qa`)
 kvfuse-seeds-after-qa: kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq
