@@ -216,8 +216,9 @@ define ruler_dev
 endef
 kvfuse-ruler-dev: | setup
 	$(call ruler_dev,2048,$(KVFUSE_RULER_DEV))
-# the same seed at 4K (step 18): a dev split for choices the 2K one cannot make, since step 17's hop won at 2K and lost at 4K
-KVFUSE_RULER_DEV_4K ?= full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT),$(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band,$(KVFUSE_HOP_AFTER),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_CROSSES),$(KVFUSE_SHARE),$(KVFUSE_SEEDS_L18),$(KVFUSE_SEAMS),$(KVFUSE_SEAMS_2)
+# the same seed at 4K (step 18): a dev split for choices the 2K one cannot make, since step 17's hop won at 2K and lost at 4K;
+# step 19 without the shift is there for step 23's value probe (what the shift does at the step that writes the value)
+KVFUSE_RULER_DEV_4K ?= full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_HOP_KEPT),$(KVFUSE_LOCATED_SINKS):hop_rows=16:hop_seeds=band,$(KVFUSE_HOP_AFTER),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_CROSSES),$(KVFUSE_SHARE),$(KVFUSE_SEEDS_L18),$(KVFUSE_SEAMS),$(KVFUSE_SEAMS_2),$(KVFUSE_SEEDS_AFTER):propagate=off
 kvfuse-ruler-dev-4096: | setup
 	$(call ruler_dev,4096,$(KVFUSE_RULER_DEV_4K))
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz --out $(KVFUSE_OUT)/dev-ruler-4096

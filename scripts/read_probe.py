@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
+from kvf.pipeline.workflows.bench import wrapped_label  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples  # noqa: E402
 from kvf.scripts.locate_probe import made_by  # noqa: E402
 
@@ -75,19 +76,35 @@ def plot(table: pd.DataFrame, out: Path) -> None:
 def share_by_layer(table: pd.DataFrame, out: Path, column: str, ylabel: str, what: str) -> None:
     """A per-layer share (`column`, mean over samples), one line per entry, full prefill dashed in black."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, (entry, rows) in enumerate(table.groupby("entry", sort=False)):
+    groups = list(table.groupby("entry", sort=False))
+    labels, common = legend_labels([entry for entry, _ in groups])
+    for i, ((entry, rows), label) in enumerate(zip(groups, labels)):
         share = rows.groupby("layer")[column].mean()
-        ax.plot(share.index, share.values, marker="o", ms=3, label=entry, color="black" if entry == FULL else f"C{i}",
+        ax.plot(share.index, share.values, marker="o", ms=3, label=label, color="black" if entry == FULL else f"C{i}",
                 linestyle="--" if entry == FULL else "-")
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
     ax.set_title(f"{', '.join(sorted(table.model.unique()))}, {', '.join(table.dataset.unique())} "
                  f"(n = {table.qid.nunique()}): {what}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-    fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False,
+              title=None if common is None else wrapped_label(f"base = kvfuse:{common}"), title_fontsize=7)
+    fig.savefig(out, dpi=130, bbox_inches="tight")                # the figure grows to hold the legend below
     plt.close(fig)
+
+
+def legend_labels(entries: list[str]) -> tuple[list[str], str | None]:
+    """Short legend labels for probe entries (knob lists joined by ':'): the knobs that every entry but full prefill
+    starts with are named once, returned for the legend's title, and each entry shows what it adds to them ("base"
+    when nothing); with fewer than two such entries, or none shared, the entries as they are and None."""
+    knobbed = [entry.split(":") for entry in entries if entry != FULL]
+    shared = 0
+    while len(knobbed) > 1 and all(len(k) > shared for k in knobbed) and len({k[shared] for k in knobbed}) == 1:
+        shared += 1
+    if not shared:
+        return entries, None
+    labels = [entry if entry == FULL else " + ".join(["base", *entry.split(":")[shared:]]) for entry in entries]
+    return labels, ":".join(knobbed[0][:shared])
 
 
 def report(table: pd.DataFrame, args) -> str:

@@ -105,6 +105,11 @@ def copy_layer(table: pd.DataFrame) -> int:
     return int(full.groupby("layer").value_share.mean().idxmax())
 
 
+def share(values: pd.Series) -> str:
+    """A mean to two places, or "—" where nothing was joined (an entry with no answers in --runs)."""
+    return "—" if values.isna().all() else f"{values.mean():.2f}"
+
+
 def report(table: pd.DataFrame, args) -> str:
     """Markdown: per task and entry, the value share at full's copy layer and its most over layers, the probability of
     full's value token and the samples that put it first, and accuracy; then the samples where an entry does not."""
@@ -119,14 +124,14 @@ def report(table: pd.DataFrame, args) -> str:
              f"writes the value's first character. `value share`: the share of that step's attention over chunk rows "
              f"on the rows that spell the value in the prompt (mean over samples), at layer {copy} (where full prefill's "
              "reads it most) and at each sample's most; `p(value)`: the probability given to full's token there; `top`: "
-             "samples that put it first; `accuracy`: the entry's answers in --runs.", "",
+             "samples that put it first; `accuracy`: the entry's answers in --runs (—: none there).", "",
              f"| task | entry | n | value share, layer {copy} | value share, most over layers | p(value) | top | accuracy |",
              "|---|---|---|---|---|---|---|---|"]
     for (task, entry), rows in pd.concat([read_rows.assign(task="all"), read_rows]).groupby(["task", "entry"], sort=False):
         per_sample = rows.groupby("qid")
         lines.append(f"| {task} | {entry} | {per_sample.ngroups} | {rows[rows.layer == copy].value_share.mean():.2f} | "
                      f"{per_sample.value_share.max().mean():.2f} | {per_sample.p_value.first().mean():.2f} | "
-                     f"{int(per_sample.top_is_value.first().sum())} | {per_sample.correct.first().mean():.2f} |")
+                     f"{int(per_sample.top_is_value.first().sum())} | {share(per_sample.correct.first())} |")
     missed = read_rows[(read_rows.layer == copy) & ~read_rows.top_is_value.astype(bool)]
     lines += ["", f"Samples where an entry does not put full's value token first (value share at layer {copy}, "
               "p(value); full prefill's beside it):", "",
