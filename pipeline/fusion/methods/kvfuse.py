@@ -93,6 +93,10 @@ later questions, results/kvfuse/runs/):
   the band in 19): RULER dev 2K 0.875, 4K 0.825 (one sample each over step 19), MuSiQue dev 0.953 (0.974). Not held out.
 - where the question reads in the pass that makes the first token (step 22, scripts/read_probe.py): at 4K step 19's
   read of the fact chunks is full prefill's (0.54 vs 0.51 at layer 18); the answers part later, in decoding.
+- every chunk's first tokens recomputed first (step 23, seam_tokens): at 4K the value probe (scripts/value_probe.py)
+  found decoding not reading a number that opens its chunk (layer 20: 0.00 vs full's 0.73). seam_tokens=2 on step 19
+  led or tied on the dev splits and held out level with it (RULER 2K 0.855 vs 0.850, 4K 0.662 with no answer changed,
+  MuSiQue 11-49 0.852, NQ 0-49 0.568). Not kept.
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -134,9 +138,10 @@ class KvFuseKnobs:
                                    "dev (step 9); found by layers 18-24 (locate_from=0.6, locate_to=0.85), 2 did, held "
                                    "out (results/kvfuse.md, step 10)", min=0)
     seam_tokens: int = knob(0, "the first N tokens of every chunk, recomputed first beside the sinks: stored alone, a "
-                               "chunk's first token never saw the token before it, and a copying head finds a value "
-                               "by what precedes it (at 4K a number that opens its chunk got 0.01 of layer 20's read "
-                               "against full prefill's 0.73: results/kvfuse.md, step 23); 0: none", min=0)
+                               "chunk's first token never saw the token before it, and decoding's copy finds a value "
+                               "by what precedes it (at 4K a number opening its chunk got 0.00 of layer 20's read "
+                               "against full prefill's 0.73). 2 on step 19 brought that read back and held out level "
+                               "with step 19 (results/kvfuse.md, step 23); 0: none", min=0)
     locate_from: float = knob(0.0, "with sinks_after_top: the first layer, as a fraction of the depth, whose question "
                                    "attention finds the chunks the sinks go after (the layers that find a needle sit "
                                    "deep: 0.6 to 0.85 on SmolLM2-135M, results/kvfuse.md, step 10; another model: "
