@@ -44,7 +44,8 @@ from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.run import MethodSpec, parse_method_spec  # noqa: E402
 from kvf.scripts.copy_probe import cut_copy, value_rows  # noqa: E402
-from kvf.scripts.locate_probe import all_built, fact_prompts, made_by, probe_parser, replotted, saved  # noqa: E402
+from kvf.scripts.locate_probe import (all_built, fact_prompts, files_beside, made_by, probe_parser,  # noqa: E402
+                                      replotted, saved)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,7 +192,7 @@ def report(table: pd.DataFrame, args) -> str:
     lines += ["", "By task:", "", *header]
     for (dataset, task, entry), group in table.groupby(["dataset", "task", "entry"], sort=False):
         lines.append(row((dataset, task, entry), group))
-    lines += ["", f"Per sample: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    lines += ["", files_beside(args, "sample")]
     return "\n".join(lines) + "\n"
 
 

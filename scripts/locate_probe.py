@@ -171,6 +171,11 @@ def made_by(prog: str, args, targets: str) -> str:
             f"at commit {git_commit() or 'unknown'} ({targets}).")
 
 
+def files_beside(args, per: str) -> str:
+    """A probe report's last line: where its rows (`per` one of them) and its plot lie, beside the report."""
+    return f"Per {per}: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."
+
+
 def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
     """Markdown: per dataset and task, hits of the layer average, the band, and the best single layers."""
     lines = ["# Which layers find the fact's chunk (kvfuse steps 10 and 21)", "",
@@ -193,8 +198,8 @@ def report(hits: pd.DataFrame, band: list[int], n_layers: int, args) -> str:
     n = hits.qid.nunique()
     lines += ["", f"All {n} samples: the layer average finds the fact's chunk in {int(totals.hit['average'])}, the band in "
                   f"{int(totals.hit['band'])}; the layer average's most attended chunk is the last one, next to the question, "
-                  f"in {int(totals['last']['average'])} (the band's in {int(totals['last']['band'])}). Per layer: "
-                  f"`{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+                  f"in {int(totals['last']['average'])} (the band's in {int(totals['last']['band'])}). "
+                  + files_beside(args, "layer")]
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,7 @@ from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
 from kvf.pipeline.workflows.bench import wrapped_label  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples  # noqa: E402
-from kvf.scripts.locate_probe import made_by  # noqa: E402
+from kvf.scripts.locate_probe import files_beside, made_by  # noqa: E402
 
 FULL = "full prefill"
 
@@ -126,7 +126,7 @@ def report(table: pd.DataFrame, args) -> str:
         lines.append(f"| {task} | {entry} | {rows.qid.nunique()} | {at18.fact_share.mean():.2f} | "
                      f"{int(at18.top_is_fact.sum())} | {band_top.mean():.2f} | "
                      f"{int(in_band.groupby('qid').top_is_fact.mean().ge(0.5).sum())} | {at18.correct.mean():.2f} |")
-    lines += ["", f"Per sample and layer: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    lines += ["", files_beside(args, "sample and layer")]
     return "\n".join(lines) + "\n"
 
 

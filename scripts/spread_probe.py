@@ -31,7 +31,7 @@ from kvf.pipeline.fusion.methods.kvfuse import chunk_spread  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.provenance import git_commit  # noqa: E402
-from kvf.scripts.locate_probe import Recording, all_built, probe_parser, replotted, saved  # noqa: E402
+from kvf.scripts.locate_probe import Recording, all_built, files_beside, probe_parser, replotted, saved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GATE = 0.5      # the dev choice, kvfuse:shift_max_spread=0.5 (step 14)
@@ -99,7 +99,7 @@ def report(table: pd.DataFrame, args) -> str:
     for dataset, rows in table.groupby("dataset"):
         lines.append(f"| {dataset} | {len(rows)} | {int(rows.chunks.median())} | {rows.spread.min():.3f} | "
                      f"{rows.spread.median():.3f} | {rows.spread.max():.3f} | {int((rows.spread <= GATE).sum())} |")
-    lines += ["", f"Per question: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    lines += ["", files_beside(args, "question")]
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,7 @@ from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.decode import teacher_forced_logits
 from kvf.scripts.copy_probe import value_rows
 from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples
-from kvf.scripts.locate_probe import made_by
+from kvf.scripts.locate_probe import files_beside, made_by
 from kvf.scripts.read_probe import FULL, share_by_layer
 
 
@@ -143,7 +143,7 @@ def report(table: pd.DataFrame, args) -> str:
                      f"{full_at.value_share[r.qid]:.2f} | {full_at.p_value[r.qid]:.2f} |")
     if missed.empty:
         lines.append("| (none) | | | | | |")
-    lines += ["", f"Per sample and layer: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."]
+    lines += ["", files_beside(args, "sample and layer")]
     return "\n".join(lines) + "\n"
 
 
