@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvf.errors import KvfError
 from kvf.pipeline.fusion.methods.base import chunk_attention
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.decode import teacher_forced_logits
@@ -73,7 +74,10 @@ def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
         if step is None:
             rows.append(dict(base, entry=FULL, layer=-1))
             continue
-        value = torch.tensor(list(value_rows([decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])))
+        spelt = value_rows([decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
+        if spelt is None:
+            raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
+        value = torch.tensor(list(spelt))                                        # [v] the value's rows in the prompt
         forced = full.token_ids[:step + 1]                                       # the answer up to the value's token
         entries = [(FULL, full.fused, ("full", None))]
         for spec in specs:
@@ -95,6 +99,7 @@ def probed(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot(table: pd.DataFrame, out: Path) -> None:
+    """The value step's mean attention share on the value's rows per layer, one line per entry (full prefill dashed)."""
     share_by_layer(probed(table), out, "value_share", "attention on the value's rows\n(share of chunk rows, mean)",
                    "the step that writes the value")
 
