@@ -101,15 +101,21 @@ def probed_samples(data: Path, runs: Path | None, description: str):
             yield ws.session, answered, q, chunks, prompt, facts
 
 
+def gold_value_rows(session, data: Path, q, prompt) -> torch.Tensor:
+    """[v] the prompt rows that spell question q's gold value (copy_probe.value_rows); a prompt that does not spell it
+    is an error naming the question."""
+    rows = value_rows([session.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
+    if rows is None:
+        raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
+    return torch.tensor(rows)
+
+
 def traced(data: Path, specs: list[MethodSpec], ratio: float, runs: Path | None) -> pd.DataFrame:
     """One row per (sample, entry) of a prepared, built RULER-style dataset: what ranked the budget, see the doc."""
     rows = []
     for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: kvfuse to the first token"):
         chance = in_facts(all_chunk_rows(prompt), prompt, facts)
-        value = value_rows([s.model_ref.tokenizer.decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
-        if value is None:
-            raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
-        value = torch.tensor(value)                                               # [v] the number's rows
+        value = gold_value_rows(s, data, q, prompt)                               # [v] the number's rows
         for spec in specs:
             method = Tracing(ratio, **spec.knobs)
             s.answer(prompt, method, s.entries("fusion", chunks), max_new_tokens=1)

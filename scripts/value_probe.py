@@ -19,17 +19,16 @@ and counted. With --runs, each sample's answer under the entry (and under `full`
 from __future__ import annotations
 
 import sys
+from itertools import chain
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from kvf.errors import KvfError
 from kvf.pipeline.fusion.methods.base import chunk_attention
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.decode import teacher_forced_logits
-from kvf.scripts.copy_probe import value_rows
-from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples
+from kvf.scripts.hop_probe import gold_value_rows, kvfuse_probe_main, mass_on, probed_samples
 from kvf.scripts.locate_probe import files_beside, made_by
 from kvf.scripts.read_probe import FULL, share_by_layer
 
@@ -74,16 +73,12 @@ def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
         if step is None:
             rows.append(dict(base, entry=FULL, layer=-1))
             continue
-        spelt = value_rows([decode([t]) for t in prompt.all_ids().tolist()], q.answers[0])
-        if spelt is None:
-            raise KvfError(f"{data}: question {q.qid}: its prompt does not spell its gold value {q.answers[0]}")
-        value = torch.tensor(list(spelt))                                        # [v] the value's rows in the prompt
+        value = gold_value_rows(s, data, q, prompt)                              # [v] the value's rows in the prompt
         forced = full.token_ids[:step + 1]                                       # the answer up to the value's token
-        entries = [(FULL, full.fused, ("full", None))]
-        for spec in specs:
-            entries.append((spec.label or spec.name,
-                            s.prefill(prompt, KvFuse(ratio, **spec.knobs), keys, max_new_tokens=32)[0],
-                            (spec.name, spec.label)))
+        entries = chain([(FULL, full.fused, ("full", None))],                    # lazily: each cache made when it is read
+                        ((spec.label or spec.name, s.prefill(prompt, KvFuse(ratio, **spec.knobs), keys,
+                                                             max_new_tokens=32)[0], (spec.name, spec.label))
+                         for spec in specs))
         for entry, fused, key in entries:
             shares, p_value, top = read_at(s, fused, forced, prompt, value, facts)
             correct = answered.get((q.qid, *key), (float("nan"),))[0]
