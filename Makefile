@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -359,6 +359,10 @@ KVFUSE_SEEDS_L18 ?= kvfuse:sink_tokens=8:sinks_after_top=2:locate_from=0.6:locat
 # number that opens its chunk was not read by layer 20's copy when stored alone (results/kvfuse.md, step 23)
 KVFUSE_SEAMS ?= $(KVFUSE_SEEDS_AFTER):seam_tokens=1
 KVFUSE_SEAMS_2 ?= $(KVFUSE_SEEDS_AFTER):seam_tokens=2
+# step 24's candidate: step 19's windows bought only where the budget left after the sinks holds all 16 at their longest
+# (208 rows), a rule fixed from the windows' size before any run: RULER's, MuSiQue's and 2WikiMQA's budgets hold them,
+# NQ-open's (about 90 rows, which step 19's windows took whole) do not (results/kvfuse.md, step 24)
+KVFUSE_FITS ?= $(KVFUSE_SEEDS_AFTER):hop_if_fits=true
 hop_runs = $(call located_runs,$(1),$(2)) $(KVFUSE_RUNS)/hop-ruler-$(1)-s$(2).jsonl
 kvfuse-hop: kvfuse-hop-musique $(foreach seed,$(KVFUSE_SINKS_RULER_SEEDS),kvfuse-hop-ruler-2048-$(seed)) \
   $(foreach seed,$(KVFUSE_SINKS_4K_SEEDS),kvfuse-hop-ruler-4096-$(seed))
@@ -404,6 +408,26 @@ kvfuse-seams-ruler-%: | setup   # % = LENGTH-SEED
 	$(call ruler_heldout,$(KVFUSE_SEAMS_2),seams)
 kvfuse-seams-nq: $(WORK)/nq/questions.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_SEAMS_2) -o $(KVFUSE_RUNS)/seams-nq.jsonl
+# step 24 where it should be step 19 (MuSiQue 11-49, RULER 2K seed 0) and where it should be the located sinks (NQ-open
+# 0-49), each beside those rows, then on 50 fresh NQ-open questions (100-149) beside full prefill, the default, the
+# located sinks and step 19 (`make -j2 kvfuse-fits`)
+kvfuse-fits: kvfuse-fits-musique kvfuse-fits-ruler-2048-0 kvfuse-fits-nq
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/located-musique.jsonl $(KVFUSE_RUNS)/seeds-after-musique.jsonl $(KVFUSE_RUNS)/fits-musique.jsonl \
+	  --out $(KVFUSE_OUT)/fits-musique
+	$(KVF) eval --complete-only $(call located_runs,2048,0) $(KVFUSE_RUNS)/seeds-after-ruler-2048-s0.jsonl \
+	  $(KVFUSE_RUNS)/fits-ruler-2048-s0.jsonl --out $(KVFUSE_OUT)/fits-ruler
+	$(KVF) eval --complete-only $(METHOD_RUNS)/nq.jsonl.gz $(KVFUSE_RUNS)/located-nq.jsonl $(KVFUSE_RUNS)/seeds-after-nq.jsonl \
+	  $(KVFUSE_RUNS)/fits-nq.jsonl --out $(KVFUSE_OUT)/fits-nq
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/fits-nq-heldout.jsonl --out $(KVFUSE_OUT)/fits-nq-heldout
+kvfuse-fits-musique: $(WORK)/musique/questions.jsonl
+	$(KVFUSE_RUN) --offset 11 -n 39 -m $(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-musique.jsonl
+kvfuse-fits-ruler-%: | setup   # % = LENGTH-SEED
+	$(call ruler_heldout,$(KVFUSE_FITS),fits)
+kvfuse-fits-nq: $(WORK)/nq/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-nq.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq --offset 100 -n $(N_NQ) \
+	  -m full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-nq-heldout.jsonl
 # step 19 on the methods sweep's 2WikiMQA and NQ-open questions (settings as kvfuse-located-2wikimqa and -nq), its
 # tables beside the located sinks' rows (`make -j2 kvfuse-seeds-after-qa`)
 kvfuse-seeds-after-qa: kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq

@@ -269,6 +269,10 @@ CASES = {
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_rows=16:hop_share=0.5", "-n", "1",
                       "-o", t / "o.jsonl"],
         ["--method kvfuse:hop_rows=16:hop_share=0.5: hop_share: shapes hop_after's windows, and hop_after is 0; give hop_after (--hop-after) a count above 0 too"]),
+    "run -m kvfuse:hop_if_fits without hop_after": (
+        lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse:hop_rows=16:hop_if_fits=true", "-n", "1",
+                      "-o", t / "o.jsonl"],
+        ["--method kvfuse:hop_rows=16:hop_if_fits=true: hop_if_fits: shapes hop_after's windows, and hop_after is 0; give hop_after (--hop-after) a count above 0 too"]),
     "kvfuse --hop-after without --hop-rows": (
         lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "kvfuse", "--hop-after", "12", "-n", "1", "-o", t / "o.jsonl"],
         ["--hop-after 12: shapes the second hop, and hop_rows is 0; give hop_rows (--hop-rows) a count above 0 too"]),

@@ -739,6 +739,29 @@ def test_kvfuse_hop_share_caps_the_windows_best_seed_first():
     assert logits_gap(capped.prefill(engine, prompt, source), full) <= TOL
 
 
+def test_kvfuse_hop_if_fits_buys_the_windows_only_where_the_budget_holds_them_all():
+    """hop_if_fits: step 19's windows are bought where the budget left after the sinks holds every one at its longest
+    (hop_rows x (1 + hop_after) rows); elsewhere the budget's rows are the located sinks' own. At ratio 1 it is full
+    prefill."""
+    from kvf.scripts.hop_probe import Tracing
+    engine, prompt, source = tiny_case("llama")
+    sinks = dict(sink_tokens=2, sinks_after_top=1, locate_from=0.6, locate_to=0.85)     # at most 2 sink rows
+    windows = dict(hop_rows=2, hop_seeds="band", hop_weight=0.0, hop_after=3)            # 8 rows at their longest
+
+    def selected(ratio, **knobs) -> list[int]:
+        traced = Tracing(ratio, **knobs)
+        traced.prefill(engine, prompt, source)
+        return traced.selected.tolist()
+
+    for ratio, fits in ((0.2, False), (0.6, True)):            # budgets of 6 and 18 rows of the 30
+        located, step19 = selected(ratio, **sinks), selected(ratio, **sinks, **windows)
+        assert located != step19, ratio                        # the windows move the budget here: the check can fail
+        assert selected(ratio, **sinks, **windows, hop_if_fits=True) == (step19 if fits else located), ratio
+    full = get_method("full").prefill(engine, prompt)
+    gated = get_method("kvfuse", 1.0, **windows, hop_if_fits=True)
+    assert logits_gap(gated.prefill(engine, prompt, source), full) <= TOL
+
+
 def test_kvfuse_seam_tokens_buys_every_chunks_first_tokens():
     """seam_tokens=s: the first s rows of every chunk are recomputed first, inside the budget (its size unchanged),
     beside the located sinks; at ratio 1 it is full prefill."""

@@ -97,6 +97,9 @@ later questions, results/kvfuse/runs/):
   found decoding not reading a number that opens its chunk (layer 20: 0.00 vs full's 0.73). seam_tokens=2 on step 19
   led or tied on the dev splits and held out level with it (RULER 2K 0.855 vs 0.850, 4K 0.662 with no answer changed,
   MuSiQue 11-49 0.852, NQ 0-49 0.568). Not kept.
+- step 19's windows only where the budget holds them all (step 24, hop_if_fits): a rule fixed from the windows' size
+  before any run. On RULER and MuSiQue, whose budgets hold the 208 rows, it is step 19; on NQ-open's short prompts,
+  the located sinks (results/kvfuse.md, step 24).
 
 Two passes, as ProphetKV: (1) the question's rows over the stored cache, recording their attention
 at every layer; (2) recompute the top-budget chunk rows by the layer-averaged attention, shifting
@@ -106,7 +109,7 @@ ape_temperature / ape_scale, propagate (off / after / before), propagate_from an
 budget by CacheBlend's layer-1 deviation, measured between the passes; not kept: no gain on either dev split),
 shift_estimate, shift_parts, key_shift_scale, key_shift_by_attention, shift_guard (shift_guard_closed),
 shift_guard_ranked, shift_max_spread, budget_slope, select_unit and hop_rows (hop_seeds, hop_weight, hop_after,
-hop_after_crosses, hop_share). Budget:
+hop_after_crosses, hop_share, hop_if_fits). Budget:
 exactly round(ratio x chunk tokens), sinks included; the hop's rows are a pass of their own, outside it (they count
 in recomputed_token_layers).
 """
@@ -227,6 +230,10 @@ class KvFuseKnobs:
                                  "take, the best-ranked rows' windows first; 1: all of them (at NQ's 90-row budget "
                                  "step 19's 16 windows of 13 rows took the whole budget: results/kvfuse.md, step 20)",
                             min=0.0, max=1.0)
+    hop_if_fits: bool = knob(False, "with hop_after: the windows are bought only where the budget left after the "
+                                    "sinks holds all of them at their longest (hop_rows x (1 + hop_after) rows); "
+                                    "elsewhere none is, and the budget is ranked as without them (on NQ-open's short "
+                                    "prompts step 19's windows took the whole budget: results/kvfuse.md, step 24)")
     requery: bool = knob(False, "compute the question's tokens again, alone, over the fused rows before the first token "
                                 "(a third pass); with propagate=after the shift moves before it and counts in TTFT")
 
@@ -257,7 +264,7 @@ class KvFuse(FusionMethod):
             if self.knobs.propagate == "off" or self.knobs.shift_parts == "v":                  # nothing to scale
                 raise KnobError(name, str(getattr(self.knobs, name)).lower(), "scales the keys' shift, and "
                                 "propagate=off or shift_parts=v moves no key; drop one of them")
-        for name in changed_knobs(self.knobs, ("hop_after_crosses", "hop_share")):     # a window of no rows
+        for name in changed_knobs(self.knobs, ("hop_after_crosses", "hop_share", "hop_if_fits")):   # no window
             if not self.knobs.hop_after:
                 raise KnobError(name, str(getattr(self.knobs, name)).lower(), "shapes hop_after's windows, and "
                                 "hop_after is 0; give hop_after (--hop-after) a count above 0 too")
@@ -366,7 +373,7 @@ class KvFuse(FusionMethod):
         scores = scores[chunk_rows].clone()
         if self.knobs.span_after:                                           # a read row brings the rows after it
             scores = spread_after(scores, chunk_of(prompt, chunk_rows), self.knobs.span_after)
-        if self.knobs.hop_after:                                            # the hop's rows and what follows them
+        if self.knobs.hop_after and self.windows_fit(budget - len(sinks)):  # the hop's rows and what follows them
             after = self.hop_windows(state, budget) - prompt.n_prefix
             scores[after] = torch.finfo(scores.dtype).max                   # next after the sinks
         scores[sinks - prompt.n_prefix] = float("inf")                     # sinks first, then by attention
@@ -427,6 +434,11 @@ class KvFuse(FusionMethod):
         most = min(recompute_budget(self.knobs.hop_share, budget), int((window > 0).sum()))
         ranked = torch.argsort(window, descending=True, stable=True)[:most]   # a window's rows: its earliest first
         return torch.sort(all_chunk_rows(prompt)[ranked]).values
+
+    def windows_fit(self, room: int) -> bool:
+        """Whether hop_after's windows are bought: always, or with hop_if_fits only where `room` rows hold every
+        window at its longest, so that on a short prompt the question still ranks the budget."""
+        return not self.knobs.hop_if_fits or self.knobs.hop_rows * (1 + self.knobs.hop_after) <= room
 
     def end_hop(self, state: FusionState) -> torch.Tensor:
         """After the hop's pass: [n] its rows' attention (the scored layers' mean), the stored K/V back in place,
