@@ -21,8 +21,9 @@ process computing with one torch thread:
    question's last record to the last question's, over n - 1 questions, so start-up (imports, model
    load, each method's untimed warm-up call) stays out, as it does in a long sweep.
 4. a written projection of the cost of a 1M-chunk store (bytes measured per token here; GPU hours
-   from build-cache's own cost of one entry measured on an H100, results/gpu/build.csv from
-   scripts/bench_gpu_build, and from FLOPs under stated assumptions).
+   from build-cache's own cost per entry measured on a GPU, entries built in a row with their writes behind
+   where the table has them (scripts/bench_gpu_build's table, results/gpu/h200-f7556d7/build.csv), and from
+   FLOPs under stated assumptions).
 4b. the driver's share (chunking and indexing stay on the driver, whatever the number of GPUs): its
    cost per chunk of embedding for the dense index, and of the neighbour search (exact up to 50K chunks:
    all pairs, so chunks squared; above, an inverted file: about chunks^1.5), measured at one thread and
@@ -103,7 +104,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--real", type=Path, default=None,
                    help="a prepared dataset dir (kvf data prepare) for part 5, e.g. work/musique; default: skip part 5")
     p.add_argument("--real-questions", type=int, default=3, help="questions of part 5 (the first is not counted)")
-    p.add_argument("--gpu-build", type=Path, default=ROOT / "results" / "gpu" / "build.csv",
+    p.add_argument("--gpu-build", type=Path, default=ROOT / "results" / "gpu" / "h200-f7556d7" / "build.csv",
                    help="scripts/bench_gpu_build's table (one chunk's entry built on a GPU) for the projection")
     p.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS, help="neighbours per chunk in the projection")
     p.add_argument("--knn-vectors", type=int, default=20_000, help="vectors of the timed exact neighbour search")
@@ -401,7 +402,8 @@ GPU_BUILD_COLUMNS = {"compute_dtype", "chunk_tokens", "entry_ms", "prefill_ms", 
 
 def gpu_build_cost(table: Path) -> dict | None:
     """One chunk's entry built on a GPU through build-cache's own path, in bfloat16 (its default there),
-    from scripts/bench_gpu_build's table; None when there is no such table."""
+    from scripts/bench_gpu_build's table; None when there is no such table. Where the table times entries
+    built in a row with their writes behind (row_behind_ms), that is the cost: it is how build-cache runs."""
     if not table.is_file():
         return None
     import pandas as pd
@@ -417,9 +419,19 @@ def gpu_build_cost(table: Path) -> dict | None:
     if rows.empty:
         return None
     row = rows.iloc[0]
-    return {"seconds_per_chunk": row.entry_ms / 1000, "entry_ms": float(row.entry_ms), "prefill_ms": float(row.prefill_ms),
-            "chunk_tokens": int(row.chunk_tokens), "device": row.device, "model": row.model,
+    in_a_row = "row_behind_ms" in rows.columns and pd.notna(row.row_behind_ms)
+    cost_ms = float(row.row_behind_ms if in_a_row else row.entry_ms)
+    return {"seconds_per_chunk": cost_ms / 1000, "cost_ms": cost_ms, "in_a_row": bool(in_a_row),
+            "entry_ms": float(row.entry_ms), "prefill_ms": float(row.prefill_ms),
+            "chunk_tokens": int(row.chunk_tokens), "gpu": str(row.device).removeprefix("NVIDIA ").split()[0],
+            "model": row.model,
             "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table)}
+
+
+def gpu_cost_what(gpu_cost: dict) -> str:
+    """What the projection's GPU cost per chunk timed, in words."""
+    return ("entries built in a row, each store write behind the next chunk's compute" if gpu_cost["in_a_row"]
+            else "one entry alone")
 
 
 def projection(chunks: float, chunk_tokens: int, gpus: int, measured: dict, gpu_cost: dict | None = None,
@@ -512,8 +524,9 @@ def driver_rows(proj: dict, driver: dict) -> list[list]:
 
 
 def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int) -> list[list]:
-    gpu_from = (f"measured: build-cache's entry of a {gpu_cost['chunk_tokens']}-token chunk on an H100, "
-                f"{gpu_cost['entry_ms']:.0f} ms (random weights, bfloat16)" if gpu_cost else
+    gpu = gpu_cost["gpu"] if gpu_cost else "H100"
+    gpu_from = (f"measured: build-cache on an {gpu}, {gpu_cost['cost_ms']:.0f} ms per {gpu_cost['chunk_tokens']}-token "
+                f"chunk ({gpu_cost_what(gpu_cost)}; random weights, bfloat16)" if gpu_cost else
                 f"assumed: 2 x 8e9 FLOPs per token, {H100_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s BF16 dense at {ASSUMED_MFU:.0%} MFU")
     return [
         ["SmolLM2-135M", "store size", f"{proj['smollm_bytes'] / 2**40:.2f} TiB",
@@ -522,12 +535,12 @@ def projection_rows(proj: dict, measured: dict, gpu_cost: dict | None, gpus: int
          f"measured {measured['tokens_per_core_s']:.0f} tokens/s per core (one process, one thread)"],
         ["Llama-3-8B", "store size", f"{proj['llama_bytes'] / 2**40:.1f} TiB",
          f"{kv_bytes_per_token(LLAMA3_8B) // 1024} KiB per token (32 layers x 2 x 8 KV heads x 128 x float16)"],
-        ["Llama-3-8B", "GPU-hours (H100)", f"{proj['llama_gpu_hours']:,.1f}", gpu_from],
+        ["Llama-3-8B", f"GPU-hours ({gpu})", f"{proj['llama_gpu_hours']:,.1f}", gpu_from],
         ["Llama-3-8B", f"wall hours on {gpus} GPUs", f"{proj['llama_wall_hours']:,.2f}",
          "Ray actors, one per GPU, scale linearly (as measured above on CPU)"],
         ["Llama-3-8B", "hours to write the store", f"{proj['llama_write_hours']:,.1f}",
          f"assumed {ASSUMED_WRITE_GB_PER_S:g} GB/s of sustained object-store writes per 8-GPU node"],
-        ["Llama-3-8B", "compute dollars", f"${proj['llama_dollars']:,.0f}", f"assumed ${ASSUMED_GPU_DOLLARS_PER_HOUR:.2f} per H100-hour"],
+        ["Llama-3-8B", "compute dollars", f"${proj['llama_dollars']:,.0f}", f"assumed ${ASSUMED_GPU_DOLLARS_PER_HOUR:.2f} per {gpu}-hour"],
         ["Llama-3-8B", "storage dollars per month", f"${proj['llama_storage_dollars_month']:,.0f}",
          f"assumed ${ASSUMED_S3_DOLLARS_PER_GB_MONTH} per GB-month (S3 standard)"],
     ]
@@ -756,10 +769,11 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_cost, args.gpus) +
                          (driver_rows(proj, driver) if driver else [])),
           "\nThe SmolLM2 rows are measured in this run. " + (
-              f"The Llama-3-8B GPU-hours come from build-cache's own cost of one entry, measured on an H100 with random "
-              f"weights of Llama-3-8B's shape ({gpu_cost['table']}: {gpu_cost['entry_ms']:.0f} ms per "
-              f"{gpu_cost['chunk_tokens']}-token chunk in bfloat16, {gpu_cost['prefill_ms']:.0f} ms of it the prefill after "
-              "S and the rest the copy to the host and the store's write), taken in proportion to a chunk's tokens. "
+              f"The Llama-3-8B GPU-hours come from build-cache's own cost per entry, measured on an {gpu_cost['gpu']} "
+              f"with random weights of Llama-3-8B's shape ({gpu_cost['table']}: {gpu_cost['cost_ms']:.0f} ms per "
+              f"{gpu_cost['chunk_tokens']}-token chunk in bfloat16, {gpu_cost_what(gpu_cost)}; one entry alone takes "
+              f"{gpu_cost['entry_ms']:.0f} ms, {gpu_cost['prefill_ms']:.0f} ms of it the prefill after S and the rest the "
+              "copy to the host and the store's write), taken in proportion to a chunk's tokens. "
               f"A chunk is one short forward pass, far below the GPU's arithmetic rate: the FLOPs estimate would say "
               f"{proj['flops_gpu_hours']:,.1f}. " if gpu_cost else
               "The Llama-3-8B GPU-hours are arithmetic on the stated FLOPs assumptions (no GPU table at "

@@ -74,7 +74,11 @@ def test_the_projection_takes_gpu_hours_from_build_caches_measured_entry_cost(tm
     assert not projection(1e6, 256, 8, measured)["gpu_hours_measured"]
     assert gpu_build_cost(tmp_path / "absent.csv") is None
     committed = gpu_build_cost(ROOT / "results" / "gpu" / "build.csv")  # the H100 run of results/gpu/build.md
-    assert 50 < committed["entry_ms"] < 200 and committed["chunk_tokens"] == 256
+    assert 50 < committed["entry_ms"] < 200 and committed["chunk_tokens"] == 256 and not committed["in_a_row"]
+    # a table that times entries built in a row, writes behind, gives that cost: it is how build-cache runs
+    in_a_row = gpu_build_cost(ROOT / "results" / "gpu" / "h200-f7556d7" / "build.csv")
+    assert in_a_row["in_a_row"] and in_a_row["gpu"] == "H200"
+    assert in_a_row["seconds_per_chunk"] == pytest.approx(75.333 / 1000, rel=1e-3) != in_a_row["entry_ms"] / 1000
 
 
 @pytest.mark.parametrize("text", ["", "compute_dtype,entry_ms\nbfloat16,1\n", "\x00\xff binary"])
