@@ -22,6 +22,20 @@ def save_figure(fig, path: Path) -> None:
         fig.savefig(tmp, dpi=130, format="png", bbox_inches="tight")  # long legend labels stay inside
 
 
+def shared_knobs(labels: list[str], skip: frozenset[str] = frozenset({""})) -> tuple[list[str], str | None]:
+    """Short labels for knob lists (joined by ':'): the knobs that every label outside `skip` starts with are named
+    once, returned for a title, and each label shows what it adds to them ("base" when nothing). With fewer than
+    two such labels, or none shared, the labels as they are and None."""
+    knobbed = [label.split(":") for label in labels if label not in skip]
+    shared = 0
+    while len(knobbed) > 1 and all(len(k) > shared for k in knobbed) and len({k[shared] for k in knobbed}) == 1:
+        shared += 1
+    if not shared:
+        return labels, None
+    short = [label if label in skip else " + ".join(["base", *label.split(":")[shared:]]) for label in labels]
+    return short, ":".join(knobbed[0][:shared])
+
+
 def _label(row: pd.Series, show_variant: bool) -> str:
     text = row.method + (f" [{row.label}]" if row.label else "")
     return f"{text} ({row.variant})" if show_variant and row.variant else text
@@ -222,6 +236,11 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     from matplotlib.figure import Figure
     from kvf.eval.report import answers_measured   # report draws with this module: imported where used
     metric = rows.metric.iloc[0]
+    labelled = rows[rows.label != ""]
+    base = None
+    if labelled.method.nunique() == 1:   # one method's configurations: the knobs they all start with, named once
+        short, base = shared_knobs(list(rows.label.where(rows.method == labelled.method.iloc[0], "")))
+        rows = rows.assign(label=short)
     rows = rows.assign(name=[_label(r, rows.variant.nunique() > 1) for _, r in rows.iterrows()])
     # ranked by gold accuracy where it discriminates (generated suites), else by fidelity to full:
     # a weak model's gold F1 on QA sits near its floor; best at the top
@@ -234,6 +253,8 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
         panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
                        "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
     drawn, notes = measured_panels(rows, panels)
+    if base is not None:
+        notes += f"\nbase = {labelled.method.iloc[0]}:{base}"
     fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), 0.38 * len(rows) + 1.8))
     axes = np.atleast_1d(fig.subplots(1, len(drawn), sharey=True))
     for ax, (column, low, high, xlabel, empty) in zip(axes, drawn):

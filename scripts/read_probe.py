@@ -26,6 +26,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from kvf.eval.plots import shared_knobs  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
 from kvf.pipeline.workflows.bench import wrapped_label  # noqa: E402
@@ -77,7 +78,7 @@ def share_by_layer(table: pd.DataFrame, out: Path, column: str, ylabel: str, wha
     """A per-layer share (`column`, mean over samples), one line per entry, full prefill dashed in black."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     groups = list(table.groupby("entry", sort=False))
-    labels, common = legend_labels([entry for entry, _ in groups])
+    labels, common = shared_knobs([entry for entry, _ in groups], skip=frozenset({FULL}))
     for i, ((entry, rows), label) in enumerate(zip(groups, labels)):
         share = rows.groupby("layer")[column].mean()
         ax.plot(share.index, share.values, marker="o", ms=3, label=label, color="black" if entry == FULL else f"C{i}",
@@ -91,20 +92,6 @@ def share_by_layer(table: pd.DataFrame, out: Path, column: str, ylabel: str, wha
               title=None if common is None else wrapped_label(f"base = kvfuse:{common}"), title_fontsize=7)
     fig.savefig(out, dpi=130, bbox_inches="tight")                # the figure grows to hold the legend below
     plt.close(fig)
-
-
-def legend_labels(entries: list[str]) -> tuple[list[str], str | None]:
-    """Short legend labels for probe entries (knob lists joined by ':'): the knobs that every entry but full prefill
-    starts with are named once, returned for the legend's title, and each entry shows what it adds to them ("base"
-    when nothing); with fewer than two such entries, or none shared, the entries as they are and None."""
-    knobbed = [entry.split(":") for entry in entries if entry != FULL]
-    shared = 0
-    while len(knobbed) > 1 and all(len(k) > shared for k in knobbed) and len({k[shared] for k in knobbed}) == 1:
-        shared += 1
-    if not shared:
-        return entries, None
-    labels = [entry if entry == FULL else " + ".join(["base", *entry.split(":")[shared:]]) for entry in entries]
-    return labels, ":".join(knobbed[0][:shared])
 
 
 def report(table: pd.DataFrame, args) -> str:

@@ -349,11 +349,14 @@ def test_the_spread_probe_refuses_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_probe_legends_name_the_shared_knobs_once():
-    from kvf.scripts.read_probe import FULL, legend_labels
-    labels, common = legend_labels([FULL, "a=1:b=2", "a=1:b=2:c=3", "a=1:b=2:d=4:e=5"])
+    from kvf.eval.plots import shared_knobs
+    from kvf.scripts.read_probe import FULL
+    full = frozenset({FULL})
+    labels, common = shared_knobs([FULL, "a=1:b=2", "a=1:b=2:c=3", "a=1:b=2:d=4:e=5"], full)
     assert common == "a=1:b=2" and labels == [FULL, "base", "base + c=3", "base + d=4 + e=5"]
-    assert legend_labels([FULL, "a=1:b=2"]) == ([FULL, "a=1:b=2"], None)        # one entry: as it is
-    assert legend_labels(["x=1", "y=2"]) == (["x=1", "y=2"], None)              # nothing shared
+    assert shared_knobs([FULL, "a=1:b=2"], full) == ([FULL, "a=1:b=2"], None)  # one entry: as it is
+    assert shared_knobs(["x=1", "y=2"]) == (["x=1", "y=2"], None)              # nothing shared
+    assert shared_knobs(["", "x=1:y=2", "x=1"]) == (["", "base + y=2", "base"], "x=1")   # unlabelled rows kept
 
 
 @pytest.mark.parametrize("probe", ["hop_probe", "read_probe", "value_probe"])
