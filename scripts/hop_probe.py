@@ -207,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def kvfuse_probe_main(prog: str, doc: str, out_name: str, method_cls, run_one, plot, report,
-                      argv: list[str] | None = None) -> int:
+                      argv: list[str] | None = None, options=None) -> int:
     """A probe of kvfuse entries over prepared RULER-style datasets: --data, --methods, --runs (one per dataset) and
     --replot checked (one line each), then run_one(data, specs, ratio, runs) per dataset, the table saved as
-    .csv, .png (plot) and .md (report); 0, or 1 / 2 with one line on stderr."""
+    .csv, .png (plot) and .md (report); 0, or 1 / 2 with one line on stderr. options(parser): the probe's own flags,
+    then passed to run_one as its last argument."""
     p = probe_parser(prog, doc, "prepared RULER-style datasets, built", out_name)
+    if options:
+        options(p)
     p.add_argument("--methods", nargs="+", help="kvfuse entries as kvf run -m takes them (kvfuse:KNOB=VALUE...)")
     p.add_argument("--runs", type=Path, nargs="+", help="run files of those datasets, in order (accuracy joined)")
     args = p.parse_args(argv)
@@ -235,7 +238,8 @@ def kvfuse_probe_main(prog: str, doc: str, out_name: str, method_cls, run_one, p
             with spec.names_its_knobs():
                 method_cls(args.ratio, **spec.knobs)                  # a refused knob: one line, before any work
         runs = args.runs or [None] * len(args.data)
-        table = pd.concat([run_one(d, specs, args.ratio, r) for d, r in zip(args.data, runs)])
+        extra = (args,) if options else ()
+        table = pd.concat([run_one(d, specs, args.ratio, r, *extra) for d, r in zip(args.data, runs)])
     except KvfError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,10 @@ falls on the rows spelling the value in the prompt (`value_share`) and on the fa
 sample the probability given to full's token there (`p_value`) and whether it is the top one. A sample whose full
 answer does not spell the gold value, or spells it with its first token (that read is read_probe's), is left out
 and counted. With --runs, each sample's answer under the entry (and under `full`) is joined as `correct`.
+
+--fact-chunks-whole adds, after each entry, an oracle no request can have: the same entry with the sample's fact
+chunks recomputed whole on top of its own rows (so over its budget), its answer decoded here and scored as `correct`.
+It asks whether the value's margin is decided by the fact chunks' own rows or by the rows of the other chunks.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvf.eval.metrics import accuracy
 from kvf.pipeline.fusion.methods.base import chunk_attention
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.decode import teacher_forced_logits
@@ -61,10 +66,37 @@ def read_at(session, fused, forced: list[int], prompt, value: torch.Tensor, fact
     return shares, float(p[forced[-1]]), int(torch.argmax(p)) == forced[-1]
 
 
-def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
+class FactChunksWhole(KvFuse):
+    """An oracle: kvfuse whose recomputed rows are its own plus every row of the chunks in `facts` (chunk positions),
+    set per prompt before it runs."""
+    facts: set[int] = set()
+
+    def next_pass_rows(self, engine, state):
+        rows = super().next_pass_rows(engine, state)
+        if state.pass_index != self.recompute_pass - 1:                          # not the pass that recomputes
+            return rows
+        spans = state.prompt.chunk_spans()
+        fact_rows = torch.cat([torch.arange(*spans[i]) for i in sorted(self.facts)])       # [f]
+        state.scratch["selected"] = torch.unique(torch.cat([rows, fact_rows.to(rows.device)]))   # sorted
+        return state.scratch["selected"]
+
+
+ORACLE = " + fact chunks whole (oracle)"
+
+
+def fact_oracles(specs, ratio: float, facts: set[int]):
+    """Per spec, its FactChunksWhole oracle for a sample whose fact chunks are `facts`: (label, method)."""
+    for spec in specs:
+        oracle = FactChunksWhole(ratio, **spec.knobs)
+        oracle.facts = facts
+        yield (spec.label or spec.name) + ORACLE, oracle
+
+
+def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.DataFrame:
     """One row per (sample, entry or full prefill, layer): value_share, fact_share, p_value, top_is_value, correct;
     a left-out sample is one row with layer -1."""
     rows = []
+    oracles = bool(args and args.fact_chunks_whole)
     for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: the step that writes the value"):
         decode, keys = s.model_ref.tokenizer.decode, s.entries("fusion", chunks)
         full = s.answer(prompt, KvFuse(1.0), keys, max_new_tokens=32).answer
@@ -75,13 +107,17 @@ def read(data: Path, specs, ratio: float, runs: Path | None) -> pd.DataFrame:
             continue
         value = gold_value_rows(s, data, q, prompt)                              # [v] the value's rows in the prompt
         forced = full.token_ids[:step + 1]                                       # the answer up to the value's token
-        entries = chain([(FULL, full.fused, ("full", None))],                    # lazily: each cache made when it is read
+        answer_in_runs = lambda name, label: answered.get((q.qid, name, label), (float("nan"),))[0]   # noqa: E731
+        entries = chain([(FULL, full.fused, answer_in_runs("full", None))],      # lazily: each cache made when read
                         ((spec.label or spec.name, s.prefill(prompt, KvFuse(ratio, **spec.knobs), keys,
-                                                             max_new_tokens=32)[0], (spec.name, spec.label))
+                                                             max_new_tokens=32)[0], answer_in_runs(spec.name, spec.label))
                          for spec in specs))
-        for entry, fused, key in entries:
+        if oracles:                                                              # answered here: no run file has them
+            entries = chain(entries, ((label, s.prefill(prompt, oracle, keys, max_new_tokens=32)[0],
+                                       accuracy(s.answer(prompt, oracle, keys, 32).answer.text, q.answers, q.gold_mode))
+                                      for label, oracle in fact_oracles(specs, ratio, facts)))
+        for entry, fused, correct in entries:
             shares, p_value, top = read_at(s, fused, forced, prompt, value, facts)
-            correct = answered.get((q.qid, *key), (float("nan"),))[0]
             for layer, (value_share, fact_share) in enumerate(shares):
                 rows.append(dict(base, entry=entry, layer=layer, value_share=value_share, fact_share=fact_share,
                                  p_value=p_value, top_is_value=top, correct=correct))
@@ -147,8 +183,13 @@ def report(table: pd.DataFrame, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def options(p) -> None:
+    p.add_argument("--fact-chunks-whole", action="store_true",
+                   help="after each entry, an oracle: the same entry with the fact chunks recomputed whole (see the doc)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return kvfuse_probe_main("value_probe", __doc__, "value-probe.md", KvFuse, read, plot, report, argv)
+    return kvfuse_probe_main("value_probe", __doc__, "value-probe.md", KvFuse, read, plot, report, argv, options)
 
 
 if __name__ == "__main__":

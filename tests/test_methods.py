@@ -655,6 +655,26 @@ def test_the_value_probe_finds_the_step_that_writes_the_value():
     assert value_step([6, 4, 5], decode, "7046") is None                         # from the first token: read_probe's
 
 
+def test_the_value_probes_oracle_recomputes_the_fact_chunks_whole_beside_its_own_rows():
+    """--fact-chunks-whole: the entry's own rows and every row of the fact chunks are recomputed (over its budget)."""
+    from kvf.scripts.hop_probe import Tracing
+    from kvf.scripts.value_probe import FactChunksWhole
+
+    class TracedOracle(Tracing, FactChunksWhole):
+        pass
+
+    engine, prompt, source = tiny_case("llama")
+    plain = Tracing(0.2)
+    plain.prefill(engine, prompt, source)
+    oracle = TracedOracle(0.2)
+    oracle.facts = {1}
+    result = oracle.prefill(engine, prompt, source)
+    fact_rows = set(range(*prompt.chunk_spans()[1]))
+    assert not fact_rows <= set(plain.selected.tolist())                      # the entry alone leaves some
+    assert set(oracle.selected.tolist()) == set(plain.selected.tolist()) | fact_rows
+    assert result.recomputed_tokens == len(oracle.selected)
+
+
 def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
     """hop_after=N: each of the hop's rows and the N rows after it in its chunk are bought first, after the sinks;
     the window stops at its chunk's end. At ratio 1 it is full prefill."""
