@@ -151,8 +151,11 @@ def report(table: pd.DataFrame, args) -> str:
     full's value token and the samples that put it first, and accuracy; then the samples where an entry does not."""
     left_out = table[table.layer < 0].qid.nunique()
     read_rows, copy = probed(table), copy_layer(table)
-    lines = ["# Where decoding reads when it writes the value (kvfuse step 23)", "",
-             made_by("value_probe", args, "the entries below as --methods; `make kvfuse-value-probe`") + "  ",
+    oracle = getattr(args, "fact_chunks_whole", False)
+    lines = ["# Where decoding reads when it writes the value (kvfuse step 23)" if not oracle else
+             "# Where decoding reads when it writes the value, with the fact chunks recomputed whole (kvfuse step 25)", "",
+             made_by("value_probe", args, "the entries below as --methods; `make kvfuse-value-probe`" if not oracle else
+                     "the entries below as --methods, and --fact-chunks-whole; `make kvfuse-value-probe-facts`") + "  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(table.dataset.unique())}; n = {read_rows.qid.nunique()} read, {left_out} left out: full "
              f"prefill's answer does not spell the gold value); each entry at {args.ratio:.0%} and `{FULL}` (kvfuse at "
@@ -160,7 +163,9 @@ def report(table: pd.DataFrame, args) -> str:
              f"writes the value's first character. `value share`: the share of that step's attention over chunk rows "
              f"on the rows that spell the value in the prompt (mean over samples), at layer {copy} (where full prefill's "
              "reads it most) and at each sample's most; `p(value)`: the probability given to full's token there; `top`: "
-             "samples that put it first; `accuracy`: the entry's answers in --runs (—: none there).", "",
+             "samples that put it first; `accuracy`: the entry's answers in --runs (—: none there)"
+             + (", and for an oracle row (`+ fact chunks whole`) its own answer, decoded by the probe" if oracle else "")
+             + ".", "",
              f"| task | entry | n | value share, layer {copy} | value share, most over layers | p(value) | top | accuracy |",
              "|---|---|---|---|---|---|---|---|"]
     for (task, entry), rows in pd.concat([read_rows.assign(task="all"), read_rows]).groupby(["task", "entry"], sort=False):
