@@ -73,7 +73,7 @@ class FactChunksWhole(KvFuse):
 
     def next_pass_rows(self, engine, state):
         rows = super().next_pass_rows(engine, state)
-        if state.pass_index != self.recompute_pass - 1:                          # not the pass that recomputes
+        if state.pass_index != self.recompute_pass - 1 or not self.facts:       # not the pass that recomputes
             return rows
         spans = state.prompt.chunk_spans()
         fact_rows = torch.cat([torch.arange(*spans[i]) for i in sorted(self.facts)])       # [f]
