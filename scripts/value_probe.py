@@ -84,12 +84,14 @@ class FactChunksWhole(KvFuse):
 ORACLE = " + fact chunks whole (oracle)"
 
 
-def fact_oracles(specs, ratio: float, facts: set[int]):
-    """Per spec, its FactChunksWhole oracle for a sample whose fact chunks are `facts`: (label, method)."""
+def answered_oracles(session, prompt, keys, q, specs, ratio: float, facts: set[int]):
+    """Per spec, its FactChunksWhole oracle for a sample whose fact chunks are `facts`, answered once: (label, its
+    cache as decoding left it, which read_at reads as it reads full prefill's, its answer's accuracy)."""
     for spec in specs:
         oracle = FactChunksWhole(ratio, **spec.knobs)
         oracle.facts = facts
-        yield (spec.label or spec.name) + ORACLE, oracle
+        answer = session.answer(prompt, oracle, keys, 32).answer
+        yield (spec.label or spec.name) + ORACLE, answer.fused, accuracy(answer.text, q.answers, q.gold_mode)
 
 
 def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.DataFrame:
@@ -113,9 +115,7 @@ def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.Da
                                                              max_new_tokens=32)[0], answer_in_runs(spec.name, spec.label))
                          for spec in specs))
         if oracles:                                                              # answered here: no run file has them
-            entries = chain(entries, ((label, s.prefill(prompt, oracle, keys, max_new_tokens=32)[0],
-                                       accuracy(s.answer(prompt, oracle, keys, 32).answer.text, q.answers, q.gold_mode))
-                                      for label, oracle in fact_oracles(specs, ratio, facts)))
+            entries = chain(entries, answered_oracles(s, prompt, keys, q, specs, ratio, facts))
         for entry, fused, correct in entries:
             shares, p_value, top = read_at(s, fused, forced, prompt, value, facts)
             for layer, (value_share, fact_share) in enumerate(shares):
