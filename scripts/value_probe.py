@@ -19,6 +19,8 @@ and counted. With --runs, each sample's answer under the entry (and under `full`
 --fact-chunks-whole adds, after each entry, an oracle no request can have: the same entry with the sample's fact
 chunks recomputed whole on top of its own rows (so over its budget), its answer decoded here and scored as `correct`.
 It asks whether the value's margin is decided by the fact chunks' own rows or by the rows of the other chunks.
+--rest-whole adds its complement: the entry with every chunk but the fact chunks recomputed whole on top of its own
+rows (step 26). Together they split what full prefill has that the entry lacks between the two sets of chunks.
 """
 from __future__ import annotations
 
@@ -66,39 +68,58 @@ def read_at(session, fused, forced: list[int], prompt, value: torch.Tensor, fact
     return shares, float(p[forced[-1]]), int(torch.argmax(p)) == forced[-1]
 
 
-class FactChunksWhole(KvFuse):
-    """An oracle: kvfuse whose recomputed rows are its own plus every row of the chunks in `facts` (chunk positions),
+class ChunksWhole(KvFuse):
+    """An oracle: kvfuse whose recomputed rows are its own plus every row of the chunks in `whole` (chunk positions),
     set per prompt before it runs."""
-    facts: set[int] = set()
+    whole: set[int] = set()
 
     def next_pass_rows(self, engine, state):
         rows = super().next_pass_rows(engine, state)
-        if state.pass_index != self.recompute_pass - 1 or not self.facts:       # not the pass that recomputes
+        if state.pass_index != self.recompute_pass - 1 or not self.whole:       # not the pass that recomputes
             return rows
         spans = state.prompt.chunk_spans()
-        fact_rows = torch.cat([torch.arange(*spans[i]) for i in sorted(self.facts)])       # [f]
-        state.scratch["selected"] = torch.unique(torch.cat([rows, fact_rows.to(rows.device)]))   # sorted
+        whole_rows = torch.cat([torch.arange(*spans[i]) for i in sorted(self.whole)])      # [w]
+        state.scratch["selected"] = torch.unique(torch.cat([rows, whole_rows.to(rows.device)]))   # sorted
         return state.scratch["selected"]
 
 
-ORACLE = " + fact chunks whole (oracle)"
+# the oracles a flag adds: flag's attribute -> (label suffix, the chunks recomputed whole from (facts, chunk count))
+ORACLES = {"fact_chunks_whole": (" + fact chunks whole (oracle)", lambda facts, k: set(facts)),
+           "rest_whole": (" + other chunks whole (oracle)", lambda facts, k: set(range(k)) - set(facts))}
 
 
-def answered_oracles(session, prompt, keys, q, specs, ratio: float, facts: set[int]):
-    """Per spec, its FactChunksWhole oracle for a sample whose fact chunks are `facts`, answered once: (label, its
-    cache as decoding left it, which read_at reads as it reads full prefill's, its answer's accuracy)."""
-    for spec in specs:
-        oracle = FactChunksWhole(ratio, **spec.knobs)
-        oracle.facts = facts
-        answer = session.answer(prompt, oracle, keys, 32).answer
-        yield (spec.label or spec.name) + ORACLE, answer.fused, accuracy(answer.text, q.answers, q.gold_mode)
+def answered_oracles(session, prompt, keys, q, specs, ratio: float, facts: set[int], flags: list[str]):
+    """Per flag in `flags` and spec, its ChunksWhole oracle for a sample whose fact chunks are `facts`, answered once:
+    (label, its cache as decoding left it, which read_at reads as it reads full prefill's, its answer's accuracy)."""
+    for flag in flags:
+        suffix, chunks_whole = ORACLES[flag]
+        for spec in specs:
+            oracle = ChunksWhole(ratio, **spec.knobs)
+            oracle.whole = chunks_whole(facts, len(prompt.chunks))
+            answer = session.answer(prompt, oracle, keys, 32).answer
+            yield (spec.label or spec.name) + suffix, answer.fused, accuracy(answer.text, q.answers, q.gold_mode)
+
+
+HEAD = "# Where decoding reads when it writes the value"
+TITLES = {(): f"{HEAD} (kvfuse step 23)",
+          ("fact_chunks_whole",): f"{HEAD}, with the fact chunks recomputed whole (kvfuse step 25)",
+          ("rest_whole",): f"{HEAD}, with the other chunks recomputed whole (kvfuse step 26)",
+          ("fact_chunks_whole", "rest_whole"): f"{HEAD}, with the fact chunks or the other chunks recomputed whole "
+                                               "(kvfuse steps 25 and 26)"}
+MAKE = {(): "make kvfuse-value-probe", ("fact_chunks_whole",): "make kvfuse-value-probe-facts",
+        ("rest_whole",): "make kvfuse-value-probe-rest", ("fact_chunks_whole", "rest_whole"): "make kvfuse-value-probe-rest"}
+
+
+def oracle_flags(args) -> list[str]:
+    """The oracle flags set in args, in ORACLES' order."""
+    return [flag for flag in ORACLES if getattr(args, flag, False)]
 
 
 def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.DataFrame:
     """One row per (sample, entry or full prefill, layer): value_share, fact_share, p_value, top_is_value, correct;
     a left-out sample is one row with layer -1."""
     rows = []
-    oracles = bool(args and args.fact_chunks_whole)
+    oracles = oracle_flags(args)
     for s, answered, q, chunks, prompt, facts in probed_samples(data, runs, f"{data.name}: the step that writes the value"):
         decode, keys = s.model_ref.tokenizer.decode, s.entries("fusion", chunks)
         full = s.answer(prompt, KvFuse(1.0), keys, max_new_tokens=32).answer
@@ -115,7 +136,7 @@ def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.Da
                                                              max_new_tokens=32)[0], answer_in_runs(spec.name, spec.label))
                          for spec in specs))
         if oracles:                                                              # answered here: no run file has them
-            entries = chain(entries, answered_oracles(s, prompt, keys, q, specs, ratio, facts))
+            entries = chain(entries, answered_oracles(s, prompt, keys, q, specs, ratio, facts, oracles))
         for entry, fused, correct in entries:
             shares, p_value, top = read_at(s, fused, forced, prompt, value, facts)
             for layer, (value_share, fact_share) in enumerate(shares):
@@ -151,11 +172,10 @@ def report(table: pd.DataFrame, args) -> str:
     full's value token and the samples that put it first, and accuracy; then the samples where an entry does not."""
     left_out = table[table.layer < 0].qid.nunique()
     read_rows, copy = probed(table), copy_layer(table)
-    oracle = getattr(args, "fact_chunks_whole", False)
-    lines = ["# Where decoding reads when it writes the value (kvfuse step 23)" if not oracle else
-             "# Where decoding reads when it writes the value, with the fact chunks recomputed whole (kvfuse step 25)", "",
-             made_by("value_probe", args, "the entries below as --methods; `make kvfuse-value-probe`" if not oracle else
-                     "the entries below as --methods, and --fact-chunks-whole; `make kvfuse-value-probe-facts`") + "  ",
+    flags = oracle_flags(args)
+    lines = [TITLES[tuple(flags)], "",
+             made_by("value_probe", args, "the entries below as --methods"
+                     + "".join(f", and --{flag.replace('_', '-')}" for flag in flags) + f"; `{MAKE[tuple(flags)]}`") + "  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); RULER-style samples "
              f"({', '.join(table.dataset.unique())}; n = {read_rows.qid.nunique()} read, {left_out} left out: full "
              f"prefill's answer does not spell the gold value); each entry at {args.ratio:.0%} and `{FULL}` (kvfuse at "
@@ -164,7 +184,8 @@ def report(table: pd.DataFrame, args) -> str:
              f"on the rows that spell the value in the prompt (mean over samples), at layer {copy} (where full prefill's "
              "reads it most) and at each sample's most; `p(value)`: the probability given to full's token there; `top`: "
              "samples that put it first; `accuracy`: the entry's answers in --runs (—: none there)"
-             + (", and for an oracle row (`+ fact chunks whole`) its own answer, decoded by the probe" if oracle else "")
+             + (", and for an oracle row (" + " or ".join(f"`{ORACLES[f][0].split(' (')[0].strip()}`" for f in flags)
+                + ") its own answer, decoded by the probe" if flags else "")
              + ".", "",
              f"| task | entry | n | value share, layer {copy} | value share, most over layers | p(value) | top | accuracy |",
              "|---|---|---|---|---|---|---|---|"]
@@ -191,6 +212,8 @@ def report(table: pd.DataFrame, args) -> str:
 def options(p) -> None:
     p.add_argument("--fact-chunks-whole", action="store_true",
                    help="after each entry, an oracle: the same entry with the fact chunks recomputed whole (see the doc)")
+    p.add_argument("--rest-whole", action="store_true",
+                   help="after each entry, an oracle: the same entry with every other chunk recomputed whole (see the doc)")
 
 
 def main(argv: list[str] | None = None) -> int:

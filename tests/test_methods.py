@@ -655,24 +655,28 @@ def test_the_value_probe_finds_the_step_that_writes_the_value():
     assert value_step([6, 4, 5], decode, "7046") is None                         # from the first token: read_probe's
 
 
-def test_the_value_probes_oracle_recomputes_the_fact_chunks_whole_beside_its_own_rows():
-    """--fact-chunks-whole: the entry's own rows and every row of the fact chunks are recomputed (over its budget)."""
+def test_the_value_probes_oracles_recompute_the_chunks_they_name_whole_beside_their_own_rows():
+    """--fact-chunks-whole and --rest-whole: the entry's own rows and every row of the fact chunks (or of every other
+    chunk) are recomputed, over its budget."""
     from kvf.scripts.hop_probe import Tracing
-    from kvf.scripts.value_probe import FactChunksWhole
+    from kvf.scripts.value_probe import ORACLES, ChunksWhole
 
-    class TracedOracle(Tracing, FactChunksWhole):
+    class TracedOracle(Tracing, ChunksWhole):
         pass
 
     engine, prompt, source = tiny_case("llama")
+    spans = prompt.chunk_spans()
     plain = Tracing(0.2)
     plain.prefill(engine, prompt, source)
-    oracle = TracedOracle(0.2)
-    oracle.facts = {1}
-    result = oracle.prefill(engine, prompt, source)
-    fact_rows = set(range(*prompt.chunk_spans()[1]))
-    assert not fact_rows <= set(plain.selected.tolist())                      # the entry alone leaves some
-    assert set(oracle.selected.tolist()) == set(plain.selected.tolist()) | fact_rows
-    assert result.recomputed_tokens == len(oracle.selected)
+    for flag, want_chunks in (("fact_chunks_whole", {1}), ("rest_whole", set(range(len(spans))) - {1})):
+        oracle = TracedOracle(0.2)
+        oracle.whole = ORACLES[flag][1]({1}, len(spans))
+        assert oracle.whole == want_chunks, flag
+        result = oracle.prefill(engine, prompt, source)
+        whole_rows = {r for i in want_chunks for r in range(*spans[i])}
+        assert not whole_rows <= set(plain.selected.tolist()), flag              # the entry alone leaves some
+        assert set(oracle.selected.tolist()) == set(plain.selected.tolist()) | whole_rows, flag
+        assert result.recomputed_tokens == len(oracle.selected), flag
 
 
 def test_kvfuse_hop_after_buys_the_hop_rows_and_the_rows_after_them():
