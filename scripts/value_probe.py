@@ -95,7 +95,7 @@ def answered_oracles(session, prompt, keys, q, specs, ratio: float, facts: set[i
         suffix, chunks_whole = ORACLES[flag]
         for spec in specs:
             oracle = ChunksWhole(ratio, **spec.knobs)
-            oracle.whole = chunks_whole(facts, len(prompt.chunks))
+            oracle.whole = chunks_whole(facts, len(prompt.chunk_segments))
             answer = session.answer(prompt, oracle, keys, 32).answer
             yield (spec.label or spec.name) + suffix, answer.fused, accuracy(answer.text, q.answers, q.gold_mode)
 
