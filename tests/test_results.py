@@ -457,3 +457,37 @@ def test_same_answers_counts_the_questions_two_configurations_answer_alike(tmp_p
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --a kvfuse@0.3: no records of it in") and "kvfuse@0.15:sink_tokens=8" in err
     assert len(err.splitlines()) == 1
+
+
+def test_same_answers_where_places_the_first_difference_against_the_gold_value(tmp_path, capsys):
+    """--where: where --b's answer first leaves --a's, against the gold value --a spells (before it, at its first
+    character, inside it, after it), per RULER-style task; --list: the questions --a gets right and --b does not."""
+    from kvf.scripts import same_answers
+    assert same_answers.where_it_leaves("The number for parrot is 2401115.", "The number for the number", ["2401115"]) \
+        == "before the value"
+    assert same_answers.where_it_leaves("It is 2401115.", "It is 17.", ["2401115"]) == "at the value's first character"
+    assert same_answers.where_it_leaves("It is 2401115.", "It is 2409.", ["2401115"]) == "inside the value"
+    assert same_answers.where_it_leaves("It is 2401115.", "It is 2401115. It is", ["2401115"]) == "after the value"
+    assert same_answers.where_it_leaves("It is 10.", "It is 17.", ["2401115"]) == "--a spells no gold value"
+    assert same_answers.task_of("ruler-4096", "niah_multikey-4096-s1-005") == "niah_multikey"
+    assert same_answers.task_of("ruler-4096", "alias-4096-000") == "alias"
+    assert same_answers.task_of("nq", "nq-17") == "nq"
+
+    def rec(qid, method, answer):
+        return {"qid": qid, "dataset": "ruler-4096", "method": method, "label": None, "gold": ["2401115"],
+                "gold_mode": "any", "settings": {"ratio": 1.0 if method == "full" else 0.15}, "chunk_ids": ["c1"],
+                "question": "q", "answer": answer, "prompt_tokens": 500, "chunk_tokens": 400, "recomputed_tokens": 60,
+                "timings": {"load": 0.1, "select": 0.0, "recompute": 0.2, "first_token": 1.0, "decode": 0.5}}
+    run = tmp_path / "r.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in [
+        rec("alias-4096-000", "full", "for parrot is 2401115."), rec("alias-4096-000", "kvfuse", "for the number for"),
+        rec("alias-4096-001", "full", "is 2401115."), rec("alias-4096-001", "kvfuse", "is 17."),
+        rec("boundary-4096-000", "full", "is 2401115."), rec("boundary-4096-000", "kvfuse", "is: 2401115."),
+        rec("boundary-4096-001", "full", "is 2401115."), rec("boundary-4096-001", "kvfuse", "is 2401115.")]))
+    assert same_answers.main([str(run), "--a", "full", "--b", "kvfuse@0.15", "--where", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "4 questions answered by both; same answers: 1; changed: 3"
+    assert out[3:6] == ["| alias | before the value | 1 | 1 | 0 |", "| alias | at the value's first character | 1 | 1 | 0 |",
+                        "| boundary | before the value | 1 | 1 | 1 |"]
+    assert out[8:] == ["| alias-4096-000 | before the value | 'for parrot is 2401115.' | 'for the number for' |",
+                       "| alias-4096-001 | at the value's first character | 'is 2401115.' | 'is 17.' |"]
