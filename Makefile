@@ -37,7 +37,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -482,6 +482,16 @@ kvfuse-value-probe-facts: | setup
 kvfuse-value-probe-rest: | setup
 	$(PY) -m kvf.scripts.value_probe --data $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) --runs $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz \
 	  --methods $(KVFUSE_SEEDS_AFTER) --rest-whole --out $(KVFUSE_OUT)/value-probe-rest.md
+# step 26's diagnosis: where step 19's greedy answers first leave full prefill's, and full's own margin there, on the
+# RULER dev splits; then step 24 (step 19 on MuSiQue, the located sinks on NQ-open) on the held-out QA questions
+kvfuse-divergence-probe: | setup
+	$(PY) -m kvf.scripts.divergence_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) \
+	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz \
+	  --methods $(KVFUSE_SEEDS_AFTER) --out $(KVFUSE_OUT)/divergence-probe.md
+kvfuse-divergence-probe-qa: | setup
+	$(PY) -m kvf.scripts.divergence_probe --data $(WORK)/musique $(WORK)/nq \
+	  --runs $(KVFUSE_RUNS)/seeds-after-musique.jsonl $(KVFUSE_RUNS)/fits-nq-heldout.jsonl \
+	  --methods $(KVFUSE_FITS) --out $(KVFUSE_OUT)/divergence-probe-qa.md
 # step 14's diagnosis: how evenly each dev question's attention reads its chunks (the spread shift_max_spread gates by)
 kvfuse-spread-probe: | setup
 	$(PY) -m kvf.scripts.spread_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/musique \

@@ -91,13 +91,17 @@ def answers(runs: Path | None) -> dict:
             for r in read_records(runs)}
 
 
-def probed_samples(data: Path, runs: Path | None, description: str):
+def probed_samples(data: Path, runs: Path | None, description: str, need_facts: bool = True,
+                   questions: slice = slice(None), layout: dict[str, list[str]] | None = None):
     """Each sample of a prepared, built RULER-style dataset as `kvf run` lays it out, with the open session and the
-    run file's answers (answers()): (session, answered, question, its chunks, its prompt, its fact chunks)."""
-    questions, _ = load_prepared(data)
+    run file's answers (answers()): (session, answered, question, its chunks, its prompt, its fact chunks). With
+    need_facts False any prepared dataset (facts empty); `questions` picks some of them, in file order; `layout`
+    (qid -> chunk ids) lays them out as a run did (fact_prompts)."""
+    prepared, _ = load_prepared(data)
     answered = answers(runs)
     with WorkspaceSession(data / "workspace") as ws:
-        for q, chunks, prompt, facts in fact_prompts(data, ws.session, questions, description):
+        for q, chunks, prompt, facts in fact_prompts(data, ws.session, prepared[questions], description, need_facts,
+                                                     layout):
             yield ws.session, answered, q, chunks, prompt, facts
 
 

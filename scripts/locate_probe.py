@@ -62,17 +62,22 @@ def fact_chunk_positions(chunk_ids: list[str], doc_chunks: dict, context_ids: li
     return {pos for pos, cid in enumerate(chunk_ids) if cid in fact_chunks}
 
 
-def fact_prompts(data: Path, session, questions, description: str):
+def fact_prompts(data: Path, session, questions, description: str, need_facts: bool = True,
+                 layout: dict[str, list[str]] | None = None):
     """Each prepared RULER-style question of `data` as `kvf run` lays it out: (question, its chunks, its prompt, the
-    prompt positions of its fact chunks), with a progress bar; a question without fact_chunks is an error."""
+    prompt positions of its fact chunks), with a progress bar; a question without fact_chunks is an error unless
+    need_facts is False (any prepared dataset: its facts are then an empty set). layout (qid -> chunk ids, as a run
+    file's records name them) lays out those questions as that run did, and only those."""
     doc_chunks = session.ws.doc_chunks()
+    if layout is not None:
+        questions = [q for q in questions if q.qid in layout]
     for q in track(questions, description=description):
-        if not q.fact_chunks:
+        if need_facts and not q.fact_chunks:
             raise KvfError(f"{data}: question {q.qid} has no fact_chunks; make the data with kvf data ruler")
-        chunk_ids = question_chunk_ids(q, doc_chunks)
+        chunk_ids = question_chunk_ids(q, doc_chunks) if layout is None else layout[q.qid]
         chunks = session.chunks(chunk_ids, "retrieval")
         yield (q, chunks, session.prompt(chunks, q.question),
-               fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks))
+               fact_chunk_positions(chunk_ids, doc_chunks, q.context_ids, q.fact_chunks or []))
 
 
 def located(data: Path, ratio: float) -> pd.DataFrame:

@@ -359,8 +359,8 @@ def test_probe_legends_name_the_shared_knobs_once():
     assert shared_knobs(["", "x=1:y=2", "x=1"]) == (["", "base + y=2", "base"], "x=1")   # unlabelled rows kept
 
 
-@pytest.mark.parametrize("probe", ["hop_probe", "read_probe", "value_probe"])
-def test_the_hop_read_and_value_probes_refuse_bad_input_in_one_line(tmp_path, capsys, probe):
+@pytest.mark.parametrize("probe", ["hop_probe", "read_probe", "value_probe", "divergence_probe"])
+def test_the_hop_read_value_and_divergence_probes_refuse_bad_input_in_one_line(tmp_path, capsys, probe):
     import importlib
     script = importlib.import_module(f"kvf.scripts.{probe}")
     out = ["--out", str(tmp_path / "h.md")]
@@ -378,6 +378,18 @@ def test_the_hop_read_and_value_probes_refuse_bad_input_in_one_line(tmp_path, ca
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"{probe}: error: ") and named in err, err
     assert not (tmp_path / "h.md").exists()
+
+
+def test_the_divergence_probe_finds_where_two_answers_part_and_full_prefills_margin():
+    import torch
+    from kvf.scripts.divergence_probe import ecdf, first_difference, margins
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 7]) == 2                              # one answer stops first
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])                      # [T, vocab]
+    torch.testing.assert_close(margins(probs), torch.tensor([0.3, 0.4]))
+    import pandas as pd
+    assert ecdf(pd.Series([0.3, 0.1, 0.2, 0.1])) == ([0.1, 0.1, 0.2, 0.3], [0.25, 0.5, 0.75, 1.0])
 
 
 @pytest.mark.parametrize("answer,gold,cut", [
