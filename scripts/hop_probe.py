@@ -25,6 +25,7 @@ With --runs (one run file per dataset), each sample's answer under the same entr
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -91,6 +92,19 @@ def answers(runs: Path | None) -> dict:
             for r in read_records(runs)}
 
 
+def check_same_neighbours(data: Path, runs: Path | None) -> None:
+    """A run file made over a workspace with other neighbours read other fusion KVs: probing its questions over this
+    workspace would compare another cache with its answers, so it is refused, naming the fix."""
+    if runs is None:
+        return
+    built = json.loads((data / "workspace" / "manifest.json").read_text()).get("n_neighbours")
+    ran = {r.settings.get("n_neighbours") for r in read_records(runs)} - {None}
+    if built is not None and ran - {built}:
+        raise KvfError(f"--runs {runs}: made with --neighbours {min(ran - {built})}, but {data}/workspace was built "
+                       f"with {built}; remove {data}/workspace and run `kvf run -d {data} --neighbours "
+                       f"{min(ran - {built})} -m kvfuse` first, or pass a run file made over this workspace")
+
+
 def probed_samples(data: Path, runs: Path | None, description: str, need_facts: bool = True,
                    questions: slice = slice(None), layout: dict[str, list[str]] | None = None):
     """Each sample of a prepared, built RULER-style dataset as `kvf run` lays it out, with the open session and the
@@ -99,6 +113,7 @@ def probed_samples(data: Path, runs: Path | None, description: str, need_facts: 
     (qid -> chunk ids) lays them out as a run did (fact_prompts)."""
     prepared, _ = load_prepared(data)
     answered = answers(runs)
+    check_same_neighbours(data, runs)
     with WorkspaceSession(data / "workspace") as ws:
         for q, chunks, prompt, facts in fact_prompts(data, ws.session, prepared[questions], description, need_facts,
                                                      layout):

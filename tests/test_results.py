@@ -380,6 +380,33 @@ def test_the_hop_read_value_and_divergence_probes_refuse_bad_input_in_one_line(t
     assert not (tmp_path / "h.md").exists()
 
 
+@pytest.mark.parametrize("probe", ["hop_probe", "divergence_probe"])
+def test_the_probes_refuse_a_run_file_made_over_other_neighbours(tmp_path, capsys, probe):
+    """A run file made with --neighbours 3 read fusion KVs that a workspace built with 10 does not hold: probing it
+    there compared another cache with the run's answers (QA probes ran so until the check), so it is refused."""
+    import importlib
+    import json
+    script = importlib.import_module(f"kvf.scripts.{probe}")
+    data = tmp_path / "musique"
+    (data / "corpus").mkdir(parents=True)
+    (data / "corpus" / "passages.jsonl").write_text(json.dumps({"id": "p1", "title": "t", "text": "x"}) + "\n")
+    (data / "questions.jsonl").write_text(json.dumps({"id": "q1", "question": "?", "answers": ["a"],
+                                                      "context_ids": ["p1"]}) + "\n")
+    (data / "workspace").mkdir()
+    (data / "workspace" / "manifest.json").write_text(json.dumps({"n_neighbours": 10}))
+    run = {"qid": "q1", "dataset": "musique", "method": "kvfuse", "settings": {"ratio": 0.15, "n_neighbours": 3},
+           "chunk_ids": ["c1"], "question": "?", "answer": "a", "gold": ["a"], "prompt_tokens": 9,
+           "chunk_tokens": 1, "recomputed_tokens": 0,
+           "timings": {"load": 0.0, "select": 0.0, "recompute": 0.0, "first_token": 0.1, "decode": 0.1}}
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(json.dumps(run) + "\n")
+    argv = ["--data", str(data), "--runs", str(runs), "--methods", "kvfuse", "--out", str(tmp_path / "p.md")]
+    assert script.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--neighbours 3" in err and "built with 10" in err and str(runs) in err, err
+    assert not (tmp_path / "p.md").exists()
+
+
 def test_the_divergence_probe_finds_where_two_answers_part_and_full_prefills_margin():
     import torch
     from kvf.scripts.divergence_probe import ecdf, first_difference, margins
