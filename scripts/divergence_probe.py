@@ -158,7 +158,8 @@ def report(table: pd.DataFrame, args) -> str:
     every = table[table.entry == FULL]
     entries = table[table.entry != FULL]
     lines = ["# Where the answers part from full prefill's, and how sure full was there (kvfuse step 26)", "",
-             made_by("divergence_probe", args, "the entries below as --methods; `make kvfuse-divergence-probe`") + "  ",
+             made_by("divergence_probe", args, "the entries below as --methods, with --runs; "
+                     "`make kvfuse-divergence-probe` or `make kvfuse-divergence-probe-qa`") + "  ",
              f"Conditions: {', '.join(sorted(table.model.unique()))} (float32, CPU); prepared samples "
              f"({', '.join(table.dataset.unique())}; n = {table.qid.nunique()}); each entry at {args.ratio:.0%} and "
              f"`{FULL}` (kvfuse at ratio 1) over the stored `fusion` variant, greedy, as many new tokens as --runs "
