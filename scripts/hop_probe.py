@@ -25,7 +25,6 @@ With --runs (one run file per dataset), each sample's answer under the same entr
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from kvf.pipeline.fusion.methods.kvfuse import KvFuse, chunk_of  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.api import WorkspaceSession  # noqa: E402
 from kvf.pipeline.workflows.run import MethodSpec, parse_method_spec  # noqa: E402
+from kvf.pipeline.workflows.workspace import Workspace  # noqa: E402
 from kvf.scripts.copy_probe import cut_copy, value_rows  # noqa: E402
 from kvf.scripts.locate_probe import (all_built, fact_prompts, files_beside, made_by, probe_parser,  # noqa: E402
                                       replotted, saved)
@@ -97,7 +97,7 @@ def check_same_neighbours(data: Path, runs: Path | None) -> None:
     workspace would compare another cache with its answers, so it is refused, naming the fix."""
     if runs is None:
         return
-    built = json.loads((data / "workspace" / "manifest.json").read_text()).get("n_neighbours")
+    built = Workspace(data / "workspace").manifest().get("n_neighbours")     # the one checked reader
     ran = {r.settings.get("n_neighbours") for r in read_records(runs)} - {None}
     if built is not None and ran - {built}:
         raise KvfError(f"--runs {runs}: made with --neighbours {min(ran - {built})}, but {data}/workspace was built "

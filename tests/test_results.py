@@ -404,6 +404,10 @@ def test_the_probes_refuse_a_run_file_made_over_other_neighbours(tmp_path, capsy
     assert script.main(argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--neighbours 3" in err and "built with 10" in err and str(runs) in err, err
+    (data / "workspace" / "manifest.json").write_text("{")                    # a damaged manifest: named, no traceback
+    assert script.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "manifest.json" in err, err
     assert not (tmp_path / "p.md").exists()
 
 
