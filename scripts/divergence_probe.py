@@ -33,7 +33,7 @@ from kvf.pipeline.model.decode import teacher_forced_logits  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.run import resolve_setting  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, probed_samples  # noqa: E402
-from kvf.scripts.locate_probe import files_beside, made_by  # noqa: E402
+from kvf.scripts.locate_probe import files_beside, made_by, table_lines  # noqa: E402
 from kvf.scripts.read_probe import FULL  # noqa: E402
 from kvf.scripts.same_answers import where_it_leaves  # noqa: E402
 
@@ -184,14 +184,12 @@ def report(table: pd.DataFrame, args) -> str:
                      f"{rows.full_margin.median():.2f} |")
     lost = parted(table)[lambda t: t.full_right.astype(bool) & ~t.entry_right.astype(bool)]
     lines += ["", "Each lost answer: the step where it parts, full's token and the entry's, and their probabilities under "
-              "full prefill's cache and under the entry's:", "",
-              "| sample | entry | place | step | full's token | entry's token | under full: p(full's), p(entry's) | "
-              "under the entry: p(full's), p(entry's) |", "|---|---|---|---|---|---|---|---|"]
-    for _, r in lost.iterrows():
-        lines.append(f"| {r.qid} | {r.entry} | {r.place} | {int(r.step)} | {r.full_token!r} | {r.entry_token!r} | "
-                     f"{r.full_p_full:.2f}, {r.full_p_entry:.2f} | {r.entry_p_full:.2f}, {r.entry_p_entry:.2f} |")
-    if lost.empty:
-        lines.append("| (none) | | | | | | | |")
+              "full prefill's cache and under the entry's:", ""]
+    lines += table_lines(["sample", "entry", "place", "step", "full's token", "entry's token",
+                          "under full: p(full's), p(entry's)", "under the entry: p(full's), p(entry's)"],
+                         [f"| {r.qid} | {r.entry} | {r.place} | {int(r.step)} | {r.full_token!r} | {r.entry_token!r} | "
+                          f"{r.full_p_full:.2f}, {r.full_p_entry:.2f} | {r.entry_p_full:.2f}, {r.entry_p_entry:.2f} |"
+                          for _, r in lost.iterrows()])
     lines += ["", files_beside(args, "step of full's answers and per entry")]
     return "\n".join(lines) + "\n"
 

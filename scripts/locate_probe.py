@@ -176,6 +176,12 @@ def made_by(prog: str, args, targets: str) -> str:
             f"at commit {git_commit() or 'unknown'} ({targets}).")
 
 
+def table_lines(header: list[str], rows: list[str]) -> list[str]:
+    """A markdown table: its header, rule and rows, or one `(none)` row where there are none."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *(rows or ["| (none) |" + " |" * (len(header) - 1)])]
+
+
 def files_beside(args, per: str) -> str:
     """A probe report's last line: where its rows (`per` one of them) and its plot lie, beside the report."""
     return f"Per {per}: `{args.out.with_suffix('.csv').name}`; plot: `{args.out.with_suffix('.png').name}`."

@@ -36,7 +36,7 @@ from kvf.pipeline.fusion.methods.base import chunk_attention
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse
 from kvf.pipeline.model.decode import teacher_forced_logits
 from kvf.scripts.hop_probe import gold_value_rows, kvfuse_probe_main, mass_on, probed_samples
-from kvf.scripts.locate_probe import files_beside, made_by
+from kvf.scripts.locate_probe import files_beside, made_by, table_lines
 from kvf.scripts.read_probe import FULL, share_by_layer
 
 
@@ -196,15 +196,12 @@ def report(table: pd.DataFrame, args) -> str:
                      f"{int(per_sample.top_is_value.first().sum())} | {share(per_sample.correct.first())} |")
     missed = read_rows[(read_rows.layer == copy) & ~read_rows.top_is_value.astype(bool)]
     lines += ["", f"Samples where an entry does not put full's value token first (value share at layer {copy}, "
-              "p(value); full prefill's beside it):", "",
-              "| sample | entry | value share | p(value) | full prefill's value share | full prefill's p(value) |",
-              "|---|---|---|---|---|---|"]
+              "p(value); full prefill's beside it):", ""]
     full_at = read_rows[(read_rows.layer == copy) & (read_rows.entry == FULL)].set_index("qid")
-    for _, r in missed.iterrows():
-        lines.append(f"| {r.qid} | {r.entry} | {r.value_share:.2f} | {r.p_value:.2f} | "
-                     f"{full_at.value_share[r.qid]:.2f} | {full_at.p_value[r.qid]:.2f} |")
-    if missed.empty:
-        lines.append("| (none) | | | | | |")
+    lines += table_lines(["sample", "entry", "value share", "p(value)", "full prefill's value share",
+                          "full prefill's p(value)"],
+                         [f"| {r.qid} | {r.entry} | {r.value_share:.2f} | {r.p_value:.2f} | "
+                          f"{full_at.value_share[r.qid]:.2f} | {full_at.p_value[r.qid]:.2f} |" for _, r in missed.iterrows()])
     lines += ["", files_beside(args, "sample and layer")]
     return "\n".join(lines) + "\n"
 

@@ -411,6 +411,12 @@ def test_the_probes_refuse_a_run_file_made_over_other_neighbours(tmp_path, capsy
     assert not (tmp_path / "p.md").exists()
 
 
+def test_a_probe_table_says_none_where_it_has_no_rows():
+    from kvf.scripts.locate_probe import table_lines
+    assert table_lines(["a", "b", "c"], []) == ["| a | b | c |", "|---|---|---|", "| (none) | | |"]
+    assert table_lines(["a", "b"], ["| 1 | 2 |"]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
 def test_the_divergence_probe_finds_where_two_answers_part_and_full_prefills_margin():
     import torch
     from kvf.scripts.divergence_probe import ecdf, first_difference, margins
