@@ -484,6 +484,7 @@ kvfuse-value-probe-rest: | setup
 	  --methods $(KVFUSE_SEEDS_AFTER) --rest-whole --out $(KVFUSE_OUT)/value-probe-rest.md
 # step 26's diagnosis: where step 19's greedy answers first leave full prefill's, and full's own margin there, on the
 # RULER dev splits; then step 24 (step 19 on MuSiQue, the located sinks on NQ-open) on the held-out QA questions
+# (work/musique's workspace as kvfuse-dev builds it, --neighbours 3 like its run file: the probe refuses another)
 kvfuse-divergence-probe: | setup
 	$(PY) -m kvf.scripts.divergence_probe --data $(WORK)/ruler-2048-s$(KVFUSE_RULER_DEV_SEED) $(WORK)/ruler-4096-s$(KVFUSE_RULER_DEV_SEED) \
 	  --runs $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz $(KVFUSE_RUNS)/dev-ruler-4096.jsonl.gz \
