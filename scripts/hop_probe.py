@@ -84,25 +84,22 @@ def mass_on(scores: torch.Tensor, prompt, facts: set[int]) -> float:
     return float(mass[sorted(facts)].sum() / mass.sum())
 
 
-def answers(runs: Path | None) -> dict:
-    """(qid, method, label) -> (accuracy, cut copy), from a run file (the last record of each); {} without one."""
-    if runs is None:
-        return {}
+def answers(records: list) -> dict:
+    """(qid, method, label) -> (accuracy, cut copy), from a run file's records (the last record of each)."""
     return {(r.qid, r.method, r.label): (accuracy(r.answer, r.gold, r.gold_mode), cut_copy(r.answer, r.gold))
-            for r in read_records(runs)}
+            for r in records}
 
 
-def check_same_neighbours(data: Path, runs: Path | None) -> None:
+def check_same_neighbours(data: Path, runs: Path, records: list) -> None:
     """A run file made over a workspace with other neighbours read other fusion KVs: probing its questions over this
     workspace would compare another cache with its answers, so it is refused, naming the fix."""
-    if runs is None:
-        return
     built = Workspace(data / "workspace").manifest().get("n_neighbours")     # the one checked reader
-    ran = {r.settings.get("n_neighbours") for r in read_records(runs)} - {None}
-    if built is not None and ran - {built}:
-        raise KvfError(f"--runs {runs}: made with --neighbours {min(ran - {built})}, but {data}/workspace was built "
-                       f"with {built}; remove {data}/workspace and run `kvf run -d {data} --neighbours "
-                       f"{min(ran - {built})} -m kvfuse` first, or pass a run file made over this workspace")
+    other = {r.settings.get("n_neighbours") for r in records} - {None, built}
+    if built is not None and other:
+        ran = min(other)
+        raise KvfError(f"--runs {runs}: made with --neighbours {ran}, but {data}/workspace was built with {built}; "
+                       f"remove {data}/workspace and run `kvf run -d {data} --neighbours {ran} -m kvfuse` first, or "
+                       "pass a run file made over this workspace")
 
 
 def probed_samples(data: Path, runs: Path | None, description: str, need_facts: bool = True,
@@ -112,8 +109,10 @@ def probed_samples(data: Path, runs: Path | None, description: str, need_facts: 
     need_facts False any prepared dataset (facts empty); `questions` picks some of them, in file order; `layout`
     (qid -> chunk ids) lays them out as a run did (fact_prompts)."""
     prepared, _ = load_prepared(data)
-    answered = answers(runs)
-    check_same_neighbours(data, runs)
+    records = read_records(runs) if runs is not None else []                   # read once: answers and the check
+    if runs is not None:
+        check_same_neighbours(data, runs, records)
+    answered = answers(records)
     with WorkspaceSession(data / "workspace") as ws:
         for q, chunks, prompt, facts in fact_prompts(data, ws.session, prepared[questions], description, need_facts,
                                                      layout):
