@@ -9,20 +9,19 @@ A configuration is METHOD@RATIO or METHOD@RATIO:LABEL (the label `kvf run -m` ga
 
 --where adds, per question whose answers differ, where --b's answer first leaves --a's, measured against the gold
 value as --a's answer spells it: before the value, at its first character, inside it, or after it (or --a's answer
-does not spell a gold value). A table counts the places per task (a RULER-style question id's part before its
-length; any other question's dataset), and how many of each side's answers are right.
+does not spell a gold value). A table counts the places per task (a generated suite's task, as its records' dataset
+names it; any other question's dataset), and how many of each side's answers are right.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 from kvf.errors import KvfError
-from kvf.eval.metrics import accuracy
+from kvf.eval.metrics import accuracy, is_suite_dataset
 from kvf.pipeline.records import read_records
 
 
@@ -63,10 +62,10 @@ def where_it_leaves(a: str, b: str, gold: list[str]) -> str:
     return PLACES[2] if leaves < start + len(value) else PLACES[3]
 
 
-def task_of(dataset: str, qid: str) -> str:
-    """A RULER-style id's task (niah_multikey-4096-s99-005 -> niah_multikey); for any other id, its dataset."""
-    found = re.match(r"(.+?)-\d+(-s\d+)?-\d+$", qid)
-    return found.group(1) if found else dataset
+def task_of(dataset: str) -> str:
+    """A generated suite's task, as its records name it ("ruler-4096/niah_multikey" -> "niah_multikey"); any other
+    dataset, itself."""
+    return dataset.split("/", 1)[1] if is_suite_dataset(dataset) else dataset
 
 
 def correct(answer: str, gold: tuple) -> bool:
@@ -79,7 +78,7 @@ def where_table(a: dict, b: dict, gold: dict, both: list) -> str:
     counts: Counter = Counter()
     for key in both:
         if a[key] != b[key]:
-            place = (task_of(*key), where_it_leaves(a[key], b[key], gold[key][0]))
+            place = (task_of(key[0]), where_it_leaves(a[key], b[key], gold[key][0]))
             counts[place + ("n",)] += 1
             counts[place + ("a",)] += correct(a[key], gold[key])
             counts[place + ("b",)] += correct(b[key], gold[key])
