@@ -81,6 +81,10 @@ def read(data: Path, specs, ratio: float, runs: Path | None, args=None) -> pd.Da
     """Rows per sample: one per step of full's answer (entry `full prefill`: step, full_margin), and one per entry
     (step where it leaves full's answer, both tokens' probabilities under each cache, place, correctness)."""
     rows = []
+    if args and args.offset < 0:
+        raise KvfError(f"--offset {args.offset}: the questions to skip, in file order: 0 or more")
+    if args and args.n is not None and args.n < 1:
+        raise KvfError(f"-n {args.n}: the questions to probe: 1 or more (leave -n out for all)")
     questions = slice(args.offset, None if args.n is None else args.offset + args.n) if args else slice(None)
     layout, new_tokens = run_layout(data, runs)
     for s, _, q, chunks, prompt, _ in probed_samples(data, runs, f"{data.name}: where the answers part",

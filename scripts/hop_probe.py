@@ -258,6 +258,9 @@ def kvfuse_probe_main(prog: str, doc: str, out_name: str, method_cls, run_one, p
         runs = args.runs or [None] * len(args.data)
         extra = (args,) if options else ()
         table = pd.concat([run_one(d, specs, args.ratio, r, *extra) for d, r in zip(args.data, runs)])
+        if table.empty:   # nothing to report: say so, not a KeyError in the report
+            raise KvfError(f"--data {' '.join(map(str, args.data))}: no sample was probed; the questions that --runs "
+                           "and the probe's own flags select are none")
     except KvfError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -417,6 +417,36 @@ def test_a_probe_table_says_none_where_it_has_no_rows():
     assert table_lines(["a", "b"], ["| 1 | 2 |"]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
 
 
+@pytest.mark.parametrize("argv,named", [(["--offset", "-3"], "--offset -3"), (["-n", "0"], "-n 0"),
+                                        (["-n", "-1"], "-n -1")])
+def test_the_divergence_probe_refuses_a_negative_offset_or_count_in_one_line(tmp_path, capsys, argv, named):
+    """A negative --offset or -n was a slice from the end (a silent other selection), -n 0 an empty table's KeyError."""
+    from kvf.scripts import divergence_probe
+    data = tmp_path / "built"
+    (data / "workspace").mkdir(parents=True)
+    (data / "workspace" / "manifest.json").write_text("{}")
+    assert divergence_probe.main(["--data", str(data), "--methods", "kvfuse", *argv, "--out", str(tmp_path / "d.md")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"divergence_probe: error: {named}: "), err
+    assert not (tmp_path / "d.md").exists()
+
+
+def test_a_probe_that_probes_no_sample_says_so_in_one_line(tmp_path, capsys):
+    """An offset past the last question (or a run file naming none of them) left an empty table, which the report
+    read as a KeyError traceback."""
+    import pandas as pd
+    from kvf.pipeline.fusion.methods.kvfuse import KvFuse
+    from kvf.scripts.hop_probe import kvfuse_probe_main
+    data = tmp_path / "built"
+    (data / "workspace").mkdir(parents=True)
+    (data / "workspace" / "manifest.json").write_text("{}")
+    never = lambda *a: pytest.fail("nothing to plot or report")                  # noqa: E731
+    argv = ["--data", str(data), "--methods", "kvfuse", "--out", str(tmp_path / "p.md")]
+    assert kvfuse_probe_main("p", "doc", "p.md", KvFuse, lambda *a: pd.DataFrame(), never, never, argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"p: error: --data {data}: no sample was probed"), err
+
+
 def test_the_divergence_probe_finds_where_two_answers_part_and_full_prefills_margin():
     import torch
     from kvf.scripts.divergence_probe import ecdf, first_difference, margins
