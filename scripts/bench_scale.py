@@ -752,7 +752,9 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           f"shared / lone = **{shared_s / lone:.2f}**; same answers in all three: **{share_equal}**. Sharing does "
           "once per question what lone requests repeat: the full prefill, each variant's query-only pass, the "
           "prefill and decoding of every method that is plain reuse at ratio 0, and decoding (all of a question's "
-          "answers in one batch). What it cannot share bounds the saving: each distinct prefill recomputes its "
+          "answers in one batch). Both kvf modes also do work that v1 did not: `--compare-full` teacher-forces full "
+          "prefill's whole answer over every cache (`answer_kl_full`), with decoding's own logits where an answer is "
+          "still full's and one pass for the rest. What it cannot share bounds the saving: each distinct prefill recomputes its "
           f"own tokens over its own cache. Their layer loops alone (timings.recompute, each distinct prefill once, "
           f"the full prefill included) take **{floor:.1f} s** per question, **{floor / before:.2f}** of v1's cost" +
           (", so no exact sharing reaches a third of v1 on this sweep." if floor >= before / 3 else

@@ -29,7 +29,7 @@ from kvf.errors import KvfError  # noqa: E402
 from kvf.eval.metrics import accuracy  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
-from kvf.pipeline.model.decode import teacher_forced_logits  # noqa: E402
+from kvf.pipeline.model.decode import first_difference, teacher_forced_logits  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.run import resolve_setting  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, probed_samples  # noqa: E402
@@ -44,8 +44,8 @@ LOW = 0.2          # a margin below this is a near tie: the report counts the st
 @torch.inference_mode()
 def forced_probs(session, fused, tokens: list[int]) -> torch.Tensor:
     """[T, vocab] the probabilities with which fused's cache predicts each of `tokens`, given the ones before it."""
-    logits = teacher_forced_logits(session.answerer.transformer, fused.logits, fused.cache, fused.prefill_rows,
-                                   fused.next_position, tokens, fused.calibration)
+    logits = teacher_forced_logits(session.answerer.transformer, fused.logits[None], fused.cache,
+                                   fused.prefill_rows, fused.next_position, tokens, fused.calibration)
     return logits.float().softmax(dim=-1)
 
 
@@ -53,14 +53,6 @@ def margins(probs: torch.Tensor) -> torch.Tensor:
     """[T] the top token's probability less the runner-up's, per step (full's greedy token is its top one)."""
     top2 = probs.topk(2, dim=-1).values                                          # [T, 2]
     return top2[:, 0] - top2[:, 1]
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (one ending first counts there); None if they are equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def run_layout(data: Path, runs: Path | None) -> tuple[dict[str, list[str]] | None, int]:

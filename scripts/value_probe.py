@@ -56,9 +56,9 @@ def read_at(session, fused, forced: list[int], prompt, value: torch.Tensor, fact
     the probability of forced[-1] next, whether it is the top token)."""
     reads = []                                                                   # per layer [1, n + fed]
     step = len(forced) - 1
-    logits = teacher_forced_logits(session.answerer.transformer, fused.logits, fused.cache, fused.prefill_rows,
-                                   fused.next_position, forced, fused.calibration, attention_out=reads,
-                                   attention_rows=slice(step - 1, step))
+    logits = teacher_forced_logits(session.answerer.transformer, fused.logits[None], fused.cache,
+                                   fused.prefill_rows, fused.next_position, forced, fused.calibration,
+                                   attention_out=reads, attention_rows=slice(step - 1, step))
     p = logits[step].float().softmax(dim=-1)                                     # [vocab]
     shares = []
     for read in reads:

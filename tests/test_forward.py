@@ -1,6 +1,7 @@
 """The functional layer-by-layer forward must match the HF model's own forward (<= 1e-4)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import FAMILIES, tiny_model
 from kvf.pipeline.model.forward import Transformer
@@ -86,7 +87,6 @@ def test_calibrated_attention_leaves_queries_before_queries_from_plain():
     """SpanCalibration (APE): a query at or past queries_from attends to the span [start, end) at temperature T with
     the span's total weight rescaled (softmax over [T * S * lse(span / T), lse(rest)]); one before it attends as
     plain masked attention does, so kvfuse can recompute chunk rows plainly beside a calibrated question."""
-    import torch.nn.functional as F
     from kvf.pipeline.model.forward import SpanCalibration
     T = Transformer(tiny_model("llama", seed=2))
     g = torch.Generator().manual_seed(0)
@@ -133,7 +133,28 @@ def test_teacher_forced_logits_are_those_decoding_sees(family):
     T.prefill(prompt, cache)
     for i, t in enumerate(torch.randint(0, 128, (7,)).tolist()):   # another answer, decoded into rows 20-26
         T.decode_step(t, 20 + i, cache)
-    got = teacher_forced_logits(T, first, cache, 20, 20, tokens)                    # [6, vocab]
+    got = teacher_forced_logits(T, first[None], cache, 20, 20, tokens)              # [6, vocab]
     assert got.shape == (6, 128)
     assert (got - torch.stack(stepwise)).abs().max().item() <= 1e-4
-    assert torch.equal(teacher_forced_logits(T, first, cache, 20, 20, tokens[:1]), first[None])
+    assert torch.equal(teacher_forced_logits(T, first[None], cache, 20, 20, tokens[:1]), first[None])
+
+
+def test_known_steps_counts_the_rows_decoding_saw_while_its_answer_was_the_forced_one():
+    from kvf.pipeline.model.decode import known_steps
+    steps = torch.zeros(5, 3)                                                    # 5 steps: 4 tokens, then a stop token
+    assert known_steps(steps, [1, 2, 3, 4], [1, 2, 3, 4]) == 4                   # the same answer: every row
+    assert known_steps(steps, [1, 2, 3, 4], [1, 2, 9, 4]) == 3                   # rows 0-2: tokens[:2] agree
+    assert known_steps(steps, [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]) == 5             # row 4 is the stop token's step
+    assert known_steps(steps[:3], [1, 2, 3], [1, 2, 3, 4, 5]) == 3               # stopped by a stop string after 3
+    assert known_steps(steps, [1, 2, 3, 4], [7]) == 1                            # row 0: the prefill's own
+    assert known_steps(None, [1, 2], [1, 2]) == 0                                # no logits kept
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attend_every_key_is_grouped_query_attention(family):
+    """A decode step's attention, with each KV head's query heads as one block, equals SDPA's GQA (<= 1e-5)."""
+    T = Transformer(tiny_model(family, seed=3))
+    q = torch.randn(T.n_heads, 2, T.head_dim)                                   # [H, t, d]
+    keys, values = torch.randn(2, T.n_kv_heads, 30, T.head_dim).unbind(0)      # [KV, n, d] each
+    want = F.scaled_dot_product_attention(q[None], keys[None], values[None], scale=T.scaling, enable_gqa=True)[0]
+    assert torch.allclose(T.attend_every_key(q, keys, values), want, atol=1e-5)

@@ -639,7 +639,7 @@ def test_teacher_forced_reads_are_those_of_one_prefill_of_prompt_and_answer():
     first, _ = model.prefill(ids, cache)
     got = []
     with torch.inference_mode():
-        logits = teacher_forced_logits(model, first, cache, n, n, answer, attention_out=got,
+        logits = teacher_forced_logits(model, first[None], cache, n, n, answer, attention_out=got,
                                        attention_rows=slice(k - 1, k))
     assert len(got) == model.n_layers and logits.shape[0] == len(answer)
     for layer in range(model.n_layers):                                         # [1, n + 3] each
@@ -1408,3 +1408,26 @@ def test_a_cache_teacher_forced_on_its_own_answer_gives_decodings_logits(answere
     steps = answerer.predictions(fused, tokens)                                  # [8, vocab]
     assert (steps - torch.stack(stepwise[:-1])).abs().max().item() <= 1e-3
     assert steps.argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("name, knobs", [("kvfuse", {}), ("ape", {}), ("cachefocus", {"prune_every": 4}),
+                                         ("cacheblend", {})])
+def test_predictions_that_start_from_decodings_own_logits_equal_a_whole_teacher_forced_pass(answerer, long_case,
+                                                                                              name, knobs):
+    """kvf run's answer_kl_full takes the rows decoding already computed while its answer was full's from
+    decoding (kept with keep_logits) and feeds only full's later tokens over the decoded cache: the same
+    logits (<= 1e-3) as feeding them all over a fresh prefill. Batched decoding (kvfuse, CacheFocus,
+    CacheBlend) and decoding alone with a calibration (APE) both keep them."""
+    from kvf.pipeline.model.decode import known_steps
+    prompt, source, _ = long_case
+    method = get_method(name, 0.0 if name in ("ape", "cachefocus") else 0.15, **knobs)
+    answer = answerer.decode_many(prompt, [answerer.prefill(prompt, method, source, 12)], 12, keep_logits=True)[0]
+    same = min(4, len(answer.token_ids))
+    assert same >= 2 and answer.step_logits.shape[0] >= len(answer.token_ids)
+    after = answer.token_ids[same] if len(answer.token_ids) > same else None   # full's next token is another
+    tokens = answer.token_ids[:same] + [t for t in range(200, 210) if t != after][:4]
+    assert known_steps(answer.step_logits, answer.token_ids, tokens) == same + 1
+    got = answerer.predictions(answer.fused, tokens, answer)                     # [same + 4, vocab]
+    want = answerer.predictions(method.prefill(answerer.engine, prompt, source, 12), tokens)
+    assert got.shape == want.shape == (same + 4, want.shape[1])
+    assert (got - want).abs().max().item() <= 1e-3

@@ -449,7 +449,8 @@ def test_a_probe_that_probes_no_sample_says_so_in_one_line(tmp_path, capsys):
 
 def test_the_divergence_probe_finds_where_two_answers_part_and_full_prefills_margin():
     import torch
-    from kvf.scripts.divergence_probe import ecdf, first_difference, margins
+    from kvf.pipeline.model.decode import first_difference
+    from kvf.scripts.divergence_probe import ecdf, margins
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 7]) == 2                              # one answer stops first

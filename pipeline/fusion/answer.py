@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvf.pipeline.model.decode import Generation, Pending, greedy_decode, greedy_decode_batch, teacher_forced_logits
+from kvf.pipeline.model.decode import (Generation, Pending, greedy_decode, greedy_decode_batch, known_steps,
+                                       teacher_forced_logits)
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -25,6 +26,7 @@ class Answer:
     timings: dict          # load, select, recompute, first_token, decode (seconds)
     decoded_with: int = 1  # answers decoded in the same batch (decode seconds are the batch's, shared)
     token_ids: list[int] = field(default_factory=list)   # the answer's tokens, as generated
+    step_logits: torch.Tensor | None = None   # [steps, vocab] decoding's logits, when kept (decode_many's keep_logits)
 
     def record(self) -> dict:
         return {"answer": self.text, "prompt_tokens": self.prompt.n_tokens,
@@ -66,10 +68,14 @@ class Answerer:
                       token_ids=generation.token_ids)
 
     @torch.inference_mode()
-    def predictions(self, fused: FusionResult, tokens: list[int]) -> torch.Tensor:
+    def predictions(self, fused: FusionResult, tokens: list[int], decoded: Answer | None = None) -> torch.Tensor:
         """[T, vocab]: how fused's cache predicts each of `tokens` (e.g. full prefill's answer) from the ones
-        before it, after decoding (its kept-until-after-the-first-token work included, as decoding reads it)."""
-        return teacher_forced_logits(self.transformer, fused.logits, fused.cache, fused.prefill_rows,
+        before it, after decoding (its kept-until-after-the-first-token work included, as decoding reads it).
+        decoded: fused's own answer, decoded with its logits kept: the rows its decoding already computed
+        (while its tokens were `tokens`') are taken from it, and only the rest is computed."""
+        known = known_steps(decoded.step_logits, decoded.token_ids, tokens) if decoded is not None else 0
+        rows = decoded.step_logits[:known] if known else fused.logits[None]                   # [k, vocab]
+        return teacher_forced_logits(self.transformer, rows, fused.cache, fused.prefill_rows,
                                      fused.next_position, tokens, fused.calibration)
 
     @torch.inference_mode()
@@ -85,21 +91,22 @@ class Answerer:
 
     @torch.inference_mode()
     def decode_many(self, prompt: FusedPrompt, prefilled: list[tuple[FusionResult, dict]], max_new_tokens: int = 32,
-                    stop_strings: tuple[str, ...] = ()) -> list[Answer]:
+                    stop_strings: tuple[str, ...] = (), keep_logits: bool = False) -> list[Answer]:
         """Decode several prefilled answers of one prompt together (greedy_decode_batch); answers whose
-        decoding needs its own attention (a calibration) are decoded alone."""
+        decoding needs its own attention (a calibration) are decoded alone. keep_logits: keep each step's
+        logits on the answers (for predictions)."""
         batched = [i for i, (f, _) in enumerate(prefilled) if f.calibration is None and not self.transformer.sliding_window]
         generations = dict(zip(batched, greedy_decode_batch(
             self.transformer, self.tokenizer, [Pending(prefilled[i][0].logits, prefilled[i][0].cache,
                                                        prefilled[i][0].next_position) for i in batched],
-            max_new_tokens, stop_strings))) if batched else {}
+            max_new_tokens, stop_strings, keep_logits))) if batched else {}
         answers = []
         for i, (fused, timings) in enumerate(prefilled):
             generation = generations.get(i) or greedy_decode(
                 self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position, max_new_tokens,
-                stop_strings, fused.calibration)
+                stop_strings, fused.calibration, keep_logits)
             answer = Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation),
-                            token_ids=generation.token_ids)
+                            token_ids=generation.token_ids, step_logits=generation.step_logits)
             answer.decoded_with = len(batched) if i in generations else 1
             answers.append(answer)
         return answers

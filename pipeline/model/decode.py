@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvf.pipeline.model.forward import KVCache, SpanCalibration, Transformer
 from kvf.pipeline.model.rope import apply_rope
@@ -16,6 +15,7 @@ class Generation:
     text: str
     token_ids: list[int]
     decode_seconds: float
+    step_logits: torch.Tensor | None = None   # [steps, vocab] the logits each step took its token from (keep_logits)
 
 
 def stop_token_ids(tokenizer, model_config) -> set[int]:
@@ -35,14 +35,18 @@ def stop_token_ids(tokenizer, model_config) -> set[int]:
 @torch.inference_mode()
 def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KVCache, next_position: int,
                   max_new_tokens: int = 32, stop_strings: tuple[str, ...] = (),
-                  calibration: SpanCalibration | None = None) -> Generation:
+                  calibration: SpanCalibration | None = None, keep_logits: bool = False) -> Generation:
     """The first token comes from the prefill's logits [vocab]; each next one from one decode step
-    appended to `cache` at RoPE position next_position, next_position + 1, ..."""
+    appended to `cache` at RoPE position next_position, next_position + 1, ...
+    keep_logits: also return every step's logits (a stop token's step included)."""
     started = time.perf_counter()
     stops = stop_token_ids(tokenizer, model.config)
     token_ids: list[int] = []
+    kept: list[torch.Tensor] = []
     position = next_position
     for step in range(max_new_tokens):
+        if keep_logits:
+            kept.append(logits)
         token = int(torch.argmax(logits))
         if token in stops:
             break
@@ -56,31 +60,56 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     for s in stop_strings:
         text = text.split(s)[0]
-    return Generation(text.strip(), token_ids, time.perf_counter() - started)
+    return Generation(text.strip(), token_ids, time.perf_counter() - started,
+                      torch.stack(kept) if kept else None)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (one ending first counts there); None if they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def known_steps(step_logits: torch.Tensor | None, decoded: list[int], tokens: list[int]) -> int:
+    """How many of teacher forcing's rows over `tokens` greedy decoding has already computed: row i is
+    the logits after tokens[:i], which decoding saw while its own tokens were the same (i <= the first
+    difference) and it reached step i. 0 if it kept no logits."""
+    if step_logits is None:
+        return 0
+    parted = first_difference(decoded, tokens)
+    same = len(tokens) if parted is None else parted
+    return min(same + 1, len(step_logits), len(tokens))
 
 
 @torch.inference_mode()
-def teacher_forced_logits(model: Transformer, first_logits: torch.Tensor, cache: KVCache, prefill_rows: int,
+def teacher_forced_logits(model: Transformer, known: torch.Tensor, cache: KVCache, prefill_rows: int,
                           next_position: int, tokens: list[int],
                           calibration: SpanCalibration | None = None, attention_out: list | None = None,
                           attention_rows: slice = slice(None)) -> torch.Tensor:
     """The logits [T, vocab] with which a fused cache would predict `tokens` (T of them, e.g. full prefill's
-    answer), each given the ones before it: row 0 is the prefill's first_logits, row i comes from tokens[:i]
-    appended to the cache after its first prefill_rows rows, in one pass, as greedy_decode would append them one
-    by one. Rows past prefill_rows (an answer decoded there) are overwritten. attention_out collects, per layer,
-    the head-averaged attention [t', n] of the fed tokens picked by attention_rows (Transformer.layer_step)."""
-    if len(tokens) < 2:
-        return first_logits[None, :].expand(len(tokens), -1)
-    fed = len(tokens) - 1
-    rows = torch.arange(prefill_rows, prefill_rows + fed)                             # [T-1] new cache rows
-    cache.length = prefill_rows + fed
-    active = model.active_rows(rows, torch.arange(next_position, next_position + fed))
-    mask = model.causal_mask(rows, cache.length)                                      # [T-1, n + T-1]
-    hidden = model.embed(torch.tensor(tokens[:-1]))                                   # [T-1, D]
+    answer), each given the ones before it: row i comes from tokens[:i] appended to the cache after its first
+    prefill_rows rows, in one pass, as greedy_decode would append them one by one.
+
+    known [k, vocab], k >= 1: the first rows, already computed: the prefill's first logits (k = 1), or more
+    where greedy decoding wrote tokens[:k-1] into the cache's rows after prefill_rows (known_steps). The pass
+    feeds only tokens[k-1:T-1]; the rows it writes (an answer decoded there) are overwritten. attention_out
+    collects, per layer, the head-averaged attention [t', n] of the fed tokens picked by attention_rows
+    (Transformer.layer_step)."""
+    start = min(len(known), len(tokens))                                              # rows already known
+    if start == len(tokens):
+        return known[:start]
+    fed = torch.arange(start - 1, len(tokens) - 1)                                    # [f] tokens fed, by index
+    rows = prefill_rows + fed                                                         # [f] their cache rows
+    cache.length = prefill_rows + len(tokens) - 1
+    active = model.active_rows(rows, next_position + fed)
+    mask = model.causal_mask(rows, cache.length)                                      # [f, n + T-1]
+    hidden = model.embed(torch.tensor(tokens[start - 1:-1]))                          # [f, D]
     for layer in range(model.n_layers):
         hidden = model.layer_step(layer, hidden, active, cache, mask, attention_out=attention_out,
                                   attention_rows=attention_rows, calibration=calibration)
-    return torch.cat([first_logits[None, :], model.logits(hidden)])                  # [T, vocab]
+    return torch.cat([known[:start], model.logits(hidden)])                           # [T, vocab]
 
 
 @dataclass
@@ -93,20 +122,24 @@ class Pending:
 
 @torch.inference_mode()
 def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max_new_tokens: int = 32,
-                        stop_strings: tuple[str, ...] = ()) -> list[Generation]:
+                        stop_strings: tuple[str, ...] = (), keep_logits: bool = False) -> list[Generation]:
     """Greedy decoding of several answers at once, each over its own cache: the same steps as
     greedy_decode, but each step runs the projections, norms and MLP on all active answers in one
     call (on a CPU a step's cost is mostly per-call overhead), and attention per answer over its own
-    cache. decode_seconds of each Generation is the batch's time shared equally."""
+    cache. decode_seconds of each Generation is the batch's time shared equally; keep_logits as in greedy_decode."""
     started = time.perf_counter()
     stops = stop_token_ids(tokenizer, model.config)
     tokens: list[list[int]] = [[] for _ in items]
+    kept: list[list[torch.Tensor]] = [[] for _ in items]     # per answer, each step's logits [vocab]
     positions = [item.next_position for item in items]
-    next_token = [int(torch.argmax(item.logits)) for item in items]
+    step_logits = [item.logits for item in items]
+    next_token = [int(torch.argmax(logits)) for logits in step_logits]
     active = list(range(len(items)))
     for step in range(max_new_tokens):
         still = []
         for i in active:  # take this step's token; finish on a stop token or a stop string
+            if keep_logits:
+                kept[i].append(step_logits[i])
             if next_token[i] in stops:
                 continue
             tokens[i].append(next_token[i])
@@ -128,20 +161,19 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
             for j, i in enumerate(active):
                 cache = items[i].cache
                 cache.write(layer, slice(rows[j], rows[j] + 1), k[:, j:j + 1], v[:, j:j + 1])
-                outs.append(F.scaled_dot_product_attention(
-                    q[None, :, j:j + 1], cache.keys(layer)[None], cache.values(layer)[None],
-                    scale=model.scaling, enable_gqa=True)[0])                           # [H, 1, d]
+                outs.append(model.attend_every_key(q[:, j:j + 1], cache.keys(layer), cache.values(layer)))  # [H, 1, d]
             out = torch.cat(outs, dim=1).transpose(0, 1).reshape(len(active), model.n_heads * model.head_dim)
             hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(out))
         logits = model.logits(hidden)                                                   # [a, vocab]
         for j, i in enumerate(active):
+            step_logits[i] = logits[j]
             next_token[i] = int(torch.argmax(logits[j]))
             positions[i] += 1
     share = (time.perf_counter() - started) / max(1, len(items))
     generations = []
-    for token_ids in tokens:
+    for token_ids, steps in zip(tokens, kept):
         text = tokenizer.decode(token_ids, skip_special_tokens=True)
         for s in stop_strings:
             text = text.split(s)[0]
-        generations.append(Generation(text.strip(), token_ids, share))
+        generations.append(Generation(text.strip(), token_ids, share, torch.stack(steps) if steps else None))
     return generations

@@ -148,9 +148,11 @@ class Transformer:
             if mask is None:
                 mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
             out = self.calibrated_attention(q, keys, values, mask, calibration)[None]
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=is_causal,
+        elif is_causal:
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
                                                  scale=self.scaling, enable_gqa=True)
+        elif mask is None:
+            out = self.attend_every_key(q, keys, values)[None]
         else:
             blocks = []
             for i in range(0, t, ATTN_BLOCK_ROWS):
@@ -161,6 +163,16 @@ class Transformer:
                     attn_mask=mask[i:end, :n_keys], scale=self.scaling, enable_gqa=True))
             out = torch.cat(blocks, dim=2)
         return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
+
+    def attend_every_key(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [H, t, d] over every one of keys/values [KV, n, d] (no mask: a decode step) -> [H, t, d].
+        Each KV head's group of query heads goes in as one block of group x t queries: the same
+        attention as GQA's, without copying the keys and values out to every query head, which costs
+        a decode step over a long cache more than the attention does (~1.7x here)."""
+        t = q.shape[1]
+        grouped = q.reshape(self.n_kv_heads, -1, self.head_dim)                              # [KV, group*t, d]
+        out = F.scaled_dot_product_attention(grouped[None], keys[None], values[None], scale=self.scaling)
+        return out[0].reshape(self.n_heads, t, self.head_dim)
 
     def calibrated_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                              cal: SpanCalibration) -> torch.Tensor:

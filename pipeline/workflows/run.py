@@ -956,15 +956,15 @@ class QuestionRunner:
         """Per answer (by its prefill's id): how its cache predicts full prefill's answer token by token, each
         from full's tokens before it: the mean KL(full || it) over those tokens, and the share of them it would
         pick itself. Where answers part in decoding, this tells how far apart, as answer F1 cannot. Untimed:
-        one pass of the answer's tokens over each cache, after decoding."""
+        decoding's own logits up to where an answer leaves full's, one pass of full's later tokens over its cache."""
         tokens = full_answer.token_ids
         if not tokens:   # full prefill answered nothing: no token to predict
             return {}
         answerer, target = self.session.answerer, torch.tensor(tokens)
-        full_steps = answerer.predictions(full_answer.fused, tokens)                        # [T, vocab]
+        full_steps = answerer.predictions(full_answer.fused, tokens, full_answer)           # [T, vocab]
         scores = {}
         for key, ans in answer_of.items():
-            steps = full_steps if ans is full_answer else answerer.predictions(ans.fused, tokens)   # [T, vocab]
+            steps = full_steps if ans is full_answer else answerer.predictions(ans.fused, tokens, ans)   # [T, vocab]
             agree = (steps.argmax(-1).cpu() == target).float().mean()
             scores[key] = (max(0.0, kl_divergence(full_steps, steps)), float(agree))   # KL >= 0 but for rounding
         return scores
@@ -980,7 +980,8 @@ class QuestionRunner:
         answers = []
         for start in range(0, len(prefilled), batch):
             answers += self.session.answerer.decode_many(prompt, prefilled[start: start + batch],
-                                                         self.opts.max_new_tokens)
+                                                         self.opts.max_new_tokens,
+                                                         keep_logits=self.opts.compare_full)   # for on_full_answer
         return answers
 
 
