@@ -148,7 +148,7 @@ class Transformer:
             if mask is None:
                 mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
             out = self.calibrated_attention(q, keys, values, mask, calibration)[None]
-        elif is_causal:
+        elif mask is None and is_causal:
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
                                                  scale=self.scaling, enable_gqa=True)
         elif mask is None:
