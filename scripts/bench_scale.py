@@ -754,8 +754,8 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           "prefill and decoding of every method that is plain reuse at ratio 0, and decoding (all of a question's "
           "answers in one batch). Both kvf modes also do work that v1 did not: `--compare-full` teacher-forces full "
           "prefill's whole answer over every cache (`answer_kl_full`), with decoding's own logits where an answer is "
-          "still full's and one pass for the rest. What it cannot share bounds the saving: each distinct prefill recomputes its "
-          f"own tokens over its own cache. Their layer loops alone (timings.recompute, each distinct prefill once, "
+          "still full's and one pass for the rest. What it cannot share bounds the saving: each distinct prefill "
+          f"recomputes its own tokens over its own cache. Their layer loops alone (timings.recompute, each distinct prefill once, "
           f"the full prefill included) take **{floor:.1f} s** per question, **{floor / before:.2f}** of v1's cost" +
           (", so no exact sharing reaches a third of v1 on this sweep." if floor >= before / 3 else
            f": a third of v1 would leave {before / 3 - floor:.1f} s per question for all the rest (decoding "

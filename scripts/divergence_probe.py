@@ -29,7 +29,7 @@ from kvf.errors import KvfError  # noqa: E402
 from kvf.eval.metrics import accuracy  # noqa: E402
 from kvf.pipeline.data.datasets import load_prepared  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
-from kvf.pipeline.model.decode import first_difference, teacher_forced_logits  # noqa: E402
+from kvf.pipeline.model.decode import first_difference  # noqa: E402
 from kvf.pipeline.records import read_records  # noqa: E402
 from kvf.pipeline.workflows.run import resolve_setting  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, probed_samples  # noqa: E402
@@ -44,9 +44,7 @@ LOW = 0.2          # a margin below this is a near tie: the report counts the st
 @torch.inference_mode()
 def forced_probs(session, fused, tokens: list[int]) -> torch.Tensor:
     """[T, vocab] the probabilities with which fused's cache predicts each of `tokens`, given the ones before it."""
-    logits = teacher_forced_logits(session.answerer.transformer, fused.logits[None], fused.cache,
-                                   fused.prefill_rows, fused.next_position, tokens, fused.calibration)
-    return logits.float().softmax(dim=-1)
+    return session.answerer.predictions(fused, tokens).float().softmax(dim=-1)
 
 
 def margins(probs: torch.Tensor) -> torch.Tensor:

@@ -132,14 +132,14 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
     tokens: list[list[int]] = [[] for _ in items]
     kept: list[list[torch.Tensor]] = [[] for _ in items]     # per answer, each step's logits [vocab]
     positions = [item.next_position for item in items]
-    step_logits = [item.logits for item in items]
-    next_token = [int(torch.argmax(logits)) for logits in step_logits]
+    current = [item.logits for item in items]                # per answer, this step's logits [vocab]
+    next_token = [int(torch.argmax(logits)) for logits in current]
     active = list(range(len(items)))
     for step in range(max_new_tokens):
         still = []
         for i in active:  # take this step's token; finish on a stop token or a stop string
             if keep_logits:
-                kept[i].append(step_logits[i])
+                kept[i].append(current[i])
             if next_token[i] in stops:
                 continue
             tokens[i].append(next_token[i])
@@ -166,7 +166,7 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
             hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(out))
         logits = model.logits(hidden)                                                   # [a, vocab]
         for j, i in enumerate(active):
-            step_logits[i] = logits[j]
+            current[i] = logits[j]
             next_token[i] = int(torch.argmax(logits[j]))
             positions[i] += 1
     share = (time.perf_counter() - started) / max(1, len(items))
