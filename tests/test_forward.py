@@ -139,6 +139,31 @@ def test_teacher_forced_logits_are_those_decoding_sees(family):
     assert torch.equal(teacher_forced_logits(T, first[None], cache, 20, 20, tokens[:1]), first[None])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_forced_batch_equals_each_cache_teacher_forced_alone(family):
+    """teacher_forced_batch runs several caches' fed tokens through each layer's projections and MLP at once and
+    attends per cache: each cache's rows equal teacher_forced_logits on it alone (<= 1e-4), for caches of other
+    lengths and positions, one whose rows decoding already knew in part, and one whose rows are all known."""
+    from kvf.pipeline.model.decode import Forced, teacher_forced_batch, teacher_forced_logits
+    T = Transformer(tiny_model(family, seed=2))
+    tokens = torch.randint(0, 128, (6,)).tolist()
+    items, alone = [], []
+    for n, position, known_rows in [(20, 20, 1), (13, 30, 3), (17, 17, 6)]:
+        prompt = torch.randint(0, 128, (n,))
+        batch_cache, alone_cache = T.new_cache(n + 8), T.new_cache(n + 8)
+        first, _ = T.prefill(prompt, batch_cache, positions=torch.arange(position - n, position))
+        T.prefill(prompt, alone_cache, positions=torch.arange(position - n, position))
+        known = torch.cat([first[None], torch.randn(known_rows - 1, 128)])        # [k, vocab]: rows "decoding" gave
+        items.append(Forced(known, batch_cache, n, position))
+        alone.append(teacher_forced_logits(T, known, alone_cache, n, position, tokens))   # [6, vocab]
+    got = teacher_forced_batch(T, items, tokens)
+    for g, want, item in zip(got, alone, items):
+        assert g.shape == want.shape == (6, 128)
+        assert (g - want).abs().max().item() <= 1e-4
+        assert torch.equal(g[:len(item.known)], item.known)   # the known rows are kept, not recomputed
+    assert torch.equal(teacher_forced_batch(T, items[2:], tokens)[0], items[2].known)
+
+
 def test_known_steps_counts_the_rows_decoding_saw_while_its_answer_was_the_forced_one():
     from kvf.pipeline.model.decode import known_steps
     steps = torch.zeros(5, 3)                                                    # 5 steps: 4 tokens, then a stop token

@@ -1431,3 +1431,24 @@ def test_predictions_that_start_from_decodings_own_logits_equal_a_whole_teacher_
     want = answerer.predictions(method.prefill(answerer.engine, prompt, source, 12), tokens)
     assert got.shape == want.shape == (same + 4, want.shape[1])
     assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_predictions_of_a_questions_answers_in_one_batch_equal_each_alone(answerer, long_case):
+    """kvf run's answer_kl_full teacher-forces full's answer over every answer's cache in one batched pass
+    (Answerer.predictions_many): each answer's rows equal Answerer.predictions on it alone (<= 1e-3), for caches
+    decoded in a batch (kvfuse's shift, CacheFocus' compacted cache, CacheBlend) and alone with APE's calibration,
+    and for full prefill's own cache, whose first rows decoding already knew."""
+    prompt, source, full = long_case
+    methods = [get_method("full"), get_method("kvfuse", 0.15), get_method("cachefocus", 0.0, prune_every=4),
+               get_method("cacheblend", 0.15), get_method("ape", 0.0)]
+    prefilled = [answerer.prefill(prompt, m, None if m.name == "full" else source, 12) for m in methods]
+    answers = answerer.decode_many(prompt, prefilled, 12, keep_logits=True)
+    full_ids = answers[0].token_ids
+    assert len(full_ids) >= 5
+    tokens = full_ids[:4] + [t for t in range(200, 210) if t != full_ids[4]][:4]   # every answer parts at 4 or before
+    alone = [answerer.predictions(a.fused, tokens, a) for a in answers]          # per answer [T, vocab]
+    batched = answerer.predictions_many(answers, tokens)
+    for got, want in zip(batched, alone):
+        assert got.shape == want.shape == (len(tokens), want.shape[1])
+        assert (got - want).abs().max().item() <= 1e-3
+    assert torch.equal(batched[0][:5], answers[0].step_logits[:5])                # known rows: decoding's own

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvf.pipeline.model.decode import (Generation, Pending, greedy_decode, greedy_decode_batch, known_steps,
-                                       teacher_forced_logits)
+from kvf.pipeline.model.decode import (Forced, Generation, Pending, greedy_decode, greedy_decode_batch, known_steps,
+                                       teacher_forced_batch, teacher_forced_logits)
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -45,6 +45,13 @@ def decode_timings(timings: dict, fused: FusionResult, generation: Generation) -
     return decode
 
 
+def forced(fused: FusionResult, tokens: list[int], decoded: Answer | None) -> Forced:
+    """Teacher forcing of `tokens` over fused's cache, with the rows decoding already computed as known."""
+    known = known_steps(decoded.step_logits, decoded.token_ids, tokens) if decoded is not None else 0
+    rows = decoded.step_logits[:known] if known else fused.logits[None]                   # [k, vocab]
+    return Forced(rows, fused.cache, fused.prefill_rows, fused.next_position, fused.calibration)
+
+
 class Answerer:
     """A loaded model with its engine and prompt template, ready to answer many questions."""
 
@@ -73,10 +80,15 @@ class Answerer:
         before it, after decoding (its kept-until-after-the-first-token work included, as decoding reads it).
         decoded: fused's own answer, decoded with its logits kept: the rows its decoding already computed
         (while its tokens were `tokens`') are taken from it, and only the rest is computed."""
-        known = known_steps(decoded.step_logits, decoded.token_ids, tokens) if decoded is not None else 0
-        rows = decoded.step_logits[:known] if known else fused.logits[None]                   # [k, vocab]
-        return teacher_forced_logits(self.transformer, rows, fused.cache, fused.prefill_rows,
+        item = forced(fused, tokens, decoded)
+        return teacher_forced_logits(self.transformer, item.known, fused.cache, fused.prefill_rows,
                                      fused.next_position, tokens, fused.calibration)
+
+    @torch.inference_mode()
+    def predictions_many(self, answers: list[Answer], tokens: list[int]) -> list[torch.Tensor]:
+        """predictions(a.fused, tokens, a) for each of a question's answers (decoded with their logits kept),
+        in one batched pass (teacher_forced_batch). -> per answer, [T, vocab]."""
+        return teacher_forced_batch(self.transformer, [forced(a.fused, tokens, a) for a in answers], tokens)
 
     @torch.inference_mode()
     def prefill(self, prompt: FusedPrompt, method: FusionMethod, source: LayerKVSource | None,

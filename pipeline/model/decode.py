@@ -97,10 +97,9 @@ def teacher_forced_logits(model: Transformer, known: torch.Tensor, cache: KVCach
     feeds only tokens[k-1:T-1]; the rows it writes (an answer decoded there) are overwritten. attention_out
     collects, per layer, the head-averaged attention [t', n] of the fed tokens picked by attention_rows
     (Transformer.layer_step)."""
-    start = min(len(known), len(tokens))                                              # rows already known
-    if start == len(tokens):
+    start, fed = forced_feed(known, tokens)
+    if not len(fed):
         return known[:start]
-    fed = torch.arange(start - 1, len(tokens) - 1)                                    # [f] tokens fed, by index
     rows = prefill_rows + fed                                                         # [f] their cache rows
     cache.length = prefill_rows + len(tokens) - 1
     active = model.active_rows(rows, next_position + fed)
@@ -110,6 +109,59 @@ def teacher_forced_logits(model: Transformer, known: torch.Tensor, cache: KVCach
         hidden = model.layer_step(layer, hidden, active, cache, mask, attention_out=attention_out,
                                   attention_rows=attention_rows, calibration=calibration)
     return torch.cat([known[:start], model.logits(hidden)])                           # [T, vocab]
+
+
+def forced_feed(known: torch.Tensor, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """Teacher forcing's plan: (k, fed), the k rows of `known` it keeps and the indices [f] of the tokens it
+    feeds, tokens[k-1:T-1] (none when every row is known)."""
+    start = min(len(known), len(tokens))
+    return start, torch.arange(start - 1, len(tokens) - 1)
+
+
+@dataclass
+class Forced:
+    """One cache for teacher_forced_batch: its known rows [k, vocab] (as teacher_forced_logits' `known`),
+    the cache, its prefill's rows, the next RoPE position, and its decoding's calibration if any."""
+    known: torch.Tensor
+    cache: KVCache
+    prefill_rows: int
+    next_position: int
+    calibration: SpanCalibration | None = None
+
+
+@torch.inference_mode()
+def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[int]) -> list[torch.Tensor]:
+    """teacher_forced_logits for several caches and the same `tokens`, in one pass: each layer runs the
+    projections, norms and MLP on every cache's fed rows in one call, and attention per cache over its own
+    rows (as greedy_decode_batch does for one step). -> per item, logits [T, vocab]."""
+    plans = [forced_feed(item.known, tokens) for item in items]
+    fed_items = [i for i, (_, fed) in enumerate(plans) if len(fed)]
+    out = [item.known[:start] for item, (start, _) in zip(items, plans)]
+    if not fed_items:
+        return out
+    rows, masks = [], []
+    for i in fed_items:
+        item, fed = items[i], plans[i][1]
+        item.cache.length = item.prefill_rows + len(tokens) - 1
+        rows.append(item.prefill_rows + fed)                                          # [f_i] cache rows
+        masks.append(model.causal_mask(rows[-1], item.cache.length))                  # [f_i, n_i + T-1]
+    sizes = [len(r) for r in rows]
+    positions = torch.cat([items[i].next_position + plans[i][1] for i in fed_items])   # [F] RoPE positions
+    cos, sin = model.rope.cos_sin(positions, model.dtype)                             # [F, d]
+    hidden = model.embed(torch.tensor([tokens[j] for i in fed_items for j in plans[i][1].tolist()]))  # [F, D]
+    for layer in range(model.n_layers):
+        q, k, v = model.project_qkv(layer, hidden)                                    # [H, F, d], [KV, F, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for j, (i, q_i, k_i, v_i) in enumerate(zip(fed_items, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))):
+            cache = items[i].cache
+            cache.write(layer, slice(int(rows[j][0]), int(rows[j][-1]) + 1), k_i, v_i)     # contiguous rows
+            outs.append(model.attention(q_i, cache.keys(layer), cache.values(layer), masks[j], rows=rows[j],
+                                        calibration=items[i].calibration))           # [f_i, H*d]
+        hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(torch.cat(outs)))
+    for i, logits in zip(fed_items, model.logits(hidden).split(sizes)):             # [f_i, vocab] each
+        out[i] = torch.cat([out[i], logits])                                          # [T, vocab]
+    return out
 
 
 @dataclass

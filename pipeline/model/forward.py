@@ -127,23 +127,30 @@ class Transformer:
     def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None,
                calibration: SpanCalibration | None = None) -> torch.Tensor:
+        """Attention (Transformer.attention) then the layer's o_proj: -> [t, D]."""
+        return self.layers[layer].self_attn.o_proj(self.attention(q, keys, values, mask, is_causal, rows, calibration))
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor | None, is_causal: bool = False, rows: torch.Tensor | None = None,
+                  calibration: SpanCalibration | None = None) -> torch.Tensor:
         """q [H, t, d] (after RoPE) over keys/values [KV, n, d]; mask [t, n] bool (True = may attend).
 
         With a mask, queries go in blocks of rows; `rows` [t] (sorted cache rows of the queries)
         lets each block read only keys up to its last row, which the causal mask hides anyway:
         selected tokens spread over the prompt then cost about half of t x n, like causal
         attention does, instead of all of it. Scores are at most [H, block, n]: never n x n.
-        Returns the attention output after o_proj, [t, D].
+        Returns the heads' outputs side by side, [t, H*d] (before o_proj, which is per row: callers
+        may run it on several calls' rows at once).
         """
         t = q.shape[1]
         if calibration is not None and rows is not None and mask is not None:   # sorted rows: the plain ones first
             plain = int(torch.searchsorted(rows, torch.tensor(calibration.queries_from)))
             if plain == t:
                 calibration = None
-            elif plain > 0:   # plain rows by the fast path, the rest calibrated; o_proj is per row
-                return torch.cat([self.attend(layer, q[:, :plain], keys, values, mask[:plain], rows=rows[:plain]),
-                                  self.attend(layer, q[:, plain:], keys, values, mask[plain:], rows=rows[plain:],
-                                              calibration=calibration)])
+            elif plain > 0:   # plain rows by the fast path, the rest calibrated; outputs are per row
+                return torch.cat([self.attention(q[:, :plain], keys, values, mask[:plain], rows=rows[:plain]),
+                                  self.attention(q[:, plain:], keys, values, mask[plain:], rows=rows[plain:],
+                                                 calibration=calibration)])
         if calibration is not None:
             if mask is None:
                 mask = torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
@@ -162,7 +169,7 @@ class Transformer:
                     q[None, :, i:end], keys[None, :, :n_keys], values[None, :, :n_keys],
                     attn_mask=mask[i:end, :n_keys], scale=self.scaling, enable_gqa=True))
             out = torch.cat(blocks, dim=2)
-        return self.layers[layer].self_attn.o_proj(out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim))
+        return out[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim)
 
     def attend_every_key(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [H, t, d] over every one of keys/values [KV, n, d] (no mask: a decode step) -> [H, t, d].

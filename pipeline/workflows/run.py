@@ -956,15 +956,21 @@ class QuestionRunner:
         """Per answer (by its prefill's id): how its cache predicts full prefill's answer token by token, each
         from full's tokens before it: the mean KL(full || it) over those tokens, and the share of them it would
         pick itself. Where answers part in decoding, this tells how far apart, as answer F1 cannot. Untimed:
-        decoding's own logits up to where an answer leaves full's, one pass of full's later tokens over its cache."""
+        decoding's own logits up to where an answer leaves full's, then full's later tokens over every cache, in one
+        batched pass when work is shared."""
         tokens = full_answer.token_ids
         if not tokens:   # full prefill answered nothing: no token to predict
             return {}
-        answerer, target = self.session.answerer, torch.tensor(tokens)
-        full_steps = answerer.predictions(full_answer.fused, tokens, full_answer)           # [T, vocab]
+        target = torch.tensor(tokens)
+        answers = [full_answer] + [ans for ans in answer_of.values() if ans is not full_answer]
+        batch = len(answers) if self.opts.share else 1   # as decode(): lone requests one by one
+        predicted = [steps for start in range(0, len(answers), batch)
+                     for steps in self.session.answerer.predictions_many(answers[start: start + batch], tokens)]
+        steps_of = {id(ans): steps for ans, steps in zip(answers, predicted)}              # per answer [T, vocab]
+        full_steps = steps_of[id(full_answer)]
         scores = {}
         for key, ans in answer_of.items():
-            steps = full_steps if ans is full_answer else answerer.predictions(ans.fused, tokens, ans)   # [T, vocab]
+            steps = steps_of[id(ans)]                                                        # [T, vocab]
             agree = (steps.argmax(-1).cpu() == target).float().mean()
             scores[key] = (max(0.0, kl_divergence(full_steps, steps)), float(agree))   # KL >= 0 but for rounding
         return scores
