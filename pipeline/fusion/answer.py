@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvf.pipeline.model.decode import (Forced, Generation, Pending, greedy_decode, greedy_decode_batch, known_steps,
-                                       teacher_forced_batch, teacher_forced_logits)
+                                       teacher_forced_batch)
 from kvf.pipeline.fusion.engine import FusionEngine, FusionResult, LayerKVSource
 from kvf.pipeline.model.forward import Transformer
 from kvf.pipeline.fusion.methods import FusionMethod
@@ -80,9 +80,7 @@ class Answerer:
         before it, after decoding (its kept-until-after-the-first-token work included, as decoding reads it).
         decoded: fused's own answer, decoded with its logits kept: the rows its decoding already computed
         (while its tokens were `tokens`') are taken from it, and only the rest is computed."""
-        item = forced(fused, tokens, decoded)
-        return teacher_forced_logits(self.transformer, item.known, fused.cache, fused.prefill_rows,
-                                     fused.next_position, tokens, fused.calibration)
+        return teacher_forced_batch(self.transformer, [forced(fused, tokens, decoded)], tokens)[0]
 
     @torch.inference_mode()
     def predictions_many(self, answers: list[Answer], tokens: list[int]) -> list[torch.Tensor]:

@@ -83,7 +83,6 @@ def known_steps(step_logits: torch.Tensor | None, decoded: list[int], tokens: li
     return min(same + 1, len(step_logits), len(tokens))
 
 
-@torch.inference_mode()
 def teacher_forced_logits(model: Transformer, known: torch.Tensor, cache: KVCache, prefill_rows: int,
                           next_position: int, tokens: list[int],
                           calibration: SpanCalibration | None = None, attention_out: list | None = None,
@@ -95,20 +94,9 @@ def teacher_forced_logits(model: Transformer, known: torch.Tensor, cache: KVCach
     known [k, vocab], k >= 1: the first rows, already computed: the prefill's first logits (k = 1), or more
     where greedy decoding wrote tokens[:k-1] into the cache's rows after prefill_rows (known_steps). The pass
     feeds only tokens[k-1:T-1]; the rows it writes (an answer decoded there) are overwritten. attention_out
-    collects, per layer, the head-averaged attention [t', n] of the fed tokens picked by attention_rows
-    (Transformer.layer_step)."""
-    start, fed = forced_feed(known, tokens)
-    if not len(fed):
-        return known[:start]
-    rows = prefill_rows + fed                                                         # [f] their cache rows
-    cache.length = prefill_rows + len(tokens) - 1
-    active = model.active_rows(rows, next_position + fed)
-    mask = model.causal_mask(rows, cache.length)                                      # [f, n + T-1]
-    hidden = model.embed(torch.tensor(tokens[start - 1:-1]))                          # [f, D]
-    for layer in range(model.n_layers):
-        hidden = model.layer_step(layer, hidden, active, cache, mask, attention_out=attention_out,
-                                  attention_rows=attention_rows, calibration=calibration)
-    return torch.cat([known[:start], model.logits(hidden)])                           # [T, vocab]
+    collects, per layer, the head-averaged attention [t', n] of the fed tokens picked by attention_rows."""
+    item = Forced(known, cache, prefill_rows, next_position, calibration)
+    return teacher_forced_batch(model, [item], tokens, attention_out, attention_rows)[0]
 
 
 def forced_feed(known: torch.Tensor, tokens: list[int]) -> tuple[int, torch.Tensor]:
@@ -130,10 +118,14 @@ class Forced:
 
 
 @torch.inference_mode()
-def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[int]) -> list[torch.Tensor]:
+def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[int], attention_out: list | None = None,
+                         attention_rows: slice = slice(None)) -> list[torch.Tensor]:
     """teacher_forced_logits for several caches and the same `tokens`, in one pass: each layer runs the
     projections, norms and MLP on every cache's fed rows in one call, and attention per cache over its own
-    rows (as greedy_decode_batch does for one step). -> per item, logits [T, vocab]."""
+    rows (as greedy_decode_batch does for one step). -> per item, logits [T, vocab]. attention_out (one item
+    only): per layer, the head-averaged attention [t', n] of its fed rows picked by attention_rows."""
+    if attention_out is not None and len(items) != 1:
+        raise ValueError("teacher_forced_batch: attention_out reads one cache's attention; give one item")
     plans = [forced_feed(item.known, tokens) for item in items]
     fed_items = [i for i, (_, fed) in enumerate(plans) if len(fed)]
     out = [item.known[:start] for item, (start, _) in zip(items, plans)]
@@ -156,6 +148,9 @@ def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[i
         for j, (i, q_i, k_i, v_i) in enumerate(zip(fed_items, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))):
             cache = items[i].cache
             cache.write(layer, slice(int(rows[j][0]), int(rows[j][-1]) + 1), k_i, v_i)     # contiguous rows
+            if attention_out is not None:
+                probs = model.attention_probs(q_i[:, attention_rows], cache.keys(layer), masks[j][attention_rows])
+                attention_out.append(probs.mean(dim=0))                               # [t', n]
             outs.append(model.attention(q_i, cache.keys(layer), cache.values(layer), masks[j], rows=rows[j],
                                         calibration=items[i].calibration))           # [f_i, H*d]
         hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(torch.cat(outs)))
