@@ -107,6 +107,38 @@ def forced_feed(known: torch.Tensor, tokens: list[int]) -> tuple[int, torch.Tens
 
 
 @dataclass
+class CacheRows:
+    """One cache's part of a batched layer (layer_over_caches): the contiguous cache rows [f] its fed tokens
+    take, their mask [f, n] (None: a decode step's one token, which sees every key) and its calibration."""
+    cache: KVCache
+    rows: torch.Tensor
+    mask: torch.Tensor | None = None
+    calibration: SpanCalibration | None = None
+
+
+def layer_over_caches(model: Transformer, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      parts: list[CacheRows], attention_out: list | None = None,
+                      attention_rows: slice = slice(None)) -> torch.Tensor:
+    """One layer for the fed tokens of several caches, hidden [F, D] (each part's rows in turn, F in all) at
+    RoPE tables cos/sin [F, d]: the projections, norms and MLP on all F rows in one call (on a CPU a small
+    call's cost is mostly overhead), each part's K/V written to its cache and attention over its own cache.
+    attention_out (one part only): the head-averaged attention [t', n] of its rows picked by attention_rows."""
+    q, k, v = model.project_qkv(layer, hidden)                                        # [H, F, d], [KV, F, d]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    sizes = [len(part.rows) for part in parts]
+    outs = []
+    for part, q_i, k_i, v_i in zip(parts, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1)):
+        cache = part.cache
+        cache.write(layer, slice(int(part.rows[0]), int(part.rows[-1]) + 1), k_i, v_i)    # contiguous rows
+        if attention_out is not None:
+            probs = model.attention_probs(q_i[:, attention_rows], cache.keys(layer), part.mask[attention_rows])
+            attention_out.append(probs.mean(dim=0))                                   # [t', n]
+        outs.append(model.attention(q_i, cache.keys(layer), cache.values(layer), part.mask, rows=part.rows,
+                                    calibration=part.calibration))                    # [f_i, H*d]
+    return model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(torch.cat(outs)))
+
+
+@dataclass
 class Forced:
     """One cache for teacher_forced_batch: its known rows [k, vocab] (as teacher_forced_logits' `known`),
     the cache, its prefill's rows, the next RoPE position, and its decoding's calibration if any."""
@@ -120,10 +152,10 @@ class Forced:
 @torch.inference_mode()
 def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[int], attention_out: list | None = None,
                          attention_rows: slice = slice(None)) -> list[torch.Tensor]:
-    """teacher_forced_logits for several caches and the same `tokens`, in one pass: each layer runs the
-    projections, norms and MLP on every cache's fed rows in one call, and attention per cache over its own
-    rows (as greedy_decode_batch does for one step). -> per item, logits [T, vocab]. attention_out (one item
-    only): per layer, the head-averaged attention [t', n] of its fed rows picked by attention_rows."""
+    """teacher_forced_logits for several caches and the same `tokens`, in one pass: each layer is one
+    layer_over_caches over every cache's fed rows (as greedy_decode_batch's steps are). -> per item, logits
+    [T, vocab]. attention_out (one item only): per layer, the head-averaged attention [t', n] of its fed rows
+    picked by attention_rows."""
     if attention_out is not None and len(items) != 1:
         raise ValueError("teacher_forced_batch: attention_out reads one cache's attention; give one item")
     plans = [forced_feed(item.known, tokens) for item in items]
@@ -131,29 +163,18 @@ def teacher_forced_batch(model: Transformer, items: list[Forced], tokens: list[i
     out = [item.known[:start] for item, (start, _) in zip(items, plans)]
     if not fed_items:
         return out
-    rows, masks = [], []
+    parts = []
     for i in fed_items:
         item, fed = items[i], plans[i][1]
         item.cache.length = item.prefill_rows + len(tokens) - 1
-        rows.append(item.prefill_rows + fed)                                          # [f_i] cache rows
-        masks.append(model.causal_mask(rows[-1], item.cache.length))                  # [f_i, n_i + T-1]
-    sizes = [len(r) for r in rows]
+        rows = item.prefill_rows + fed                                                # [f_i] cache rows
+        parts.append(CacheRows(item.cache, rows, model.causal_mask(rows, item.cache.length), item.calibration))
+    sizes = [len(part.rows) for part in parts]
     positions = torch.cat([items[i].next_position + plans[i][1] for i in fed_items])   # [F] RoPE positions
     cos, sin = model.rope.cos_sin(positions, model.dtype)                             # [F, d]
     hidden = model.embed(torch.tensor([tokens[j] for i in fed_items for j in plans[i][1].tolist()]))  # [F, D]
     for layer in range(model.n_layers):
-        q, k, v = model.project_qkv(layer, hidden)                                    # [H, F, d], [KV, F, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
-        for j, (i, q_i, k_i, v_i) in enumerate(zip(fed_items, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))):
-            cache = items[i].cache
-            cache.write(layer, slice(int(rows[j][0]), int(rows[j][-1]) + 1), k_i, v_i)     # contiguous rows
-            if attention_out is not None:
-                probs = model.attention_probs(q_i[:, attention_rows], cache.keys(layer), masks[j][attention_rows])
-                attention_out.append(probs.mean(dim=0))                               # [t', n]
-            outs.append(model.attention(q_i, cache.keys(layer), cache.values(layer), masks[j], rows=rows[j],
-                                        calibration=items[i].calibration))           # [f_i, H*d]
-        hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(torch.cat(outs)))
+        hidden = layer_over_caches(model, layer, hidden, cos, sin, parts, attention_out, attention_rows)
     for i, logits in zip(fed_items, model.logits(hidden).split(sizes)):             # [f_i, vocab] each
         out[i] = torch.cat([out[i], logits])                                          # [T, vocab]
     return out
@@ -171,9 +192,8 @@ class Pending:
 def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max_new_tokens: int = 32,
                         stop_strings: tuple[str, ...] = (), keep_logits: bool = False) -> list[Generation]:
     """Greedy decoding of several answers at once, each over its own cache: the same steps as
-    greedy_decode, but each step runs the projections, norms and MLP on all active answers in one
-    call (on a CPU a step's cost is mostly per-call overhead), and attention per answer over its own
-    cache. decode_seconds of each Generation is the batch's time shared equally; keep_logits as in greedy_decode."""
+    greedy_decode, but each step is one layer_over_caches per layer over all active answers. decode_seconds
+    of each Generation is the batch's time shared equally; keep_logits as in greedy_decode."""
     started = time.perf_counter()
     stops = stop_token_ids(tokenizer, model.config)
     tokens: list[list[int]] = [[] for _ in items]
@@ -196,21 +216,13 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
         active = still
         if not active or step + 1 == max_new_tokens:
             break
-        rows = [items[i].cache.length for i in active]          # each answer's new cache row
+        parts = [CacheRows(items[i].cache, torch.tensor([items[i].cache.length])) for i in active]  # each new row
         for i in active:
             items[i].cache.length += 1
         hidden = model.embed(torch.tensor([tokens[i][-1] for i in active]))            # [a, D]
         cos, sin = model.rope.cos_sin(torch.tensor([positions[i] for i in active]), hidden.dtype)  # [a, d]
         for layer in range(model.n_layers):
-            q, k, v = model.project_qkv(layer, hidden)                                  # [H, a, d], [KV, a, d]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            outs = []
-            for j, i in enumerate(active):
-                cache = items[i].cache
-                cache.write(layer, slice(rows[j], rows[j] + 1), k[:, j:j + 1], v[:, j:j + 1])
-                outs.append(model.attend_every_key(q[:, j:j + 1], cache.keys(layer), cache.values(layer)))  # [H, 1, d]
-            out = torch.cat(outs, dim=1).transpose(0, 1).reshape(len(active), model.n_heads * model.head_dim)
-            hidden = model.mlp(layer, hidden + model.layers[layer].self_attn.o_proj(out))
+            hidden = layer_over_caches(model, layer, hidden, cos, sin, parts)
         logits = model.logits(hidden)                                                   # [a, vocab]
         for j, i in enumerate(active):
             current[i] = logits[j]
