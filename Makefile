@@ -16,6 +16,7 @@
 #   make bench-scale  Ray workers vs one process, shared vs lone sweep work (synthetic and MuSiQue), 1M-chunk cost projection
 #   make bench-s3  a store on S3 (moto on localhost, RTT 0 and 20 ms added): requests one after another vs side by side
 #   make recompute-cost  full prefill vs recomputing a fraction of the rows at 6K tokens: seconds and GFLOP/s of each
+#   make ann-recall   build-cache's approximate neighbour search against the exact one, on every real passage (recall@10)
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
@@ -37,7 +38,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -594,6 +595,10 @@ bench-allocator: setup
 RECOMPUTE_COST_OUT ?= results/recompute_cost.md
 recompute-cost: setup
 	$(PY) -m kvf.scripts.recompute_cost --out $(RECOMPUTE_COST_OUT)
+# embeddings are kept in $(WORK)/ann-recall: a rerun only searches
+ANN_RECALL_OUT ?= results/ann_recall.md
+ann-recall: setup
+	$(PY) -m kvf.scripts.ann_recall --workdir $(WORK)/ann-recall --out $(ANN_RECALL_OUT)
 # kvfuse:propagate=off computes exactly what prophetkv computes (same stored KVs, same rows): the control row, whose
 # distance from prophetkv is what this bench cannot tell apart from noise
 kvfuse-bench: setup

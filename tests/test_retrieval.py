@@ -369,3 +369,40 @@ def test_an_interrupted_dense_build_resumes_and_a_later_one_embeds_only_new_chun
     assert known_embeddings(dense, embedder.name, embedder.dim) == {}
     assert known_embeddings(dense, "another-embedder", embedder.dim) == {}
     assert known_embeddings(dense, embedder.name, embedder.dim, from_index=False) == {}
+
+
+def test_ann_recall_reading_every_list_is_the_exact_search_and_more_lists_never_find_less():
+    """scripts/ann_recall measures build-cache's inverted file against the exact search: read every list and it is
+    the exact search (recall 1); each further list read can only add candidates, so recall never drops."""
+    from kvf.scripts.ann_recall import measure
+    vectors = clustered_unit_vectors(3000)
+    table, n_lists = measure(vectors, [1, 2, 4, 8, 16, 1000], 10)
+    assert n_lists == round(3000 ** 0.5)
+    assert table["lists_read"].tolist() == [1, 2, 4, 8, 16]            # more lists than there are: not a row
+    table, _ = measure(vectors, [1, 4, n_lists], 10)
+    assert table["recall"].iloc[-1] == 1.0 and table["all_found"].iloc[-1] == 1.0
+    assert table["recall"].is_monotonic_increasing and table["recall"].iloc[0] < 0.9
+    assert (table["recall_low"] <= table["recall"]).all() and (table["recall"] <= table["recall_high"]).all()
+
+
+def test_ann_recall_counts_the_share_of_exact_neighbours_found():
+    from kvf.scripts.ann_recall import recall_per_passage
+    exact = np.array([[1, 2, 3, -1], [0, 2, 3, 4]])
+    found = np.array([[3, 1, 9, -1], [4, 3, 2, 0]])
+    assert recall_per_passage(found, exact).tolist() == [2 / 3, 1.0]
+
+
+@pytest.mark.parametrize("argv, said", [(["--probes", "1,x"], "--probes"), (["--probes", "0,4"], "--probes"),
+                                        (["--neighbours", "0"], "--neighbours")])
+def test_ann_recall_refuses_bad_flags_in_one_line(argv, said):
+    from kvf.scripts.ann_recall import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ann_recall_without_the_benchmark_files_says_so_in_one_line(tmp_path):
+    from kvf.scripts.ann_recall import main
+    with pytest.raises(SystemExit) as e:
+        main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out.md"), "--workdir", str(tmp_path)])
+    assert str(e.value).startswith("error: ") and "\n" not in str(e.value) and not (tmp_path / "out.md").exists()
