@@ -666,6 +666,44 @@ def test_a_build_stopped_in_its_kv_stage_resumes_without_building_its_indexes_ag
     assert manifest["indexes"] == index_digests(manifest, chunk_ids)
 
 
+def test_neighbour_probes_other_than_the_workspaces_search_again_and_the_default_keeps_older_workspaces(tmp_path,
+                                                                                                    short_docs):
+    """--neighbour-probes is a workspace setting: another number of lists read searches the neighbours again (they
+    key the fusion entries) and is kept in the manifest; the default's digest is the one made before the flag
+    existed, so older workspaces keep their neighbours."""
+    from kvf.pipeline.retrieval.neighbours import IVF_PROBES
+    from kvf.pipeline.workflows.build import dense_digest
+    from kvf.pipeline.workflows.workspace import ids_digest
+    corpus = write_corpus(tmp_path, short_docs)
+    build_cache(opts_for(tmp_path, corpus, dense=True), QUIET)
+    manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
+    assert manifest["neighbour_probes"] == IVF_PROBES
+    assert dense_digest("set", None, 2, IVF_PROBES) == dense_digest("set", None, 2, None) == ids_digest(["set", "default", 2])
+    assert dense_digest("set", None, 2, 4) != dense_digest("set", None, 2, IVF_PROBES)
+    assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))
+    again = build_cache(opts_for(tmp_path, corpus, dense=True, neighbour_probes=4), QUIET)
+    assert "neighbours" in stage_names(again)
+    manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
+    assert manifest["neighbour_probes"] == 4
+    assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))  # left out: kept
+
+
+def test_top_neighbours_reading_every_list_is_the_exact_search_and_fewer_lists_find_fewer():
+    """Above the exact limit, `probes` lists are read: all of them is the exact search, one finds fewer."""
+    from test_retrieval import clustered_unit_vectors
+    from kvf.errors import KvfError
+    from kvf.pipeline.retrieval.neighbours import top_neighbours
+    vectors = clustered_unit_vectors(2500)
+    ids = [f"c{i}" for i in range(len(vectors))]
+    exact = top_neighbours(vectors, ids, 10)
+    every_list = top_neighbours(vectors, ids, 10, exact_up_to=100, probes=50)
+    one_list = top_neighbours(vectors, ids, 10, exact_up_to=100, probes=1)
+    assert np.array_equal(every_list.rows, exact.rows)
+    assert not np.array_equal(one_list.rows, exact.rows)
+    with pytest.raises(KvfError, match="--neighbour-probes must be at least 1"):
+        top_neighbours(vectors, ids, 10, exact_up_to=100, probes=0)
+
+
 def test_an_index_rebuilt_by_a_stopped_build_is_not_trusted_for_the_chunks_it_was_not_built_from(tmp_path, short_docs,
                                                                                                 monkeypatch):
     """A document added, a build stopped in its KV stage (its BM25 index already holds the new chunks, the manifest

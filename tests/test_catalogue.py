@@ -108,6 +108,8 @@ CASES = {
                                    ["--variant both: unknown (for both, --variant prefix,fusion)"]),
     "build-cache --dtype bf16": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--dtype", "bf16"],
                                  ["--dtype bf16: unknown (kvf writes bfloat16)"]),
+    "build-cache --neighbour-probes 0": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws",
+                                                     "--neighbour-probes", "0"], ["--neighbour-probes", "0"]),
     "run --dtype fp16": (lambda d, t: run_args(d, t / "o.jsonl", "--dtype", "fp16"), ["--dtype fp16 (kvf writes float16)"]),
     "run -m with spaces": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "full cacheblend", "-o", t / "o.jsonl"],
                            ["--method full cacheblend: unknown method (separate methods with commas: full,cacheblend)"]),

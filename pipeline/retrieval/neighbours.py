@@ -16,9 +16,10 @@ IVF_PROBES = 32        # lists an approximate search reads of its about √n
 QUERY_BLOCK = 65_536   # chunks a search asks for at once: bounds its [block, k] answers and paces the progress bar
 
 
-def neighbour_index(embeddings: np.ndarray, exact_up_to: int = EXACT_UP_TO):
+def neighbour_index(embeddings: np.ndarray, exact_up_to: int = EXACT_UP_TO, probes: int = IVF_PROBES):
     """A faiss inner-product index over embeddings [n, dim]: flat (exact) up to exact_up_to rows; above, an
-    inverted file of about √n lists, of which a search reads IVF_PROBES: about n^1.5 work instead of n².
+    inverted file of about √n lists, of which a search reads `probes`: about n^1.5 work instead of n². Reading
+    a fixed number finds fewer of the exact neighbours as n grows (results/ann_recall.md).
 
     Not HNSW, as the dense index is: its graph depends on the order threads insert, and neighbours key the
     fusion entries, so a rebuild must find the same ones. k-means (faiss's fixed seed) and the lists do not.
@@ -31,7 +32,7 @@ def neighbour_index(embeddings: np.ndarray, exact_up_to: int = EXACT_UP_TO):
         n_lists = int(round(n ** 0.5))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, n_lists, faiss.METRIC_INNER_PRODUCT)
         index.train(embeddings)     # faiss samples 256 rows a list, by its fixed seed
-        index.nprobe = min(IVF_PROBES, n_lists)
+        index.nprobe = min(probes, n_lists)
     index.add(embeddings)
     return index
 
@@ -63,10 +64,11 @@ class Neighbours(ChunkRows):
 
 
 def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: int = 10,
-                   exact_up_to: int | None = None, on_block=None) -> Neighbours:
+                   exact_up_to: int | None = None, on_block=None, probes: int | None = None) -> Neighbours:
     """For every chunk, its n most similar other chunks (not itself, not exact duplicates of it), best first:
-    exactly up to exact_up_to chunks (default EXACT_UP_TO), approximately above (neighbour_index). The
-    chunks ask in blocks of QUERY_BLOCK; on_block(m) after each (a progress bar's advance)."""
+    exactly up to exact_up_to chunks (default EXACT_UP_TO), approximately above (neighbour_index, reading
+    `probes` lists, default IVF_PROBES). The chunks ask in blocks of QUERY_BLOCK; on_block(m) after each (a progress
+    bar's advance)."""
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     n = len(chunk_ids)
     if embeddings.ndim != 2 or embeddings.shape[0] != n:
@@ -74,7 +76,10 @@ def top_neighbours(embeddings: np.ndarray, chunk_ids: list[str], n_neighbours: i
     if n_neighbours < 1:
         raise KvfError(f"--neighbours must be at least 1 (got {n_neighbours})")
     result = np.full((n, min(n_neighbours, max(0, n - 1))), -1, dtype=np.int32)   # [chunks, n]
-    index = neighbour_index(embeddings, EXACT_UP_TO if exact_up_to is None else exact_up_to)
+    probes = IVF_PROBES if probes is None else probes
+    if probes < 1:
+        raise KvfError(f"--neighbour-probes must be at least 1 (got {probes})")
+    index = neighbour_index(embeddings, EXACT_UP_TO if exact_up_to is None else exact_up_to, probes)
     for start in range(0, n, QUERY_BLOCK):
         rows = np.arange(start, min(n, start + QUERY_BLOCK))
         fill_neighbours(index, embeddings, rows, result, n_neighbours)
