@@ -16,6 +16,7 @@ Writes results/ann_recall.md, .csv and .png.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvf.errors import KvfError
-from kvf.pipeline.files import write_atomic
+from kvf.pipeline.files import atomic_path, write_atomic
 from kvf.pipeline.workflows.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,6 @@ def real_passages(data_dir: str | None) -> tuple[list[str], dict[str, int]]:
 
 def embeddings_of(texts: list[str], workdir: Path, console: Console) -> np.ndarray:
     """[n, 384] unit vectors, computed once and kept in workdir (keyed by the texts, so other texts recompute)."""
-    import hashlib
     key = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()[:16]
     path = workdir / f"embeddings-{key}.npy"
     if path.exists():
@@ -81,9 +81,8 @@ def embeddings_of(texts: list[str], workdir: Path, console: Console) -> np.ndarr
             progress.advance(task, len(parts[-1]))
     vectors = np.concatenate(parts)
     workdir.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".tmp"), "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.save(f, vectors)
-    path.with_suffix(".tmp").replace(path)
     return vectors
 
 
