@@ -27,16 +27,23 @@ from rich.table import Table
 
 from kvf.errors import KvfError
 from kvf.pipeline.files import atomic_path, write_atomic
+from kvf.pipeline.retrieval.neighbours import IVF_PROBES
 from kvf.pipeline.workflows.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = {"1M chunks": 1_000_000, "21M chunks (Wikipedia)": 21_000_000}   # where build-cache's rule reads 32 / √n
+SIZES = {"1M chunks": 1_000_000, "21M chunks (Wikipedia)": 21_000_000}   # where build-cache reads IVF_PROBES / √n
+DEFAULT_PROBES = [1, 2, 4, 8, 16, 32]
+
+
+def fraction_read(chunks: int) -> float:
+    """The share of its about √n lists that build-cache's search reads for a corpus of this many chunks."""
+    return min(1.0, IVF_PROBES / chunks ** 0.5)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", default=None, help="the benchmark files (default: KVF_DATA, else ../shared/data)")
-    p.add_argument("--probes", default="1,2,4,8,16,32", help="lists read per search, comma-separated")
+    p.add_argument("--probes", default=",".join(map(str, DEFAULT_PROBES)), help="lists read per search, comma-separated")
     p.add_argument("--neighbours", type=int, default=10, help="neighbours per passage (build-cache's default)")
     p.add_argument("--workdir", type=Path, default=ROOT / "work" / "ann-recall", help="where the embeddings are kept")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "ann_recall.md")
@@ -131,8 +138,8 @@ def plot(table: pd.DataFrame, n: int, k: int, path: Path) -> None:
     ax.errorbar(x, table["recall"], yerr=[table["recall"] - table["recall_low"], table["recall_high"] - table["recall"]],
                 marker="o", capsize=3, label=f"inverted file, {n:,} real passages")
     for name, size in SIZES.items():
-        ax.axvline(100 * 32 / size ** 0.5, linestyle=":", color="grey")
-        ax.text(100 * 32 / size ** 0.5, 0.02, f" build-cache\n at {name}", fontsize=7, color="grey", va="bottom",
+        ax.axvline(100 * fraction_read(size), linestyle=":", color="grey")
+        ax.text(100 * fraction_read(size), 0.02, f" build-cache\n at {name}", fontsize=7, color="grey", va="bottom",
                 transform=ax.get_xaxis_transform())
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}%"))
@@ -148,7 +155,7 @@ def plot(table: pd.DataFrame, n: int, k: int, path: Path) -> None:
 
 def report(table: pd.DataFrame, n: int, n_lists: int, per_file: dict, k: int, args, console: Console) -> str:
     command = "python -m kvf.scripts.ann_recall" + (f" --probes {','.join(map(str, args.probes))}"
-                                                    if args.probes != [1, 2, 4, 8, 16, 32] else "") + \
+                                                    if args.probes != DEFAULT_PROBES else "") + \
         (f" --neighbours {k}" if k != 10 else "")
     files = ", ".join(f"`{f}` ({m:,})" for f, m in per_file.items())
     lines = ["# Approximate neighbours against exact ones, on real passages", "",
@@ -165,9 +172,9 @@ def report(table: pd.DataFrame, n: int, n_lists: int, per_file: dict, k: int, ar
     for r in table.itertuples():
         lines.append(f"| {r.lists_read} of {r.lists} | {100 * r.fraction_read:.1f}% | {r.recall:.3f} "
                      f"[{r.recall_low:.3f}, {r.recall_high:.3f}] | {100 * r.all_found:.1f}% | {r.seconds_over_exact:.2f} |")
-    at = {name: 32 / size ** 0.5 for name, size in SIZES.items()}
-    lines += ["", "Build-cache reads 32 of √n lists: " + ", ".join(f"{100 * f:.1f}% at {name}" for name, f in at.items())
-              + f". Here (n = {n:,}) its 32 lists are {100 * min(1, 32 / n_lists):.0f}% of them. Each list here holds about "
+    at = {name: fraction_read(size) for name, size in SIZES.items()}
+    lines += ["", f"Build-cache reads {IVF_PROBES} of √n lists: " + ", ".join(f"{100 * f:.1f}% at {name}" for name, f in at.items())
+              + f". Here (n = {n:,}) its {IVF_PROBES} lists are {100 * min(1, IVF_PROBES / n_lists):.0f}% of them. Each list here holds about "
               f"{n // n_lists} passages, against about 1,000 at 1M chunks: recall at a like fraction of lists read is the "
               "nearest this corpus can say about those sizes, not a measurement at them. The seconds compare one thread's "
               "searches at this size, where the exact search is cheap; at 1M chunks it would be some "
