@@ -688,6 +688,29 @@ def test_neighbour_probes_other_than_the_workspaces_search_again_and_the_default
     assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))  # left out: kept
 
 
+def test_exact_neighbours_up_to_0_searches_approximately_and_every_list_read_finds_the_exact_neighbours(tmp_path,
+                                                                                                    short_docs):
+    """--exact-neighbours-up-to is a workspace setting: 0 makes a small corpus's search the approximate one a large
+    corpus gets (to see what it finds); it searches again, is kept in the manifest, and reading every list of it
+    finds the exact search's neighbours."""
+    from kvf.pipeline.retrieval.neighbours import EXACT_UP_TO, load_neighbours
+    from kvf.pipeline.workflows.build import dense_digest
+    corpus = write_corpus(tmp_path, short_docs)
+    build_cache(opts_for(tmp_path, corpus, dense=True), QUIET)
+    exact = load_neighbours(tmp_path / "ws" / "neighbours.npz")
+    assert json.loads((tmp_path / "ws" / "manifest.json").read_text())["exact_neighbours_up_to"] == EXACT_UP_TO
+    assert dense_digest("set", None, 2, None, EXACT_UP_TO) == dense_digest("set", None, 2, None)
+    assert len({dense_digest("set", None, 2, 4), dense_digest("set", None, 2, None, 4),
+                dense_digest("set", None, 2, None, 0)}) == 3
+    approximate = build_cache(opts_for(tmp_path, corpus, dense=True, exact_neighbours_up_to=0, neighbour_probes=10_000),
+                              QUIET)
+    assert "neighbours" in stage_names(approximate)
+    assert json.loads((tmp_path / "ws" / "manifest.json").read_text())["exact_neighbours_up_to"] == 0
+    every_list = load_neighbours(tmp_path / "ws" / "neighbours.npz")
+    assert every_list.ids == exact.ids and np.array_equal(every_list.rows, exact.rows)
+    assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))  # left out: kept
+
+
 def test_top_neighbours_reading_every_list_is_the_exact_search_and_fewer_lists_find_fewer():
     """Above the exact limit, `probes` lists are read: all of them is the exact search, one finds fewer."""
     from test_retrieval import clustered_unit_vectors

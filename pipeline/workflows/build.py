@@ -29,7 +29,7 @@ from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
                                              tokenizer_fingerprint, validate_chunking)
 from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
-from kvf.pipeline.retrieval.neighbours import IVF_PROBES
+from kvf.pipeline.retrieval.neighbours import EXACT_UP_TO, IVF_PROBES
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS
 from kvf.pipeline.fusion.methods.base import methods_with_extras
@@ -56,6 +56,7 @@ class BuildOptions:
     variants: tuple[str, ...] | None = None
     n_neighbours: int | None = None
     neighbour_probes: int | None = None   # lists an approximate neighbour search reads (above EXACT_UP_TO chunks)
+    exact_neighbours_up_to: int | None = None   # chunks searched exactly; above, approximately (EXACT_UP_TO)
     embedder: str | None = None
     model: str | None = None
     shard: tuple[int, int] = (0, 1)    # (I, N): build only chunks whose id hashes to shard I
@@ -78,6 +79,8 @@ WORKSPACE_SETTINGS = {
     "n_neighbours": ("--neighbours", DEFAULT_NEIGHBOURS, "neighbours are searched again, and fusion KVs computed again"),
     "neighbour_probes": ("--neighbour-probes", IVF_PROBES, "neighbours are searched again, and the fusion KVs of "
                          "chunks whose neighbours change computed again"),
+    "exact_neighbours_up_to": ("--exact-neighbours-up-to", EXACT_UP_TO, "neighbours are searched again, and the fusion "
+                               "KVs of chunks whose neighbours change computed again"),
     "embedder": ("--embedder", None, "every chunk is embedded again"),
     "dtype": ("--dtype", "float16", None),   # a store holds one dtype: another one is another store
     "variants": ("--variant", ("prefix",), None),   # another one adds its entries; none is recomputed
@@ -253,14 +256,20 @@ def index_digests(manifest: dict, chunk_ids: list[str]) -> dict[str, str]:
     """What each index's entry in manifest["indexes"] must be for the current chunks table."""
     chunk_set = ids_digest(chunk_ids)
     return {"bm25": chunk_set, "dense": dense_digest(chunk_set, manifest.get("embedder"), manifest.get("n_neighbours"),
-                                                     manifest.get("neighbour_probes"))}
+                                                     manifest.get("neighbour_probes"),
+                                                     manifest.get("exact_neighbours_up_to"))}
 
 
-def dense_digest(chunk_set: str, embedder: str | None, n_neighbours: int | None, probes: int | None) -> str:
-    """What the dense index and the neighbours were made from. The default number of lists read is left out, so
-    workspaces made before --neighbour-probes existed keep their neighbours."""
+def dense_digest(chunk_set: str, embedder: str | None, n_neighbours: int | None, probes: int | None,
+                 exact_up_to: int | None = None) -> str:
+    """What the dense index and the neighbours were made from. The search's settings are in it only when not
+    the defaults, so workspaces made before --neighbour-probes and --exact-neighbours-up-to keep their neighbours."""
     made_from = [chunk_set, embedder or "default", n_neighbours]
-    return ids_digest(made_from if probes in (None, IVF_PROBES) else made_from + [probes])
+    if probes not in (None, IVF_PROBES):
+        made_from.append(probes)
+    if exact_up_to not in (None, EXACT_UP_TO):
+        made_from.append(["exact_up_to", exact_up_to])   # tagged: a probes-only digest must not equal it
+    return ids_digest(made_from)
 
 
 def record_index(ws: Workspace, state: dict, index: str, digest: str | None) -> None:
@@ -291,7 +300,8 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
         record_index(ws, previous, "bm25", chunk_set)
         stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
     need_dense = opts.dense or "fusion" in opts.variants
-    dense_key = dense_digest(chunk_set, opts.embedder, opts.n_neighbours, opts.neighbour_probes)
+    dense_key = dense_digest(chunk_set, opts.embedder, opts.n_neighbours, opts.neighbour_probes,
+                             opts.exact_neighbours_up_to)
     fresh = previous.get("dense") == dense_key and ws.neighbours_path.is_file() and ws.dense_dir.is_dir()
     if need_dense and (not fresh or {"dense", "neighbours"} & set(opts.rebuild)):
         from kvf.pipeline.retrieval.dense import Embedder, build_dense, known_embeddings
@@ -312,7 +322,8 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
         started = time.perf_counter()
         with stage(console, "neighbours", len(chunks)) as advance:
             save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours, on_block=advance,
-                                           probes=opts.neighbour_probes), ws.neighbours_path)
+                                           exact_up_to=opts.exact_neighbours_up_to, probes=opts.neighbour_probes),
+                            ws.neighbours_path)
             ws.legacy_neighbours_path.unlink(missing_ok=True)
         record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
@@ -773,6 +784,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "corpus_absolute": str(Path(opts.corpus).resolve()),
                            "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),
                            "n_neighbours": opts.n_neighbours, "neighbour_probes": opts.neighbour_probes,
+                           "exact_neighbours_up_to": opts.exact_neighbours_up_to,
                            "embedder": opts.embedder, "indexes": index_state,
                            "bm25": opts.bm25, "dense": opts.dense,
                            "extras_for": list(extras_for)})
