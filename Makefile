@@ -38,7 +38,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -533,6 +533,23 @@ kvfuse-neighbours: $(WORK)/musique/questions.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/neighbours-dev-musique.jsonl --out $(KVFUSE_OUT)/neighbours-dev
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  $(KVFUSE_RUNS)/neighbours-musique-*.jsonl --out $(KVFUSE_OUT)/neighbours-heldout
+# the store's FusionRAG neighbours found as a 1M-chunk corpus finds them: the approximate search reading 2 of the
+# √n = 61 lists of MuSiQue's 3,776 chunks (3.3%; build-cache reads 3.2% at 1M), n = 3 as the sweep's; its own
+# workspace, reusing the sweep's store (entries are keyed by neighbours: unchanged ones are the sweep's), held out
+KVFUSE_ANN_PROBES ?= 2
+KVFUSE_ANN_WS = $(WORK)/musique-ann$(KVFUSE_ANN_PROBES)
+KVFUSE_ANN_RUN = $(KVF) run -d $(WORK)/musique -w $(KVFUSE_ANN_WS) --store $(WORK)/musique/workspace/kv.zarr \
+  -r 0.15 --max-new-tokens 12 --no-show-answers -m fusionrag,kvfuse --label ann$(KVFUSE_ANN_PROBES)
+kvfuse-ann-neighbours: $(WORK)/musique/questions.jsonl
+	$(KVF) build-cache $(WORK)/musique/corpus -w $(KVFUSE_ANN_WS) --store $(WORK)/musique/workspace/kv.zarr \
+	  --neighbours 3 --exact-neighbours-up-to 0 --neighbour-probes $(KVFUSE_ANN_PROBES) --no-bm25
+	$(KVFUSE_ANN_RUN) --offset 11 -n 19 -o $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-11.jsonl & a=$$!; \
+	$(KVFUSE_ANN_RUN) --offset 30 -n 20 -o $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-30.jsonl & b=$$!; \
+	wait $$a && wait $$b
+	$(PY) -m kvf.scripts.neighbours_found --exact $(WORK)/musique/workspace --approximate $(KVFUSE_ANN_WS) \
+	  --records $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-*.jsonl --out $(KVFUSE_OUT)/ann$(KVFUSE_ANN_PROBES)-heldout/found.md
+	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
+	  $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-*.jsonl --out $(KVFUSE_OUT)/ann$(KVFUSE_ANN_PROBES)-heldout
 # issue 17's per-question budget, bounded from the methods sweep's records: the best allocation of its ratios at a mean of 15%
 kvfuse-budget-oracle: | setup
 	$(PY) -m kvf.scripts.budget_oracle --runs $(METHOD_RUNS)/musique.jsonl.gz $(METHOD_RUNS)/2wikimqa.jsonl.gz \
