@@ -542,7 +542,7 @@ KVFUSE_ANN_RUN = $(KVF) run -d $(WORK)/musique -w $(KVFUSE_ANN_WS) --store $(WOR
   -r 0.15 --max-new-tokens 12 --no-show-answers -m fusionrag,kvfuse --label ann$(KVFUSE_ANN_PROBES)
 kvfuse-ann-neighbours: $(WORK)/musique/questions.jsonl
 	$(KVF) build-cache $(WORK)/musique/corpus -w $(KVFUSE_ANN_WS) --store $(WORK)/musique/workspace/kv.zarr \
-	  --neighbours 3 --exact-neighbours-up-to 0 --neighbour-probes $(KVFUSE_ANN_PROBES) --no-bm25
+	  --neighbours 3 --exact-neighbours-up-to 0 --neighbour-probes $(KVFUSE_ANN_PROBES) --no-bm25 --indexes-only
 	$(KVFUSE_ANN_RUN) --offset 11 -n 19 -o $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-11.jsonl & a=$$!; \
 	$(KVFUSE_ANN_RUN) --offset 30 -n 20 -o $(KVFUSE_RUNS)/ann$(KVFUSE_ANN_PROBES)-musique-30.jsonl & b=$$!; \
 	wait $$a && wait $$b

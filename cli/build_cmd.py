@@ -32,6 +32,7 @@ def build_cache_command(
     extras_for: Optional[str] = typer.Option(None, "--extras-for", help="Methods whose build-time extras every entry stores, comma-separated, or all (e.g. cachecraft)."),
     bm25: Optional[bool] = typer.Option(None, "--bm25/--no-bm25", show_default=False, help="Build the BM25 index [default: the workspace's, else yes]."),
     dense: Optional[bool] = typer.Option(None, "--dense/--no-dense", show_default=False, help="Build the dense index (always built when --variant has fusion) [default: the workspace's, else yes]."),
+    indexes_only: bool = typer.Option(False, "--indexes-only", help="Chunk and index (and find neighbours), but compute no KVs: `kvf run` computes the ones its questions need."),
     rebuild: Optional[str] = typer.Option(None, "--rebuild", help="Rebuild these stages even if they look current: bm25, dense, neighbours (a damaged index)."),
     device: DeviceOption = "cpu",
     s3_endpoint: S3EndpointOption = None,
@@ -58,6 +59,7 @@ def build_cache_command(
                         exact_neighbours_up_to=exact_neighbours_up_to, embedder=embedder, model=model, shard=parse_shard(shard),
                         extras_for=tuple(filter(None, (extras_for or "").split(","))), bm25=bm25, dense=dense,
                         device=device, compute_dtype=compute_dtype, rebuild=tuple(s.strip() for s in (rebuild or "").split(",") if s.strip()),
+                        indexes_only=indexes_only,
                         ray=ray, workers=workers, threads=threads or BuildOptions.threads,
                         batch=batch or BuildOptions.batch)
     summary = build_cache(opts, console)

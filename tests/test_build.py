@@ -711,6 +711,23 @@ def test_exact_neighbours_up_to_0_searches_approximately_and_every_list_read_fin
     assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))  # left out: kept
 
 
+def test_indexes_only_builds_chunks_indexes_and_neighbours_but_no_kv_and_a_later_build_computes_them(tmp_path,
+                                                                                                    short_docs):
+    """--indexes-only: a workspace `kvf run` can answer from (its KVs computed as questions need them), no entry
+    stored and none promised in the manifest; the same build without it then computes only the KVs."""
+    corpus = write_corpus(tmp_path, short_docs)
+    summary = build_cache(opts_for(tmp_path, corpus, dense=True, variants=("prefix", "fusion"), indexes_only=True), QUIET)
+    assert stage_names(summary) == {"chunk", "dense index", "neighbours"}
+    manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
+    assert manifest["variants"] == [] and (tmp_path / "ws" / "neighbours.npz").is_file()
+    assert chunk_keys(open_store(tmp_path / "ws" / "kv.zarr")) == []
+    later = build_cache(opts_for(tmp_path, corpus, dense=True, variants=("prefix", "fusion")), QUIET)
+    assert stage_names(later) == {"chunk", "kv prefix", "kv fusion"} and later.entries_written > 0
+    assert json.loads((tmp_path / "ws" / "manifest.json").read_text())["variants"] == ["fusion", "prefix"]
+    with pytest.raises(KvfError, match="--extras-for .* --indexes-only"):
+        build_cache(opts_for(tmp_path, corpus, indexes_only=True, extras_for=("cachecraft",)), QUIET)
+
+
 def test_top_neighbours_reading_every_list_is_the_exact_search_and_fewer_lists_find_fewer():
     """Above the exact limit, `probes` lists are read: all of them is the exact search, one finds fewer."""
     from test_retrieval import clustered_unit_vectors

@@ -406,3 +406,37 @@ def test_ann_recall_without_the_benchmark_files_says_so_in_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out.md"), "--workdir", str(tmp_path)])
     assert str(e.value).startswith("error: ") and "\n" not in str(e.value) and not (tmp_path / "out.md").exists()
+
+
+def test_neighbours_found_compares_two_workspaces_over_the_chunks_the_records_read(tmp_path):
+    """scripts/neighbours_found: over the chunks a run read (each once), the share of each one's exact neighbours
+    the other workspace found, and whether its list differs at all (order too: it keys the fusion entry)."""
+    import pandas as pd
+    from test_report import record, write_run
+    from kvf.pipeline.retrieval.neighbours import save_neighbours
+    from kvf.scripts.neighbours_found import main
+    exact = {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"], "d": ["a", "b"]}
+    approximate = {"a": ["b", "d"], "b": ["c", "a"], "c": ["a", "b"], "d": ["c", "b"]}
+    for name, neighbours in (("exact", exact), ("approximate", approximate)):
+        (tmp_path / name).mkdir()
+        save_neighbours(neighbours, tmp_path / name / "neighbours.npz")
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"n_neighbours": 2, "neighbour_probes": 1,
+                                                                   "exact_neighbours_up_to": 0}))
+    run = write_run(tmp_path / "run.jsonl", [record("q1", "fusionrag", "x", chunk_ids=["a", "b", "c"]),
+                                             record("q2", "fusionrag", "x", chunk_ids=["c", "a"])])
+    out = tmp_path / "found.md"
+    main(["--exact", str(tmp_path / "exact"), "--approximate", str(tmp_path / "approximate"),
+          "--records", str(run), "--out", str(out)])
+    row = pd.read_csv(out.with_suffix(".csv")).iloc[0]
+    assert row["chunks"] == 3                                # d was in no prompt
+    assert row["found"] == pytest.approx((0.5 + 1 + 1) / 3)  # a found b, missed c; b's found in another order
+    assert row["all_found"] == pytest.approx(2 / 3) and row["differs"] == pytest.approx(2 / 3)
+    assert "| 3 | 0.833" in out.read_text()
+
+
+def test_neighbours_found_says_in_one_line_what_is_missing(tmp_path):
+    from kvf.scripts.neighbours_found import main
+    with pytest.raises(SystemExit) as e:
+        main(["--exact", str(tmp_path), "--approximate", str(tmp_path), "--records", str(tmp_path / "none.jsonl"),
+              "--out", str(tmp_path / "found.md")])
+    assert str(e.value).startswith("error: ") and "none.jsonl" in str(e.value) and "\n" not in str(e.value)

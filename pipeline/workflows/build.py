@@ -66,6 +66,7 @@ class BuildOptions:
     device: str = "cpu"
     compute_dtype: str | None = None     # the model's dtype while computing KVs (None: float32 on cpu, bfloat16 on cuda)
     rebuild: tuple[str, ...] = ()        # stages to rebuild whatever the manifest says (a damaged index)
+    indexes_only: bool = False           # chunks and indexes, no KVs (a run computes those its questions need)
     ray: str | None = None               # Ray address for the KV stage ("local": start one here); None: this process
     workers: int | None = None           # Ray actors (default: one per CPU, or per GPU with --device cuda)
     threads: int = 1                     # torch threads per Ray actor
@@ -718,6 +719,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     validate_chunking(opts.chunk_tokens, opts.overlap)
     if opts.batch < 1 or opts.threads < 1:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
+    if opts.indexes_only and opts.extras_for:
+        raise KvfError("--extras-for is stored with each KV, and --indexes-only computes none; leave one of them out")
     for stage_name in opts.rebuild:
         if stage_name not in REBUILDABLE:
             raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")
@@ -745,6 +748,12 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         recorded = ws.index_state()   # newer than the manifest's copy when a build stopped after its indexes
         index_state = dict(previous.get("indexes", {}) if recorded is None else recorded)
         summary.stages += stage_indexes(opts, ws, chunks, index_state, console)
+    if opts.indexes_only:   # the variants' KVs are not built ahead: the manifest promises only those it did before
+        with ws.files_lock(waiting):
+            write_workspace_manifest(ws, opts, model_ref, store, index_state,
+                                     variants=sorted(previous.get("variants", []) if same_store else ()),
+                                     extras_for=list(workspace_extras(previous)))
+        return summary
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
     # sticky: once a workspace promises a method's extras, every later entry must carry them
     extras_for = extras_methods(tuple(opts.extras_for) + tuple(workspace_extras(previous)))
