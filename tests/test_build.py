@@ -717,7 +717,7 @@ def test_indexes_only_builds_chunks_indexes_and_neighbours_but_no_kv_and_a_later
     stored and none promised in the manifest; the same build without it then computes only the KVs."""
     corpus = write_corpus(tmp_path, short_docs)
     summary = build_cache(opts_for(tmp_path, corpus, dense=True, variants=("prefix", "fusion"), indexes_only=True), QUIET)
-    assert stage_names(summary) == {"chunk", "dense index", "neighbours"}
+    assert stage_names(summary) == {"chunk", "dense index", "neighbours", "kv"} and summary.entries_written == 0
     manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
     assert manifest["variants"] == [] and (tmp_path / "ws" / "neighbours.npz").is_file()
     assert chunk_keys(open_store(tmp_path / "ws" / "kv.zarr")) == []

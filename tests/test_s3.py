@@ -1,5 +1,5 @@
-"""The KV store on S3-compatible object storage, against a real S3 endpoint on localhost (moto's
-standalone server, started here; the tests skip with the reason if it cannot start). The same
+"""The KV store on S3-compatible object storage, against real S3 endpoints on localhost (moto's standalone
+server, and rclone's S3 server over a folder, started here; the tests skip with the reason if one cannot start). The same
 reliability checks as the local store: round trip, verify finds corruption, gc, refused stores, and
 a build-cache + run through `--store s3://...` equal to a local build. Bad endpoints, buckets and
 credentials are one-line errors."""
@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from kvf.errors import KvfError
-from kvf.scripts.s3_local import free_port, start_moto as launch_moto
+from kvf.scripts.s3_local import free_port, start_moto as launch_moto, start_rclone
 
 QUIET = Console(file=io.StringIO())
 META = {"model": "m", "dtype": "float16", "layers": 2, "kv_heads": 2, "head_dim": 4}
@@ -29,9 +29,18 @@ def start_moto(extra_env=None):
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    proc, url = start_moto()
+def start_server(name: str, folder):
+    try:
+        return launch_moto() if name == "moto" else start_rclone(folder)
+    except RuntimeError as e:   # not installed, or it would not start here
+        pytest.skip(str(e))
+
+
+# two implementations: moto answers as AWS does; rclone's server (over a folder) rolls listings up only at "/",
+# as MinIO does, where a store's walk once found every entry without its marker
+@pytest.fixture(scope="module", params=["moto", "rclone"])
+def s3(request, tmp_path_factory):
+    proc, url = start_server(request.param, tmp_path_factory.mktemp("buckets"))
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=url)
@@ -94,7 +103,7 @@ def test_a_store_opened_after_fixing_the_aws_settings_uses_the_new_ones(s3, monk
     assert open_store(f"file://{tmp_path}/local", meta=META, create=True).keys() == []   # not only S3 takes the flag
 
 
-def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch):
+def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch, request, tmp_path):
     from kvf.cachestore import open_store
     with pytest.raises(KvfError, match="bucket does not exist"):
         open_store("s3://no-such-bucket/kv", meta=META, create=True).put("%064x" % 9, kv(9))
@@ -102,7 +111,11 @@ def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, mo
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
         open_store("s3://kvf/roundtrip", meta=META)
-    proc, url = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
+    if request.node.callspec.params["s3"] == "moto":
+        proc, url = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
+    else:
+        (tmp_path / "kvf").mkdir()
+        proc, url = start_rclone(tmp_path, "other-key", "other-secret")  # one that knows other credentials
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         with pytest.raises(KvfError, match="access denied"):
