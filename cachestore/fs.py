@@ -285,19 +285,24 @@ class FsspecFS(ManyPaths):
         """Every key under prefix, with the keys holding `delimiter` rolled up to one prefix each; s3fs's
         directory cache is left alone (a listing with another delimiter is not a directory's). S3's errors
         become the Python ones s3fs's own listings raise (PermissionError, FileNotFoundError, ...).
-        None when the server rolled keys up at another delimiter: S3 and moto take any, but MinIO and rclone's
-        S3 server take "/" whatever is asked, and each entry then looks like a name without its marker.
+        None when the server does not take that delimiter as S3 and moto do: rclone's S3 server rolls keys up at
+        "/" whatever is asked (each entry then looked like a name without its marker), MinIO hands back the same
+        page again and again (s3fs would list forever), others answer 501 Not Implemented.
         delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions)."""
         from botocore.exceptions import ClientError
         from s3fs.errors import translate_boto_error
         rolled_up_at = delimiter.rstrip("/")   # s3fs drops a prefix's last character, the delimiter's "/"
-        names = []
+        names, seen = [], set()
         try:
             async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix):
-                if item["type"] == "directory" and not (delimiter and item["name"].endswith(rolled_up_at)):
+                rolled_up_elsewhere = item["type"] == "directory" and not (delimiter and item["name"].endswith(rolled_up_at))
+                if rolled_up_elsewhere or item["name"] in seen:
                     return None
+                seen.add(item["name"])
                 names.append(item["name"])
         except ClientError as e:
+            if delimiter and e.response.get("Error", {}).get("Code") in ("NotImplemented", "InvalidArgument"):
+                return None
             raise translate_boto_error(e) from None
         return names
 

@@ -599,6 +599,38 @@ def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_l
     assert sorted(walker._walk_entries()) == rolled_up and walker.keys() == keys
 
 
+@pytest.mark.parametrize("server", ["repeats its page (MinIO)", "does not implement it"])
+def test_a_walk_lists_every_key_where_the_server_does_not_take_the_kv_delimiter(s3, monkeypatch, server):
+    """S3 rolls keys up at any delimiter; MinIO answers a listing with another than "/" with the same page and its
+    token again and again (s3fs would list for ever), and some servers answer 501. The walk then lists every key
+    (delimiter none) and finds the same entries, with no question per entry."""
+    from botocore.exceptions import ClientError
+    from kvf.cachestore import open_store
+    from kvf.cachestore.fs import FsspecFS
+    keys = [("%064x" % (960 + i)) for i in range(3)]
+    store = open_store("s3://kvf/odd-delimiter", meta=META, create=True)
+    for i, key in enumerate(keys):
+        store.put(key, kv(i, tokens=1))
+    walker = open_store("s3://kvf/odd-delimiter")
+    own, pages = walker.fs.fs._iterdir, []
+
+    async def odd(bucket, **kwargs):
+        if kwargs.get("delimiter") in ("/", ""):
+            async for item in own(bucket, **kwargs):
+                yield item
+            return
+        if server == "does not implement it":
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "only / is a delimiter"}}, "ListObjectsV2")
+        for _ in range(10_000):   # the same page again and again (MinIO's token never ends)
+            pages.append(kwargs["prefix"])
+            async for item in own(bucket, **kwargs):
+                yield item
+    monkeypatch.setattr(walker.fs.fs, "_iterdir", odd)
+    monkeypatch.setattr(FsspecFS, "exists", lambda *a, **kw: pytest.fail("a question per entry"))
+    assert walker.keys() == keys
+    assert len(pages) <= 2 * len(set(pages))   # each listing left at its first page seen again
+
+
 def test_info_gc_and_verify_walk_an_s3_store_once(s3, tmp_path):
     """`kvf store info`, `gc` and `verify` each ask for the committed entries and the unfinished ones. On S3 a walk of
     the store is a listing per fan-out directory, so one walk answers both (before, each command walked twice).
