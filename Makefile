@@ -17,6 +17,8 @@
 #   make bench-s3  a store on S3 (moto on localhost, RTT 0 and 20 ms added): requests one after another vs side by side
 #   make recompute-cost  full prefill vs recomputing a fraction of the rows at 6K tokens: seconds and GFLOP/s of each
 #   make ann-recall   build-cache's approximate neighbour search against the exact one, on every real passage (recall@10)
+#   make kvfuse-ann-neighbours  FusionRAG and kvfuse at 15% over a store whose neighbours the approximate search found
+#                (KVFUSE_ANN_PROBES= lists read of 61; MuSiQue 11-49, beside the methods sweep's exact ones)
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
