@@ -254,8 +254,9 @@ class FsspecFS(ManyPaths):
         """As ManyPaths.names_marked. On S3, from one listing of parent's objects with `/{bulk}/` as the
         delimiter: S3 rolls each name's bulk files up into one prefix, so a name costs a few listed items (its
         marker, its bulk, and for a zarr entry its data folder's zarr.json) and a page of 1,000 keys covers some
-        300 names, with no request per name's marker. The same items show what each name holds. A server that
-        rolls up only at "/" (MinIO, rclone) is listed whole instead: every key, more pages, still no question per name.
+        300 names, with no request per name's marker. The same items show what each name holds. A server that does
+        not take that delimiter (_rolled_up_listing) is listed whole instead: every key, more pages, still no question
+        per name.
         Elsewhere (or with no bulk folder named), a listing and a question per name."""
         if bulk is None or not self._lists_with_any_delimiter():
             return super().names_marked(parent, marker)
@@ -266,7 +267,7 @@ class FsspecFS(ManyPaths):
             listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
         except TypeError:   # a later s3fs changed its private paged listing: the public way, a question per name
             return super().names_marked(parent, marker)
-        if listing is None:   # a server that rolls up only at "/" (MinIO, rclone): every key, unrolled
+        if listing is None:   # a server that does not take the delimiter (rclone, MinIO): every key, unrolled
             listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", "")
         if listing is None:   # nor that: a question per name
             return super().names_marked(parent, marker)
@@ -295,8 +296,8 @@ class FsspecFS(ManyPaths):
         names, seen = [], set()
         try:
             async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix):
-                rolled_up_elsewhere = item["type"] == "directory" and not (delimiter and item["name"].endswith(rolled_up_at))
-                if rolled_up_elsewhere or item["name"] in seen:
+                rolled_up_here = bool(delimiter) and item["name"].endswith(rolled_up_at)
+                if (item["type"] == "directory" and not rolled_up_here) or item["name"] in seen:
                     return None
                 seen.add(item["name"])
                 names.append(item["name"])

@@ -1,7 +1,7 @@
 """An S3 endpoint on localhost for tests and benchmarks: moto's standalone server, rclone's S3 server (another
-implementation, over a local folder: like MinIO it rolls listings up only at "/"), and a proxy in front of one
-that adds a fixed round-trip time to every request (an object store is rarely on the same host: in-region
-S3 answers a small GET in roughly 10-30 ms).
+implementation, over a local folder, which rolls listings up only at "/" whatever delimiter is asked), and a
+proxy in front of one that adds a fixed round-trip time to every request (an object store is rarely on the same
+host: in-region S3 answers a small GET in roughly 10-30 ms).
 
     proc, url = start_moto()                 # RuntimeError with the reason when it cannot start
     proc, url = start_rclone(folder)         # its buckets are folder's subfolders; keys testing / testing
