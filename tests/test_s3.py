@@ -56,6 +56,11 @@ def s3(request, tmp_path_factory):
             os.environ[k] = v
 
 
+# for what does not hang on the server (Ray reaching the endpoint, writing behind, a listing faked): moto alone, to
+# spare the suite
+ONLY_MOTO = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+
+
 def kv(seed, tokens=5):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 2, 2, tokens, 4, generator=g)
@@ -165,6 +170,7 @@ def test_s3_without_s3fs_names_the_extra(monkeypatch):
         open_store("s3://bucket/prefix", create=True, meta=META)
 
 
+@ONLY_MOTO
 def test_a_ray_build_reaches_the_s3_store_at_the_workspaces_endpoint(s3, tmp_path, short_docs):
     """A workspace remembers its store's endpoint, and so must the Ray workers a later build starts: they got
     the driver's environment as Ray started, before the driver read the endpoint from the manifest, and
@@ -322,6 +328,7 @@ def test_a_prompts_extras_are_read_side_by_side_on_s3(s3, tmp_path):
         assert (in_flight[1] > 1) == where.startswith("s3://"), (where, in_flight)
 
 
+@ONLY_MOTO
 def test_a_build_on_s3_computes_the_next_chunk_while_an_entry_is_written(s3, tmp_path, short_docs, monkeypatch):
     """An entry's write to an object store is mostly waiting on the network, so build-cache stores each entry on a
     background thread while it computes the next chunk (EntryBuilder.writing_behind); into a local store on the
@@ -580,6 +587,7 @@ def test_walking_an_s3_store_lists_objects_and_asks_nothing_per_entry(s3, tmp_pa
     assert ("stray", False) in {(key, ok) for key, _, ok, _ in found[str(tmp_path / "local")]}
 
 
+@ONLY_MOTO
 def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_listing(s3, monkeypatch):
     """The rolled-up listing rests on s3fs's private `_iterdir`: a later s3fs that takes other arguments raised
     TypeError out of every walk. It now walks the public way, a question per entry, and finds the same."""
@@ -599,6 +607,7 @@ def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_l
     assert sorted(walker._walk_entries()) == rolled_up and walker.keys() == keys
 
 
+@ONLY_MOTO
 @pytest.mark.parametrize("server", ["repeats its page (MinIO)", "does not implement it"])
 def test_a_walk_lists_every_key_where_the_server_does_not_take_the_kv_delimiter(s3, monkeypatch, server):
     """S3 rolls keys up at any delimiter; MinIO answers a listing with another than "/" with the same page and its
