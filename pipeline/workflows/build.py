@@ -753,8 +753,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
             write_workspace_manifest(ws, opts, model_ref, store, index_state,
                                      variants=sorted(previous.get("variants", []) if same_store else ()),
                                      extras_for=list(workspace_extras(previous)))
-        summary.stages.append(StageStat("kv", 0, 0, 0.0, "none computed (--indexes-only): kvf run computes those its "
-                                                         "questions need"))
+        summary.stages.append(StageStat("kv", 0, 0, 0.0, "--indexes-only"))   # kvf run computes those it needs
         return summary
     neighbours = _load_neighbours(ws) if "fusion" in opts.variants else None
     # sticky: once a workspace promises a method's extras, every later entry must carry them
