@@ -681,8 +681,10 @@ def test_neighbour_probes_other_than_the_workspaces_search_again_and_the_default
     assert dense_digest("set", None, 2, IVF_PROBES) == dense_digest("set", None, 2, None) == ids_digest(["set", "default", 2])
     assert dense_digest("set", None, 2, 4) != dense_digest("set", None, 2, IVF_PROBES)
     assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))
-    again = build_cache(opts_for(tmp_path, corpus, dense=True, neighbour_probes=4), QUIET)
+    said = io.StringIO()
+    again = build_cache(opts_for(tmp_path, corpus, dense=True, neighbour_probes=4), Console(file=said, width=300))
     assert "neighbours" in stage_names(again)
+    assert "--neighbour-probes 4 reads lists of the approximate search" in said.getvalue()   # a small corpus: exact
     manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
     assert manifest["neighbour_probes"] == 4
     assert "neighbours" not in stage_names(build_cache(opts_for(tmp_path, corpus, dense=True), QUIET))  # left out: kept

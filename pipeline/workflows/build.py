@@ -321,6 +321,11 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
         stats.append(StageStat("dense index", len(new), chunks.tokens(new),
                                time.perf_counter() - started, f"{len(chunks) - len(new)} reused" if len(new) < len(chunks) else ""))
         started = time.perf_counter()
+        exact_up_to = EXACT_UP_TO if opts.exact_neighbours_up_to is None else opts.exact_neighbours_up_to
+        if len(chunks) <= exact_up_to and opts.neighbour_probes not in (None, IVF_PROBES) and console is not None:
+            console.print(f"note: --neighbour-probes {opts.neighbour_probes} reads lists of the approximate search, and "
+                          f"these {len(chunks):,} chunks are searched exactly (up to --exact-neighbours-up-to "
+                          f"{exact_up_to:,})", markup=False, highlight=False, soft_wrap=True)
         with stage(console, "neighbours", len(chunks)) as advance:
             save_neighbours(top_neighbours(embeddings, chunks.ids, opts.n_neighbours, on_block=advance,
                                            exact_up_to=opts.exact_neighbours_up_to, probes=opts.neighbour_probes),
