@@ -1,8 +1,8 @@
 """The KV store on S3-compatible object storage, against real S3 endpoints on localhost (moto's standalone
-server, and rclone's S3 server over a folder, started here; the tests skip with the reason if one cannot start). The same
-reliability checks as the local store: round trip, verify finds corruption, gc, refused stores, and
-a build-cache + run through `--store s3://...` equal to a local build. Bad endpoints, buckets and
-credentials are one-line errors."""
+server, and rclone's S3 server over a folder, started here; the tests skip with the reason if one cannot
+start). The same reliability checks as the local store: round trip, verify finds corruption, gc, refused
+stores, and a build-cache + run through `--store s3://...` equal to a local build. Bad endpoints, buckets
+and credentials are one-line errors."""
 import io
 import json
 import os
@@ -36,8 +36,8 @@ def start_server(name: str, folder):
         pytest.skip(str(e))
 
 
-# two implementations: moto answers as AWS does; rclone's server (over a folder) rolls listings up only at "/",
-# as MinIO does, where a store's walk once found every entry without its marker
+# two implementations: moto answers as AWS does; rclone's server (over a folder) rolls listings up only at "/"
+# whatever delimiter is asked, where a store's walk once found every entry without its marker
 @pytest.fixture(scope="module", params=["moto", "rclone"])
 def s3(request, tmp_path_factory):
     proc, url = start_server(request.param, tmp_path_factory.mktemp("buckets"))
