@@ -537,7 +537,8 @@ kvfuse-neighbours: $(WORK)/musique/questions.jsonl
 	  $(KVFUSE_RUNS)/neighbours-musique-*.jsonl --out $(KVFUSE_OUT)/neighbours-heldout
 # the store's FusionRAG neighbours found as a 1M-chunk corpus finds them: the approximate search reading 2 of the
 # √n = 61 lists of MuSiQue's 3,776 chunks (3.3%; build-cache reads 3.2% at 1M), n = 3 as the sweep's; its own
-# workspace, reusing the sweep's store (entries are keyed by neighbours: unchanged ones are the sweep's), held out
+# workspace, reusing the sweep's store (entries are keyed by neighbours: unchanged ones are the sweep's), held out;
+# found.md compares with the sweep's own workspace, $(WORK)/musique/workspace (`make methods-musique` builds it)
 KVFUSE_ANN_PROBES ?= 2
 KVFUSE_ANN_WS = $(WORK)/musique-ann$(KVFUSE_ANN_PROBES)
 KVFUSE_ANN_RUN = $(KVF) run -d $(WORK)/musique -w $(KVFUSE_ANN_WS) --store $(WORK)/musique/workspace/kv.zarr \
