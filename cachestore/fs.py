@@ -263,10 +263,7 @@ class FsspecFS(ManyPaths):
         root = self._strip(parent)
         bucket, _, key = root.partition("/")
         held: dict[str, set] = {}
-        try:
-            listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
-        except TypeError:   # a later s3fs changed its private paged listing: the public way, a question per name
-            return super().names_marked(parent, marker)
+        listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", f"/{bulk}/")
         if listing is None:   # a server that does not take the delimiter (rclone, MinIO): every key, unrolled
             listing = fsspec.asyn.sync(self.fs.loop, self._rolled_up_listing, bucket, key + "/", "")
         if listing is None:   # nor that: a question per name
@@ -279,28 +276,42 @@ class FsspecFS(ManyPaths):
         return [(name, marker in held[name], frozenset(held[name])) for name in sorted(held)]
 
     def _lists_with_any_delimiter(self) -> bool:
-        """s3fs's paged listing takes any delimiter (S3 does); it is how s3fs lists, not a public call."""
-        return type(self.fs).__name__ == "S3FileSystem" and hasattr(self.fs, "_iterdir")
+        """An S3 filesystem, whose client (s3fs's public set_session) lists with any delimiter S3 takes."""
+        return type(self.fs).__name__ == "S3FileSystem" and hasattr(self.fs, "set_session")
+
+    async def _list_pages(self, bucket: str, prefix: str, delimiter: str):
+        """The pages of one ListObjectsV2 listing, through s3fs's S3 client and botocore's paginator (public calls
+        both; s3fs's own paged listing is private). The paginator stops a server that repeats its continuation
+        token with a PaginationError."""
+        client = await self.fs.set_session()
+        paging = {"Bucket": bucket, "Prefix": prefix} | ({"Delimiter": delimiter} if delimiter else {})
+        async for page in client.get_paginator("list_objects_v2").paginate(**paging):
+            yield page
 
     async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str) -> list[str] | None:
-        """Every key under prefix, with the keys holding `delimiter` rolled up to one prefix each; s3fs's
-        directory cache is left alone (a listing with another delimiter is not a directory's). S3's errors
-        become the Python ones s3fs's own listings raise (PermissionError, FileNotFoundError, ...).
+        """Every key under prefix as "bucket/key", with the keys holding `delimiter` rolled up to one prefix each
+        ("bucket/prefix", without its last "/"); s3fs's directory cache is left alone (a listing with another
+        delimiter is not a directory's). S3's errors become the Python ones s3fs's own listings raise
+        (PermissionError, FileNotFoundError, ...).
         None when the server does not take that delimiter as S3 and moto do: rclone's S3 server rolls keys up at
         "/" whatever is asked (each entry then looked like a name without its marker), MinIO hands back the same
-        page again and again (s3fs would list forever), others answer 501 Not Implemented.
+        page and token again and again, others answer 501 Not Implemented.
         delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions)."""
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError, PaginationError
         from s3fs.errors import translate_boto_error
-        rolled_up_at = delimiter.rstrip("/")   # s3fs drops a prefix's last character, the delimiter's "/"
         names, seen = [], set()
         try:
-            async for item in self.fs._iterdir(bucket, delimiter=delimiter, prefix=prefix):
-                rolled_up_here = bool(delimiter) and item["name"].endswith(rolled_up_at)
-                if (item["type"] == "directory" and not rolled_up_here) or item["name"] in seen:
-                    return None
-                seen.add(item["name"])
-                names.append(item["name"])
+            async for page in self._list_pages(bucket, prefix, delimiter):
+                rolled_up = [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+                if any(not (delimiter and p.endswith(delimiter)) for p in rolled_up):
+                    return None   # rolled up at another delimiter than the one asked
+                for name in [f"{bucket}/{p[:-1]}" for p in rolled_up] + [f"{bucket}/{c['Key']}" for c in page.get("Contents", [])]:
+                    if name in seen:
+                        return None   # a page handed back again
+                    seen.add(name)
+                    names.append(name)
+        except PaginationError:
+            return None
         except ClientError as e:
             if delimiter and e.response.get("Error", {}).get("Code") in ("NotImplemented", "InvalidArgument"):
                 return None

@@ -588,32 +588,37 @@ def test_walking_an_s3_store_lists_objects_and_asks_nothing_per_entry(s3, tmp_pa
 
 
 @ONLY_MOTO
-def test_a_walk_falls_back_to_a_question_per_entry_when_s3fs_changes_its_paged_listing(s3, monkeypatch):
-    """The rolled-up listing rests on s3fs's private `_iterdir`: a later s3fs that takes other arguments raised
-    TypeError out of every walk. It now walks the public way, a question per entry, and finds the same."""
+def test_a_walk_lists_through_public_calls_only(s3, monkeypatch):
+    """The rolled-up listing rested on s3fs's private `_iterdir` (a later s3fs that took other arguments raised
+    TypeError out of every walk, and its own paging loops on a repeated token). It lists through s3fs's S3 client
+    and botocore's paginator now: with s3fs's paged listings gone, the walk finds the same, asking nothing per entry."""
     from kvf.cachestore import open_store
+    from kvf.cachestore.fs import FsspecFS
     keys = [("%064x" % (950 + i)) for i in range(3)]
     store = open_store("s3://kvf/changed-listing", meta=META, create=True)
     for i, key in enumerate(keys):
         store.put(key, kv(i, tokens=1))
     rolled_up = sorted(open_store("s3://kvf/changed-listing")._walk_entries())
     walker = open_store("s3://kvf/changed-listing")
-    own = walker.fs.fs._iterdir
-    def changed(bucket, **kwargs):   # s3fs's own directory listings still work; kvf's form of the call fails
-        if kwargs.get("delimiter", "/") != "/":
-            raise TypeError("_iterdir() got an unexpected keyword argument 'delimiter'")
-        return own(bucket, **kwargs)
-    monkeypatch.setattr(walker.fs.fs, "_iterdir", changed)
+
+    def gone(*a, **kw):
+        raise TypeError("a later s3fs's private listing")
+    for private in ("_iterdir", "_list_pages"):
+        monkeypatch.setattr(walker.fs.fs, private, gone)
+    monkeypatch.setattr(FsspecFS, "exists", lambda *a, **kw: pytest.fail("a question per entry"))
+    # s3fs lists the fan-out level itself, privately: those directories are given
+    monkeypatch.setattr(FsspecFS, "listdir", lambda self, path: sorted({k[:2] for k in keys}))
     assert sorted(walker._walk_entries()) == rolled_up and walker.keys() == keys
 
 
 @ONLY_MOTO
-@pytest.mark.parametrize("server", ["repeats its page (MinIO)", "does not implement it"])
+@pytest.mark.parametrize("server", ["repeats its token (MinIO)", "repeats its page", "does not implement it"])
 def test_a_walk_lists_every_key_where_the_server_does_not_take_the_kv_delimiter(s3, monkeypatch, server):
     """S3 rolls keys up at any delimiter; MinIO answers a listing with another than "/" with the same page and its
-    token again and again (s3fs would list for ever), and some servers answer 501. The walk then lists every key
-    (delimiter none) and finds the same entries, with no question per entry."""
-    from botocore.exceptions import ClientError
+    token again and again (botocore's paginator stops that with a PaginationError; s3fs's own paging listed for
+    ever), and some servers answer 501. The walk then lists every key (delimiter none) and finds the same entries,
+    with no question per entry."""
+    from botocore.exceptions import ClientError, PaginationError
     from kvf.cachestore import open_store
     from kvf.cachestore.fs import FsspecFS
     keys = [("%064x" % (960 + i)) for i in range(3)]
@@ -621,20 +626,22 @@ def test_a_walk_lists_every_key_where_the_server_does_not_take_the_kv_delimiter(
     for i, key in enumerate(keys):
         store.put(key, kv(i, tokens=1))
     walker = open_store("s3://kvf/odd-delimiter")
-    own, pages = walker.fs.fs._iterdir, []
+    own, pages = FsspecFS._list_pages, []
 
-    async def odd(bucket, **kwargs):
-        if kwargs.get("delimiter") in ("/", ""):
-            async for item in own(bucket, **kwargs):
-                yield item
+    async def odd(self, bucket, prefix, delimiter):
+        if delimiter in ("/", ""):
+            async for page in own(self, bucket, prefix, delimiter):
+                yield page
             return
         if server == "does not implement it":
             raise ClientError({"Error": {"Code": "NotImplemented", "Message": "only / is a delimiter"}}, "ListObjectsV2")
-        for _ in range(10_000):   # the same page again and again (MinIO's token never ends)
-            pages.append(kwargs["prefix"])
-            async for item in own(bucket, **kwargs):
-                yield item
-    monkeypatch.setattr(walker.fs.fs, "_iterdir", odd)
+        async for page in own(self, bucket, prefix, delimiter):
+            for _ in range(10_000):   # the same page again and again
+                pages.append(prefix)
+                if server == "repeats its token (MinIO)" and pages.count(prefix) > 1:
+                    raise PaginationError(message="The same next token was received twice")
+                yield page
+    monkeypatch.setattr(FsspecFS, "_list_pages", odd)
     monkeypatch.setattr(FsspecFS, "exists", lambda *a, **kw: pytest.fail("a question per entry"))
     assert walker.keys() == keys
     assert len(pages) <= 2 * len(set(pages))   # each listing left at its first page seen again
