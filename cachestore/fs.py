@@ -299,24 +299,23 @@ class FsspecFS(ManyPaths):
         delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions)."""
         from botocore.exceptions import ClientError, PaginationError
         from s3fs.errors import translate_boto_error
-        names, seen = [], set()
+        names: dict[str, None] = {}   # in listing order
         try:
             async for page in self._list_pages(bucket, prefix, delimiter):
                 rolled_up = [p["Prefix"] for p in page.get("CommonPrefixes", [])]
                 if any(not (delimiter and p.endswith(delimiter)) for p in rolled_up):
                     return None   # rolled up at another delimiter than the one asked
                 for name in [f"{bucket}/{p[:-1]}" for p in rolled_up] + [f"{bucket}/{c['Key']}" for c in page.get("Contents", [])]:
-                    if name in seen:
+                    if name in names:
                         return None   # a page handed back again
-                    seen.add(name)
-                    names.append(name)
+                    names[name] = None
         except PaginationError:
             return None
         except ClientError as e:
             if delimiter and e.response.get("Error", {}).get("Code") in ("NotImplemented", "InvalidArgument"):
                 return None
             raise translate_boto_error(e) from None
-        return names
+        return list(names)
 
     def _strip(self, path: str) -> str:
         return self.fs._strip_protocol(path).rstrip("/")

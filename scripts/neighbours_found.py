@@ -66,7 +66,7 @@ def compare(exact: list[list[str]], approximate: list[list[str]]) -> pd.DataFram
     return pd.DataFrame({"found": found, "differs": [a != e for a, e in zip(approximate, exact)]})
 
 
-def report(per_chunk: pd.DataFrame, args, n_neighbours: int, settings: dict) -> str:
+def report(per_chunk: pd.DataFrame, summary: dict, args, settings: dict) -> str:
     from kvf.eval.stats import mean_interval
     found_low, found_high = mean_interval(per_chunk["found"])
     diff_low, diff_high = mean_interval(per_chunk["differs"].astype(float))
@@ -75,12 +75,12 @@ def report(per_chunk: pd.DataFrame, args, n_neighbours: int, settings: dict) -> 
         "# Approximate neighbours against exact ones, over the chunks a run read", "",
         f"Made by `python -m kvf.scripts.neighbours_found --exact {args.exact} --approximate {args.approximate} "
         f"--records {records} --out {args.out}` at commit {git_commit()}.  ",
-        f"Conditions: the {len(per_chunk):,} distinct chunks the records' prompts held; {n_neighbours} neighbours a "
-        f"chunk; the approximate workspace's search: {settings}. 95% bootstrap intervals over the chunks.", "",
+        f"Conditions: the {summary['chunks']:,} distinct chunks the records' prompts held; {settings['n_neighbours']} "
+        f"neighbours a chunk; the approximate workspace's search: {settings}. 95% bootstrap intervals over the chunks.", "",
         "| chunks | exact neighbours found [95% CI] | chunks with all found | chunks whose neighbour list differs [95% CI] |",
         "|---|---|---|---|",
-        f"| {len(per_chunk):,} | {per_chunk['found'].mean():.3f} [{found_low:.3f}, {found_high:.3f}] | "
-        f"{(per_chunk['found'] == 1).mean():.3f} | {per_chunk['differs'].mean():.3f} [{diff_low:.3f}, {diff_high:.3f}] |", ""])
+        f"| {summary['chunks']:,} | {summary['found']:.3f} [{found_low:.3f}, {found_high:.3f}] | "
+        f"{summary['all_found']:.3f} | {summary['differs']:.3f} [{diff_low:.3f}, {diff_high:.3f}] |", ""])
 
 
 def main(argv=None):
@@ -93,10 +93,10 @@ def main(argv=None):
         raise SystemExit(f"error: {e}")
     settings = {k: manifest.get(k) for k in ("n_neighbours", "exact_neighbours_up_to", "neighbour_probes")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = pd.DataFrame([{"chunks": len(per_chunk), "found": per_chunk["found"].mean(),
-                             "all_found": (per_chunk["found"] == 1).mean(), "differs": per_chunk["differs"].mean()}])
-    write_atomic(args.out.with_suffix(".csv"), summary.round(6).to_csv(index=False))
-    text = report(per_chunk, args, settings["n_neighbours"], settings)
+    summary = {"chunks": len(per_chunk), "found": per_chunk["found"].mean(),
+               "all_found": (per_chunk["found"] == 1).mean(), "differs": per_chunk["differs"].mean()}
+    write_atomic(args.out.with_suffix(".csv"), pd.DataFrame([summary]).round(6).to_csv(index=False))
+    text = report(per_chunk, summary, args, settings)
     write_atomic(args.out, text)
     print(text)
 

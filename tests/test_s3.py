@@ -16,22 +16,15 @@ import torch
 from rich.console import Console
 
 from kvf.errors import KvfError
-from kvf.scripts.s3_local import free_port, start_moto as launch_moto, start_rclone
+from kvf.scripts.s3_local import free_port, start_moto, start_rclone
 
 QUIET = Console(file=io.StringIO())
 META = {"model": "m", "dtype": "float16", "layers": 2, "kv_heads": 2, "head_dim": 4}
 
 
-def start_moto(extra_env=None):
+def start_server(name: str, folder=None, extra_env=None):
     try:
-        return launch_moto(extra_env)
-    except RuntimeError as e:   # not installed, or it would not start here
-        pytest.skip(str(e))
-
-
-def start_server(name: str, folder):
-    try:
-        return launch_moto() if name == "moto" else start_rclone(folder)
+        return start_moto(extra_env) if name == "moto" else start_rclone(folder)
     except RuntimeError as e:   # not installed, or it would not start here
         pytest.skip(str(e))
 
@@ -117,7 +110,7 @@ def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, mo
     with pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
         open_store("s3://kvf/roundtrip", meta=META)
     if request.node.callspec.params["s3"] == "moto":
-        proc, url = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
+        proc, url = start_server("moto", extra_env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
     else:
         (tmp_path / "kvf").mkdir()
         proc, url = start_rclone(tmp_path, "other-key", "other-secret")  # one that knows other credentials
