@@ -6,6 +6,9 @@
 - a method that declares `query_pass` gives the same bits when its first pass comes from a sweep's
   shared pass as when it runs alone, and is charged that pass's time;
 - its knobs round-trip into run records, and `kvf run` has a flag for each of them;
+- it reads no cache row that nothing wrote: over caches filled with NaN instead of zeros, its prefill,
+  decoding and teacher forcing give the bits they give over zero-filled ones, at its default knobs and at the
+  configurations named below (the README's kvfuse configuration among them);
 - it says in one line what it recomputes (`summary`, printed by `kvf methods`), and the README's methods
   table has its row saying the same;
 and ARCHITECTURE.md's example method, written in one file outside kvf, passes this contract and is found, with
@@ -13,9 +16,11 @@ its flags, by `kvf run`. A failed check says what to set (oracle_knobs, exact_bu
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +32,9 @@ from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
 from kvf.pipeline.fusion.methods import METHODS, get_method, method_names
 from kvf.pipeline.fusion.methods.base import flag_name, knob_types, register
 from kvf.pipeline.fusion.sources import InMemoryKV
-from kvf.pipeline.model.forward import Transformer
+from kvf.pipeline.model.forward import KVCache, Transformer
 from kvf.pipeline.model.prompt import FusedPrompt, encode
+from kvf.pipeline.workflows.run import parse_method_spec
 
 NAMES = method_names()
 
@@ -114,6 +120,76 @@ def test_a_shared_query_pass_gives_the_bits_of_a_lone_request(answerer, embedded
         assert timings["first_token"] >= shared["query-pass"].seconds  # each request pays the whole pass
     assert answerer.decode_many(prompt, [(fused, timings)], 4)[0].text == \
         answerer.answer(prompt, get_method(name, ratios[-1]), source, 4).text
+
+
+def readme_kvfuse_configuration() -> dict:
+    """The knobs of the kvfuse configuration the README says to use."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    found = re.search(r"The configuration to use.*?`-m (kvfuse:[^`]+)`", readme, re.S)
+    assert found, "README.md no longer names kvfuse's configuration to use: say which here"
+    return parse_method_spec(found.group(1)).knobs
+
+
+# knobs whose code paths read the cache their own way: a pass of their own (hop_rows), the shift before attention,
+# a calibration, per-layer budgets, whole chunks, a gradual check
+CONFIGURATIONS = {"kvfuse": [readme_kvfuse_configuration(), {"hop_rows": 16, "hop_weight": 1.0},
+                             {"propagate": "before"}, {"ape_temperature": 0.9}, {"budget_slope": 0.5},
+                             {"select_unit": "chunks"}, {"requery": True}],
+                  "cacheblend": [{"gradual": True}]}
+
+
+def fill_runs(answerer, prompt, source, name, fill) -> list[torch.Tensor]:
+    """Every configuration of `name` at two ratios, as a sweep runs them over fresh caches filled with `fill`:
+    prefilled on one shared query pass, decoded in one batch, full's answer teacher-forced over each."""
+    KVCache.fill = fill
+    try:
+        full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=6)
+        ratios = [0.1, 0.37] if METHODS[name].ratio_is_knob else [None]
+        shared = {}
+        prefilled = [answerer.prefill(prompt, get_method(name, ratio, **knobs), source, 6, shared)
+                     for knobs in [{}] + CONFIGURATIONS.get(name, []) for ratio in ratios]
+        answers = answerer.decode_many(prompt, prefilled, 6, keep_logits=True)
+        predicted = answerer.predictions_many(answers, full.token_ids)
+    finally:
+        KVCache.fill = 0.0
+    return ([full.fused.logits] + [fused.logits for fused, _ in prefilled] + [a.step_logits for a in answers]
+            + predicted)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reads_no_cache_row_nothing_wrote(answerer, embedded, name):
+    """Any read of a cache row that no load or pass wrote would differ between NaN and zeros (NaN != NaN, so a
+    NaN that reaches any logit fails too); over zeros it would be a silent wrong answer."""
+    prompt, source, _ = embedded["many"]
+    over_zeros = fill_runs(answerer, prompt, source, name, 0.0)
+    over_nan = fill_runs(answerer, prompt, source, name, float("nan"))
+    for i, (a, b) in enumerate(zip(over_zeros, over_nan)):
+        assert torch.equal(a, b), f"{name}: logits {i} differ over a cache filled with NaN: a row nothing wrote was read"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_reads_no_cache_row_nothing_wrote(family):
+    """The same on a tiny model of every family (Mistral's sliding window decodes with a mask)."""
+    engine, many, _ = tiny_case(family)
+    source = stored_prefix_kvs(engine, many)
+
+    def logits(fill):
+        KVCache.fill = fill
+        try:
+            out = []
+            for name in NAMES:
+                fused = get_method(name, 0.37).prefill(engine, many, source, max_new_tokens=3)
+                out.append(fused.logits)
+                position = fused.next_position
+                for _ in range(3):   # decoding, one token at a time, over the fused cache
+                    out.append(engine.model.decode_step(int(out[-1].argmax()), position, fused.cache,
+                                                        fused.calibration))
+                    position += 1
+            return out
+        finally:
+            KVCache.fill = 0.0
+    for i, (a, b) in enumerate(zip(logits(0.0), logits(float("nan")))):
+        assert torch.equal(a, b), f"{family}: logits {i} differ over a cache filled with NaN"
 
 
 def other_value(field, kind):
@@ -283,7 +359,8 @@ def test_the_recipe_method_passes_the_contract(tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for test in ("compute_everything_equals_full_on_the_embedded_model[mine]", "recomputes_its_budget[0.1-mine]",
-                 "recomputes_its_budget[0.37-mine]", "every_knob_has_a_run_and_bench_flag"):
+                 "recomputes_its_budget[0.37-mine]", "every_knob_has_a_run_and_bench_flag",
+                 "reads_no_cache_row_nothing_wrote[mine]", "every_family_reads_no_cache_row_nothing_wrote[llama]"):
         assert f"{test} PASSED" in proc.stdout, test
 
 

@@ -59,11 +59,18 @@ ATTN_BLOCK_ROWS = 256   # query rows per masked attention call (bounds scores; l
 
 
 class KVCache:
-    """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies."""
+    """Preallocated post-RoPE keys and values for every layer, so decoding appends without copies.
+
+    Every row below `length` must be written before attention reads it: a row read unwritten would read
+    as zeros, a silent wrong answer. `fill` (tests: NaN) fills fresh caches instead, so that such a read
+    shows in the logits (tests/test_method_contract.py).
+    """
+    fill: float = 0.0
 
     def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, device="cpu",
                  dtype=torch.float32):
-        self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, device=device, dtype=dtype)  # [L, 2, KV, cap, d]
+        self.kv = torch.full((layers, 2, kv_heads, capacity, head_dim), self.fill, device=device,
+                             dtype=dtype)  # [L, 2, KV, cap, d]
         self.length = 0  # tokens filled so far (prefill fills [0, n) before decoding starts)
 
     def keys(self, layer: int) -> torch.Tensor:
