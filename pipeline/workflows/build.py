@@ -704,6 +704,15 @@ def check_apart_from_corpus(opts: BuildOptions) -> None:
             raise KvfError(f"{flag} {place} {where}; pass a {flag} outside it, e.g. {flag} {os.path.relpath(beside)}")
 
 
+def check_kv_flags_absent(opts: BuildOptions) -> None:
+    """--indexes-only computes no KV: a flag that only shapes the KV stage would be silently ignored."""
+    for flag, given, what in (("--extras-for", opts.extras_for, "is stored with each KV"),
+                              ("--ray", opts.ray is not None, "spreads the KV stage over Ray workers"),
+                              ("--shard", opts.shard is not None, "picks the chunks whose KVs this build computes")):
+        if given:
+            raise KvfError(f"{flag} {what}, and --indexes-only computes none; leave one of them out")
+
+
 # ---- the whole build --------------------------------------------------------------------------
 def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # cheap checks first: bad flags, a missing corpus or a store that cannot be used fail in seconds,
@@ -724,8 +733,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     validate_chunking(opts.chunk_tokens, opts.overlap)
     if opts.batch < 1 or opts.threads < 1:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
-    if opts.indexes_only and opts.extras_for:
-        raise KvfError("--extras-for is stored with each KV, and --indexes-only computes none; leave one of them out")
+    if opts.indexes_only:
+        check_kv_flags_absent(opts)
     for stage_name in opts.rebuild:
         if stage_name not in REBUILDABLE:
             raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")
