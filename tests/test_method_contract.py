@@ -13,6 +13,7 @@
   table has its row saying the same;
 and ARCHITECTURE.md's example method, written in one file outside kvf, passes this contract and is found, with
 its flags, by `kvf run`. A failed check says what to set (oracle_knobs, exact_budget, ratio_is_knob)."""
+import contextlib
 import dataclasses
 import json
 import os
@@ -138,11 +139,19 @@ CONFIGURATIONS = {"kvfuse": [readme_kvfuse_configuration(), {"hop_rows": 16, "ho
                   "cacheblend": [{"gradual": True}]}
 
 
+@contextlib.contextmanager
+def caches_filled_with(fill: float):
+    KVCache.fill = fill
+    try:
+        yield
+    finally:
+        KVCache.fill = 0.0
+
+
 def fill_runs(answerer, prompt, source, name, fill) -> list[torch.Tensor]:
     """Every configuration of `name` at two ratios, as a sweep runs them over fresh caches filled with `fill`:
     prefilled on one shared query pass, decoded in one batch, full's answer teacher-forced over each."""
-    KVCache.fill = fill
-    try:
+    with caches_filled_with(fill):
         full = answerer.answer(prompt, get_method("full"), None, max_new_tokens=6)
         ratios = [0.1, 0.37] if METHODS[name].ratio_is_knob else [None]
         shared = {}
@@ -150,8 +159,6 @@ def fill_runs(answerer, prompt, source, name, fill) -> list[torch.Tensor]:
                      for knobs in [{}] + CONFIGURATIONS.get(name, []) for ratio in ratios]
         answers = answerer.decode_many(prompt, prefilled, 6, keep_logits=True)
         predicted = answerer.predictions_many(answers, full.token_ids)
-    finally:
-        KVCache.fill = 0.0
     return ([full.fused.logits] + [fused.logits for fused, _ in prefilled] + [a.step_logits for a in answers]
             + predicted)
 
@@ -174,9 +181,8 @@ def test_every_family_reads_no_cache_row_nothing_wrote(family):
     source = stored_prefix_kvs(engine, many)
 
     def logits(fill):
-        KVCache.fill = fill
-        try:
-            out = []
+        out = []
+        with caches_filled_with(fill):
             for name in NAMES:
                 fused = get_method(name, 0.37).prefill(engine, many, source, max_new_tokens=3)
                 out.append(fused.logits)
@@ -185,9 +191,7 @@ def test_every_family_reads_no_cache_row_nothing_wrote(family):
                     out.append(engine.model.decode_step(int(out[-1].argmax()), position, fused.cache,
                                                         fused.calibration))
                     position += 1
-            return out
-        finally:
-            KVCache.fill = 0.0
+        return out
     for i, (a, b) in enumerate(zip(logits(0.0), logits(float("nan")))):
         assert torch.equal(a, b), f"{family}: logits {i} differ over a cache filled with NaN"
 
