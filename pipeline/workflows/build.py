@@ -708,7 +708,7 @@ def check_kv_flags_absent(opts: BuildOptions) -> None:
     """--indexes-only computes no KV: a flag that only shapes the KV stage would be silently ignored."""
     for flag, given, what in (("--extras-for", opts.extras_for, "is stored with each KV"),
                               ("--ray", opts.ray is not None, "spreads the KV stage over Ray workers"),
-                              ("--shard", opts.shard is not None, "picks the chunks whose KVs this build computes")):
+                              ("--shard", opts.shard != (0, 1), "picks the chunks whose KVs this build computes")):
         if given:
             raise KvfError(f"{flag} {what}, and --indexes-only computes none; leave one of them out")
 
