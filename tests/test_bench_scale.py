@@ -243,6 +243,7 @@ def test_chunk_table_bench_ratio_against_a_base_that_measured_nothing():
     assert times(3.0, 0.0) == "n/a" and times(3.0, -1.0) == "n/a"
 
 
+@pytest.mark.long
 def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
     """scripts/bench_s3 on a tiny store, straight to moto and through the latency proxy: the requests one after
     another and side by side plan, list and load the same, and so do the rolled-up listing and the HEADs before it

@@ -1059,6 +1059,7 @@ def entry_files(store_path: Path, key: str) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(entry)): (p.stat().st_mtime_ns, p.stat().st_ino) for p in entry.rglob("*") if p.is_file()}
 
 
+@pytest.mark.long
 def test_sigkill_midway_then_rerun_resumes_and_equals_one_go_build(tmp_path):
     make_synthetic(tmp_path / "data", n_questions=2, passages_per_question=3, seed=1)
     corpus = tmp_path / "data" / "corpus"

@@ -144,6 +144,7 @@ def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):
     return killed, proc.returncode, err
 
 
+@pytest.mark.long
 def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(corpus, tmp_path):
     """SIGKILL one actor while it computes a batch: Ray restarts it and retries the batch, which skips
     the entries already committed; the store ends equal to the one-process build, and verifies."""
@@ -186,6 +187,7 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkey
     assert answers(corpus / "ray.jsonl") == (one, 9)
 
 
+@pytest.mark.long
 def test_an_error_in_a_method_of_ones_own_on_a_worker_is_blamed_on_its_file(corpus, tmp_path):
     """It read "a Ray worker failed: no rows today": the file and line were in the worker's traceback only."""
     write_raising_method(tmp_path / "methods")

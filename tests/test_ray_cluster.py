@@ -68,6 +68,7 @@ def kvf_run_on(built, out, ray: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.long
 def test_a_cluster_started_with_ray_start_is_reached_with_its_token_and_local_starts_its_own(ray_head, built,
                                                                                           tmp_path):
     """A head from `ray start --head` wants the token it keeps in ~/.ray: kvf's driver never sent it (20 refused

@@ -156,6 +156,7 @@ def test_each_results_file_is_its_header_and_the_summary_the_makefile_puts_under
         assert (REPO / f"{outs[out]}.md").read_text() == made, f"{outs[out]}.md is not {header} + {outs[out]}/summary.md"
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not (Path(os.environ.get("KVF_DATA") or REPO.parent / "shared" / "data") / "musique").is_dir(),
                     reason="benchmark data not available (set KVF_DATA)")
 def test_verify_smoke_reproduces_committed_records(tmp_path, capsys):

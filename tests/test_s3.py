@@ -30,8 +30,9 @@ def start_server(name: str, folder=None, extra_env=None):
 
 
 # two implementations: moto answers as AWS does; rclone's server (over a folder) rolls listings up only at "/"
-# whatever delimiter is asked, where a store's walk once found every entry without its marker
-@pytest.fixture(scope="module", params=["moto", "rclone"])
+# whatever delimiter is asked, where a store's walk once found every entry without its marker. `make test` runs
+# the store against moto; the second server's pass (a minute) is `long`, run by make test-long and CI
+@pytest.fixture(scope="module", params=["moto", pytest.param("rclone", marks=pytest.mark.long)])
 def s3(request, tmp_path_factory):
     proc, url = start_server(request.param, tmp_path_factory.mktemp("buckets"))
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
@@ -163,6 +164,7 @@ def test_s3_without_s3fs_names_the_extra(monkeypatch):
         open_store("s3://bucket/prefix", create=True, meta=META)
 
 
+@pytest.mark.long
 @ONLY_MOTO
 def test_a_ray_build_reaches_the_s3_store_at_the_workspaces_endpoint(s3, tmp_path, short_docs):
     """A workspace remembers its store's endpoint, and so must the Ray workers a later build starts: they got
