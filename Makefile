@@ -67,14 +67,15 @@ demo: setup
 # The checks marked `long` (each over ~25 s alone: the SIGKILLed Ray worker and build, a cluster started with
 # `ray start`, the verify smoke, Ray onto S3, the S3 bench, a method's error on a Ray worker, the store on
 # rclone's S3 server) are left to `make test-long`; CI runs both. Measured on this 2-core machine on one day
-# (2026-12-02): every test in one `make test` 15:36; split, `make test` 11:38 (1,123 tests) and `make test-long`
-# 5:20 (25).
+# (2026-12-02): every test in one `make test` 15:36; split, `make test` 10:46–11:38 (1,123 tests) and
+# `make test-long` 4:18–5:20 (25).
 TEST_WORKERS ?= 2
+PYTEST_SPLIT = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not long"
+	$(PYTEST_SPLIT) -m "not long"
 
 test-long: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m long
+	$(PYTEST_SPLIT) -m long
 
 # on demand (about 20 minutes): every flag of every command given bad values; each is accepted or one line
 probe-flags: setup
