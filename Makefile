@@ -41,7 +41,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -441,6 +441,14 @@ kvfuse-fits-nq: $(WORK)/nq/questions.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-nq.jsonl
 	$(KVFUSE_RUN_AT) -d $(WORK)/nq --offset 100 -n $(N_NQ) \
 	  -m full,kvfuse,$(KVFUSE_LOCATED_SINKS),$(KVFUSE_SEEDS_AFTER),$(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-nq-heldout.jsonl
+# step 27 (results/kvfuse.md): APE's calibration (step 11) on kvfuse's rows, on NQ-open's short prompts, where APE
+# alone keeps the most of any method at ratio 0 and which step 11 never tried: dev on the methods sweep's NQ 0-49,
+# beside its default and located-sinks rows (`make kvfuse-ape-nq`; every setting lost there, so none was held out)
+KVFUSE_APE_NQ ?= kvfuse:ape_temperature=0.9:ape_scale=0.9,$(KVFUSE_LOCATED_SINKS):ape_temperature=0.9:ape_scale=0.9,$(KVFUSE_LOCATED_SINKS):ape_temperature=0.9,$(KVFUSE_LOCATED_SINKS):ape_scale=0.9
+kvfuse-ape-nq: $(WORK)/nq/questions.jsonl
+	$(KVFUSE_RUN_AT) -d $(WORK)/nq -n $(N_NQ) -m $(KVFUSE_APE_NQ) -o $(KVFUSE_RUNS)/ape-nq.jsonl
+	$(KVF) eval --complete-only $(METHOD_RUNS)/nq.jsonl.gz $(KVFUSE_RUNS)/located-nq.jsonl $(KVFUSE_RUNS)/ape-nq.jsonl \
+	  --out $(KVFUSE_OUT)/ape-nq
 # step 19 on the methods sweep's 2WikiMQA and NQ-open questions (settings as kvfuse-located-2wikimqa and -nq), its
 # tables beside the located sinks' rows (`make -j2 kvfuse-seeds-after-qa`)
 kvfuse-seeds-after-qa: kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq
