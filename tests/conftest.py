@@ -10,10 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # `make test` hands whole files to two workers (--dist loadfile, --no-loadscope-reorder), each file to whichever
 # worker frees first, in collection order. xdist's own order (most tests first) left test_ray.py, few tests but
-# 2.5 minutes, to run alone at the end; the files that take longest go first (their own times, --junitxml,
-# 2026-12-02: 240, 210, 180, 155, 150, 90, 80, 70 s). A stale list costs balance, never a test.
-LONGEST_FILES = ["test_method_contract.py", "test_catalogue.py", "test_run.py", "test_ray.py", "test_build.py",
-                 "test_s3.py", "test_methods.py", "test_report.py"]
+# 2.5 minutes, to run alone at the end; the files that take longest go first (their own times in make test,
+# --junitxml, 2026-12-02: 240, 230, 205, 185, 105, 85, 75 s, and test_ray.py's ~75 since its tiny model). A stale
+# list costs balance, never a test.
+LONGEST_FILES = ["test_method_contract.py", "test_run.py", "test_catalogue.py", "test_build.py", "test_s3.py",
+                 "test_methods.py", "test_report.py", "test_ray.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -1,7 +1,10 @@
 """Scale-out on Ray (`--ray local`, two actors on this machine): a distributed build equals a
 one-process build byte for byte, also when a worker is killed with SIGKILL mid-batch (its actor is
 restarted and the batch retried); `kvf run --ray` writes the same records as a one-process run, and a
-resumed distributed run adds only what is missing. Skipped with the reason where Ray is not installed."""
+resumed distributed run adds only what is missing. Skipped with the reason where Ray is not installed.
+The builds and runs use a 2-layer random Llama with SmolLM2's tokenizer (what Ray hands out and collects is the
+same for any model); the SIGKILL test, run by make test-long, uses the embedded model, whose batches last long
+enough to be caught mid-batch, and so checks that the actors load it."""
 import io
 import json
 import os
@@ -33,17 +36,48 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A synthetic corpus (55 chunks of 32 tokens) and its one-process build, the reference."""
+def tiny_model_dir(path):
+    """A 2-layer random Llama with SmolLM2's tokenizer (the same chunks): what Ray hands out and collects does not
+    depend on the model, and the embedded model's 30 layers made this file's builds and runs take minutes."""
+    from transformers import AutoModelForCausalLM
+    from conftest import tiny_config
+    from kvf.pipeline.workflows.weights import open_model
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2,
+                                                             max_position_embeddings=2048)).save_pretrained(path)
+    open_model(None).tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def one_process_build(root, **settings):
+    """A synthetic corpus (55 chunks of 32 tokens) under root/data and its one-process build, the reference."""
     from kvf.pipeline.data.synthetic import make_synthetic
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
-    root = tmp_path_factory.mktemp("ray")
     make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
     torch.set_num_threads(1)  # the actors run one thread each: same kernels, same bits
-    build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "one", **BUILD), QUIET)
-    yield root
+    build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "one", **BUILD, **settings), QUIET)
+    return root
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The reference build by a tiny model (root/model, passed as `model` by every build and run here)."""
+    root = tmp_path_factory.mktemp("ray")
+    yield one_process_build(root, model=tiny_model_dir(root / "model"))
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def embedded_corpus(tmp_path_factory):
+    """The reference build by the embedded model, whose batches last long enough to kill a worker mid-batch."""
+    root = tmp_path_factory.mktemp("ray-embedded")
+    yield one_process_build(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def tiny(corpus) -> dict:
+    """BUILD with the tiny model of `corpus`."""
+    return {**BUILD, "model": str(corpus / "model")}
 
 
 def assert_same_store(a_path, b_path):
@@ -63,7 +97,7 @@ def test_ray_build_equals_one_process_build(ray_local, corpus, tmp_path, monkeyp
     from kvf.pipeline.workflows.weights import ModelRef
     monkeypatch.setattr(ModelRef, "load", lambda *a, **k: pytest.fail("the driver loaded the model"))
     summary = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=corpus / "ray", ray="local",
-                                       workers=2, batch=4, **BUILD), QUIET)
+                                       workers=2, batch=4, **tiny(corpus)), QUIET)
     assert_same_store(corpus / "one" / "kv.zarr", corpus / "ray" / "kv.zarr")
     assert any("ray ×2" in s.name for s in summary.stages)
     manifest = json.loads((corpus / "ray" / "manifest.json").read_text())
@@ -72,14 +106,14 @@ def test_ray_build_equals_one_process_build(ray_local, corpus, tmp_path, monkeyp
     with monkeypatch.context() as m:   # resumed with nothing left to do: no actor loads the model for nothing
         m.setattr(distributed, "actor_class", lambda *a: pytest.fail("an actor started with nothing to build"))
         again = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=corpus / "ray", ray="local",
-                                         workers=2, **BUILD), QUIET)
+                                         workers=2, **tiny(corpus)), QUIET)
     assert again.entries_written == 0 and not any("ray" in s.name for s in again.stages)
     # a corpus grown by one short document: one batch, so one actor, whatever --workers allows
     shutil.copytree(corpus / "data" / "corpus", tmp_path / "corpus")
     shutil.copytree(corpus / "ray", tmp_path / "ray")
     (tmp_path / "corpus" / "new.txt").write_text("Quorbel Vantrich founded the Drelvan glassworks in 1802.")
     grown = build_cache(BuildOptions(corpus=tmp_path / "corpus", workspace=tmp_path / "ray", ray="local", workers=2,
-                                     batch=4, **BUILD), QUIET)
+                                     batch=4, **tiny(corpus)), QUIET)
     assert grown.entries_written >= 1 and [s.name for s in grown.stages if "ray" in s.name] == \
         ["kv prefix (ray ×1)", "kv fusion (ray ×1)"]
 
@@ -114,7 +148,7 @@ def test_a_ray_build_beside_another_hands_out_its_batches_in_reverse(ray_local, 
     with Workspace(tmp_path / "ws").kv_stage_turn() as first:   # held by the other build
         assert first
         summary = build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=tmp_path / "ws", ray="local",
-                                           workers=1, batch=4, **{**BUILD, "variants": ("prefix",)}), QUIET)
+                                           workers=1, batch=4, **{**tiny(corpus), "variants": ("prefix",)}), QUIET)
     stored_meanwhile = len(plan) // 2
     assert len(plan) > 50 and sent == plan[::-1]   # the last batch first: one actor takes them in the order sent
     assert (summary.entries_written, summary.entries_found) == (len(plan) - stored_meanwhile, stored_meanwhile)
@@ -145,11 +179,12 @@ def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):
 
 
 @pytest.mark.long
-def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(corpus, tmp_path):
+def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(embedded_corpus, tmp_path):
     """SIGKILL one actor while it computes a batch: Ray restarts it and retries the batch, which skips
     the entries already committed; the store ends equal to the one-process build, and verifies."""
     markers = tmp_path / "pids"
     markers.mkdir()
+    corpus = embedded_corpus
     args = [sys.executable, "-m", "kvf", "build-cache", str(corpus / "data" / "corpus"), "-w", str(tmp_path / "ws"),
             "--chunk-tokens", "32", "--variant", "prefix,fusion", "--neighbours", "2", "--dtype", "float32",
             "--no-bm25", "--ray", "local", "--workers", "2", "--batch", "4"]
@@ -170,7 +205,8 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkey
     from kvf.pipeline.workflows import distributed
     from kvf.pipeline.workflows.run import RunOptions, run
     common = dict(methods=["full", "reuse", "cacheblend"], ratios=[0.15], dataset=corpus / "data",
-                  workspace=corpus / "one", max_new_tokens=4, warmup=False)
+                  workspace=corpus / "one", max_new_tokens=4, warmup=False,
+                  model=str(corpus / "model"))
     run(RunOptions(out=corpus / "one.jsonl", **common), QUIET)
     run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
     one, n_one = answers(corpus / "one.jsonl")
@@ -193,6 +229,7 @@ def test_an_error_in_a_method_of_ones_own_on_a_worker_is_blamed_on_its_file(corp
     write_raising_method(tmp_path / "methods")
     proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", corpus / "data", "-w", corpus / "one", "-m", "boom",
                            "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl", "--ray", "local",
+                           "--model", corpus / "model",
                            "--workers", "1"], capture_output=True, text=True,
                           env={**ENV, "KVF_METHOD_PATH": str(tmp_path / "methods")})
     assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'methods' / 'boom.py'} {RAISING_METHOD_ERROR} (run "
@@ -222,7 +259,7 @@ def test_a_ray_run_whose_kvs_its_disk_cannot_hold_is_refused_before_its_workers_
 
     monkeypatch.setattr(distributed, "run_with_ray", run_with_ray)
     common = dict(out=tmp_path / "o.jsonl", dataset=corpus / "data", workspace=tmp_path / "ws", ray="local", workers=1,
-                  warmup=False)
+                  warmup=False, model=str(corpus / "model"))
     with pytest.raises(KvfError, match=rf"^--store {tmp_path / 'ws' / 'kv.zarr'}: the \d+ entries still to compute for "
                                        "these questions need about .* free space, or pass --store on a larger disk$"):
         run(RunOptions(methods=["fusionrag"], **common), QUIET)
@@ -299,12 +336,12 @@ def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(
     workspace = tmp_path / "ws"
     with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: "):
         build_cache(BuildOptions(corpus=corpus / "data" / "corpus", workspace=workspace, ray="local",
-                                 workers=cpus + 1, **BUILD), QUIET)
+                                 workers=cpus + 1, **tiny(corpus)), QUIET)
     assert not workspace.exists()
     from kvf.pipeline.workflows.run import RunOptions, run
     out = tmp_path / "run.jsonl"
     with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: "):
         run(RunOptions(out=out, methods=["reuse"], dataset=corpus / "data", workspace=corpus / "one", ray="local",
-                       workers=cpus + 1), QUIET)
+                       workers=cpus + 1, model=str(corpus / "model")), QUIET)
     assert not out.exists()
 
