@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import assert_one_line, run_cli, tiny_config
+from conftest import assert_one_line, run_cli, tiny_llama_dir
 from kvf.errors import KvfError
 from kvf.cachestore import CorruptEntry, StoreMismatch, open_store
 from kvf.cachestore.fs import LocalFS
@@ -144,7 +144,9 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
         for i in range(12):
             f.write(json.dumps({"id": f"p{i}", "title": f"Place {i}",
                                 "text": f"Vessa-{i} is a town on the river Ork, {i * 7} miles from the coast. " * 2}) + "\n")
-    one_go = build_cache(opts_for(tmp_path / "one-go", corpus, dtype="float32", variants=["prefix", "fusion"]), QUIET)
+    tiny = str(tiny_llama_dir(tmp_path / "tiny"))   # what the driver holds does not depend on the model
+    one_go = build_cache(opts_for(tmp_path / "one-go", corpus, dtype="float32", variants=["prefix", "fusion"],
+                                  model=tiny), QUIET)
     live = {"now": 0, "peak": 0}
     real_init = chunking.Chunk.__init__
 
@@ -159,7 +161,7 @@ def test_the_build_driver_never_holds_every_chunk_as_an_object(tmp_path, monkeyp
     monkeypatch.setattr(chunking.Chunk, "__del__", counting_del, raising=False)
     monkeypatch.setattr(chunking, "WRITE_ROWS", 4)
     monkeypatch.setattr(chunking, "OBJECT_ROWS", 4)
-    opts = opts_for(tmp_path, corpus, dtype="float32", variants=["prefix", "fusion"], bm25=True)
+    opts = opts_for(tmp_path, corpus, dtype="float32", variants=["prefix", "fusion"], bm25=True, model=tiny)
     summary = build_cache(opts, QUIET)
     assert summary.chunks == one_go.chunks >= 20   # 5 batches of 4 or more
     assert live["peak"] <= 16   # a batch written, a batch read, a document's chunks, a fusion entry's neighbours
@@ -510,13 +512,9 @@ def test_a_later_build_keeps_the_workspaces_variants_unless_told(built, tmp_path
 
 
 def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys, monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     model_dir = built.model_ref.model_dir
-    # a different model (tiny random llama) with the same tokenizer
-    tiny = tmp_path / "tiny"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
-    built.model_ref.tokenizer.save_pretrained(tiny)
+    tiny = save_tiny_llama(tmp_path, built.model_ref)   # a different model with the same tokenizer
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
                              "--model", tiny, "--dtype", "float32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
     assert_one_line(code, err, "holds model=", "rebuild the store")
@@ -561,12 +559,7 @@ def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
 
 
 def save_tiny_llama(tmp_path: Path, model_ref) -> Path:
-    from transformers import AutoModelForCausalLM
-    tiny = tmp_path / "tiny"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2)).save_pretrained(tiny)
-    model_ref.tokenizer.save_pretrained(tiny)
-    return tiny
+    return tiny_llama_dir(tmp_path / "tiny", model_ref.tokenizer)
 
 
 def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, capsys, monkeypatch):

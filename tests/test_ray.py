@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import RAISING_METHOD_ERROR, assert_one_line, write_raising_method
+from conftest import RAISING_METHOD_ERROR, assert_one_line, tiny_llama_dir, write_raising_method
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
 
@@ -36,19 +36,6 @@ def ray_local():
     ray.shutdown()
 
 
-def tiny_model_dir(path):
-    """A 2-layer random Llama with SmolLM2's tokenizer (the same chunks): what Ray hands out and collects does not
-    depend on the model, and the embedded model's 30 layers made this file's builds and runs take minutes."""
-    from transformers import AutoModelForCausalLM
-    from conftest import tiny_config
-    from kvf.pipeline.workflows.weights import open_model
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=49152, num_hidden_layers=2,
-                                                             max_position_embeddings=2048)).save_pretrained(path)
-    open_model(None).tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def one_process_build(root, **settings):
     """A synthetic corpus (55 chunks of 32 tokens) under root/data and its one-process build, the reference."""
     from kvf.pipeline.data.synthetic import make_synthetic
@@ -63,7 +50,7 @@ def one_process_build(root, **settings):
 def corpus(tmp_path_factory):
     """The reference build by a tiny model (root/model, passed as `model` by every build and run here)."""
     root = tmp_path_factory.mktemp("ray")
-    yield one_process_build(root, model=tiny_model_dir(root / "model"))
+    yield one_process_build(root, model=str(tiny_llama_dir(root / "model", max_position_embeddings=2048)))
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import assert_one_line
+from conftest import assert_one_line, tiny_llama_dir
 from kvf.errors import KvfError
 from kvf.pipeline.records import RunFile, parse_record
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
@@ -303,8 +303,9 @@ def test_a_dataset_prepared_again_with_more_questions_is_chunked_again_into_its_
     from kvf.pipeline.data.synthetic import make_synthetic
     data = tmp_path / "data"
     make_synthetic(data, n_questions=2, passages_per_question=3, seed=5)
+    tiny = str(tiny_llama_dir(tmp_path / "tiny", max_position_embeddings=2048))   # chunking does not depend on it
     opts = RunOptions(dataset=data, methods=["reuse"], ratios=[0.0], out=tmp_path / "a.jsonl", max_new_tokens=1,
-                      warmup=False, chunk_tokens=64)
+                      warmup=False, chunk_tokens=64, model=tiny)
     run(opts, QUIET)
     ws = data / "workspace"
     stored = set(open_store(str(ws / "kv.zarr")).keys())
