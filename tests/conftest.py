@@ -74,13 +74,15 @@ def tiny_config(family: str, **overrides):
 
 def tiny_llama_dir(path, tokenizer=None, **overrides):
     """A 2-layer random Llama saved to path with SmolLM2's tokenizer (the embedded model's chunks and prompts, at
-    a fraction of its compute): for what does not depend on the model's weights. overrides: tiny_config's."""
+    a fraction of its compute): for what does not depend on the model's weights. overrides: tiny_config's. 2,048
+    positions: a synthetic question's chat prompt passes tiny_config's 512."""
     from transformers import AutoModelForCausalLM
     if tokenizer is None:
         from kvf.pipeline.workflows.weights import open_model
         tokenizer = open_model(None).tokenizer
     torch.manual_seed(0)
-    config = tiny_config("llama", **{"vocab_size": 49152, "num_hidden_layers": 2, **overrides})
+    config = tiny_config("llama", **{"vocab_size": 49152, "num_hidden_layers": 2, "max_position_embeddings": 2048,
+                                     **overrides})
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

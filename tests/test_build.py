@@ -514,7 +514,7 @@ def test_a_later_build_keeps_the_workspaces_variants_unless_told(built, tmp_path
 def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
     model_dir = built.model_ref.model_dir
-    tiny = save_tiny_llama(tmp_path, built.model_ref)   # a different model with the same tokenizer
+    tiny = tiny_llama_dir(tmp_path / "tiny", built.model_ref.tokenizer)   # a different model with the same tokenizer
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--store", built.summary.store,
                              "--model", tiny, "--dtype", "float32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
     assert_one_line(code, err, "holds model=", "rebuild the store")
@@ -541,7 +541,7 @@ def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
     model computes KVs in: a bfloat16 build stores bfloat16 arithmetic (off the float32 build's values by
     bfloat16's rounding, not more), records it in the manifest, and Ray workers are handed it too."""
     from kvf.pipeline.workflows.distributed import KVWorkerImpl
-    tiny = save_tiny_llama(tmp_path, built.model_ref)
+    tiny = tiny_llama_dir(tmp_path / "tiny", built.model_ref.tokenizer)
     stores = {}
     for name in ("float32", "bfloat16"):
         ws = tmp_path / name
@@ -558,10 +558,6 @@ def test_compute_dtype_is_the_models_dtype_while_building(built, tmp_path):
     assert worker.builder.engine.model.dtype == torch.bfloat16
 
 
-def save_tiny_llama(tmp_path: Path, model_ref) -> Path:
-    return tiny_llama_dir(tmp_path / "tiny", model_ref.tokenizer)
-
-
 def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, capsys, monkeypatch):
     """Entries are keyed by the dtype that computed them. A build resumed with another --compute-dtype, or a
     run on a GPU (bfloat16) over a store built on the CPU, found every float32 entry under its key and used
@@ -569,7 +565,7 @@ def test_one_store_keeps_each_compute_dtypes_entries_apart(built, tmp_path, caps
     dtype's entries are its own, equal to a store built in that dtype alone; a run in another dtype than the
     build's says in one line that it computes its own; gc --keep-workspace keeps both."""
     from kvf.pipeline.workflows.gc import collect
-    tiny = save_tiny_llama(tmp_path, built.model_ref)
+    tiny = tiny_llama_dir(tmp_path / "tiny", built.model_ref.tokenizer)
     alone = {}
     for name in ("float32", "bfloat16"):
         build_cache(opts_for(tmp_path, built.corpus, workspace=tmp_path / f"alone-{name}", model=str(tiny),

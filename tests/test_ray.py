@@ -50,7 +50,7 @@ def one_process_build(root, **settings):
 def corpus(tmp_path_factory):
     """The reference build by a tiny model (root/model, passed as `model` by every build and run here)."""
     root = tmp_path_factory.mktemp("ray")
-    yield one_process_build(root, model=str(tiny_llama_dir(root / "model", max_position_embeddings=2048)))
+    yield one_process_build(root, model=str(tiny_llama_dir(root / "model")))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -62,9 +62,14 @@ def embedded_corpus(tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def model_of(corpus) -> str:
+    """The tiny model `corpus` was built by."""
+    return str(corpus / "model")
+
+
 def tiny(corpus) -> dict:
     """BUILD with the tiny model of `corpus`."""
-    return {**BUILD, "model": str(corpus / "model")}
+    return {**BUILD, "model": model_of(corpus)}
 
 
 def assert_same_store(a_path, b_path):
@@ -193,7 +198,7 @@ def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkey
     from kvf.pipeline.workflows.run import RunOptions, run
     common = dict(methods=["full", "reuse", "cacheblend"], ratios=[0.15], dataset=corpus / "data",
                   workspace=corpus / "one", max_new_tokens=4, warmup=False,
-                  model=str(corpus / "model"))
+                  model=model_of(corpus))
     run(RunOptions(out=corpus / "one.jsonl", **common), QUIET)
     run(RunOptions(out=corpus / "ray.jsonl", ray="local", workers=2, **common), QUIET)
     one, n_one = answers(corpus / "one.jsonl")
@@ -216,7 +221,7 @@ def test_an_error_in_a_method_of_ones_own_on_a_worker_is_blamed_on_its_file(corp
     write_raising_method(tmp_path / "methods")
     proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", corpus / "data", "-w", corpus / "one", "-m", "boom",
                            "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl", "--ray", "local",
-                           "--model", corpus / "model",
+                           "--model", model_of(corpus),
                            "--workers", "1"], capture_output=True, text=True,
                           env={**ENV, "KVF_METHOD_PATH": str(tmp_path / "methods")})
     assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'methods' / 'boom.py'} {RAISING_METHOD_ERROR} (run "
@@ -246,7 +251,7 @@ def test_a_ray_run_whose_kvs_its_disk_cannot_hold_is_refused_before_its_workers_
 
     monkeypatch.setattr(distributed, "run_with_ray", run_with_ray)
     common = dict(out=tmp_path / "o.jsonl", dataset=corpus / "data", workspace=tmp_path / "ws", ray="local", workers=1,
-                  warmup=False, model=str(corpus / "model"))
+                  warmup=False, model=model_of(corpus))
     with pytest.raises(KvfError, match=rf"^--store {tmp_path / 'ws' / 'kv.zarr'}: the \d+ entries still to compute for "
                                        "these questions need about .* free space, or pass --store on a larger disk$"):
         run(RunOptions(methods=["fusionrag"], **common), QUIET)
@@ -329,6 +334,6 @@ def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(
     out = tmp_path / "run.jsonl"
     with pytest.raises(KvfError, match=rf"^--workers {cpus + 1}: "):
         run(RunOptions(out=out, methods=["reuse"], dataset=corpus / "data", workspace=corpus / "one", ray="local",
-                       workers=cpus + 1, model=str(corpus / "model")), QUIET)
+                       workers=cpus + 1, model=model_of(corpus)), QUIET)
     assert not out.exists()
 

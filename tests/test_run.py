@@ -303,7 +303,7 @@ def test_a_dataset_prepared_again_with_more_questions_is_chunked_again_into_its_
     from kvf.pipeline.data.synthetic import make_synthetic
     data = tmp_path / "data"
     make_synthetic(data, n_questions=2, passages_per_question=3, seed=5)
-    tiny = str(tiny_llama_dir(tmp_path / "tiny", max_position_embeddings=2048))   # chunking does not depend on it
+    tiny = str(tiny_llama_dir(tmp_path / "tiny"))   # chunking does not depend on it
     opts = RunOptions(dataset=data, methods=["reuse"], ratios=[0.0], out=tmp_path / "a.jsonl", max_new_tokens=1,
                       warmup=False, chunk_tokens=64, model=tiny)
     run(opts, QUIET)
