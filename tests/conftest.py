@@ -11,10 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `make test` hands whole files to two workers (--dist loadfile, --no-loadscope-reorder), each file to whichever
 # worker frees first, in collection order. xdist's own order (most tests first) left test_ray.py, few tests but
 # 2.5 minutes, to run alone at the end; the files that take longest go first (their own times in make test,
-# --junitxml, 2026-12-02: 240, 230, 205, 185, 105, 85, 75 s, and test_ray.py's ~75 since its tiny model). A stale
-# list costs balance, never a test.
-LONGEST_FILES = ["test_method_contract.py", "test_run.py", "test_catalogue.py", "test_build.py", "test_s3.py",
-                 "test_methods.py", "test_report.py", "test_ray.py"]
+# --junitxml, 2026-12-02 with tiny_built: 197, 183, 167, 122, 102, 92, 89, 84 s). A stale list costs balance,
+# never a test.
+LONGEST_FILES = ["test_method_contract.py", "test_catalogue.py", "test_build.py", "test_run.py", "test_s3.py",
+                 "test_report.py", "test_methods.py", "test_ray.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -131,18 +131,35 @@ def recomputes_chunks(method) -> bool:
     return method.ratio_is_knob or method.fixed_ratio == 1.0
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    """A synthetic prepared dataset (3 questions, 3 passages each) and its workspace (64-token chunks)."""
+def build_synthetic(root, model: str | None = None):
+    """A synthetic prepared dataset (3 questions, 3 passages each) at root/data and its workspace at root/ws
+    (64-token chunks, prefix variant) built by `model` (None: the embedded one) -> root."""
     import io
     from rich.console import Console
     from kvf.pipeline.data.synthetic import make_synthetic
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
-    root = tmp_path_factory.mktemp("run")
     make_synthetic(root / "data", n_questions=3, passages_per_question=3, seed=1)
     build_cache(BuildOptions(corpus=root / "data" / "corpus", workspace=root / "ws", chunk_tokens=64,
-                             variants=("prefix",), n_neighbours=2), Console(file=io.StringIO()))
+                             variants=("prefix",), n_neighbours=2, model=model), Console(file=io.StringIO()))
     return root  # session-wide: pytest removes it at the end of a passing session (tmp_path_retention_policy)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """`build_synthetic` by the embedded model."""
+    return build_synthetic(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_built(tmp_path_factory):
+    """`build_synthetic` by a `tiny_llama_dir` of the embedded model's 30 layers (root/model: pass it as the run's
+    model): the same chunks, prompts and layer-dependent knob limits (cacheblend's --check-layer), for runs whose
+    checks do not need trained weights (records, settings, sharing, resuming, flags, errors). Initialised at std 0.1,
+    its answers depend on the passages: at transformers' 0.02 all three questions got one answer and reuse never
+    parted from full; at 0.1 reuse parts from full in 6 of 15 answers and ratio 1 keeps KL to full at 2e-8."""
+    root = tmp_path_factory.mktemp("tiny-run")
+    model = tiny_llama_dir(root / "model", num_hidden_layers=30, initializer_range=0.1)
+    return build_synthetic(root, model=str(model))
 
 
 def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:

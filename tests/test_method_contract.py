@@ -223,14 +223,15 @@ def non_default_knobs() -> dict[str, dict]:
     return out
 
 
-def test_knobs_round_trip_into_run_records(built, tmp_path):
+def test_knobs_round_trip_into_run_records(tiny_built, tmp_path):
     from kvf.pipeline.workflows.run import RunOptions, run
     knobs = {k: v for per_method in non_default_knobs().values() for k, v in per_method.items()}
     out = tmp_path / "contract.jsonl"
     from rich.console import Console
     import io
-    run(RunOptions(out=out, methods=NAMES, ratios=[0.3], dataset=built / "data", workspace=built / "ws", limit=1,
-                   max_new_tokens=2, knobs=knobs, warmup=False), Console(file=io.StringIO()))
+    run(RunOptions(out=out, methods=NAMES, ratios=[0.3], dataset=tiny_built / "data", workspace=tiny_built / "ws",
+                   limit=1, max_new_tokens=2, knobs=knobs, warmup=False, model=str(tiny_built / "model")),
+        Console(file=io.StringIO()))
     records = {json.loads(line)["method"]: json.loads(line) for line in out.read_text().splitlines()}
     assert set(records) == set(NAMES)
     for name, expected in non_default_knobs().items():
@@ -306,13 +307,14 @@ def recipe_method(folder):
     return {**os.environ, "KVF_METHOD_PATH": str(folder), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(built, tmp_path):
+def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(tiny_built, tmp_path):
     env = recipe_method(tmp_path / "methods")
     kvf = [sys.executable, "-m", "kvf"]
     help_text = subprocess.run([*kvf, "run", "--help"], capture_output=True, text=True, env=env).stdout
     assert "--from-end" in help_text
     out = tmp_path / "mine.jsonl"
-    proc = subprocess.run([*kvf, "run", "-d", built / "data", "-w", built / "ws", "-m", "mine", "--from-end", "-r", "0.5",
+    proc = subprocess.run([*kvf, "run", "-d", tiny_built / "data", "-w", tiny_built / "ws", "--model",
+                           tiny_built / "model", "-m", "mine", "--from-end", "-r", "0.5",
                            "-n", "1", "--max-new-tokens", "2", "-o", out, "--no-show-answers"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -343,13 +345,14 @@ def test_a_method_file_that_does_not_load_is_one_line_naming_it(tmp_path, name):
         assert f"fix the method file, or move it out of {tmp_path / 'methods'}" in proc.stderr
 
 
-def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(built, tmp_path):
+def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(tiny_built, tmp_path):
     """It was "internal error ... (please report it)": an error of kvf's, in a method kvf never saw."""
     write_raising_method(tmp_path / "methods")
     (tmp_path / "linked").symlink_to(tmp_path / "methods")   # a folder reached through a link is the same files
     env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "linked"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", built / "data", "-w", built / "ws", "-m", "boom",
-                           "-r", "0.5", "-n", "1", "--max-new-tokens", "2", "-o", tmp_path / "o.jsonl"],
+    proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", tiny_built / "data", "-w", tiny_built / "ws",
+                           "--model", tiny_built / "model", "-m", "boom", "-r", "0.5", "-n", "1", "--max-new-tokens",
+                           "2", "-o", tmp_path / "o.jsonl"],
                           capture_output=True, text=True, env=env)
     assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'linked' / 'boom.py'} {RAISING_METHOD_ERROR}")
     assert proc.returncode == 1

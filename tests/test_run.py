@@ -21,19 +21,27 @@ RECORD_FIELDS = {"qid", "dataset", "method", "settings", "chunk_ids", "question"
 
 
 def run_opts(built, out, **kw):
+    """A run of `built`'s dataset (a `tiny_built`) on its workspace, by its model."""
     base = dict(dataset=built / "data", methods=["full", "reuse", "cacheblend"], ratios=[0.0, 0.5, 1.0],
-                out=out, workspace=built / "ws", limit=2, max_new_tokens=4, warmup=False)  # timing is not tested here
+                out=out, workspace=built / "ws", limit=2, max_new_tokens=4, warmup=False,  # timing is not tested here
+                model=str(built / "model"))
     base.update(kw)
     return RunOptions(**base)
+
+
+def questions_opts(built, questions, out):
+    """reuse on a questions file of one's own, retrieved from `built`'s workspace, by its model."""
+    return RunOptions(questions=questions, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out,
+                      max_new_tokens=2, model=str(built / "model"))
 
 
 def read_records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
+def test_sweep_writes_one_record_per_question_method_ratio(tiny_built, tmp_path):
     out = tmp_path / "runs.jsonl"
-    run(run_opts(built, out, compare_full=True), QUIET)
+    run(run_opts(tiny_built, out, compare_full=True), QUIET)
     records = read_records(out)
     # full and reuse ignore the ratio: once each; cacheblend once per ratio -> 5 per question
     assert len(records) == 2 * 5
@@ -56,19 +64,19 @@ def test_sweep_writes_one_record_per_question_method_ratio(built, tmp_path):
     assert parted and all(r["answer_agree_full"] < 1 and r["answer_kl_full"] > 0 for r in parted)
 
 
-def test_full_is_one_request_whatever_the_variant(built, tmp_path):
+def test_full_is_one_request_whatever_the_variant(tiny_built, tmp_path):
     """`full` reads no stored entry, but a run with --variant fusion recorded it as a fusion record: resuming
     the same file without --variant prefilled every question in full again, and the tables showed two
     `full` rows. It is recorded under its own variant (prefix, as every earlier run recorded it)."""
     out = tmp_path / "runs.jsonl"
-    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], limit=1, variant="fusion"), QUIET)
-    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], limit=1), QUIET)
+    run(run_opts(tiny_built, out, methods=["full", "reuse"], ratios=[0.0], limit=1, variant="fusion"), QUIET)
+    run(run_opts(tiny_built, out, methods=["full", "reuse"], ratios=[0.0], limit=1), QUIET)
     records = read_records(out)
     assert sorted((r["method"], r["settings"]["variant"]) for r in records) == [
         ("full", "prefix"), ("reuse", "fusion"), ("reuse", "prefix")]
 
 
-def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, monkeypatch):
+def test_compare_full_and_full_share_one_prefill_per_question(tiny_built, tmp_path, monkeypatch):
     """With --compare-full, the `full` record is the comparison's own prefill: one per question
     (plus one untimed warm-up, when there is one), not two."""
     from kvf.pipeline.fusion.methods.full import FullPrefill
@@ -76,7 +84,7 @@ def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, m
     original = FullPrefill.prefill
     monkeypatch.setattr(FullPrefill, "prefill", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
     out = tmp_path / "runs.jsonl"
-    run(run_opts(built, out, methods=["full", "reuse"], ratios=[0.0], compare_full=True, warmup=True), QUIET)
+    run(run_opts(tiny_built, out, methods=["full", "reuse"], ratios=[0.0], compare_full=True, warmup=True), QUIET)
     records = read_records(out)
     assert len(records) == 2 * 2
     assert len(calls) == 1 + 2
@@ -87,7 +95,7 @@ def test_compare_full_and_full_share_one_prefill_per_question(built, tmp_path, m
     assert all(r["full_first_token"] == full_ttft[r["qid"]] for r in records)
 
 
-def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp_path, monkeypatch):
+def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(tiny_built, tmp_path, monkeypatch):
     """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio),
     computes once the reuse prefill of every method that is reuse at ratio 0, and decodes in batches;
     --no-share runs every request alone. Same answers, and the shared pieces are named in each record."""
@@ -97,15 +105,16 @@ def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp
     monkeypatch.setattr(FusionEngine, "query_pass", lambda self, *a: passes.append(1) or original_pass(self, *a))
     monkeypatch.setattr(FusionEngine, "fuse", lambda self, m, *a: fused.append(m.name) or original_fuse(self, m, *a))
     kw = dict(methods=["reuse", "prophetkv", "fusionrag", "cacheblend"], ratios=[0.0, 0.15], warmup=False, limit=1)
-    run(run_opts(built, tmp_path / "shared.jsonl", **kw), QUIET)
+    run(run_opts(tiny_built, tmp_path / "shared.jsonl", **kw), QUIET)
     assert len(passes) == 2  # one pass on the prefix variant, one on the fusion variant
     # reuse once per variant (prophetkv@0 and cacheblend@0 share the prefix one, fusionrag@0 the fusion one)
     assert sorted(fused) == ["cacheblend", "fusionrag", "prophetkv", "reuse", "reuse"]
-    run(run_opts(built, tmp_path / "alone.jsonl", share=False, **kw), QUIET)
+    run(run_opts(tiny_built, tmp_path / "alone.jsonl", share=False, **kw), QUIET)
     assert len(passes) == 2  # alone, each request runs its first pass inside its own layer loop
     shared, alone = read_records(tmp_path / "shared.jsonl"), read_records(tmp_path / "alone.jsonl")
     key = lambda r: (r["qid"], r["method"], r["settings"]["ratio"])  # noqa: E731
     assert len(shared) == 7 and {key(r): r["answer"] for r in shared} == {key(r): r["answer"] for r in alone}
+    assert len({r["answer"] for r in shared}) > 1   # answers that tell the caches apart: the check above can fail
     for rec in shared:
         variant, ratio = rec["settings"]["variant"], rec["settings"]["ratio"]
         assert "decode-batch:5" in rec["shared"]  # 7 answers, 5 distinct prefills
@@ -114,9 +123,9 @@ def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(built, tmp
     assert all(rec["shared"] == [] for rec in alone)
 
 
-def test_rerun_skips_done_and_a_torn_line_is_recovered(built, tmp_path):
+def test_rerun_skips_done_and_a_torn_line_is_recovered(tiny_built, tmp_path):
     out = tmp_path / "runs.jsonl"
-    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
+    opts = run_opts(tiny_built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
     run(opts, QUIET)
     first = out.read_text().splitlines()
     assert len(first) == 4
@@ -141,11 +150,11 @@ class DiskFills:
         return getattr(self.file, name)
 
 
-def test_a_full_disk_cuts_the_record_back_and_the_rerun_resumes(built, tmp_path):
+def test_a_full_disk_cuts_the_record_back_and_the_rerun_resumes(tiny_built, tmp_path):
     """Disk full mid-record: one line naming --out and the fix, the file cut back to its whole records (no
     torn line, no traceback from a buffered retry at close), and the re-run writes the rest."""
     out = tmp_path / "runs.jsonl"
-    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
+    opts = run_opts(tiny_built, out, methods=["reuse", "cacheblend"], ratios=[0.2])
     run(opts, QUIET)
     records = [parse_record(json.loads(line), "test") for line in out.read_text().splitlines()]
     with RunFile(out) as run_file:
@@ -176,43 +185,45 @@ def test_a_failed_atomic_write_names_the_file_not_its_temp(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []            # no temp file left behind
 
 
-def test_a_dataset_on_a_read_only_mount_needs_a_workspace_elsewhere(built, tmp_path, monkeypatch):
+def test_a_dataset_on_a_read_only_mount_needs_a_workspace_elsewhere(tiny_built, tmp_path, monkeypatch):
     """`kvf run -d DATA` with no workspace makes one inside DATA; where DATA is a read-only copy the line
     names the default and the flag that moves it (it was "Read-only file system (check the path ...)")."""
     import shutil
     import tempfile
     data = tmp_path / "data"
-    shutil.copytree(built / "data", data, ignore=shutil.ignore_patterns("workspace"))
+    shutil.copytree(tiny_built / "data", data, ignore=shutil.ignore_patterns("workspace"))
     real_probe = tempfile.NamedTemporaryFile
     def read_only_under_data(*args, dir=None, **kw):
         if dir is not None and Path(dir).is_relative_to(data):
             raise OSError(errno.EROFS, "Read-only file system")
         return real_probe(*args, dir=dir, **kw)
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only_under_data)
-    opts = run_opts(built, tmp_path / "runs.jsonl", dataset=data, workspace=None, methods=["reuse"], ratios=[0.0], limit=1)
+    opts = run_opts(tiny_built, tmp_path / "runs.jsonl", dataset=data, workspace=None, methods=["reuse"], ratios=[0.0],
+                    limit=1)
     with pytest.raises(KvfError, match=r"--workspace \(default: inside --dataset\) .*data/workspace is not writable"):
         run(opts, QUIET)
 
 
-def test_a_store_that_does_not_exist_yet_is_said(built, tmp_path, capsys):
+def test_a_store_that_does_not_exist_yet_is_said(tiny_built, tmp_path, capsys):
     """`kvf run --store TYPO`: the run made a new, empty store there and recomputed every KV without a word.
     It still may (the store fills as questions need it), but says so; the workspace's own store says nothing."""
     out = tmp_path / "runs.jsonl"
-    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1), QUIET)
+    run(run_opts(tiny_built, out, methods=["reuse"], ratios=[0.0], limit=1), QUIET)
     assert "no store at" not in capsys.readouterr().err
     elsewhere = tmp_path / "typo" / "kv.zarr"
-    run(run_opts(built, tmp_path / "other.jsonl", methods=["reuse"], ratios=[0.0], limit=1, store=str(elsewhere)), QUIET)
+    run(run_opts(tiny_built, tmp_path / "other.jsonl", methods=["reuse"], ratios=[0.0], limit=1,
+                 store=str(elsewhere)), QUIET)
     err = " ".join(capsys.readouterr().err.split())
     assert f"no store at {elsewhere} yet: created it" in err and "check --store" in err
     assert (tmp_path / "other.jsonl").read_text().count("\n") == 1   # it answered, from the new store
 
 
-def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(built, tmp_path, capsys):
+def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(tiny_built, tmp_path, capsys):
     """Resuming keys records by question id: a question whose text changed under the same id was skipped
     as done, its old answer kept. Refused now; changed gold answers (scoring only) are said."""
     mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
     ask = lambda text, answers: mine.write_text(json.dumps({"id": "a", "question": text, "answers": answers}) + "\n")  # noqa: E731
-    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    opts = questions_opts(tiny_built, mine, out)
     ask("Where was the subject born?", ["Paris"])
     run(opts, QUIET)
     ask("Who founded the company?", ["Paris"])
@@ -225,13 +236,13 @@ def test_a_question_edited_since_it_was_answered_is_not_skipped_as_done(built, t
     assert out.read_text().count("\n") == 1                     # nothing re-run
 
 
-def test_a_question_whose_id_changed_is_not_answered_and_scored_twice(built, tmp_path):
+def test_a_question_whose_id_changed_is_not_answered_and_scored_twice(tiny_built, tmp_path):
     """Ids given to a questions file that had none (or renamed): resuming answered every question again under
     its new id, and the run file held each twice, which `kvf eval` scored as twice the questions. Refused; a
     run of other questions of the same source (another --offset) with the same text is not."""
     mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
     lines = lambda *rows: mine.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
-    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    opts = questions_opts(tiny_built, mine, out)
     lines({"question": "Where was the subject born?"}, {"question": "Who founded the company?"})
     run(opts, QUIET)
     lines({"id": "born", "question": "Where was the subject born?"}, {"id": "founded", "question": "Who founded the company?"})
@@ -247,48 +258,49 @@ def test_a_question_whose_id_changed_is_not_answered_and_scored_twice(built, tmp
     assert [json.loads(line)["qid"] for line in twice.read_text().splitlines()] == ["y", "x"]
 
 
-def test_a_question_retrieval_finds_nothing_for_is_refused_before_any_work(built, tmp_path):
+def test_a_question_retrieval_finds_nothing_for_is_refused_before_any_work(tiny_built, tmp_path):
     """Shared BM25 retrieval of a question with no word in the corpus returns no chunk: the question was
     answered with no context at all, every method alike, and each one's fidelity to full counted 1.0."""
     mine, out = tmp_path / "mine.jsonl", tmp_path / "runs.jsonl"
     mine.write_text(json.dumps({"id": "fine", "question": "Where was the subject born?"}) + "\n"
                     + json.dumps({"id": "void", "question": "Qzxv wkpq?"}) + "\n")
-    opts = RunOptions(questions=mine, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out, max_new_tokens=2)
+    opts = questions_opts(tiny_built, mine, out)
     with pytest.raises(KvfError, match=f"question void in {mine}: bm25 retrieval found no chunk for it.*"
                                        "--retriever dense, or leave it out of mine.jsonl"):
         run(opts, QUIET)
     assert not out.exists() or out.read_text() == ""
 
 
-def test_neighbours_other_than_the_workspace_s_are_refused_not_ignored(built, tmp_path):
+def test_neighbours_other_than_the_workspace_s_are_refused_not_ignored(tiny_built, tmp_path):
     """`kvf run --neighbours 5` on a workspace built with 2 ran on the workspace's fusion entries, silently."""
     out = tmp_path / "runs.jsonl"
-    with pytest.raises(KvfError, match=f"--neighbours 5: workspace {built / 'ws'} was built with 2, .*--neighbours 5`"):
-        run(run_opts(built, out, methods=["fusionrag"], ratios=[0.15], limit=1, n_neighbours=5), QUIET)
-    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, n_neighbours=2), QUIET)
+    with pytest.raises(KvfError,
+                       match=f"--neighbours 5: workspace {tiny_built / 'ws'} was built with 2, .*--neighbours 5`"):
+        run(run_opts(tiny_built, out, methods=["fusionrag"], ratios=[0.15], limit=1, n_neighbours=5), QUIET)
+    run(run_opts(tiny_built, out, methods=["reuse"], ratios=[0.0], limit=1, n_neighbours=2), QUIET)
     assert read_records(out)[0]["settings"]["n_neighbours"] == 2
 
 
-def test_retrieval_flags_in_the_per_question_setting_are_refused_not_ignored(built, tmp_path):
+def test_retrieval_flags_in_the_per_question_setting_are_refused_not_ignored(tiny_built, tmp_path):
     """`kvf run -d DATA -k 3` where questions bring their own passages answered from all of them: -k (and
     --retriever) shape shared retrieval only, and were dropped without a word."""
     out = tmp_path / "runs.jsonl"
     for flags, said in (({"top_k": 3}, "--top-k 3"), ({"retriever": "dense"}, "--retriever dense")):
         with pytest.raises(KvfError, match=f"{said}: the per-question setting \\(questions name up to 3 passages\\) "
                                            ".*--setting shared"):
-            run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, **flags), QUIET)
-    run(run_opts(built, out, methods=["reuse"], ratios=[0.0], limit=1, top_k=2, setting="shared"), QUIET)
+            run(run_opts(tiny_built, out, methods=["reuse"], ratios=[0.0], limit=1, **flags), QUIET)
+    run(run_opts(tiny_built, out, methods=["reuse"], ratios=[0.0], limit=1, top_k=2, setting="shared"), QUIET)
     assert len(read_records(out)[0]["chunk_ids"]) == 2
 
 
-def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(built, tmp_path):
+def test_run_without_a_workspace_writes_the_manifest_build_cache_writes(tiny_built, tmp_path):
     """`kvf run` on a dataset with no workspace chunks and indexes it itself; its manifest must carry every
     field build-cache's does (same writer), so a later build-cache or run reads it alike."""
     ws = tmp_path / "ws"
-    run(run_opts(built, tmp_path / "runs.jsonl", methods=["reuse"], ratios=[0.0], limit=1, workspace=ws,
+    run(run_opts(tiny_built, tmp_path / "runs.jsonl", methods=["reuse"], ratios=[0.0], limit=1, workspace=ws,
                  chunk_tokens=64), QUIET)
     made_by_run = json.loads((ws / "manifest.json").read_text())
-    made_by_build = json.loads((built / "ws" / "manifest.json").read_text())
+    made_by_build = json.loads((tiny_built / "ws" / "manifest.json").read_text())
     assert set(made_by_run) == set(made_by_build)
     assert made_by_run["format"] == "zarr" and made_by_run["store"] == "kv.zarr"  # relative: the workspace can move
     assert made_by_run["tokenizer_fingerprint"] == made_by_build["tokenizer_fingerprint"]
@@ -346,13 +358,15 @@ def kvf_cli(*args):
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 
 
-def test_cli_unknown_method_lists_known_ones(built, tmp_path):
-    proc = kvf_cli("run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "nosuch", "-o", str(tmp_path / "x.jsonl"))
+def test_cli_unknown_method_lists_known_ones(tiny_built, tmp_path):
+    proc = kvf_cli("run", "-d", str(tiny_built / "data"), "-w", str(tiny_built / "ws"), "-m", "nosuch",
+                   "-o", str(tmp_path / "x.jsonl"))
     assert_one_line(proc.returncode, proc.stderr, "--method nosuch", "cacheblend", "reuse")
 
 
-def test_cli_ratio_out_of_range(built, tmp_path):
-    proc = kvf_cli("run", "-d", str(built / "data"), "-m", "cacheblend", "-r", "1.2", "-o", str(tmp_path / "x.jsonl"))
+def test_cli_ratio_out_of_range(tiny_built, tmp_path):
+    proc = kvf_cli("run", "-d", str(tiny_built / "data"), "-m", "cacheblend", "-r", "1.2",
+                   "-o", str(tmp_path / "x.jsonl"))
     assert_one_line(proc.returncode, proc.stderr, "--ratio")
 
 
@@ -450,10 +464,11 @@ def test_help_shows_every_option_s_help_and_bracketed_default():
     assert checked > 10
 
 
-def test_cli_method_knobs_reach_the_records(built, tmp_path):
+def test_cli_method_knobs_reach_the_records(tiny_built, tmp_path):
     """Every method flag of `kvf run` lands in the method's recorded settings (and so changes what runs)."""
     out = tmp_path / "knobs.jsonl"
-    proc = kvf_cli("run", "-d", str(built / "data"), "-w", str(built / "ws"), "-m", "cacheblend,cachefocus",
+    proc = kvf_cli("run", "-d", str(tiny_built / "data"), "-w", str(tiny_built / "ws"), "--model",
+                   str(tiny_built / "model"), "-m", "cacheblend,cachefocus",
                    "-r", "0.3", "-n", "1", "--max-new-tokens", "2", "-o", str(out),
                    "--check-layer", "2", "--deviation", "v", "--gradual",
                    "--prune-every", "2", "--keep-chunks", "1", "--allocation", "sort")
@@ -463,9 +478,10 @@ def test_cli_method_knobs_reach_the_records(built, tmp_path):
     assert settings["cachefocus"] | {"prune_every": 2, "keep_chunks": 1, "allocation": "sort"} == settings["cachefocus"]
 
 
-def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
+def test_ratio_auto_uses_the_loading_controller(tiny_built, tmp_path):
     out = tmp_path / "auto.jsonl"
-    opts = run_opts(built, out, methods=["reuse", "cacheblend"], ratios=[0.25], auto_ratio=True, quality_floor=0.25)
+    opts = run_opts(tiny_built, out, methods=["reuse", "cacheblend"], ratios=[0.25], auto_ratio=True,
+                    quality_floor=0.25)
     run(opts, QUIET)
     records = read_records(out)
     blend = [r for r in records if r["method"] == "cacheblend"]
@@ -487,13 +503,13 @@ def test_ratio_auto_uses_the_loading_controller(built, tmp_path):
     assert {run_name(r) for r in blend} == {"cacheblend@auto"}
 
 
-def test_fewer_questions_than_n_asked_are_said(built, tmp_path, capsys):
+def test_fewer_questions_than_n_asked_are_said(tiny_built, tmp_path, capsys):
     """`-n 5 --offset 19` on 20 questions answered one and said nothing (kvf data prepare -n says so)."""
     from kvf.pipeline.data.datasets import load_prepared
     from kvf.pipeline.workflows.run import select_questions
-    questions = load_prepared(built / "data")[0]
+    questions = load_prepared(tiny_built / "data")[0]
     n = len(questions)
-    opts = run_opts(built, tmp_path / "o.jsonl")
+    opts = run_opts(tiny_built, tmp_path / "o.jsonl")
     assert len(select_questions(questions, replace(opts, offset=n - 1, limit=5))) == 1
     assert "1 question left after --offset" in capsys.readouterr().err
     assert len(select_questions(questions, replace(opts, limit=n + 1))) == n
@@ -502,15 +518,16 @@ def test_fewer_questions_than_n_asked_are_said(built, tmp_path, capsys):
     assert capsys.readouterr().err == ""   # as many as asked: nothing to say
 
 
-def test_a_passage_cited_twice_is_said(built, tmp_path, capsys):
+def test_a_passage_cited_twice_is_said(tiny_built, tmp_path, capsys):
     """A question citing one document twice (a copy-paste) was answered with its chunks twice in the prompt, and
     nothing said so. It is said once for the run, and the prompt is as cited."""
-    doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    doc = next(iter(json.loads((tiny_built / "ws" / "doc_chunks.json").read_text())))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"id": "twice", "question": "Who?", "passages": [doc, doc]}) + "\n"
                          + json.dumps({"id": "once", "question": "Who?", "passages": [doc]}) + "\n")
     out = tmp_path / "o.jsonl"
-    run(run_opts(built, out, dataset=None, questions=questions, methods=["reuse"], ratios=[0.0], limit=None), QUIET)
+    run(run_opts(tiny_built, out, dataset=None, questions=questions, methods=["reuse"], ratios=[0.0], limit=None),
+        QUIET)
     err = capsys.readouterr().err
     assert f"question twice cites passage {doc!r} more than once; its chunks go into the prompt each time" in err
     assert err.count("more than once") == 1
@@ -518,18 +535,18 @@ def test_a_passage_cited_twice_is_said(built, tmp_path, capsys):
     assert by_qid["twice"]["chunk_ids"] == by_qid["once"]["chunk_ids"] * 2
 
 
-def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(built, tmp_path):
+def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_questions(tiny_built, tmp_path):
     """-m NAME:KNOB=VALUE:variant=V runs that entry with those settings alone, labelled by them; --offset
     answers a later slice (a held-out split) and nothing before it."""
     out = tmp_path / "specs.jsonl"
-    opts = run_opts(built, out, methods=["cacheblend", "cacheblend:check_layer=2:variant=fusion"], ratios=[0.3],
+    opts = run_opts(tiny_built, out, methods=["cacheblend", "cacheblend:check_layer=2:variant=fusion"], ratios=[0.3],
                     offset=1, limit=1)
     printed = io.StringIO()
     run(opts, Console(file=printed, width=200))
     assert "cacheblend@0.3 [check_layer=2:variant=fusion]" in printed.getvalue()   # the mean-TTFT line names both
     records = read_records(out)
     from kvf.pipeline.data.datasets import load_prepared
-    all_qids = [q.qid for q in load_prepared(built / "data")[0]]
+    all_qids = [q.qid for q in load_prepared(tiny_built / "data")[0]]
     assert {r["qid"] for r in records} == {all_qids[1]}
     by_label = {r.get("label"): r for r in records}
     assert set(by_label) == {None, "check_layer=2:variant=fusion"}
