@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvf.pipeline.workflows.display import wrapped_label
+
 REFERENCE_METHODS = ("full", "reuse")
 POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
 METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
@@ -115,14 +117,19 @@ def _annotate_empty(ax, text: str, shared_y: bool = False) -> None:
         ax.set_yticks([])
 
 
+LEGEND_LABEL_CHARS = 44   # a legend entry is broken after a knob's ":" into lines no longer than this
+
+
 def _legend_outside(fig, axes) -> None:
+    """One legend for every panel, right of them; a configuration's long knob list in lines (on one line, four
+    of kvfuse's knobs made the legend wider than both panels together)."""
     handles = {}
     for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(name, handle)
     if handles:
-        fig.legend(list(handles.values()), list(handles.keys()), loc="center left", bbox_to_anchor=(0.86, 0.5),
-                   fontsize="small", frameon=False)
+        fig.legend(list(handles.values()), [wrapped_label(name, LEGEND_LABEL_CHARS) for name in handles],
+                   loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize="small", frameon=False)
 
 
 def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
@@ -227,6 +234,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
 
 
 RANKING_INCHES_PER_CHAR = 0.085   # a row name's width at the tick labels' font size, generously
+RANKING_NAME_CHARS = 60           # a row name is broken after a knob's ":" into lines no longer than this
 
 
 def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
@@ -241,12 +249,15 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     if labelled.method.nunique() == 1:   # one method's configurations: the knobs they all start with, named once
         short, base = shared_knobs(list(rows.label.where(rows.method == labelled.method.iloc[0], "")))
         rows = rows.assign(label=short)
-    rows = rows.assign(name=[_label(r, rows.variant.nunique() > 1) for _, r in rows.iterrows()])
+    rows = rows.assign(name=[wrapped_label(_label(r, rows.variant.nunique() > 1), RANKING_NAME_CHARS)
+                             for _, r in rows.iterrows()])
     # ranked by gold accuracy where it discriminates (generated suites), else by fidelity to full:
     # a weak model's gold F1 on QA sits near its floor; best at the top
     rows = rows.sort_values(metric if metric == "acc" else "fidelity_f1")
     # the row names take what they need (~0.085 inch a character) and each panel keeps ~3.5 inches
-    names_inches = RANKING_INCHES_PER_CHAR * max(len(name) for name in rows.name)
+    lines = [name.split("\n") for name in rows.name]
+    names_inches = RANKING_INCHES_PER_CHAR * max(len(line) for name in lines for line in name)
+    row_inches = 0.22 + 0.16 * max(map(len, lines))   # rows are evenly spaced: each has room for the most lines
     panels = [(metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
               ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)]
     if answers_measured(rows):   # records that measured full's answer: its KL, a third panel
@@ -255,7 +266,7 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     drawn, notes = measured_panels(rows, panels)
     if base is not None:
         notes += f"\nbase = {labelled.method.iloc[0]}:{base}"
-    fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), 0.38 * len(rows) + 1.8))
+    fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), row_inches * len(rows) + 1.8))
     axes = np.atleast_1d(fig.subplots(1, len(drawn), sharey=True))
     for ax, (column, low, high, xlabel, empty) in zip(axes, drawn):
         missing = rows[column].isna().to_numpy()   # no score: no bar, never a bar of 0

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvf.eval.plots import shared_knobs  # noqa: E402
 from kvf.pipeline.fusion.methods.base import chunk_attention  # noqa: E402
 from kvf.pipeline.fusion.methods.kvfuse import KvFuse  # noqa: E402
-from kvf.pipeline.workflows.bench import wrapped_label  # noqa: E402
+from kvf.pipeline.workflows.display import wrapped_label  # noqa: E402
 from kvf.scripts.hop_probe import kvfuse_probe_main, mass_on, probed_samples  # noqa: E402
 from kvf.scripts.locate_probe import files_beside, made_by  # noqa: E402
 
@@ -89,7 +89,7 @@ def share_by_layer(table: pd.DataFrame, out: Path, column: str, ylabel: str, wha
     ax.set_title(f"{', '.join(sorted(table.model.unique()))}, {', '.join(table.dataset.unique())} "
                  f"(n = {table.qid.nunique()}): {what}", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False,
-              title=None if common is None else wrapped_label(f"base = kvfuse:{common}"), title_fontsize=7)
+              title=None if common is None else wrapped_label(f"base = kvfuse:{common}", 80), title_fontsize=7)
     fig.savefig(out, dpi=130, bbox_inches="tight")                # the figure grows to hold the legend below
     plt.close(fig)
 

@@ -381,7 +381,7 @@ def test_a_length_named_twice_is_timed_once():
 
 
 def test_a_long_label_is_broken_after_a_knob_into_lines_that_keep_every_character():
-    from kvf.pipeline.workflows.bench import wrapped_label
+    from kvf.pipeline.workflows.display import wrapped_label
     label = "kvfuse [" + ":".join(f"knob_{i}={i * 7}" for i in range(12)) + "]@0.15"
     lines = wrapped_label(label, width=30).split("\n")
     assert len(lines) > 1 and max(map(len, lines)) <= 30 and "".join(lines) == label

@@ -1194,3 +1194,29 @@ def test_pairs_test_full_answer_agreement_where_records_measured_it(tmp_path):
     fidelity = pairs[pairs.measure == "fidelity_f1"].iloc[0]
     assert fidelity["diff"] == 0 and not fidelity.significant        # the same answer F1 ("x" against each)
     assert "full's answer tokens agreed" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_long_knob_list_is_broken_into_lines_in_the_legend_and_the_ranking(tmp_path, monkeypatch):
+    """kvfuse's ablations (labels of up to nine knobs) drew a quality legend wider than both of its panels and
+    ranking row names wider than the bars: both are now broken after a knob's ':', every character kept."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    knobs = "sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:ape_temperature=0.9:ape_scale=0.9"
+    score = [1.0, 0.6, 0.5]
+    rows = pd.DataFrame({"dataset": "toy", "method": ["full", "kvfuse", "kvfuse"], "label": ["", "", knobs],
+                         "variant": "fusion", "ratio": [0.0, 0.15, 0.15], "recomputed_frac": [1.0, 0.15, 0.15],
+                         "metric": "f1", "n": 8, "f1": [0.1, 0.08, 0.07], "metric_low": 0.0, "metric_high": 0.2,
+                         "fidelity_f1": score, "fidelity_low": [s - 0.1 for s in score],
+                         "fidelity_high": [min(1.0, s + 0.1) for s in score]})
+    long_name = f"kvfuse [{knobs}]"
+    plots.plot_quality(rows, "toy", tmp_path / "quality.png")
+    legend = figures["quality.png"].legends[0]
+    entries = [text.get_text() for text in legend.get_texts()]
+    [broken] = [entry for entry in entries if "\n" in entry]
+    assert broken.replace("\n", "") == long_name and all(line.endswith(":") for line in broken.split("\n")[:-1])
+    assert max(len(line) for entry in entries for line in entry.split("\n")) <= plots.LEGEND_LABEL_CHARS
+    plots.plot_ranking(rows[rows.ratio == 0.15], "toy at recompute ratio 0.15", tmp_path / "ranking.png")
+    names = [tick.get_text() for tick in figures["ranking.png"].axes[0].get_yticklabels()]
+    assert long_name in [name.replace("\n", "") for name in names] and any("\n" in name for name in names)
+    assert max(len(line) for name in names for line in name.split("\n")) <= plots.RANKING_NAME_CHARS

@@ -38,7 +38,7 @@ from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.fusion.sources import StoreKVSource
 from kvf.pipeline.files import atomic_path, work_dir, write_atomic
 from kvf.pipeline.workflows.devices import check_model_fits, compute_dtype, warn_if_slow
-from kvf.pipeline.workflows.display import fit_table, progress_bar
+from kvf.pipeline.workflows.display import fit_table, progress_bar, wrapped_label
 from kvf.pipeline.workflows.workspace import EntryKeys
 
 RANDOM_CONFIGS = {
@@ -783,27 +783,13 @@ LEGEND_RIGHT_CHARS = 40   # longer legend labels go under the axes
 LEGEND_LINE_CHARS = 80    # under the axes, a label is broken after a knob's ":" into lines no longer than this
 
 
-def wrapped_label(label: str, width: int = LEGEND_LINE_CHARS) -> str:
-    """A legend label in lines of at most `width` characters, broken after the ':' between knobs (a label with
-    step 19's five knobs ran past both edges of the figure)."""
-    lines = [""]
-    for part in label.split(":"):
-        piece = part if lines == [""] else ":" + part
-        if lines[-1] and len(lines[-1]) + len(piece) + 1 > width:   # + 1: the ":" a broken line ends with
-            lines[-1] += ":"
-            lines.append(part)
-        else:
-            lines[-1] += piece
-    return "\n".join(lines)
-
-
 def save_with_legend_outside(fig, ax, path: Path) -> None:
     """The bench plots' legend outside the data, then the PNG written atomically: to the right, or under the axes
     when a label is long (an entry with knobs), where it would squeeze the axes and push the title off the figure;
     there each label is broken into lines that fit the figure."""
     handles, labels = ax.get_legend_handles_labels()
     if max(map(len, labels), default=0) > LEGEND_RIGHT_CHARS:
-        ax.legend(handles, [wrapped_label(label) for label in labels], fontsize=8, loc="upper center",
+        ax.legend(handles, [wrapped_label(label, LEGEND_LINE_CHARS) for label in labels], fontsize=8, loc="upper center",
                   bbox_to_anchor=(0.5, -0.16), frameon=False)
     else:
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)

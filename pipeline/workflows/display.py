@@ -70,3 +70,18 @@ def fit_table(build: Callable[[list[str]], Table], columns: Sequence[str], dropp
 def natural_width(table: Table) -> int:
     """The width a table takes when nothing limits it."""
     return Console(width=10_000).measure(table).maximum
+
+
+def wrapped_label(label: str, width: int) -> str:
+    """A plot's label of a run with knobs in lines of at most `width` characters, broken after the ':' between
+    knobs, never inside one (a label with step 19's five knobs ran past both edges of a figure). A knob longer
+    than `width` keeps its own line."""
+    lines = [""]
+    for part in label.split(":"):
+        piece = part if lines == [""] else ":" + part
+        if lines[-1] and len(lines[-1]) + len(piece) + 1 > width:   # + 1: the ":" a broken line ends with
+            lines[-1] += ":"
+            lines.append(part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
