@@ -4,6 +4,7 @@ methods without a ratio knob as their own markers (full and reuse as reference l
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -120,16 +121,27 @@ def _annotate_empty(ax, text: str, shared_y: bool = False) -> None:
 LEGEND_LABEL_CHARS = 44   # a legend entry is broken after a knob's ":" into lines no longer than this
 
 
+LEGEND_POINTS = 8.33        # fontsize "small" at matplotlib's default 10
+LEGEND_ROOM_INCHES = 1.0    # above and below the legend: the title and the axes' labels
+
+
 def _legend_outside(fig, axes) -> None:
     """One legend for every panel, right of them; a configuration's long knob list in lines (on one line, four
-    of kvfuse's knobs made the legend wider than both panels together)."""
+    of kvfuse's knobs made the legend wider than both panels together). A figure shorter than its legend grows
+    to hold it (seventeen entries, six of them broken, ran over the title)."""
     handles = {}
     for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(name, handle)
-    if handles:
-        fig.legend(list(handles.values()), [wrapped_label(name, LEGEND_LABEL_CHARS) for name in handles],
-                   loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize="small", frameon=False)
+    if not handles:
+        return
+    labels = [wrapped_label(name, LEGEND_LABEL_CHARS) for name in handles]
+    fig.legend(list(handles.values()), labels, loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize="small",
+               frameon=False)
+    lines = sum(label.count("\n") + 1 for label in labels)
+    legend_inches = LEGEND_POINTS / 72 * (1.25 * lines + 0.5 * len(labels))   # text lines, then the gap after each
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, max(height, legend_inches + LEGEND_ROOM_INCHES))
 
 
 def plot_quality(summary: pd.DataFrame, dataset: str, path: Path):
@@ -197,6 +209,10 @@ def data_top(rows: pd.DataFrame, columns: list[str]) -> float:
     return min(1.02, max(0.05, math.ceil(1.15 * max(values) * 20) / 20)) if values else 1.02   # to 0.05
 
 
+TTFT_COLUMNS = 3        # panels a row: RULER's tasks at two lengths in one row made a figure 44 inches wide
+NOTE_NAMES_AT_MOST = 6  # rows left out of the TTFT plot named under it; more are counted
+
+
 def plot_ttft(summary: pd.DataFrame, path: Path):
     """TTFT / full TTFT vs recompute ratio: one panel per dataset; a method keeps its colour in every
     panel, and one legend serves them all. A row whose full prefill another run timed is not drawn (a
@@ -207,8 +223,13 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     left_out = sorted({_label(r, True) for _, r in rows[elsewhere].iterrows()})
     rows = rows[~elsewhere]
     datasets = sorted(rows.dataset.unique())
-    fig = Figure(figsize=(4.4 * max(1, len(datasets)) + 2.6, 4.6))
-    axes = fig.subplots(1, max(1, len(datasets)), sharey=True, squeeze=False)[0]
+    n = max(1, len(datasets))
+    columns = min(n, TTFT_COLUMNS)
+    fig = Figure(figsize=(4.4 * columns + 2.6, 4.0 * math.ceil(n / columns) + 0.6))
+    grid = fig.subplots(math.ceil(n / columns), columns, sharey=True, squeeze=False)
+    axes = grid.ravel()[:n]
+    for spare in grid.ravel()[n:]:   # the last row's empty places
+        fig.delaxes(spare)
     if not datasets:
         _annotate_empty(axes[0], "no TTFT ratios: include a full run of the same questions")
     show_variant = rows.variant.nunique() > 1
@@ -221,15 +242,22 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
         absolute = f"; full TTFT {full_s.iloc[0]:.2f} s" if len(full_s) and not math.isnan(full_s.iloc[0]) else ""
         ax.set_title(f"{dataset} (n = {int(part.n.max())}{absolute})", fontsize=10)
         ax.set_ylim(bottom=0)
-    axes[0].set_ylabel("TTFT / full prefill TTFT (same questions)")
+    for row in grid:
+        row[0].set_ylabel("TTFT / full prefill TTFT (same questions)")
     fig.suptitle("Time to first token vs recompute ratio")
     _legend_outside(fig, axes)
     bottom = 0.0
-    if left_out:
-        fig.text(0.01, 0.01, "not drawn, their full prefill timed by another run: " + ", ".join(left_out),
-                 fontsize="small", color="dimgray", va="bottom")
-        bottom = 0.05
-    fig.tight_layout(rect=(0, bottom, 0.85, 0.95))
+    if left_out:   # in lines as wide as the figure (on one line, 30 such rows made it 260 inches wide)
+        width, height = fig.get_size_inches()
+        named = (", ".join(left_out) if len(left_out) <= NOTE_NAMES_AT_MOST
+                 else f"{len(left_out)} rows (summary.md's notes name them)")
+        note = textwrap.fill("not drawn, their full prefill timed by another run: " + named,
+                             int(width * 72 / (0.6 * LEGEND_POINTS)), break_long_words=False, break_on_hyphens=False)
+        note_inches = LEGEND_POINTS / 72 * 1.3 * (note.count("\n") + 1) + 0.15
+        fig.set_size_inches(width, height + note_inches)
+        fig.text(0.01, 0.01, note, fontsize="small", color="dimgray", va="bottom")
+        bottom = note_inches / (height + note_inches)
+    fig.tight_layout(rect=(0, bottom, 0.85, 1 - 0.3 / fig.get_figheight()))   # 0.3 inch: the title
     save_figure(fig, path)
 
 

@@ -1220,3 +1220,29 @@ def test_a_long_knob_list_is_broken_into_lines_in_the_legend_and_the_ranking(tmp
     names = [tick.get_text() for tick in figures["ranking.png"].axes[0].get_yticklabels()]
     assert long_name in [name.replace("\n", "") for name in names] and any("\n" in name for name in names)
     assert max(len(line) for name in names for line in name.split("\n")) <= plots.RANKING_NAME_CHARS
+
+
+def test_the_ttft_plot_wraps_its_panels_and_counts_many_rows_it_leaves_out(tmp_path, monkeypatch):
+    """RULER's four tasks and their pool at two lengths drew ten TTFT panels in one row (44 inches wide), and 52
+    kvfuse ablations timed against another run's full prefill were named on one line under it (260 inches)."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    datasets = [f"ruler-{n}/{task}" for n in (2048, 4096) for task in ("alias", "boundary", "niah_single")]
+    drawn = pd.DataFrame([{"dataset": d, "method": m, "label": "", "variant": "prefix", "ratio": r, "n": 10,
+                           "recomputed_frac": r, "ttft_ratio": t, "ttft_s": 7.0, "_ttft_mixed": False}
+                          for d in datasets for m, r, t in (("full", 0.0, 1.0), ("cacheblend", 0.15, 0.3))])
+    elsewhere = pd.DataFrame([{"dataset": datasets[0], "method": "kvfuse", "label": f"sink_tokens={i}",
+                               "variant": "fusion", "ratio": 0.15, "n": 10, "recomputed_frac": 0.15, "ttft_ratio": 0.3,
+                               "ttft_s": 7.0, "_ttft_mixed": True} for i in range(plots.NOTE_NAMES_AT_MOST + 1)])
+    plots.plot_ttft(pd.concat([drawn, elsewhere], ignore_index=True), tmp_path / "ttft.png")
+    figure = figures["ttft.png"]
+    panels = [ax for ax in figure.axes if ax.get_title()]
+    assert sorted(ax.get_title().split(" (")[0] for ax in panels) == sorted(datasets)
+    rows = {round(ax.get_position().y0, 3) for ax in panels}
+    assert len(rows) == 2 and figure.get_figwidth() < 16               # two rows of three, not one row of six
+    note = next(text.get_text() for text in figure.texts if text.get_text().startswith("not drawn"))
+    assert f"{plots.NOTE_NAMES_AT_MOST + 1} rows (summary.md's notes name them)" in note and "sink_tokens" not in note
+    plots.plot_ttft(pd.concat([drawn, elsewhere.iloc[:2]], ignore_index=True), tmp_path / "few.png")
+    note = next(text.get_text() for text in figures["few.png"].texts if text.get_text().startswith("not drawn"))
+    assert "kvfuse [sink_tokens=0] (fusion)" in note and "kvfuse [sink_tokens=1] (fusion)" in note
