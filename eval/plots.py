@@ -118,9 +118,7 @@ def _annotate_empty(ax, text: str, shared_y: bool = False) -> None:
         ax.set_yticks([])
 
 
-LEGEND_LABEL_CHARS = 44   # a legend entry is broken after a knob's ":" into lines no longer than this
-
-
+LEGEND_LABEL_CHARS = 44     # a legend entry is broken after a knob's ":" into lines no longer than this
 LEGEND_POINTS = 8.33        # fontsize "small" at matplotlib's default 10
 LEGEND_ROOM_INCHES = 1.0    # above and below the legend: the title and the axes' labels
 
@@ -247,7 +245,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     fig.suptitle("Time to first token vs recompute ratio")
     _legend_outside(fig, axes)
     bottom = 0.0
-    if left_out:   # in lines as wide as the figure (on one line, 30 such rows made it 260 inches wide)
+    if left_out:   # in lines as wide as the figure (on one line, kvfuse's dev ablations made it 263 inches wide)
         width, height = fig.get_size_inches()
         named = (", ".join(left_out) if len(left_out) <= NOTE_NAMES_AT_MOST
                  else f"{len(left_out)} rows (summary.md's notes name them)")
