@@ -98,14 +98,16 @@ def plot_panel(ax, rows: pd.DataFrame, column: str, low: str | None, high: str |
 
 
 DODGE_POINTS = 2.5   # sideways step between methods' points at one ratio, in points (1/72 inch)
+DODGE_SPAN_POINTS = 36.0   # the widest the set spreads: 60 configurations 2.5 points apart ran out of the panel
 
 
 def dodged(ax, i: int, n: int):
-    """Series i of n drawn DODGE_POINTS apart from its neighbours at every ratio, the whole set centred on the
-    ratio: at one ratio the methods' intervals overlapped into one bar. A shift on the page, not in the data, so
-    it is the same at any axis range."""
+    """Series i of n drawn DODGE_POINTS apart from its neighbours at every ratio (closer when the set would spread
+    wider than DODGE_SPAN_POINTS), the whole set centred on the ratio: at one ratio the methods' intervals
+    overlapped into one bar. A shift on the page, not in the data, so it is the same at any axis range."""
     from matplotlib.transforms import ScaledTranslation
-    shift = (i - (n - 1) / 2) * DODGE_POINTS / 72
+    step = min(DODGE_POINTS, DODGE_SPAN_POINTS / max(1, n - 1))
+    shift = (i - (n - 1) / 2) * step / 72
     return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
 
 

@@ -1246,3 +1246,16 @@ def test_the_ttft_plot_wraps_its_panels_and_counts_many_rows_it_leaves_out(tmp_p
     plots.plot_ttft(pd.concat([drawn, elsewhere.iloc[:2]], ignore_index=True), tmp_path / "few.png")
     note = next(text.get_text() for text in figures["few.png"].texts if text.get_text().startswith("not drawn"))
     assert "kvfuse [sink_tokens=0] (fusion)" in note and "kvfuse [sink_tokens=1] (fusion)" in note
+
+
+def test_many_configurations_at_one_ratio_stay_within_a_span_around_it():
+    """kvfuse's 60 dev configurations at 15%, each 2.5 points from the next, spread 150 points (2 inches) and ran out
+    of the panel on both sides; past DODGE_SPAN_POINTS they draw closer together."""
+    from matplotlib.figure import Figure
+    from kvf.eval.plots import DODGE_POINTS, DODGE_SPAN_POINTS, dodged
+    ax = Figure(dpi=72).subplots()                                  # 72 dpi: one pixel a point
+    centre = ax.transData.transform((0.15, 0.5))[0]
+    shifts = [dodged(ax, i, 60).transform((0.15, 0.5))[0] - centre for i in range(60)]
+    assert shifts[-1] - shifts[0] == pytest.approx(DODGE_SPAN_POINTS) and shifts == sorted(shifts)
+    few = [dodged(ax, i, 3).transform((0.15, 0.5))[0] - centre for i in range(3)]
+    assert few == pytest.approx([-DODGE_POINTS, 0, DODGE_POINTS])   # a few keep their full step
