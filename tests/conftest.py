@@ -162,6 +162,11 @@ def tiny_built(tmp_path_factory):
     return build_synthetic(root, model=str(model))
 
 
+def model_of(root) -> str:
+    """The tiny model a build under `root` (tiny_built, test_ray's corpus) was made by: root/model."""
+    return str(root / "model")
+
+
 def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
     """The real `kvf` entry point (main() and its error wrapper), in-process -> (exit code, stdout, stderr)."""
     from kvf.cli.main import main

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (FAMILIES, RAISING_METHOD_ERROR, assert_one_line, oracle_method, recomputes_chunks,
+from conftest import (FAMILIES, RAISING_METHOD_ERROR, assert_one_line, model_of, oracle_method, recomputes_chunks,
                       stored_prefix_kvs, tiny_model, write_raising_method)
 from kvf.errors import KvfError
 from kvf.pipeline.fusion.engine import FusionEngine, recompute_budget
@@ -230,7 +230,7 @@ def test_knobs_round_trip_into_run_records(tiny_built, tmp_path):
     from rich.console import Console
     import io
     run(RunOptions(out=out, methods=NAMES, ratios=[0.3], dataset=tiny_built / "data", workspace=tiny_built / "ws",
-                   limit=1, max_new_tokens=2, knobs=knobs, warmup=False, model=str(tiny_built / "model")),
+                   limit=1, max_new_tokens=2, knobs=knobs, warmup=False, model=model_of(tiny_built)),
         Console(file=io.StringIO()))
     records = {json.loads(line)["method"]: json.loads(line) for line in out.read_text().splitlines()}
     assert set(records) == set(NAMES)
@@ -314,7 +314,7 @@ def test_a_method_in_one_file_is_found_by_kvf_run_with_its_flags(tiny_built, tmp
     assert "--from-end" in help_text
     out = tmp_path / "mine.jsonl"
     proc = subprocess.run([*kvf, "run", "-d", tiny_built / "data", "-w", tiny_built / "ws", "--model",
-                           tiny_built / "model", "-m", "mine", "--from-end", "-r", "0.5",
+                           model_of(tiny_built), "-m", "mine", "--from-end", "-r", "0.5",
                            "-n", "1", "--max-new-tokens", "2", "-o", out, "--no-show-answers"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -351,7 +351,7 @@ def test_an_error_in_a_method_of_ones_own_is_blamed_on_its_file(tiny_built, tmp_
     (tmp_path / "linked").symlink_to(tmp_path / "methods")   # a folder reached through a link is the same files
     env = {**os.environ, "KVF_METHOD_PATH": str(tmp_path / "linked"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvf", "run", "-d", tiny_built / "data", "-w", tiny_built / "ws",
-                           "--model", tiny_built / "model", "-m", "boom", "-r", "0.5", "-n", "1", "--max-new-tokens",
+                           "--model", model_of(tiny_built), "-m", "boom", "-r", "0.5", "-n", "1", "--max-new-tokens",
                            "2", "-o", tmp_path / "o.jsonl"],
                           capture_output=True, text=True, env=env)
     assert_one_line(proc.returncode, proc.stderr, f"{tmp_path / 'linked' / 'boom.py'} {RAISING_METHOD_ERROR}")

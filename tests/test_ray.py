@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import RAISING_METHOD_ERROR, assert_one_line, tiny_llama_dir, write_raising_method
+from conftest import RAISING_METHOD_ERROR, assert_one_line, model_of, tiny_llama_dir, write_raising_method
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvf[ray]')")
 
@@ -60,11 +60,6 @@ def embedded_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-embedded")
     yield one_process_build(root)
     shutil.rmtree(root, ignore_errors=True)
-
-
-def model_of(corpus) -> str:
-    """The tiny model `corpus` was built by."""
-    return str(corpus / "model")
 
 
 def tiny(corpus) -> dict:

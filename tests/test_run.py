@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import assert_one_line, tiny_llama_dir
+from conftest import assert_one_line, model_of, tiny_llama_dir
 from kvf.errors import KvfError
 from kvf.pipeline.records import RunFile, parse_record
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
@@ -24,7 +24,7 @@ def run_opts(built, out, **kw):
     """A run of `built`'s dataset (a `tiny_built`) on its workspace, by its model."""
     base = dict(dataset=built / "data", methods=["full", "reuse", "cacheblend"], ratios=[0.0, 0.5, 1.0],
                 out=out, workspace=built / "ws", limit=2, max_new_tokens=4, warmup=False,  # timing is not tested here
-                model=str(built / "model"))
+                model=model_of(built))
     base.update(kw)
     return RunOptions(**base)
 
@@ -32,7 +32,7 @@ def run_opts(built, out, **kw):
 def questions_opts(built, questions, out):
     """reuse on a questions file of one's own, retrieved from `built`'s workspace, by its model."""
     return RunOptions(questions=questions, workspace=built / "ws", methods=["reuse"], ratios=[0.0], out=out,
-                      max_new_tokens=2, model=str(built / "model"))
+                      max_new_tokens=2, model=model_of(built))
 
 
 def read_records(path):
@@ -468,7 +468,7 @@ def test_cli_method_knobs_reach_the_records(tiny_built, tmp_path):
     """Every method flag of `kvf run` lands in the method's recorded settings (and so changes what runs)."""
     out = tmp_path / "knobs.jsonl"
     proc = kvf_cli("run", "-d", str(tiny_built / "data"), "-w", str(tiny_built / "ws"), "--model",
-                   str(tiny_built / "model"), "-m", "cacheblend,cachefocus",
+                   model_of(tiny_built), "-m", "cacheblend,cachefocus",
                    "-r", "0.3", "-n", "1", "--max-new-tokens", "2", "-o", str(out),
                    "--check-layer", "2", "--deviation", "v", "--gradual",
                    "--prune-every", "2", "--keep-chunks", "1", "--allocation", "sort")
