@@ -58,7 +58,7 @@ def bench_command(
     check_auto_method(auto_method, auto_ratio)
     from kvf.pipeline.workflows.workspace import check_not_made_by_kvf
     check_not_made_by_kvf(out, "--out", "results/bench")
-    check_writable_dir(out, "--out")   # before minutes of timing, not when its files are written
+    check_writable_dir(out, "--out", create=False)   # before minutes of timing; made when its files are written
     methods = parse_methods(method) if method else ["all"]
     check_knobs_used([parse_method_spec(m).name for m in parse_methods(method or "all")], knobs)
     opts = BenchOptions(lengths=_ints(lengths, "--lengths"), chunk_tokens=chunk_tokens, methods=methods,

@@ -735,7 +735,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     caller's check of the records to score, before anything is scored or written (kvf eval --compare's runs)."""
     from kvf.pipeline.workflows.workspace import check_not_made_by_kvf
     check_not_made_by_kvf(Path(out_dir), "--out", "results/eval")
-    check_writable_dir(out_dir, "--out")
+    check_writable_dir(out_dir, "--out", create=False)   # a refused eval (no such run file) makes no folder
     df = load_runs([Path(p) for p in run_files], track)
     if exclude_questions is not None:
         df = without_questions(df, exclude_questions, exclude_flag)

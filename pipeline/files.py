@@ -115,16 +115,21 @@ def other_files(folder: str | Path, ours: set[str]) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name not in ours)
 
 
-def check_writable_dir(path: str | Path, flag: str) -> Path:
+def check_writable_dir(path: str | Path, flag: str, create: bool = True) -> Path:
     """A directory kvf is about to write into: created if missing; a file there, or a place that
-    cannot be written, is a one-line error naming the flag."""
+    cannot be written, is a one-line error naming the flag. create=False checks the same and makes nothing
+    (the folder nearest it that exists is probed), for a command that may still be refused before it writes."""
     from kvf.errors import KvfError
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise KvfError(f"{flag} {path} is a file; pass a directory")
+    nearest = path if create else next(p for p in (path, *path.parents) if p.exists())
+    if not create and not nearest.is_dir():
+        raise KvfError(f"{flag} {path}: {nearest} is a file; pass a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvf-write-probe-"):
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=nearest, prefix=".kvf-write-probe-"):
             pass
     except OSError as e:
         raise KvfError(f"{flag} {path} is not writable ({e.strerror}); pass a writable directory") from None

@@ -24,7 +24,8 @@
 
 A run file is append-only JSON Lines. RunFile opens one for a run: it holds an exclusive lock (a
 second `kvf run` on the same file is refused), refuses a file that is not a kvf run file, and cuts
-only a torn *last* line (a run killed mid-write), saying so.
+only a torn *last* line (a run killed mid-write), saying so. A run refused before its first record
+leaves no file it made.
 """
 from __future__ import annotations
 
@@ -263,21 +264,38 @@ class RunFile:
         if self.path.suffix.lower() in OTHER_FORMATS:   # JSON Lines under another name: kvf eval DIR would pass it by
             raise KvfError(f"--out {self.path}: `kvf run` writes JSON Lines (.jsonl), not {self.path.suffix.lower()}; pass "
                            f"{self.path.with_suffix('.jsonl')} (kvf eval writes the tables as CSV and Markdown)")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a+b", buffering=0)   # unbuffered: a failed write leaves nothing pending
-        except IsADirectoryError:
-            raise KvfError(f"--out {self.path} is a directory; pass a file path such as {self.path}/run.jsonl") from None
-        except OSError as e:
-            raise KvfError(f"--out {self.path}: cannot write it ({e.strerror}); pass a writable path") from None
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.close()
-            raise KvfError(f"--out {self.path} is being written by another `kvf run`; wait for it or pass another --out") from None
+        # what this run makes, a refused run takes away again (see __exit__)
+        self._made_dirs = [d for d in reversed(self.path.parents) if not d.exists()]
+        self._made_file = not self.path.exists()
+        while self._file is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                file = open(self.path, "a+b", buffering=0)   # unbuffered: a failed write leaves nothing pending
+            except IsADirectoryError:
+                raise KvfError(f"--out {self.path} is a directory; pass a file path such as {self.path}/run.jsonl") from None
+            except OSError as e:
+                raise KvfError(f"--out {self.path}: cannot write it ({e.strerror}); pass a writable path") from None
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.close()
+                raise KvfError(f"--out {self.path} is being written by another `kvf run`; wait for it or pass another --out") from None
+            if same_file(file, self.path):
+                self._file = file
+            else:   # a refused run unlinked it while we opened it: the lock is on no file, open the path again
+                file.close()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._made_file and os.fstat(self._file.fileno()).st_size == 0:
+            # a run refused before its first record leaves no empty file (nor the folders made for it);
+            # unlinked under the lock, so a run waiting for this file opens the path afresh (same_file)
+            self.path.unlink(missing_ok=True)
+            for folder in reversed(self._made_dirs):
+                try:
+                    folder.rmdir()
+                except OSError:   # something else was put there meanwhile
+                    break
         self._file.close()  # releases the lock
 
     def records(self) -> list[RunRecord]:
@@ -332,6 +350,15 @@ class RunFile:
                                "free some space there and re-run to resume") from None
             e.filename = str(self.path)
             raise
+
+
+def same_file(file, path: Path) -> bool:
+    """Whether the open file is still the one at path (not unlinked or replaced since it was opened)."""
+    try:
+        here, there = os.fstat(file.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def finite(value: float) -> bool:

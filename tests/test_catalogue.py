@@ -715,9 +715,15 @@ def record(**changes) -> bytes:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
+    """Each refusal is one line naming the flag and the fix, and makes nothing: no empty run file, no --out
+    folder, nothing in the working directory (where default outputs such as results/eval go)."""
     make_args, fragments = CASES[case]
-    code, _, err = run_cli(make_args(data, tmp_path), capsys, monkeypatch)
+    args = make_args(data, tmp_path)
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
+    before = set(tmp_path.rglob("*"))
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert_one_line(code, err, *fragments)
+    assert sorted(map(str, set(tmp_path.rglob("*")) - before)) == []
 
 
 def test_kvf_help_says_its_fix_once(capsys, monkeypatch):
@@ -1138,7 +1144,7 @@ def test_a_run_whose_kvs_its_disk_cannot_hold_is_refused_before_answering(ws_cop
     code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)
     assert_one_line(code, err, f"--store {ws / 'kv.zarr'}: the {len(missing)} entries still to compute for these "
                     "questions need about", "free space, or pass --store on a larger disk")
-    assert (tmp_path / "o.jsonl").read_text() == "" and len(chunk_entry_keys(open_store(ws / "kv.zarr"))) == len(
+    assert not (tmp_path / "o.jsonl").exists() and len(chunk_entry_keys(open_store(ws / "kv.zarr"))) == len(
         chunk_entry_keys(store))
     monkeypatch.setattr(KVStore, "free_bytes", lambda self: payload)
     code, _, err = run_cli(run_args((data, ws), tmp_path / "o.jsonl"), capsys, monkeypatch)

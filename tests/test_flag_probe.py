@@ -54,6 +54,7 @@ def with_value(words: list, flag: str, value: str, aliases: dict) -> list[str]:
 
 @pytest.mark.skipif(not PROBE, reason="on demand: make probe-flags (KVF_PROBE_FLAGS=1), about 20 minutes")
 def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsys, monkeypatch):
+    """Each bad value is accepted, or refused in one line that makes nothing (in its folder or under its paths)."""
     shutil.copytree(built / "data", tmp_path / "data")
     shutil.copytree(built / "ws", tmp_path / "ws")     # store commands and gc run on a copy
     dataset, ws, run_file = tmp_path / "data", tmp_path / "ws", tmp_path / "run.jsonl"
@@ -68,16 +69,19 @@ def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsy
         i = len(jobs)
         cwd = tmp_path / f"cwd-{i}"   # a folder of its own: a relative value (x, nan) names a new path, not another's
         base = [w.replace("{i}", str(i)) if isinstance(w, str) else w for w in bases[" ".join(words)]]
-        jobs.append((cwd, with_value(base, flag, value.format(cwd=cwd), aliases)))
+        jobs.append((i, cwd, with_value(base, flag, value.format(cwd=cwd), aliases)))
 
     def probe(job):
-        cwd, args = job
+        i, cwd, args = job
         cwd.mkdir()
         try:
             done = subprocess.run([sys.executable, "-m", "kvf", *args], capture_output=True, text=True,
                                   timeout=300, env=SUB_ENV, cwd=cwd, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return args, "timed out after 300 s"
+        made = sorted(str(p) for p in (*cwd.iterdir(), *tmp_path.glob(f"{i}-*")))
+        if done.returncode != 0 and made:   # a refusal makes nothing: no empty run file, no --out folder
+            return args, f"refused, yet it made {', '.join(made)}"
         return args, probe_verdict(done.returncode, done.stderr, prefix="kvf: ")
 
     with ThreadPoolExecutor(2) as pool:

@@ -281,6 +281,43 @@ def test_neighbours_other_than_the_workspace_s_are_refused_not_ignored(tiny_buil
     assert read_records(out)[0]["settings"]["n_neighbours"] == 2
 
 
+
+def test_a_refused_run_leaves_no_file_and_overwrite_keeps_the_records_it_would_replace(tiny_built, tmp_path):
+    """A run refused after its --out was opened left an empty run file (and the folders made for it); a refused
+    `--overwrite` had already emptied the file, so a typo cost the records it was meant to keep."""
+    refused = dict(methods=["fusionrag"], ratios=[0.15], limit=1, n_neighbours=5)   # refused after --out is opened
+    new = tmp_path / "new" / "deep" / "runs.jsonl"
+    with pytest.raises(KvfError, match="--neighbours 5"):
+        run(run_opts(tiny_built, new, **refused), QUIET)
+    assert not (tmp_path / "new").exists()
+    out = tmp_path / "runs.jsonl"
+    run(run_opts(tiny_built, out, methods=["reuse"], ratios=[0.0], limit=1), QUIET)
+    kept = out.read_text()
+    with pytest.raises(KvfError, match="--neighbours 5"):
+        run(run_opts(tiny_built, out, overwrite=True, **refused), QUIET)
+    assert out.read_text() == kept
+    run(run_opts(tiny_built, out, methods=["full"], ratios=[1.0], limit=1, overwrite=True), QUIET)
+    assert [r["method"] for r in read_records(out)] == ["full"]     # an --overwrite that runs still replaces
+
+
+def test_a_run_that_locks_a_file_a_refused_run_removed_opens_it_again(tmp_path, monkeypatch):
+    """A refused run unlinks its empty file under the lock; a second run that opened the path meanwhile
+    gets the lock on the unlinked file. Appending there would lose its records: it opens the path afresh."""
+    import fcntl
+    from kvf.pipeline import records
+    out = tmp_path / "runs.jsonl"
+    out.write_text("")
+    locked, real_flock = [], fcntl.flock
+
+    def flock_after_the_unlink(file, operation):
+        if not locked:
+            out.unlink()          # the refused run's __exit__, between this run's open and its lock
+        locked.append(file)
+        return real_flock(file, operation)
+    monkeypatch.setattr(records.fcntl, "flock", flock_after_the_unlink)
+    with RunFile(out) as run_file:
+        run_file._file.write(b"kept\n")
+    assert len(locked) == 2 and out.read_text() == "kept\n"
 def test_retrieval_flags_in_the_per_question_setting_are_refused_not_ignored(tiny_built, tmp_path):
     """`kvf run -d DATA -k 3` where questions bring their own passages answered from all of them: -k (and
     --retriever) shape shared retrieval only, and were dropped without a word."""

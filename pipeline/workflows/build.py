@@ -735,6 +735,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
         raise KvfError(f"--batch {opts.batch} / --threads {opts.threads}: both must be >= 1")
     if opts.indexes_only:
         check_kv_flags_absent(opts)
+    extras_methods(opts.extras_for)   # a misspelt method: refused here, not after the indexes of a new workspace
     for stage_name in opts.rebuild:
         if stage_name not in REBUILDABLE:
             raise KvfError(f"--rebuild {stage_name}: use one of {', '.join(REBUILDABLE)} (comma-separated)")

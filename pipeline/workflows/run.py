@@ -786,9 +786,7 @@ def run(opts: RunOptions, console: Console) -> Path:
     opts = settle_retrieval(opts, setting, why)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
     with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True, markup=False)) as run_file:
-        if opts.overwrite:
-            run_file.truncate_all()
-        existing = run_file.records()
+        existing = [] if opts.overwrite else run_file.records()   # --overwrite empties it after the checks below
         # the first line of output (stdout: stderr is for problems) says how chunks are chosen, and why
         Console().print(f"setting: {setting} ({why})" + (f", {opts.retriever} top-{opts.top_k}" if setting == "shared" else ""),
                         markup=False, highlight=False)
@@ -836,6 +834,8 @@ def run(opts: RunOptions, console: Console) -> Path:
                        [[planned[i] for i in todo_of[q.qid]] for q in questions], questions)
         say_resumed(console, opts.out, len(questions) * len(planned), sum(len(todo) for todo in todo_of.values()))
         warn_cited_twice([q for q in questions if todo_of[q.qid]])   # after every check: a refused run is one line
+        if opts.overwrite:   # only now: a refused --overwrite keeps the records it would have replaced
+            run_file.truncate_all()
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
