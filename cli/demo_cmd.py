@@ -26,7 +26,7 @@ def demo_command(
     from kvf.pipeline.files import check_writable_dir
     from kvf.pipeline.workflows.demo import DEMO_TASK, run_demo
     if workspace is not None:
-        check_writable_dir(workspace, "--workspace")
+        check_writable_dir(workspace, "--workspace", create=False)   # made when its questions are written, after the model loads
         check_demo_folder(workspace)
     with tempfile.TemporaryDirectory(prefix="kvf-demo-") as tmp:
         rows = run_demo(model, questions, ratio, max_new_tokens, workspace or Path(tmp), console)

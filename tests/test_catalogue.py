@@ -467,6 +467,10 @@ CASES = {
                                     ["it holds one run (full@1); pass a second run file"]),
     "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
     "demo --workspace read-only": (lambda d, t: ["demo", "--workspace", NOWHERE], ["--workspace"]),
+    "demo --model a hub id -w NEW": (lambda d, t: ["demo", "--model", "meta-llama/Llama-3-8B", "-w", t / "demo"],   # made no folder
+                                     ["--model meta-llama/Llama-3-8B: no such file"]),
+    "build-cache --format x -w NEW": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--format", "zar"],
+                                      ["--format zar: unknown", "zarr"]),   # made no workspace folder
     "demo --max-new-tokens -1": (lambda d, t: ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
     "data synthetic --out FILE": (lambda d, t: ["data", "synthetic", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
     "data synthetic --out read-only": (lambda d, t: ["data", "synthetic", "--out", NOWHERE], ["--out"]),

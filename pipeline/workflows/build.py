@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvf.errors import KvfError, counted, did_you_mean, disk_full
-from kvf.cachestore import open_store
+from kvf.cachestore import FORMATS, open_store
 from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
@@ -728,6 +728,9 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
                            f"{', '.join(VARIANTS)} (comma-separated)")
     if opts.dtype not in STORE_DTYPES:
         raise KvfError(f"--dtype {opts.dtype}: unknown{dtype_meant(opts.dtype)}; use one of {', '.join(STORE_DTYPES)}")
+    if opts.format not in (None, *FORMATS):   # here, not when the store opens: by then a new workspace's folder is made
+        raise KvfError(f"--format {opts.format}: unknown{did_you_mean(opts.format, list(FORMATS))}; use one of "
+                       f"{', '.join(FORMATS)}")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     warn_if_slow(opts.device, model_dtype, "--compute-dtype")
     validate_chunking(opts.chunk_tokens, opts.overlap)
