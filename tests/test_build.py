@@ -1162,11 +1162,12 @@ def test_bad_corpus_is_refused_before_the_workspace_is_touched(tmp_path, capsys,
     (["--shard", "2/2"], "shards count from 0; the 2 shards are 0/2 .. 1/2"), (["--shard", "3/2"], "--shard 3/2: need 0 <= I < N"),
     (["--shard", "x"], "--shard x"), (["--variant", "prefix,suffix"], "--variant suffix"),
     (["--dtype", "float64"], "--dtype float64"), (["--chunk-tokens", "0"], "--chunk-tokens"),
-    (["--chunk-tokens", "32", "--overlap", "40"], "--overlap"), (["--format", "parquet"], "unknown store format")])
+    (["--chunk-tokens", "32", "--overlap", "40"], "--overlap"), (["--format", "parquet"], "--format parquet: unknown")])
 def test_bad_flags_are_one_line_errors(built, tmp_path, capsys, monkeypatch, flags, fragment):
     code, _, err = run_cli(["build-cache", built.corpus, "--workspace", tmp_path / "ws", "--no-bm25", "--no-dense",
                              *flags], capsys, monkeypatch)
     assert_one_line(code, err, fragment)
+    assert not (tmp_path / "ws").exists()   # refused before the new workspace's folder is made
 
 
 def test_store_path_not_writable_is_one_line(built, tmp_path, capsys, monkeypatch):

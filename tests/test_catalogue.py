@@ -469,8 +469,6 @@ CASES = {
     "demo --workspace read-only": (lambda d, t: ["demo", "--workspace", NOWHERE], ["--workspace"]),
     "demo --model a hub id -w NEW": (lambda d, t: ["demo", "--model", "meta-llama/Llama-3-8B", "-w", t / "demo"],   # made no folder
                                      ["--model meta-llama/Llama-3-8B: no such file"]),
-    "build-cache --format x -w NEW": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--format", "zar"],
-                                      ["--format zar: unknown", "zarr"]),   # made no workspace folder
     "demo --max-new-tokens -1": (lambda d, t: ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
     "data synthetic --out FILE": (lambda d, t: ["data", "synthetic", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
     "data synthetic --out read-only": (lambda d, t: ["data", "synthetic", "--out", NOWHERE], ["--out"]),

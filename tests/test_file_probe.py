@@ -74,11 +74,34 @@ def misread(written: list) -> str | None:
     return None
 
 
-def probe_file(name: str, target, records: list[dict], commands: list[list], capsys, monkeypatch,
+def tree(root, leave_out) -> dict:
+    """Every file and folder under root but leave_out -> its size and modification time (a write, an atomic
+    replace or a truncation changes them), a folder -> None. os.scandir: half pathlib's time, for every command."""
+    found = {}
+    for entry in os.scandir(root):
+        if entry.path == str(leave_out):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            found[entry.path] = None
+            found.update(tree(entry.path, leave_out))
+        else:
+            stat = entry.stat(follow_symlinks=False)
+            found[entry.path] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def changed(before: dict, after: dict) -> str | None:
+    """None when two trees are alike, else what a refused command made, removed or rewrote."""
+    paths = sorted(str(p) for p in before.keys() | after.keys() if before.get(p, "gone") != after.get(p, "gone"))
+    return f"refused, yet it changed {', '.join(paths[:3])}" if paths else None
+
+
+def probe_file(root, name: str, target, records: list[dict], commands: list[list], capsys, monkeypatch,
                written: tuple = ()) -> list[str]:
     """Each field of records[0] set to each VALUES value in `target` (the rest as they are), then each command;
-    where a command runs, the files it wrote (`written`) are read for PYTHON_TEXT. The file is restored
-    afterwards -> one line per failure."""
+    where a command runs, the files it wrote (`written`) are read for PYTHON_TEXT; where it is refused, nothing
+    under root (the test's folder) may have changed: no empty run file, no half-made folder, no rewritten store.
+    The file is restored afterwards -> one line per failure."""
     failures = []
     original = target.read_bytes()
     for args in commands:   # the file as it is must be taken: else every damage would be "refused" for nothing
@@ -88,8 +111,10 @@ def probe_file(name: str, target, records: list[dict], commands: list[list], cap
         for label, value in VALUES.items():
             write_lines(target, [with_field(records[0], path, value), *records[1:]])
             for args in commands:
+                before = tree(root, target)
                 code, _, err = run_cli(args, capsys, monkeypatch)
-                why = probe_verdict(code, err) or (misread(written) if code == 0 else None)
+                why = probe_verdict(code, err) or (misread(written) if code == 0 else
+                                                   changed(before, tree(root, target)))
                 if why:
                     failures.append(f"{name} {'.'.join(map(str, path))} = {label}: kvf {' '.join(map(str, args))}: {why}")
     target.write_bytes(original)
@@ -124,20 +149,20 @@ def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_
     one_run = ["-m", "reuse", "--max-new-tokens", "1", "-n", "1", "--no-show-answers", "-o", out / "o.jsonl",
                "--overwrite"]
     failures = []
-    failures += probe_file("run record", run_file, read_lines(run_file),
+    failures += probe_file(tmp_path, "run record", run_file, read_lines(run_file),
                            [["eval", run_file, "-o", out / "eval"], ["compare", run_file, "--a", "reuse", "--b", "full"]],
                            capsys, monkeypatch)
-    failures += probe_file("-q questions", own, read_lines(own), [["run", "-w", ws, "-q", own, *one_run]],
+    failures += probe_file(tmp_path, "-q questions", own, read_lines(own), [["run", "-w", ws, "-q", own, *one_run]],
                            capsys, monkeypatch)
-    failures += probe_file("custom --input", custom, read_lines(custom),
+    failures += probe_file(tmp_path, "custom --input", custom, read_lines(custom),
                            [["data", "prepare", "custom", "--input", custom, "-o", out / "custom"]],
                            capsys, monkeypatch, written=(out / "custom",))
-    failures += probe_file(".jsonl corpus", corpus, read_lines(corpus),
+    failures += probe_file(tmp_path, ".jsonl corpus", corpus, read_lines(corpus),
                            [["build-cache", corpus, "-w", out / "ws", "--no-bm25", "--no-dense", "--chunk-tokens", "64",
                              "--neighbours", "1"]], capsys, monkeypatch, written=(out / "ws" / "doc_chunks.json",))
-    failures += probe_file("prepared questions", dataset / "questions.jsonl", prepared,
+    failures += probe_file(tmp_path, "prepared questions", dataset / "questions.jsonl", prepared,
                            [["run", "-d", dataset, "-w", ws, *one_run]], capsys, monkeypatch)
-    failures += probe_file("workspace manifest", ws / "manifest.json", read_lines(ws / "manifest.json"),
+    failures += probe_file(tmp_path, "workspace manifest", ws / "manifest.json", read_lines(ws / "manifest.json"),
                            [["search", "capital", "-w", ws], ["store", "info", ws], ["run", "-w", ws, "-q", own, *one_run]],
                            capsys, monkeypatch)
     nq_rows = [{"question": q["question"], "answers": q["answers"],
@@ -153,7 +178,7 @@ def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_
     for name, rows in (("nq", nq_rows), ("musique", musique_rows), ("2wikimqa", wiki_rows)):   # benchmark records
         source = tmp_path / f"{name}.jsonl"
         write_lines(source, rows)
-        failures += probe_file(f"{name} record", source, rows,
+        failures += probe_file(tmp_path, f"{name} record", source, rows,
                                [["data", "prepare", name, "--input", source, "-o", out / name]], capsys, monkeypatch,
                                written=(out / name,))
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
