@@ -467,6 +467,8 @@ CASES = {
                                     ["it holds one run (full@1); pass a second run file"]),
     "demo --workspace FILE": (lambda d, t: ["demo", "--workspace", d[0] / "questions.jsonl"], ["--workspace", "is a file"]),
     "demo --workspace read-only": (lambda d, t: ["demo", "--workspace", NOWHERE], ["--workspace"]),
+    "build-cache --store a file -w NEW": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store",
+                                                         write(t / "a_file", b"x")], ["is not a kvf store", "--store"]),
     "demo --model a hub id -w NEW": (lambda d, t: ["demo", "--model", "meta-llama/Llama-3-8B", "-w", t / "demo"],   # made no folder
                                      ["--model meta-llama/Llama-3-8B: no such file"]),
     "demo --max-new-tokens -1": (lambda d, t: ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens"]),

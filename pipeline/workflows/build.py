@@ -753,9 +753,10 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     check_chunk_fits(opts, model_ref)
     fresh = not ws.root.exists()
     check_writable_dir(ws.root, "--workspace")
-    opts, same_store = keep_workspace_store(opts, ws, previous, console)
-    check_store_dtype(opts, previous, same_store)
-    store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
+    with removed_on_failure(ws, fresh):   # a store refused (--store a file, another format) leaves no new folder
+        opts, same_store = keep_workspace_store(opts, ws, previous, console)
+        check_store_dtype(opts, previous, same_store)
+        store = open_workspace_store(ws, model_ref, opts.store, opts.format, opts.dtype, create=True)
     summary = BuildSummary(store=store_location(ws, opts.store, opts.format))
     waiting = notice(console)
     with ws.files_lock(waiting), _writing(ws):
@@ -820,8 +821,8 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
 
 @contextmanager
 def removed_on_failure(ws: Workspace, fresh: bool):
-    """A workspace folder this build created goes again if the build fails before its chunks are written (an
-    unreadable corpus): nothing there is worth resuming, and the folder would pass for a workspace. Not on
+    """A workspace folder this build created goes again if the build fails before its chunks are written (a
+    store that cannot be opened, an unreadable corpus): nothing there is worth resuming, and the folder would pass for a workspace. Not on
     Ctrl-C: that stops one shard of a build (--shard I/N) while another may be working in the folder."""
     try:
         yield
