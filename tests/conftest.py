@@ -191,6 +191,29 @@ def probe_verdict(code: int, err: str, prefix: str = "kvf: error:") -> str | Non
     return None
 
 
+def tree(root, leave_out=None) -> dict:
+    """Every file and folder under root but leave_out -> its size and modification time (a write, an atomic
+    replace or a truncation changes them), a folder -> None. os.scandir: half pathlib's time, for every command.
+    With changed(): a refused command changed nothing (make probe-files, the bad-input catalogue)."""
+    found = {}
+    for entry in os.scandir(root):
+        if entry.path == str(leave_out):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            found[entry.path] = None
+            found.update(tree(entry.path, leave_out))
+        else:
+            stat = entry.stat(follow_symlinks=False)
+            found[entry.path] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def changed(before: dict, after: dict) -> str | None:
+    """None when two trees are alike, else what a refused command made, removed or rewrote."""
+    paths = sorted(str(p) for p in before.keys() | after.keys() if before.get(p, "gone") != after.get(p, "gone"))
+    return f"refused, yet it changed {', '.join(paths[:3])}" if paths else None
+
+
 def assert_one_line(code: int, err: str, *fragments: str) -> str:
     """A failed command's stderr is one line, 'kvf: ...', holding every fragment, with no traceback -> that line."""
     lines = [line for line in err.splitlines() if line.strip()]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line, run_cli
+from conftest import assert_one_line, changed, run_cli, tree
 
 NOWHERE = "/proc/self/kvf-no-write"   # a place no user, root included, can create files in
 SUB_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -719,15 +719,16 @@ def record(**changes) -> bytes:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_is_one_line(case, data, tmp_path, capsys, monkeypatch):
-    """Each refusal is one line naming the flag and the fix, and makes nothing: no empty run file, no --out
-    folder, nothing in the working directory (where default outputs such as results/eval go)."""
+    """Each refusal is one line naming the flag and the fix, and changes nothing under its folder: no empty run
+    file, no --out folder, nothing in the working directory (where default outputs such as results/eval go), no
+    file a case wrote there rewritten or removed."""
     make_args, fragments = CASES[case]
     args = make_args(data, tmp_path)
     monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
-    before = set(tmp_path.rglob("*"))
+    before = tree(tmp_path)
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert_one_line(code, err, *fragments)
-    assert sorted(map(str, set(tmp_path.rglob("*")) - before)) == []
+    assert changed(before, tree(tmp_path)) is None
 
 
 def test_kvf_help_says_its_fix_once(capsys, monkeypatch):
@@ -988,8 +989,8 @@ def test_a_first_build_that_fails_on_its_corpus_leaves_no_workspace(tmp_path, ca
 def test_resumed_run_with_other_settings_is_refused(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "o.jsonl"
     assert run_cli(run_args(data, out), capsys, monkeypatch)[0] == 0
-    for changed in (["--max-new-tokens", "3"], ["--setting", "shared", "--top-k", "2"]):
-        code, _, err = run_cli(run_args(data, out, *changed), capsys, monkeypatch)
+    for other_settings in (["--max-new-tokens", "3"], ["--setting", "shared", "--top-k", "2"]):
+        code, _, err = run_cli(run_args(data, out, *other_settings), capsys, monkeypatch)
         assert_one_line(code, err, f"--out {out}", "other settings", "--overwrite")
     assert run_cli(run_args(data, out, "--max-new-tokens", "3", "--overwrite"), capsys, monkeypatch)[0] == 0
     assert json.loads(out.read_text().splitlines()[0])["settings"]["max_new_tokens"] == 3

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from conftest import probe_verdict, run_cli
+from conftest import changed, probe_verdict, run_cli, tree
 
 PROBE = os.environ.get("KVF_PROBE_FILES") == "1"
 LEFT_OUT = object()
@@ -72,28 +72,6 @@ def misread(written: list) -> str | None:
             if found:
                 return f"{file.name} holds {found}, Python's text of a value the file did not hold as text"
     return None
-
-
-def tree(root, leave_out) -> dict:
-    """Every file and folder under root but leave_out -> its size and modification time (a write, an atomic
-    replace or a truncation changes them), a folder -> None. os.scandir: half pathlib's time, for every command."""
-    found = {}
-    for entry in os.scandir(root):
-        if entry.path == str(leave_out):
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            found[entry.path] = None
-            found.update(tree(entry.path, leave_out))
-        else:
-            stat = entry.stat(follow_symlinks=False)
-            found[entry.path] = (stat.st_size, stat.st_mtime_ns)
-    return found
-
-
-def changed(before: dict, after: dict) -> str | None:
-    """None when two trees are alike, else what a refused command made, removed or rewrote."""
-    paths = sorted(str(p) for p in before.keys() | after.keys() if before.get(p, "gone") != after.get(p, "gone"))
-    return f"refused, yet it changed {', '.join(paths[:3])}" if paths else None
 
 
 def probe_file(root, name: str, target, records: list[dict], commands: list[list], capsys, monkeypatch,
