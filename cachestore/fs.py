@@ -182,6 +182,33 @@ class LocalFS(ManyPaths):
         return True
 
 
+def signed_too_long_ago(error: BaseException) -> bool:
+    """S3 refused a request for the time it was signed at: AWS's RequestTimeTooSkewed, or another server's
+    AccessDenied saying so (rclone's: "The difference between the request time and the server's time exceeds the
+    maximum allowed"). A request signed, then held up past the allowed 15 minutes (the host slept, its VM paused)
+    is refused so although nothing else is wrong."""
+    from botocore.exceptions import ClientError
+    if not isinstance(error, ClientError):
+        return False
+    said = error.response.get("Error", {})
+    return said.get("Code") == "RequestTimeTooSkewed" or "difference between the request time" in str(said.get("Message"))
+
+
+def resend_stale_signatures() -> None:
+    """Have s3fs resend a request refused as signed_too_long_ago: botocore signs each try with the time then, so
+    the try after a pause goes through; a clock that is really wrong is still refused after s3fs's tries. s3fs
+    holds one handler per process (set_custom_error_handler): one set before is kept, and asked after ours."""
+    import s3fs.core
+    earlier = s3fs.core.CUSTOM_ERROR_HANDLER
+    if getattr(earlier, "resends_stale_signatures", False):
+        return
+
+    def handler(error: BaseException) -> bool:
+        return signed_too_long_ago(error) or earlier(error)
+    handler.resends_stale_signatures = True
+    s3fs.core.set_custom_error_handler(handler)
+
+
 class FsspecFS(ManyPaths):
     """Any fsspec filesystem (s3://, gs://, memory://, ...). No atomic rename: stores commit by marker."""
 
@@ -193,6 +220,8 @@ class FsspecFS(ManyPaths):
 
     def __init__(self, fs):
         self.fs = fs
+        if self._is_s3():
+            resend_stale_signatures()
 
     def join(self, *parts: str) -> str:
         return posixpath.join(*parts)
@@ -275,9 +304,12 @@ class FsspecFS(ManyPaths):
                 held[name].add(rest.partition("/")[0])
         return [(name, marker in held[name], frozenset(held[name])) for name in sorted(held)]
 
+    def _is_s3(self) -> bool:
+        return type(self.fs).__name__ == "S3FileSystem"
+
     def _lists_with_any_delimiter(self) -> bool:
         """An S3 filesystem, whose client (s3fs's public set_session) lists with any delimiter S3 takes."""
-        return type(self.fs).__name__ == "S3FileSystem" and hasattr(self.fs, "set_session")
+        return self._is_s3() and hasattr(self.fs, "set_session")
 
     async def _list_pages(self, bucket: str, prefix: str, delimiter: str):
         """The pages of one ListObjectsV2 listing, through s3fs's S3 client and botocore's paginator (public calls
