@@ -320,7 +320,8 @@ class FsspecFS(ManyPaths):
         async for page in client.get_paginator("list_objects_v2").paginate(**paging):
             yield page
 
-    async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str) -> list[str] | None:
+    async def _rolled_up_listing(self, bucket: str, prefix: str, delimiter: str,
+                                 resent: bool = False) -> list[str] | None:
         """Every key under prefix as "bucket/key", with the keys holding `delimiter` rolled up to one prefix each
         ("bucket/prefix", without its last "/"); s3fs's directory cache is left alone (a listing with another
         delimiter is not a directory's). S3's errors become the Python ones s3fs's own listings raise
@@ -328,7 +329,9 @@ class FsspecFS(ManyPaths):
         None when the server does not take that delimiter as S3 and moto do: rclone's S3 server rolls keys up at
         "/" whatever is asked (each entry then looked like a name without its marker), MinIO hands back the same
         page and token again and again, others answer 501 Not Implemented.
-        delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions)."""
+        delimiter "": every key, none rolled up (a name's bulk files are listed too: more pages, no more questions).
+        A page refused as signed_too_long_ago (botocore's paginator is not behind s3fs's retries) restarts the
+        listing once."""
         from botocore.exceptions import ClientError, PaginationError
         from s3fs.errors import translate_boto_error
         names: dict[str, None] = {}   # in listing order
@@ -346,6 +349,8 @@ class FsspecFS(ManyPaths):
         except ClientError as e:
             if delimiter and e.response.get("Error", {}).get("Code") in ("NotImplemented", "InvalidArgument"):
                 return None
+            if signed_too_long_ago(e) and not resent:
+                return await self._rolled_up_listing(bucket, prefix, delimiter, resent=True)
             raise translate_boto_error(e) from None
         return list(names)
 

@@ -711,22 +711,16 @@ def test_the_latency_proxy_ends_its_connections_when_it_closes(caplog, recwarn):
     assert not [w for w in recwarn if "Unraisable" in type(w.message).__name__], [str(w.message) for w in recwarn]
 
 
-@pytest.mark.parametrize("s3", [pytest.param("rclone", marks=pytest.mark.long)], indirect=True)
-def test_a_request_signed_before_the_host_paused_is_signed_again(s3, monkeypatch):
-    """A request signed, then held up past the server's allowed clock difference (the host slept or its VM paused:
-    CI once lost an hour that way mid-put) is refused as "request time too skewed"; the store signs it again with
-    the time now and sends it once more. rclone's server checks a request's time (moto does not). Before, the put
-    failed: could not write entry ...: The difference between the request time and the server's time exceeds the
-    maximum allowed."""
+def sign_stale_once(monkeypatch, which) -> list[int]:
+    """The first request `which(request)` picks is signed 20 minutes before it reaches the server, as when the
+    host pauses between signing and sending; returns [requests still to sign stale] (0 once it was sent)."""
     import datetime
 
     import botocore.auth
-    from kvf.cachestore import open_store
-    store = open_store("s3://kvf/paused", meta=META, create=True)
     real_now, real_add_auth, stale = botocore.auth.get_current_datetime, botocore.auth.SigV4Auth.add_auth, [1]
 
-    def add_auth(self, request):   # the first PUT is signed 20 minutes before it reaches the server
-        if request.method == "PUT" and stale[0]:
+    def add_auth(self, request):
+        if stale[0] and which(request):
             stale[0] -= 1
             monkeypatch.setattr(botocore.auth, "get_current_datetime",
                                 lambda: real_now() - datetime.timedelta(minutes=20))
@@ -736,9 +730,26 @@ def test_a_request_signed_before_the_host_paused_is_signed_again(s3, monkeypatch
                 monkeypatch.setattr(botocore.auth, "get_current_datetime", real_now)
         return real_add_auth(self, request)
     monkeypatch.setattr(botocore.auth.SigV4Auth, "add_auth", add_auth)
-    assert store.put("%064x" % 400, kv(4))
+    return stale
+
+
+@pytest.mark.parametrize("s3", [pytest.param("rclone", marks=pytest.mark.long)], indirect=True)
+def test_a_request_signed_before_the_host_paused_is_signed_again(s3, monkeypatch):
+    """A request signed, then held up past the server's allowed clock difference (the host slept or its VM paused:
+    CI once lost an hour that way mid-put) is refused as "request time too skewed"; the store signs it again with
+    the time now and sends it once more: a write (through s3fs's retries) and a listing (through botocore's
+    paginator). rclone's server checks a request's time (moto does not). Before, the put failed: could not write
+    entry ...: The difference between the request time and the server's time exceeds the maximum allowed."""
+    from kvf.cachestore import open_store
+    store, key = open_store("s3://kvf/paused", meta=META, create=True), "%064x" % 400
+    stale = sign_stale_once(monkeypatch, lambda request: request.method == "PUT")
+    assert store.put(key, kv(4))
     assert stale == [0]   # the stale signature was sent, and refused
-    assert torch.equal(open_store("s3://kvf/paused").get("%064x" % 400), kv(4).half())
+    # the entries' listing (FsspecFS.names_marked's, with /kv/ as the delimiter), sent by botocore's paginator
+    stale = sign_stale_once(monkeypatch, lambda request: "delimiter=%2Fkv%2F" in request.url)
+    reader = open_store("s3://kvf/paused")
+    assert reader.keys() == [key] and stale == [0]
+    assert torch.equal(reader.get(key), kv(4).half())
 
 
 def test_only_a_refusal_for_the_signing_time_is_resent(monkeypatch):
