@@ -70,7 +70,9 @@ demo: setup
 # (2026-12-02): every test in one `make test` 15:36; split, `make test` 10:46–13:42 (1,123 tests; 11:40 and
 # 11:57 on a clean clone once test_ray.py's builds used a tiny model; 10:25 once test_run.py's runs used one too,
 # tests/conftest.py's tiny_built) and `make test-long` 4:18–5:34 (25). On a clean clone on 2026-12-03 (`.ci/run` at
-# 30935d2): `make test` 9:57 (1,130 tests), `make test-long` 5:33, install and both 18:27.
+# 30935d2): `make test` 9:57 (1,130 tests), `make test-long` 5:33, install and both 18:27; on another machine of
+# the same kind, quiet, at c203614 and 25840bc: `make test` 12:56 and 12:42 (1,131), `make test-long` 6:49 and
+# 6:38 (26), 23:17 and 23:14 in all; the project's CI ran `make test` in 9:56 (1,130) on 2026-12-03.
 TEST_WORKERS ?= 2
 PYTEST_SPLIT = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
