@@ -186,7 +186,7 @@ def signed_too_long_ago(error: BaseException) -> bool:
     """S3 refused a request for the time it was signed at: AWS's RequestTimeTooSkewed, or another server's
     AccessDenied saying so (rclone's: "The difference between the request time and the server's time exceeds the
     maximum allowed"). A request signed, then held up past the allowed 15 minutes (the host slept, its VM paused)
-    is refused so although nothing else is wrong."""
+    is refused this way even though nothing else is wrong with it."""
     from botocore.exceptions import ClientError
     if not isinstance(error, ClientError):
         return False
