@@ -4,7 +4,7 @@
 #   make test    set up, then run the test suite (what CI runs first; about 10 minutes)
 #   make test-long  the checks over ~25 s each that `make test` leaves out (marked `long`; CI runs them after it)
 #   make probe-flags / probe-files  on demand: every flag, and every field of every JSON file kvf reads, given bad
-#                values (about 30 and 10 minutes)
+#                values (30 to 41 and 10 to 15 minutes)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
@@ -81,11 +81,11 @@ test: setup
 test-long: setup
 	$(PYTEST_SPLIT) -m long
 
-# on demand (about 30 minutes): every flag of every command given bad values; each is accepted or one line
+# on demand (30 to 41 minutes): every flag of every command given bad values; each is accepted or one line
 probe-flags: setup
 	KVF_PROBE_FLAGS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_flag_probe.py
 
-# on demand (about 10 minutes): every field of every JSON file kvf reads given values of the wrong kind; each is
+# on demand (10 to 15 minutes): every field of every JSON file kvf reads given values of the wrong kind; each is
 # accepted (and not written back as Python text) or refused in one line
 probe-files: setup
 	KVF_PROBE_FILES=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_file_probe.py

@@ -1,4 +1,4 @@
-"""On demand (`make probe-files`, about 10 minutes): every field of every JSON file kvf reads, given each of a few
+"""On demand (`make probe-files`, 10 to 15 minutes): every field of every JSON file kvf reads, given each of a few
 values of the wrong kind or left out, as a hand edit, a converted export or another tool's file would give it,
 through the real `kvf` program. A value may be accepted (an id of 7 is the id "7"); a refusal must be exactly one
 line, `kvf: error: ...`, with no traceback and no internal error; and where a command ran, the files it wrote must
@@ -104,7 +104,7 @@ def one_line_json(target) -> None:
     target.write_text(json.dumps(json.loads(target.read_text())) + "\n")
 
 
-@pytest.mark.skipif(not PROBE, reason="on demand: make probe-files (KVF_PROBE_FILES=1), about 10 minutes")
+@pytest.mark.skipif(not PROBE, reason="on demand: make probe-files (KVF_PROBE_FILES=1), 10 to 15 minutes")
 def test_every_field_of_every_file_kvf_reads_is_accepted_or_one_line(built, tmp_path, capsys, monkeypatch):
     shutil.copytree(built / "data", tmp_path / "data")
     shutil.copytree(built / "ws", tmp_path / "ws")

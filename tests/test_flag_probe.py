@@ -1,4 +1,4 @@
-"""On demand (`make probe-flags`, about 30 minutes): every option of every kvf command given each of a few bad
+"""On demand (`make probe-flags`, 30 to 41 minutes): every option of every kvf command given each of a few bad
 values, as a careless user or a broken script would give them, through the real `kvf` program. A value may be
 accepted (a workspace named x, a seed of -1); a refusal must be exactly one line, `kvf: error: ...`, naming the
 flag, with no traceback and no internal error. The default suite checks the empty value of every flag
@@ -52,7 +52,7 @@ def with_value(words: list, flag: str, value: str, aliases: dict) -> list[str]:
     return [*words, flag, value]
 
 
-@pytest.mark.skipif(not PROBE, reason="on demand: make probe-flags (KVF_PROBE_FLAGS=1), about 30 minutes")
+@pytest.mark.skipif(not PROBE, reason="on demand: make probe-flags (KVF_PROBE_FLAGS=1), 30 to 41 minutes")
 def test_every_flag_s_bad_values_are_accepted_or_one_line(built, tmp_path, capsys, monkeypatch):
     """Each bad value is accepted, or refused in one line that makes nothing (in its folder or under its paths)."""
     shutil.copytree(built / "data", tmp_path / "data")
