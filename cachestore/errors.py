@@ -3,7 +3,9 @@ from kvf.errors import KvfError
 
 
 class StoreMismatch(KvfError):
-    """The store was built for another model / tokenizer / dtype / shape than the caller asks for."""
+    """The store was built for another model / tokenizer / dtype / shape than the caller asks for.
+    stored: the store's identity (its meta), for a caller that can tell an equal identity written another way."""
+    stored: dict = {}
 
 
 class NotAStore(KvfError):

@@ -130,7 +130,9 @@ def check_meta(path: str, stored: dict, wanted: dict, entries=lambda: None) -> N
         if _canon(have) != _canon(want):
             fix = ("it holds no entry yet (a first build stopped before writing one): delete it and re-run, or use "
                    "another --store path") if entries() == 0 else "use another --store path or rebuild the store"
-            raise StoreMismatch(f"store {path} holds {field}={have!r} but this run needs {field}={want!r}; {fix}")
+            mismatch = StoreMismatch(f"store {path} holds {field}={have!r} but this run needs {field}={want!r}; {fix}")
+            mismatch.stored = stored
+            raise mismatch
 
 
 def _canon(value) -> str:

@@ -1476,6 +1476,60 @@ def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path, monkeypatch)
     assert _weights_fingerprint(original) == _weights_fingerprint(original)  # cached, stable
 
 
+def test_a_model_written_by_another_transformers_release_is_the_same_model(tmp_path, monkeypatch):
+    """CI's clean clone converted the embedded GGUF again under transformers 5.25 beside a cache 5.24 had written:
+    the same weights, config.json differing only in "transformers_version", read as another model ("--workspace
+    ... was built with model SmolLM2-135M-Instruct; pass that --model"). Any other field still counts."""
+    from kvf.pipeline.workflows.weights import _weights_fingerprint
+    monkeypatch.setenv("KVF_CACHE", str(tmp_path / "cache"))
+    weights = os.urandom(1 << 20)
+    configs = {"older": {"model_type": "llama", "rope_theta": 10000.0, "transformers_version": "5.24.0"},
+               "newer": {"transformers_version": "5.25.0", "rope_theta": 10000.0, "model_type": "llama"},
+               "other": {"model_type": "llama", "rope_theta": 50000.0, "transformers_version": "5.24.0"}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp_path / name / "model.safetensors").write_bytes(weights)
+    fingerprint = {name: _weights_fingerprint(tmp_path / name) for name in configs}
+    assert fingerprint["older"] == fingerprint["newer"]
+    assert fingerprint["other"] != fingerprint["older"]
+
+
+def test_a_workspace_an_earlier_kvf_built_is_read_and_kept_under_its_identity(tmp_path, monkeypatch):
+    """Before v3 the model's identity hashed config.json's bytes, the transformers release included. A workspace
+    and store built so are read with no entry computed again, and `gc --keep-workspace` keeps all of their
+    entries (with the new identity alone it would find none of them its own)."""
+    import io
+    from rich.console import Console
+    from conftest import build_synthetic, tiny_llama_dir
+    from kvf.cachestore import open_store
+    from kvf.pipeline.workflows import weights
+    from kvf.pipeline.workflows.gc import workspace_keys
+    from kvf.pipeline.workflows.run import RunOptions, run
+    from kvf.pipeline.workflows.workspace import Workspace
+    model = tiny_llama_dir(tmp_path / "model")
+    with monkeypatch.context() as earlier_kvf:
+        earlier_kvf.setattr(weights, "_weights_fingerprint", weights._earlier_fingerprint)
+        build_synthetic(tmp_path, model=str(model))
+    ws = Workspace(tmp_path / "ws")
+    earlier = weights._earlier_fingerprint(model)
+    assert ws.manifest()["model_fingerprint"] == earlier != weights.open_model(str(model)).fingerprint
+    store = ws.reach_store()
+    entries = set(open_store(store).keys())
+    run(RunOptions(out=tmp_path / "run.jsonl", methods=["full", "reuse"], ratios=[0.0], dataset=tmp_path / "data",
+                   workspace=tmp_path / "ws", limit=2, max_new_tokens=2, warmup=False, model=str(model)),
+        Console(file=io.StringIO()))
+    assert len((tmp_path / "run.jsonl").read_text().splitlines()) == 4
+    assert set(open_store(store).keys()) == entries   # every chunk's KV read as stored, none computed again
+    assert entries <= workspace_keys(tmp_path / "ws")
+    # a Ray worker opens the store with no manifest at hand: the store's own identity is adopted
+    from kvf.pipeline.workflows.build import open_workspace_store
+    model_ref = weights.open_model(str(model))
+    open_workspace_store(Workspace(tmp_path / "elsewhere"), model_ref, store, None, ws.manifest()["dtype"],
+                         create=False).close()
+    assert model_ref.fingerprint == earlier
+
+
 
 @pytest.mark.parametrize("value,fragments", [
     (" ", ["KVF_CACHE is blank", "unset it, or set it to the folder"]),

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvf.errors import KvfError, counted, did_you_mean, disk_full
-from kvf.cachestore import FORMATS, open_store
+from kvf.cachestore import FORMATS, StoreMismatch, open_store
 from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
@@ -213,8 +213,14 @@ def keep_workspace_store(opts: BuildOptions, ws: Workspace, previous: dict, cons
 
 def open_workspace_store(ws: Workspace, model_ref: ModelRef, store: str | None, fmt: str | None, dtype: str,
                          create: bool, readonly: bool | None = False):
-    return open_store(store_location(ws, store, fmt), fmt, meta=store_meta(model_ref, dtype), create=create,
-                      readonly=readonly)
+    """A store keyed by this model's identity as an earlier kvf computed it is opened under that identity."""
+    location = store_location(ws, store, fmt)
+    try:
+        return open_store(location, fmt, meta=store_meta(model_ref, dtype), create=create, readonly=readonly)
+    except StoreMismatch as mismatch:
+        if not model_ref.adopt(mismatch.stored.get("model")):
+            raise
+    return open_store(location, fmt, meta=store_meta(model_ref, dtype), create=create, readonly=readonly)
 
 
 # ---- stage 1: chunks --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def workspace_keys(path: Path) -> set[str]:
     manifest = ws.manifest()
     model_ref = open_model(manifest.get("model_arg", None if manifest.get("model") == "SmolLM2-135M-Instruct"
                                         else manifest.get("model")))
+    model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries are its own
     template = make_template(model_ref.tokenizer)
     neighbours = {}
     if ws.neighbours_file.is_file():

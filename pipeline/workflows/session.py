@@ -162,6 +162,7 @@ class Session:
 def check_workspace_model(ws: Workspace, model_ref) -> None:
     """A workspace's entries are only valid for the model that built them."""
     manifest = ws.manifest()
+    model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries stay readable
     if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
         raise KvfError(f"--workspace {ws.root} was built with model {manifest.get('model')}; pass that --model "
                        "or use another --workspace")

@@ -174,9 +174,28 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# config.json fields that name the library which wrote the file, not the model: a GGUF converted again under
+# another transformers release (a fresh cache, a Ray worker's own machine) is the same model
+WRITER_FIELDS = ("transformers_version",)
+
+
 def _weights_fingerprint(model_dir: Path) -> str:
-    """The model's identity for the KV store: config.json and the full hash of every weight file."""
-    h = hashlib.sha256(b"kvf-weights-v2\0" + (model_dir / "config.json").read_bytes())
+    """The model's identity for the KV store: config.json's fields (less WRITER_FIELDS) and the full hash of
+    every weight file."""
+    config = json.loads((model_dir / "config.json").read_bytes())
+    for field in WRITER_FIELDS:
+        config.pop(field, None)
+    return _hash_with_weights(model_dir, b"kvf-weights-v3\0" + json.dumps(config, sort_keys=True).encode())
+
+
+def _earlier_fingerprint(model_dir: Path) -> str:
+    """The identity kvf gave the same model before v3: config.json's bytes, the transformers release that
+    wrote them included. Stores and workspaces keyed by it are still read and written under it (ModelRef.adopt)."""
+    return _hash_with_weights(model_dir, b"kvf-weights-v2\0" + (model_dir / "config.json").read_bytes())
+
+
+def _hash_with_weights(model_dir: Path, config: bytes) -> str:
+    h = hashlib.sha256(config)
     for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         h.update(f.name.encode() + file_sha256(f).encode())
     return h.hexdigest()
@@ -191,6 +210,14 @@ class ModelRef:
     @functools.cached_property
     def fingerprint(self) -> str:
         return _weights_fingerprint(self.model_dir)
+
+    def adopt(self, stored: str | None) -> bool:
+        """A store or workspace that holds this model's identity as kvf computed it before v3 keeps its entries:
+        this model is then keyed by that identity (assigned over the cached one). -> whether it was adopted."""
+        if not stored or stored == self.fingerprint or stored != _earlier_fingerprint(self.model_dir):
+            return False
+        self.fingerprint = stored
+        return True
 
     @functools.cached_property
     def config(self):
