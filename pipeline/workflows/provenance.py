@@ -1,4 +1,5 @@
-"""What produced a record or a results file: kvf's version, the git commit, the device."""
+"""What produced a record or a results file: kvf's version, the git commit, the device, and the versions of
+the libraries that compute an answer (torch's kernels, transformers' loading of the model)."""
 from __future__ import annotations
 
 import functools
@@ -29,5 +30,21 @@ def git_commit() -> str | None:
     return (commit + ("-dirty" if dirty else "")) or None
 
 
+# the libraries whose release can change a number kvf records: torch computes it, transformers reads the model
+RECORDED_LIBRARIES = ("torch", "transformers")
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    found = {}
+    for name in RECORDED_LIBRARIES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
 def provenance(device: str) -> dict:
-    return {"kvf_version": __version__, "commit": git_commit(), "device": device}
+    return {"kvf_version": __version__, "commit": git_commit(), "device": device, "libraries": library_versions()}
