@@ -32,9 +32,10 @@ DEBUG = {"on": False}
 
 def _version(value: bool):
     if value:
-        from kvf.pipeline.workflows.provenance import git_commit
+        from kvf.pipeline.workflows.provenance import git_commit, library_versions
         commit = git_commit()
-        typer.echo(f"kvf {__version__}" + (f" ({commit})" if commit else ""))
+        libraries = "".join(f", {name} {release}" for name, release in library_versions().items())  # as records name them
+        typer.echo(f"kvf {__version__}" + (f" ({commit})" if commit else "") + libraries)
         raise typer.Exit()
 
 

@@ -28,6 +28,15 @@ def test_kvf_help_from_another_directory(tmp_path):
         assert command in proc.stdout
 
 
+def test_kvf_version_names_the_commit_and_the_libraries_that_compute_answers():
+    import torch
+    import transformers
+    proc = subprocess.run([sys.executable, "-m", "kvf", "--version"], capture_output=True, text=True, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert proc.stdout.startswith(f"kvf 0.1.0 ({commit}" if commit else "kvf 0.1.0,")   # outside a git checkout: none
+    assert proc.stdout.rstrip().endswith(f", torch {torch.__version__}, transformers {transformers.__version__}")
+
+
 def test_make_help_names_only_targets_the_makefile_has():
     """`make help` prints the Makefile's header; each `make X` in it must be a target (make -n finds a rule)."""
     listed = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
