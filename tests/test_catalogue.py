@@ -413,6 +413,13 @@ CASES = {
     "eval negative answer KL": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_kl_full=-0.1)),
                                               "--out", t / "e"], ["s.jsonl line 1", "answer_kl_full"]),
     "eval dict qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid={"a": 1})), "--out", t / "e"], ["qid"]),
+    # the releases a record names (provenance.libraries, since 2026-12-03): a list, or a release given as a number
+    "eval provenance.libraries a list": (lambda d, t: ["eval", write(t / "s.jsonl", record(provenance={
+        "kvf_version": "0.1.0", "device": "cpu", "libraries": ["torch"]})), "--out", t / "e"],
+        ["s.jsonl line 1", "provenance.libraries"]),
+    "eval provenance.libraries release a number": (lambda d, t: ["eval", write(t / "s.jsonl", record(provenance={
+        "kvf_version": "0.1.0", "device": "cpu", "libraries": {"torch": 2.13}})), "--out", t / "e"],
+        ["s.jsonl line 1", "provenance.libraries.torch"]),
     "eval NaN timing": (lambda d, t: ["eval", write(t / "s.jsonl", record().replace(b'"load": 0.1', b'"load": NaN')),
                                       "--out", t / "e"], ["timings.load"]),
     "eval --exclude-questions missing": (lambda d, t: ["eval", write(t / "s.jsonl", record()), "--exclude-questions",
