@@ -317,11 +317,23 @@ def reuse_reference(df: pd.DataFrame, dataset: str, variant: str, label: str = "
     return rows
 
 
-def _check_overlap(group: pd.DataFrame, ref: pd.DataFrame):
-    # same dataset label but no common question: the user mixed up files
-    if len(ref) and not set(group.qid) & set(ref.index):
+def _check_overlap(group: pd.DataFrame, full: pd.DataFrame):
+    # same dataset label but no question in common with full: the user mixed up files, or ran no full on them
+    if len(full) and not set(group.qid) & set(full.index):
+        first = group.iloc[0]
         raise KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
-                       f"{', '.join(sorted(set(ref.file)))} (different dataset?)")
+                       f"{', '.join(sorted(set(full.file)))} (different dataset?): its "
+                       f"{run_selector(first.method, first.ratio, first.label)} answers share no question with "
+                       "that full run; pass the full run of the same questions (or run them with -m full,... "
+                       "or --compare-full)")
+
+
+def reuse_on_common(group: pd.DataFrame, reuse: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The reuse reference, or none of it (with a note) where it answered none of the group's questions:
+    a later run pooled with a sweep (more questions, other ratios) need not run reuse again."""
+    if len(reuse) and not set(group.qid) & set(reuse.index):
+        return reuse.iloc[:0], "vs_reuse: the reuse run answered none of these questions"
+    return reuse, ""
 
 
 POOLED = " (all tasks)"
@@ -431,11 +443,11 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     from_records = not len(full) and first.method != "full"
     if from_records:   # no full run: the full prefill --compare-full answered beside each of this row's records
         full = compare_full_records(group).set_index("qid")
-    reuse = reuse_reference(df, first.dataset, first.variant, first.label)
+    reuse, reuse_note = reuse_on_common(group, reuse_reference(df, first.dataset, first.variant, first.label))
     _check_overlap(group, full)
-    _check_overlap(group, reuse)
     metric = primary_metric(df[df.dataset == first.dataset])
     norm, note = normalized_f1_on_common(group, full, reuse)
+    note = reuse_note or note   # without common reuse answers normalized F1 is undefined for that reason
     vs_full = difference(group, full, metric) if first.method != "full" else (math.nan,) * 3 + (0,)
     vs_reuse = difference(group, reuse, metric) if first.method not in ("full", "reuse") else (math.nan,) * 3 + (0,)
     n_gold = int(group[metric].notna().sum())   # a user's own questions may leave some answers out

@@ -433,8 +433,30 @@ def test_out_that_is_a_file_is_refused(runs, tmp_path):
 def test_mismatched_files_are_refused(tmp_path, runs, monkeypatch):
     monkeypatch.setitem(GOLD, "z1", ["x"])
     other = write_run(tmp_path / "other.jsonl", [record("z1", "cacheblend", "x", ratio=0.5)])
-    with pytest.raises(KvfError, match=r"other.jsonl has questions not in .*full.jsonl \(different dataset\?\)"):
+    with pytest.raises(KvfError, match=r"other.jsonl has questions not in .*full.jsonl \(different dataset\?\): "
+                                       r"its cacheblend@0.5 answers share no question with that full run"):
         evaluate(runs + [other], tmp_path / "out")
+
+
+def test_a_later_run_without_reuse_pools_with_a_sweep(tmp_path, runs, monkeypatch):
+    """More questions run later with full and one method, no reuse (as held-out runs are): pooled with the
+    sweep, the method's rows count every question, and a ratio only the later run has gets no vs_reuse (its
+    questions share none with reuse's) instead of a refusal."""
+    for rep in range(REPS):
+        monkeypatch.setitem(GOLD, f"z{rep}", ["Oslo"])
+    later = write_run(tmp_path / "later.jsonl",
+                      [record(f"z{rep}", "full", "Oslo", ratio=1.0, ttft=2.0) for rep in range(REPS)]
+                      + [record(f"z{rep}", "cacheblend", "Oslo" if rep % 2 else "Bergen", ratio=r)
+                         for rep in range(REPS) for r in (0.2, 0.6)])
+    summary = evaluate(runs + [later], tmp_path / "out")
+    pooled = summary[(summary.method == "cacheblend") & (summary.ratio == 0.2)].iloc[0]
+    only_later = summary[(summary.method == "cacheblend") & (summary.ratio == 0.6)].iloc[0]
+    assert pooled.n == 5 * REPS and summary[summary.method == "full"].iloc[0].n == 5 * REPS
+    assert pooled._vs_reuse_n == 4 * REPS                          # reuse's questions, not the later run's
+    assert only_later.n == REPS and only_later.fidelity_f1 == pytest.approx(0.5)
+    assert math.isnan(only_later.vs_reuse) and only_later._vs_reuse_n == 0
+    assert "the reuse run answered none of these questions" in only_later.note
+    assert not math.isnan(only_later.vs_full)                     # full answered them: compared as ever
 
 
 def test_rich_table_and_cli(runs, tmp_path):
