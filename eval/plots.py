@@ -183,8 +183,12 @@ def measured_panels(rows: pd.DataFrame, panels: list[tuple]) -> tuple[list[tuple
 
 
 def count_questions(rows) -> str:
-    n = int(rows.n.max())
-    return f"n = {n} question" + ("" if n == 1 else "s")
+    """'n = 50 questions'; where the points count different numbers of questions (runs of other questions pooled,
+    e.g. held-out runs beside a sweep), the range, so that no figure reads as one set of questions when it is not."""
+    low, high = int(rows.n.min()), int(rows.n.max())
+    if low != high:
+        return f"n = {low} to {high} questions, by point"
+    return f"n = {high} question" + ("" if high == 1 else "s")
 
 
 def gold_count(rows: pd.DataFrame) -> str:
@@ -240,7 +244,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
         plot_panel(ax, part, "ttft_ratio", None, None, "", colours, show_variant)
         full_s = summary[(summary.dataset == dataset) & (summary.method == "full")].ttft_s
         absolute = f"; full TTFT {full_s.iloc[0]:.2f} s" if len(full_s) and not math.isnan(full_s.iloc[0]) else ""
-        ax.set_title(f"{dataset} (n = {int(part.n.max())}{absolute})", fontsize=10)
+        ax.set_title(f"{dataset} ({count_questions(part)}{absolute})", fontsize=10)
         ax.set_ylim(bottom=0)
     for row in grid:
         row[0].set_ylabel("TTFT / full prefill TTFT (same questions)")

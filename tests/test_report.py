@@ -804,6 +804,25 @@ def test_a_score_of_zero_is_drawn_above_the_frame_and_one_question_is_not_questi
 
 
 
+
+def test_a_figure_of_points_over_different_questions_says_so(tmp_path, runs, monkeypatch):
+    """A later run of other questions pooled with a sweep (make kvfuse-heldout-musique) drew points over 15 to 74
+    questions under the title "n = 74 questions": each figure now gives the range."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.setdefault(Path(path).name, fig))
+    for rep in range(2):
+        monkeypatch.setitem(GOLD, f"z{rep}", ["Oslo"])
+    later = write_run(tmp_path / "later.jsonl", [record(f"z{rep}", m, "Oslo", ratio=r, ttft=t) for rep in range(2)
+                                                 for m, r, t in (("full", 1.0, 2.0), ("cacheblend", 0.6, 1.0))])
+    evaluate(runs + [later], tmp_path / "out")
+    n_sweep, n_all = 4 * REPS, 4 * REPS + 2
+    assert f"(n = 2 to {n_all} questions, by point;" in figures["quality_vs_ratio_toy.png"].texts[0].get_text()
+    assert f"(n = {n_sweep} to {n_all} questions, by point;" in figures["ranking_toy_ratio0.2.png"].texts[0].get_text()
+    figures.clear()
+    evaluate(runs, tmp_path / "sweep")   # one set of questions: one n, as before
+    assert f"(n = {n_sweep} questions;" in figures["quality_vs_ratio_toy.png"].texts[0].get_text()
+
 def test_a_ranking_s_colour_key_names_only_the_reference_rows_it_draws(tmp_path, monkeypatch):
     """A run of full and cacheblend drew no grey bar, yet its ranking said "black: full prefill, grey: reuse"."""
     from kvf.eval import plots
