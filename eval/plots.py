@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -224,7 +225,7 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
     from matplotlib.figure import Figure
     rows = summary[(summary.method != "full") & summary.ttft_ratio.notna()]
     elsewhere = rows._ttft_mixed.astype(bool) if "_ttft_mixed" in rows else pd.Series(False, index=rows.index)
-    left_out = sorted({_label(r, True) for _, r in rows[elsewhere].iterrows()})
+    left_out = ratios_left_out(rows[elsewhere])
     rows = rows[~elsewhere]
     datasets = sorted(rows.dataset.unique())
     n = max(1, len(datasets))
@@ -263,6 +264,15 @@ def plot_ttft(summary: pd.DataFrame, path: Path):
         bottom = note_inches / (height + note_inches)
     fig.tight_layout(rect=(0, bottom, 0.85, 1 - 0.3 / fig.get_figheight()))   # 0.3 inch: the title
     save_figure(fig, path)
+
+
+def ratios_left_out(rows: pd.DataFrame) -> list[str]:
+    """Each label's rows left out of a figure, with their ratios ('kvfuse (fusion) at 0, 0.05'): a label may be
+    drawn at other ratios, and the note must not read as if the whole line were missing."""
+    ratios = defaultdict(set)
+    for _, r in rows.iterrows():
+        ratios[_label(r, True)].add(float(r.ratio))
+    return [f"{label} at {', '.join(f'{ratio:g}' for ratio in sorted(ratios[label]))}" for label in sorted(ratios)]
 
 
 RANKING_INCHES_PER_CHAR = 0.085   # a row name's width at the tick labels' font size, generously

@@ -1302,7 +1302,15 @@ def test_the_ttft_plot_wraps_its_panels_and_counts_many_rows_it_leaves_out(tmp_p
     assert f"{plots.NOTE_NAMES_AT_MOST + 1} rows (summary.md's notes name them)" in note and "sink_tokens" not in note
     plots.plot_ttft(pd.concat([drawn, elsewhere.iloc[:2]], ignore_index=True), tmp_path / "few.png")
     note = next(text.get_text() for text in figures["few.png"].texts if text.get_text().startswith("not drawn"))
-    assert "kvfuse [sink_tokens=0] (fusion)" in note and "kvfuse [sink_tokens=1] (fusion)" in note
+    assert "kvfuse [sink_tokens=0] (fusion) at 0.15" in note and "kvfuse [sink_tokens=1] (fusion) at 0.15" in note
+    # cacheblend drawn at 0.3 and left out at 0.15 and 0.05: the note names those two ratios, so that the line
+    # drawn does not read as missing
+    blend = drawn[drawn.method == "cacheblend"].iloc[0]
+    partly = pd.DataFrame([drawn.iloc[0]] + [blend.copy() for _ in range(3)]).reset_index(drop=True)
+    partly.loc[1:, "ratio"], partly.loc[1:, "_ttft_mixed"] = [0.3, 0.15, 0.05], [False, True, True]
+    plots.plot_ttft(partly, tmp_path / "partly.png")
+    note = next(text.get_text() for text in figures["partly.png"].texts if text.get_text().startswith("not drawn"))
+    assert note.endswith("cacheblend (prefix) at 0.05, 0.15")
 
 
 def test_many_configurations_at_one_ratio_stay_within_a_span_around_it():
