@@ -328,12 +328,17 @@ def _check_overlap(group: pd.DataFrame, full: pd.DataFrame):
                        "or --compare-full)")
 
 
-def reuse_on_common(group: pd.DataFrame, reuse: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The reuse reference, or none of it (with a note) where it answered none of the group's questions:
-    a later run pooled with a sweep (more questions, other ratios) need not run reuse again."""
-    if len(reuse) and not set(group.qid) & set(reuse.index):
-        return reuse.iloc[:0], "vs_reuse: the reuse run answered none of these questions"
-    return reuse, ""
+def reuse_on_common(group: pd.DataFrame, reuse: pd.DataFrame, full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The reuse reference, or none of it (with a note) where it answered none of the group's questions while full
+    did: a later run pooled with a sweep (more questions, other ratios) need not run reuse again. With no full
+    answers to vouch for the questions, a reuse run that shares none of them means mixed-up files: refused."""
+    if not len(reuse) or set(group.qid) & set(reuse.index):
+        return reuse, ""
+    if not len(full):
+        raise KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
+                       f"{', '.join(sorted(set(reuse.file)))} (different dataset?): pass the runs of one question "
+                       "set, or a full run of these questions")
+    return reuse.iloc[:0], "vs_reuse: the reuse run answered none of these questions"
 
 
 POOLED = " (all tasks)"
@@ -443,8 +448,8 @@ def summarize_group(df: pd.DataFrame, group: pd.DataFrame) -> dict:
     from_records = not len(full) and first.method != "full"
     if from_records:   # no full run: the full prefill --compare-full answered beside each of this row's records
         full = compare_full_records(group).set_index("qid")
-    reuse, reuse_note = reuse_on_common(group, reuse_reference(df, first.dataset, first.variant, first.label))
     _check_overlap(group, full)
+    reuse, reuse_note = reuse_on_common(group, reuse_reference(df, first.dataset, first.variant, first.label), full)
     metric = primary_metric(df[df.dataset == first.dataset])
     norm, note = normalized_f1_on_common(group, full, reuse)
     note = reuse_note or note   # without common reuse answers normalized F1 is undefined for that reason

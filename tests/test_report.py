@@ -436,6 +436,9 @@ def test_mismatched_files_are_refused(tmp_path, runs, monkeypatch):
     with pytest.raises(KvfError, match=r"other.jsonl has questions not in .*full.jsonl \(different dataset\?\): "
                                        r"its cacheblend@0.5 answers share no question with that full run"):
         evaluate(runs + [other], tmp_path / "out")
+    # no full run at all: a reuse run that shares no question with the method's is still mixed-up files
+    with pytest.raises(KvfError, match=r"other.jsonl has questions not in .*reuse.jsonl \(different dataset\?\)"):
+        evaluate([runs[1], other], tmp_path / "out")
 
 
 def test_a_later_run_without_reuse_pools_with_a_sweep(tmp_path, runs, monkeypatch):
