@@ -317,15 +317,20 @@ def reuse_reference(df: pd.DataFrame, dataset: str, variant: str, label: str = "
     return rows
 
 
+def mixed_up_files(group: pd.DataFrame, ref: pd.DataFrame, fix: str) -> KvfError:
+    """A row that shares no question with its reference run though both carry one dataset's name: the one line
+    both references refuse it with."""
+    return KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
+                    f"{', '.join(sorted(set(ref.file)))} (different dataset?): {fix}")
+
+
 def _check_overlap(group: pd.DataFrame, full: pd.DataFrame):
     # same dataset label but no question in common with full: the user mixed up files, or ran no full on them
     if len(full) and not set(group.qid) & set(full.index):
         first = group.iloc[0]
-        raise KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
-                       f"{', '.join(sorted(set(full.file)))} (different dataset?): its "
-                       f"{run_selector(first.method, first.ratio, first.label)} answers share no question with "
-                       "that full run; pass the full run of the same questions (or run them with -m full,... "
-                       "or --compare-full)")
+        raise mixed_up_files(group, full, f"its {run_selector(first.method, first.ratio, first.label)} answers share "
+                                          "no question with that full run; pass the full run of the same questions "
+                                          "(or run them with -m full,... or --compare-full)")
 
 
 def reuse_on_common(group: pd.DataFrame, reuse: pd.DataFrame, full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -335,9 +340,7 @@ def reuse_on_common(group: pd.DataFrame, reuse: pd.DataFrame, full: pd.DataFrame
     if not len(reuse) or set(group.qid) & set(reuse.index):
         return reuse, ""
     if not len(full):
-        raise KvfError(f"run file {', '.join(sorted(set(group.file)))} has questions not in "
-                       f"{', '.join(sorted(set(reuse.file)))} (different dataset?): pass the runs of one question "
-                       "set, or a full run of these questions")
+        raise mixed_up_files(group, reuse, "pass the runs of one question set, or a full run of these questions")
     return reuse.iloc[:0], "vs_reuse: the reuse run answered none of these questions"
 
 
@@ -638,12 +641,13 @@ def most_faithful(summary: pd.DataFrame, ratio: float = 0.15, df: pd.DataFrame |
 # here leaves every committed folder stale for `make verify` until it is remade
 RUNS_COLUMNS = ("dataset", "questions", "setting", "context", "chunk tokens", "prompt tokens (mean)", "model",
                 "libraries")
+RUNS_HEADER = "| " + " | ".join(RUNS_COLUMNS) + " |"
 
 
 def runs_markdown(df: pd.DataFrame) -> str:
     """What the summary was computed from, per dataset: questions, setting, retrieval, prompt size, model, and
     the torch and transformers releases that computed the records (several, '/'-joined, where runs differ)."""
-    lines = ["| " + " | ".join(RUNS_COLUMNS) + " |", "|" + "---|" * len(RUNS_COLUMNS)]
+    lines = [RUNS_HEADER, "|" + "---|" * len(RUNS_COLUMNS)]
     for dataset, rows in df.groupby("dataset", sort=True):
         setting = _one_value(rows.setting)
         if setting == "shared":

@@ -806,8 +806,6 @@ def test_a_score_of_zero_is_drawn_above_the_frame_and_one_question_is_not_questi
     assert "(n = 1 question;" in figure.texts[0].get_text()
 
 
-
-
 def test_a_figure_of_points_over_different_questions_says_so(tmp_path, runs, monkeypatch):
     """A later run of other questions pooled with a sweep (make kvfuse-heldout-musique) drew points over 15 to 74
     questions under the title "n = 74 questions": each figure now gives the range."""
@@ -825,6 +823,7 @@ def test_a_figure_of_points_over_different_questions_says_so(tmp_path, runs, mon
     figures.clear()
     evaluate(runs, tmp_path / "sweep")   # one set of questions: one n, as before
     assert f"(n = {n_sweep} questions;" in figures["quality_vs_ratio_toy.png"].texts[0].get_text()
+
 
 def test_a_ranking_s_colour_key_names_only_the_reference_rows_it_draws(tmp_path, monkeypatch):
     """A run of full and cacheblend drew no grey bar, yet its ranking said "black: full prefill, grey: reuse"."""

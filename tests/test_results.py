@@ -156,15 +156,14 @@ def test_each_results_file_is_its_header_and_the_summary_the_makefile_puts_under
         assert (REPO / f"{outs[out]}.md").read_text() == made, f"{outs[out]}.md is not {header} + {outs[out]}/summary.md"
 
 
-
 def test_every_committed_eval_folder_has_the_runs_table_kvf_eval_renders_now():
     """A column added to kvf eval's runs table (libraries) left 54 committed summary.md files stale, which only
     `make verify --rescore` (20 minutes) said: each folder kvf eval made must carry the runs table's columns of today."""
-    from kvf.eval.report import RUNS_COLUMNS
-    header = "| " + " | ".join(RUNS_COLUMNS) + " |"
+    from kvf.eval.report import RUNS_HEADER
     stale = [str(summary.relative_to(REPO)) for summary in sorted((REPO / "results").glob("**/summary.md"))
-             if summary.read_text().startswith("Made by `kvf eval") and header not in summary.read_text().splitlines()]
+             if summary.read_text().startswith("Made by `kvf eval") and RUNS_HEADER not in summary.read_text().splitlines()]
     assert not stale, f"remake them (the command on each one's first line): {stale}"
+
 
 @pytest.mark.long
 @pytest.mark.skipif(not (Path(os.environ.get("KVF_DATA") or REPO.parent / "shared" / "data") / "musique").is_dir(),
