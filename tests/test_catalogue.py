@@ -420,6 +420,14 @@ CASES = {
     "eval provenance.libraries release a number": (lambda d, t: ["eval", write(t / "s.jsonl", record(provenance={
         "kvf_version": "0.1.0", "device": "cpu", "libraries": {"torch": 2.13}})), "--out", t / "e"],
         ["s.jsonl line 1", "provenance.libraries.torch"]),
+    # run files of two question sets under one dataset name: refused by the full run, or by reuse where no full is
+    "eval method run of other questions than full": (lambda d, t: ["eval", write(t / "full.jsonl", record()), write(
+        t / "blend.jsonl", record(qid="q2", method="cacheblend", settings={"ratio": 0.2, "variant": "prefix"})),
+        "--out", t / "e"], ["blend.jsonl", "full.jsonl", "cacheblend@0.2", "-m full"]),
+    "eval method run of other questions than reuse, no full": (lambda d, t: ["eval", write(t / "reuse.jsonl", record(
+        method="reuse", settings={"ratio": 0.0, "variant": "prefix"})), write(t / "blend.jsonl", record(
+            qid="q2", method="cacheblend", settings={"ratio": 0.2, "variant": "prefix"})), "--out", t / "e"],
+        ["blend.jsonl", "reuse.jsonl", "different dataset"]),
     "eval NaN timing": (lambda d, t: ["eval", write(t / "s.jsonl", record().replace(b'"load": 0.1', b'"load": NaN')),
                                       "--out", t / "e"], ["timings.load"]),
     "eval --exclude-questions missing": (lambda d, t: ["eval", write(t / "s.jsonl", record()), "--exclude-questions",
