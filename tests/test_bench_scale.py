@@ -270,3 +270,17 @@ def test_s3_bench_reads_the_same_each_way(capsys, monkeypatch, tmp_path):
         with pytest.raises(SystemExit):
             main(flags)
         assert fragment in capsys.readouterr().err
+
+
+def test_the_rows_floor_counts_every_prefills_token_layers_in_full_prefills():
+    from types import SimpleNamespace
+
+    from kvf.scripts.bench_scale import prefills_recomputed, rows_floor
+
+    def rec(qid, method, token_layers):
+        return SimpleNamespace(qid=qid, method=method, recomputed_token_layers=token_layers)
+
+    records = [rec("q1", "full", 300), rec("q1", "epic", 30), rec("q1", "cacheblend", 60), rec("q1", "reuse", 0),
+               rec("q2", "epic", 50), rec("q2", "full", 100)]
+    assert prefills_recomputed(records) == pytest.approx((390 / 300 + 150 / 100) / 2)
+    assert rows_floor({"full": 20.0, "prefills_recomputed": 1.4}) == pytest.approx(28.0)
