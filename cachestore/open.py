@@ -2,7 +2,9 @@
 import json
 import os
 import re
+import socket
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -35,6 +37,7 @@ def open_store(path: str | os.PathLike, format: str | None = None, *, meta: dict
         raise KvfError(f"unknown store format {format!r} for {path}; use --format zarr or --format hdf5")
     fs, root = _resolve(path)
     with remote_errors(fs, path):
+        check_endpoint(fs, root, path)
         return _open(fs, root, path, format, meta, create, readonly, compressor)
 
 
@@ -192,6 +195,50 @@ def check_endpoint_variable() -> None:
     if endpoint and not is_endpoint_url(endpoint):
         raise KvfError(f"AWS_ENDPOINT_URL {endpoint!r}: not an endpoint URL; set it to one such as "
                        "http://localhost:9000, or unset it to use AWS")
+
+
+def check_endpoint(fs, root: str, path: str) -> None:
+    """An S3 store at an endpoint of the user's (--s3-endpoint, AWS_ENDPOINT_URL), checked before the store's
+    first request: botocore's settings first (the client, made here, refuses a bad profile, config or region),
+    then that the endpoint answers, then that it answers as S3."""
+    if fs.local or not path.startswith("s3://") or not os.environ.get("AWS_ENDPOINT_URL"):
+        return
+    fs.fs.connect()
+    check_endpoint_reachable(path, os.environ["AWS_ENDPOINT_URL"])
+    check_speaks_s3(fs.fs, root.split("/")[0], path)
+
+
+def check_endpoint_reachable(path: str, endpoint: str, timeout_s: float = 5.0) -> None:
+    """One TCP connect to the endpoint's host and port: botocore and s3fs retry a refused or unknown endpoint
+    with back-off, so a mistyped --s3-endpoint was refused only after ~20 s. Not checked behind an HTTP proxy,
+    which may be the only way to the endpoint."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
+        return
+    url = urlsplit(endpoint)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:   # refused, unknown host, timed out; ValueError: a port out of range
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise KvfError(f"--store {path}: cannot reach the object store at {endpoint} ({why}); check --s3-endpoint "
+                       "(or AWS_ENDPOINT_URL) and that the server is up") from None
+
+
+def check_speaks_s3(fs, bucket: str, path: str) -> None:
+    """One listing of the bucket (a GET, whose refusals S3 explains in its body): an endpoint that is some other
+    web server (a storage console's port, a proxy) answers with a bare HTTP status, which s3fs reads as "not
+    found", so a mistyped --s3-endpoint was reported as a missing bucket or as no store there. Any other
+    failure is left to the calls that follow, which say what it is."""
+    try:
+        fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
+    except Exception as e:  # s3fs raises its own types; botocore's answer (a ClientError) is the cause
+        response = getattr(e.__cause__ or e.__context__ or e, "response", None)
+        code = str((response or {}).get("Error", {}).get("Code", ""))
+        if response is not None and (not code or code.isdigit()):   # S3 names every refusal (NoSuchBucket, ...)
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", code or "?")
+            raise KvfError(f"--store {path}: the endpoint {os.environ['AWS_ENDPOINT_URL']} answered HTTP {status} "
+                           "without an S3 error code, so it is not an S3 server; check --s3-endpoint (or "
+                           "AWS_ENDPOINT_URL): the S3 API's address and port, not a console's") from None
 
 
 def _detect(fs, root: str, path: str, create: bool = True) -> str | None:

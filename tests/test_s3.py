@@ -102,6 +102,57 @@ def test_a_store_opened_after_fixing_the_aws_settings_uses_the_new_ones(s3, monk
     assert open_store(f"file://{tmp_path}/local", meta=META, create=True).keys() == []   # not only S3 takes the flag
 
 
+def test_an_endpoint_that_refuses_or_is_not_s3_is_named_before_any_s3_request(monkeypatch):
+    """botocore and s3fs retried a refused --s3-endpoint with back-off (~20 s before the one line); a web server
+    that is not S3 (a storage console's port) answers a bare 404, which read as a missing bucket, or as no store
+    there. Both are named at once, the endpoint in the line; a real S3 server's missing bucket still reads as one."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    import s3fs
+    from kvf.cachestore import open_store
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    refused = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", refused)
+    made = []
+    with monkeypatch.context() as patched, \
+            pytest.raises(KvfError, match=f"cannot reach the object store at {refused} \\(Connection refused\\)"):
+        patched.setattr(s3fs.S3FileSystem, "_call_s3", lambda *a, **k: made.append(a))
+        open_store("s3://kvf/kv", meta=META, create=True)
+    assert made == []   # refused before any S3 request (which botocore and s3fs would retry)
+
+    class NotFound(BaseHTTPRequestHandler):   # any path: a bare 404, as a web console gives
+        page = b""
+
+        def do_GET(self):
+            page = self.page
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(page)
+        do_HEAD = do_PUT = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+        # a page botocore parses as XML (with no S3 code in it), and one it cannot parse (its status is the code)
+        for NotFound.page, create in ((b"<html>not here</html>", True), (b"<html>not here</html>", False),
+                                      (b"Not Found", True)):
+            with pytest.raises(KvfError, match=f"the endpoint http://127.0.0.1:{server.server_port} answered HTTP 404 "
+                                               "without an S3 error code, so it is not an S3 server; check --s3-endpoint"):
+                open_store("s3://kvf/kv", meta=META, create=create)
+    finally:
+        server.shutdown()
+
+
 def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch, request, tmp_path):
     from kvf.cachestore import open_store
     with pytest.raises(KvfError, match="bucket does not exist"):
