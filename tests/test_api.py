@@ -131,6 +131,14 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
         assert "│ full " not in stdout   # B is full prefill: its answers are not printed again as a "full" row
     code, _, err = cli(["compare", out, out], capsys, monkeypatch)    # one file, two runs: which?
     assert code == 1 and err.count("\n") == 1 and "pick one with --a" in err and "cacheblend@0.15" in err, err
+    code, _, err = cli(["build-cache", docs, "-w", tmp_path / "lazy", "--chunk-tokens", "64", "--indexes-only"], capsys,
+                       monkeypatch)
+    assert code == 0, err
+    with kvf.open_workspace(tmp_path / "lazy") as lazy:   # its repr said "KV variants none yet", even with KVs stored
+        assert repr(lazy).endswith("(up to 64 tokens), KVs computed as questions need them; SmolLM2-135M-Instruct "
+                                   "on cpu, float32>")
+        lazy.answer("Where do wild goats live?", method="reuse", max_new_tokens=2)
+        assert "KVs computed as questions need them" in repr(lazy)
     own = tmp_path / "own_passages.jsonl"   # questions that name their documents are answered from them
     own.write_text(json.dumps({"question": "Where do wild goats live?", "passages": ["doc2.txt"]}) + "\n")
     code, stdout, err = cli(["run", "-w", tmp_path / "workspace", "-q", own, "-m", "reuse", "--max-new-tokens", "4",

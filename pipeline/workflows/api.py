@@ -73,9 +73,12 @@ class WorkspaceSession:
         if self._session is None:
             return f"<kvf workspace {self.path} (closed)>"
         s = self._session
+        # a workspace kvf run (or build-cache --indexes-only) made has no variant built whole: its store holds
+        # what earlier questions needed, and "none yet" read as an empty store
+        variants = s.manifest["variants"]
+        kvs = f"KV variants {', '.join(variants)}" if variants else "KVs computed as questions need them"
         return (f"<kvf workspace {self.path}: {counted(len(s.chunks_by_id), 'chunk')} (up to "
-                f"{s.manifest['chunk_tokens']} tokens), KV variants {', '.join(s.manifest['variants']) or 'none yet'}; "
-                f"{s.model_ref.name} on {s.device}, {dtype_name(s.dtype)}>")
+                f"{s.manifest['chunk_tokens']} tokens), {kvs}; {s.model_ref.name} on {s.device}, {dtype_name(s.dtype)}>")
 
     def __enter__(self) -> "WorkspaceSession":
         return self
