@@ -51,7 +51,7 @@ def eval_command(
     else:
         console.print(summary_table(summary, width=console.width))
     if compare:
-        table = per_question(summary.attrs["records"], *picked)
+        table = per_question(summary.attrs["records"], *picked, names=tuple(compare))
         console.print(comparison_table(table, *compare))
         console.print(comparison_summary(table), highlight=False)
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/", highlight=False, markup=False)
@@ -105,8 +105,8 @@ def compare_command(
             example = f"{df.method.iloc[0]}@{df.ratio.iloc[0]:g}" if len(df) else "cacheblend@0.15"
             frames.append(one_group(df, f"run file {path}", f"pick one with {flag} METHOD@RATIO, e.g. {flag} {example}"))
     import pandas as pd
-    table = per_question(pd.concat(loaded), frames[0], frames[1])   # full's answers from either file, if it has them
     names = [f"{path}" + (f" {selector}" if selector else "") for path, selector in ((run_a, a), (run_b, b))]
+    table = per_question(pd.concat(loaded), frames[0], frames[1], names)   # full's answers from either file, if it has them
     console = output_console(160, stderr=json_out)   # --json: stdout holds the JSON alone
     if json_out:
         print(table.to_json(orient="records"))

@@ -65,16 +65,20 @@ def one_group(rows: pd.DataFrame, what: str, narrow: str) -> pd.DataFrame:
     return rows
 
 
-def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+def per_question(df: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame, names: tuple[str, str] = ("A", "B")) -> pd.DataFrame:
     """One row per question both answered: gold, both answers, full's answer, each one's scores. A run may span
-    several datasets (a RULER suite's tasks): each question is scored by its dataset's metric and full run."""
+    several datasets (a RULER suite's tasks): each question is scored by its dataset's metric and full run.
+    names: how the user named A and B (file and selector), for the line that refuses two runs with no question in
+    common."""
     df = per_task(df)   # eval's records hold pooled copies; a and b come through select() or a run file, without them
     metric = {d: primary_metric(df[df.dataset == d]) for d in a.dataset.unique()}
     full = {d: reference_rows(df, d, "full", label=a.label.iloc[0]) for d in metric}
     a, b = a.set_index(["dataset", "qid"]), b.set_index(["dataset", "qid"])
     common = [key for key in a.index if key in b.index]
-    if not common:
-        raise KvfError("the two runs share no question; compare runs of the same dataset")
+    if not common:   # said without the runs' names, it left the user to guess which file was the wrong one
+        answered = [f"{name} ({counted(len(side), 'question')} of {', '.join(sorted(set(side.index.get_level_values(0))))})"
+                    for name, side in zip(names, (a, b))]
+        raise KvfError(f"{answered[0]} and {answered[1]} share no question; compare runs of the same questions")
     full_side = "A" if (a.method == "full").all() else "B" if (b.method == "full").all() else None
     rows = []
     for dataset, qid in common:

@@ -447,6 +447,11 @@ CASES = {
                                        ["--a full@x", "must be a number"]),
     "compare --b no such run": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "--b", "cacheblend@0.15"],
                                 ["--b cacheblend@0.15", "no records match", "the runs there are full@1"]),
+    # "the two runs share no question": which of the two files was the wrong one, the user had to guess
+    "compare runs of other questions": (lambda d, t: ["compare", write(t / "a.jsonl", record()), write(t / "b.jsonl", record(qid="q9", dataset="other")),
+                                                      "--b", "full"],
+                                        ["a.jsonl (1 question of toy) and", "b.jsonl full (1 question of other) share no question",
+                                         "compare runs of the same questions"]),
     "compare -m matching nothing": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "-m", "cacheblnd"],
                                     ["--method cacheblnd: no records in", "the runs there are full@1"]),
     "compare one file, two runs": (lambda d, t: ["compare", write(t / "s.jsonl", record() + b"\n" + record(method="reuse", settings={"ratio": 0.0, "variant": "prefix"}, recomputed_tokens=0)),
