@@ -17,6 +17,7 @@ REFERENCE_METHODS = ("full", "reuse")
 POINT_MARKERS = ["s", "D", "^", "v", "P", "X", "*", "h"]
 METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold values in the answer)"}
 NO_GOLD = "no gold answers in these records"
+ALL_ZERO = "0 for every row (intervals too)"
 NO_FIDELITY = "no fidelity to full prefill: run with --compare-full (or include a full run)"
 
 
@@ -326,6 +327,9 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
             ax.text(0.01 * top, position, "n/a", va="center", fontsize=8, color="gray")
         ax.set_xlim(0, top)
         ax.grid(axis="x", alpha=0.3)
+        if not values[~missing].any() and not rows[high][~missing].fillna(0).any():
+            # a weak model's gold F1, often: bars of no width read as a panel that failed to draw
+            ax.text(0.5, 0.5, ALL_ZERO, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray")
     # the colour key names only the reference rows this figure has
     key = [f"{colour}: {name}" for method, colour, name in (("full", "black", "full prefill"), ("reuse", "grey", "reuse"))
            if method in set(rows.method)]

@@ -1168,6 +1168,12 @@ def test_a_ranking_leaves_out_a_measure_no_row_has_and_says_why(tmp_path, monkey
     plots.plot_ranking(rows.assign(acc=nan, metric_low=nan, metric_high=nan), "none", tmp_path / "ranking.png")
     [gold] = figures["ranking.png"].axes
     assert [t.get_text() for t in gold.texts] == [plots.NO_GOLD]
+    # every row scored 0 (a weak model's gold F1): the bars had no width and the panel read as failed to draw
+    plots.plot_ranking(rows.assign(acc=0.0, metric_low=0.0, metric_high=0.0), "zeros", tmp_path / "ranking.png")
+    [gold] = figures["ranking.png"].axes
+    assert [t.get_text() for t in gold.texts] == [plots.ALL_ZERO] and len(gold.get_xticks()) > 1   # the axis stays
+    plots.plot_ranking(rows.assign(acc=[0.0, 0.0], metric_high=[0.1, 0.0]), "a zero with an interval", tmp_path / "r.png")
+    assert len(figures["r.png"].axes[0].texts) == 0   # an interval above 0 is drawn, and said by the bars
 
 
 def test_a_ranking_keeps_its_panels_wide_and_their_labels_apart_with_long_row_names(tmp_path, monkeypatch):
