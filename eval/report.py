@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvf.errors import KvfError, warn
+from kvf.errors import KvfError, counted, warn
 from kvf.eval.metrics import (accuracy, exact_match, is_suite_dataset, normalized_f1, scored_by_accuracy,
                               substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
-from kvf.pipeline.records import RunRecord, read_records, run_files_of
+from kvf.pipeline.records import RunRecord, cut_in_gold, read_records, run_files_of
 from kvf.pipeline.workflows.display import fit_table
 
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
@@ -77,7 +77,8 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            "chunk_size": s.get("chunk_tokens"), "model": s.get("model"), "settings": settings_key(s),
            "libraries": json.dumps(libraries, sort_keys=True) if libraries else None,
            # the request a question was asked as: compared to full's only where full was asked the same
-           "request": json.dumps([list(rec.chunk_ids), s.get("model"), s.get("max_new_tokens")])}
+           "request": json.dumps([list(rec.chunk_ids), s.get("model"), s.get("max_new_tokens")]),
+           "cut_in_gold": cut_in_gold(rec.answer, rec.gold, rec.answer_tokens, s.get("max_new_tokens"))}
     for name in TIMINGS:
         row[f"t_{name}"] = float(getattr(rec.timings, name))
     return row
@@ -254,6 +255,20 @@ def warn_other_requests(summary: pd.DataFrame) -> None:
             warn(f"{dataset}: {len(odd)} row(s) are compared with runs asked other requests (e.g. "
                  f"{run_selector(first.method, first.ratio, first.label)}: {first._other_requests}); their comparisons with full and reuse mix different "
                  "prompts: run every method with the same -k, chunks, model and --max-new-tokens (or --compare-full)")
+
+
+def warn_cut_answers(df: pd.DataFrame) -> None:
+    """Answers that stopped at their run's --max-new-tokens partway through a gold answer score as wrong for a
+    reason no method has (a RULER run with too few new tokens scored full prefill 0): say how many, and the fix."""
+    cut = df[df.cut_in_gold.notna()]
+    if cut.empty:
+        return
+    first = cut.iloc[0]
+    caps = sorted({json.loads(request)[2] for request in cut.request})
+    warn(f"{len(cut)} of {counted(len(df), 'answer')} in {', '.join(sorted(set(cut.file)))} stopped at --max-new-tokens "
+         f"{', '.join(map(str, caps))} partway through their gold answer (e.g. {first.qid}, "
+         f"{run_selector(first.method, first.ratio, first.label)}: '...{first.answer[-30:]}' for {first.cut_in_gold!r}), "
+         "so they score as wrong; re-run them with a larger --max-new-tokens")
 
 
 def warn_unscored(summary: pd.DataFrame) -> None:
@@ -784,6 +799,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
         df = without_questions(df, exclude_questions, exclude_flag)
     if complete_only:
         df = complete_questions(df)
+    warn_cut_answers(df)
     df = with_pooled_tasks(df)
     if check_records is not None:
         check_records(df)

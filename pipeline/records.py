@@ -9,6 +9,7 @@
      "question": str, "answer": str, "gold": [str, ...],   # gold may be empty (questions without answers)
      "gold_mode": "any" | "all",         # any alias is right (QA) / every value is needed (RULER)
      "prompt_tokens": int, "chunk_tokens": int, "recomputed_tokens": int, "recomputed_token_layers": int,
+     "answer_tokens": int,               # tokens generated (settings.max_new_tokens: cut there); absent before 2026-12-04
      "timings": {"load": s, "select": s, "recompute": s, "first_token": s, "decode": s, "read": s},
      "provenance": {"kvf_version": str, "commit": str | null, "device": str,
                     "libraries": {"torch": str, "transformers": str}},   # libraries: absent before 2026-12
@@ -82,6 +83,7 @@ class RunRecord(BaseModel):
     chunk_tokens: int = Field(ge=0)
     recomputed_tokens: int = Field(ge=0)
     recomputed_token_layers: int | None = Field(default=None, ge=0)
+    answer_tokens: int | None = Field(default=None, ge=0)
     timings: Timings
     provenance: Provenance | None = None
     shared: list[str] = Field(default_factory=list)
@@ -133,6 +135,24 @@ class RunRecord(BaseModel):
 
     def to_line(self) -> str:
         return json.dumps(self.model_dump(mode="json", exclude_none=True)) + "\n"
+
+
+def cut_in_gold(answer: str, gold: list[str], answer_tokens: int | None, max_new_tokens: int | None) -> str | None:
+    """The gold answer that decoding was cut off partway through: the answer took every one of --max-new-tokens,
+    holds no gold answer whole, and ends with the start of one ("... is 9800" for 9800301). None otherwise: an
+    answer cut elsewhere (a model that runs on) is the model's, not the cap's. A RULER run with too few new tokens
+    scored every method 0, full prefill too, and nothing said why."""
+    if answer_tokens is None or max_new_tokens is None or answer_tokens < max_new_tokens or not answer.strip():
+        return None
+    text = " ".join(answer.lower().split())
+    if any(g.lower() in text for g in gold if g.strip()):
+        return None
+    for g in gold:
+        g_text = " ".join(g.lower().split())
+        if any(text.endswith(g_text[:cut]) and (cut == len(text) or not text[-cut - 1].isalnum())
+               for cut in range(1 if g_text[:1].isdigit() else 2, len(g_text))):   # a proper start, from a word's start
+            return g
+    return None
 
 
 def run_name(record: dict) -> str:

@@ -1332,3 +1332,37 @@ def test_many_configurations_at_one_ratio_stay_within_a_span_around_it():
     assert shifts[-1] - shifts[0] == pytest.approx(DODGE_SPAN_POINTS) and shifts == sorted(shifts)
     few = [dodged(ax, i, 3).transform((0.15, 0.5))[0] - centre for i in range(3)]
     assert few == pytest.approx([-DODGE_POINTS, 0, DODGE_POINTS])   # a few keep their full step
+
+
+def test_answers_cut_partway_through_their_gold_are_said_by_run_and_eval(tmp_path, capsys):
+    """`kvf run` of a RULER suite with --max-new-tokens 12 scored every method 0, full prefill too: each answer
+    stopped inside its number ("... for jungle is 9800" for 9800301), and nothing said why. An answer that took every
+    new token, holds no gold answer whole and ends with the start of one is now counted by run and eval, with the
+    fix; an answer cut elsewhere (the model running on) or one that ended before the cap is not."""
+    from kvf.pipeline.records import cut_in_gold
+    from kvf.pipeline.workflows.run import MethodStats
+    assert cut_in_gold("The special magic number for jungle is 9800", ["9800301"], 12, 12) == "9800301"
+    assert cut_in_gold("It was the capital, Par", ["Paris"], 12, 12) == "Paris"
+    assert cut_in_gold("The special magic number for jungle is 9800", ["9800301"], 11, 12) is None   # it ended there
+    assert cut_in_gold("It is 9800301 and", ["9800301"], 12, 12) is None                       # gold whole: right
+    assert cut_in_gold("The number is 19800", ["9800301"], 12, 12) is None                     # not from a word's start
+    assert cut_in_gold("It was the capital, P", ["Paris"], 12, 12) is None                     # one letter: too little
+    assert cut_in_gold("The answer is that the city", ["Paris"], 12, 12) is None               # ran on: the model's
+    assert cut_in_gold("It was Par", ["Paris"], None, 12) is None                              # a record from before
+    cut = record("q1", "full", "It was the capital, Par", ratio=1.0, answer_tokens=12)
+    cut["settings"]["max_new_tokens"] = 12
+    whole = record("q2", "full", "Rome", ratio=1.0, answer_tokens=2)
+    whole["settings"]["max_new_tokens"] = 12
+    stats = MethodStats()
+    stats.add(whole)
+    assert stats.cut_warning() is None
+    stats.add(cut)
+    assert stats.cut_warning() == ("1 of 2 answers stopped at --max-new-tokens 12 partway through their gold answer "
+                                   "(e.g. q1, full: '...It was the capital, Par' for 'Paris'), so they score as wrong; "
+                                   "re-run with a larger --max-new-tokens, into a new --out or with --overwrite")
+    run_file = write_run(tmp_path / "cut.jsonl", [cut, whole])
+    evaluate([run_file], tmp_path / "out")
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"warning: 1 of 2 answers in {run_file} stopped at --max-new-tokens 12 partway through their gold answer "
+            "(e.g. q1, full@1: '...It was the capital, Par' for 'Paris'), so they score as wrong; re-run them with a "
+            "larger --max-new-tokens") in err

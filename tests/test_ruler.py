@@ -92,6 +92,8 @@ def test_kvf_run_chunks_a_suite_s_workspace_to_its_passages(tokenizer, tmp_path,
     make_ruler(tmp_path / "r", tokenizer, ["niah_single"], LENGTH, 1, 0, CHUNK)
     common = dict(dataset=tmp_path / "r", methods=["reuse"], ratios=[0.0], max_new_tokens=2, warmup=False)
     run(RunOptions(out=tmp_path / "a.jsonl", **common), quiet)
+    answer = json.loads((tmp_path / "a.jsonl").read_text())
+    assert answer["answer_tokens"] == 2 and answer["settings"]["max_new_tokens"] == 2   # how eval tells a cut answer
     assert json.loads((tmp_path / "r" / "workspace" / "manifest.json").read_text())["chunk_tokens"] == CHUNK
     assert "finer than" not in capsys.readouterr().err
     build_cache(BuildOptions(corpus=tmp_path / "r" / "corpus", workspace=tmp_path / "fine", chunk_tokens=64,

@@ -31,7 +31,7 @@ class Answer:
     def record(self) -> dict:
         return {"answer": self.text, "prompt_tokens": self.prompt.n_tokens,
                 "chunk_tokens": self.prompt.n_chunk_tokens, "recomputed_tokens": self.fused.recomputed_tokens,
-                "recomputed_token_layers": self.fused.recomputed_token_layers,
+                "recomputed_token_layers": self.fused.recomputed_token_layers, "answer_tokens": len(self.token_ids),
                 "timings": {k: round(v, 6) for k, v in self.timings.items()}}
 
 

@@ -27,7 +27,7 @@ from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio,
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
-from kvf.pipeline.records import RunFile, RunRecord, parse_record, run_name
+from kvf.pipeline.records import RunFile, RunRecord, cut_in_gold, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
 from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chunk_fits, check_room, index_digests,
@@ -747,11 +747,28 @@ class MethodStats:
     def __init__(self):
         self.ttft: dict[str, list[float]] = {}
         self.compared_full: dict[str, float] = {}   # qid -> the TTFT of the full prefill --compare-full ran
+        self.cut: list[tuple[dict, str]] = []       # (record, its gold answer) cut off by --max-new-tokens
 
     def add(self, record: dict) -> None:
         self.ttft.setdefault(run_name(record), []).append(record["timings"]["first_token"])
         if record.get("full_first_token") is not None:
             self.compared_full[record["qid"]] = record["full_first_token"]
+        gold = cut_in_gold(record.get("answer", ""), record.get("gold", []), record.get("answer_tokens"),
+                           record["settings"].get("max_new_tokens"))
+        if gold is not None:
+            self.cut.append((record, gold))
+
+    def cut_warning(self) -> str | None:
+        """One line when answers stopped at --max-new-tokens partway through their gold answer: they score as
+        wrong for a reason no method has."""
+        if not self.cut:
+            return None
+        record, gold = self.cut[0]
+        answers = sum(map(len, self.ttft.values()))
+        return (f"{len(self.cut)} of {counted(answers, 'answer')} stopped at --max-new-tokens "
+                f"{record['settings']['max_new_tokens']} partway through their gold answer (e.g. {record['qid']}, "
+                f"{run_name(record)}: '...{record['answer'][-30:]}' for {gold!r}), so they score as wrong; re-run with a "
+                "larger --max-new-tokens, into a new --out or with --overwrite")
 
     def line(self, width: int = 110) -> str:
         parts = [f"{label} {1000 * sum(v) / len(v):.0f}ms" for label, v in self.ttft.items()]
@@ -855,6 +872,9 @@ def run(opts: RunOptions, console: Console) -> Path:
                 answer_here(QuestionRunner(opts, session, picker, planned, settings_of, name), jobs, progress, write)
     if stats.ttft:
         console.print(stats.line(width=400), markup=False)   # run names carry [labels]
+    cut = stats.cut_warning()
+    if cut:
+        console.print(f"warning: {cut}", style="yellow", soft_wrap=True, markup=False)
     return opts.out
 
 
