@@ -747,7 +747,8 @@ class MethodStats:
     def __init__(self):
         self.ttft: dict[str, list[float]] = {}
         self.compared_full: dict[str, float] = {}   # qid -> the TTFT of the full prefill --compare-full ran
-        self.cut: list[tuple[dict, str]] = []       # (record, its gold answer) cut off by --max-new-tokens
+        self.cut = 0                                # answers cut off by --max-new-tokens inside their gold answer
+        self.first_cut: tuple[dict, str] | None = None   # the first of them, and its gold answer: the example
 
     def add(self, record: dict) -> None:
         self.ttft.setdefault(run_name(record), []).append(record["timings"]["first_token"])
@@ -756,16 +757,17 @@ class MethodStats:
         gold = cut_in_gold(record.get("answer", ""), record.get("gold", []), record.get("answer_tokens"),
                            record["settings"].get("max_new_tokens"))
         if gold is not None:
-            self.cut.append((record, gold))
+            self.cut += 1
+            self.first_cut = self.first_cut or (record, gold)
 
     def cut_warning(self) -> str | None:
         """One line when answers stopped at --max-new-tokens partway through their gold answer: they score as
         wrong for a reason no method has."""
-        if not self.cut:
+        if self.first_cut is None:
             return None
-        record, gold = self.cut[0]
+        record, gold = self.first_cut
         answers = sum(map(len, self.ttft.values()))
-        return (f"{len(self.cut)} of {counted(answers, 'answer')} stopped at --max-new-tokens "
+        return (f"{self.cut} of {counted(answers, 'answer')} stopped at --max-new-tokens "
                 f"{record['settings']['max_new_tokens']} partway through their gold answer (e.g. {record['qid']}, "
                 f"{run_name(record)}: '...{record['answer'][-30:]}' for {gold!r}), so they score as wrong; re-run with a "
                 "larger --max-new-tokens, into a new --out or with --overwrite")
