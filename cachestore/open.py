@@ -203,9 +203,10 @@ def check_endpoint(fs, root: str, path: str) -> None:
     then that the endpoint answers, then that it answers as S3."""
     if fs.local or not path.startswith("s3://") or not os.environ.get("AWS_ENDPOINT_URL"):
         return
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
     fs.fs.connect()
-    check_endpoint_reachable(path, os.environ["AWS_ENDPOINT_URL"])
-    check_speaks_s3(fs.fs, root.split("/")[0], path)
+    check_endpoint_reachable(path, endpoint)
+    check_speaks_s3(fs.fs, root.split("/")[0], path, endpoint)
 
 
 def check_endpoint_reachable(path: str, endpoint: str, timeout_s: float = 5.0) -> None:
@@ -224,7 +225,7 @@ def check_endpoint_reachable(path: str, endpoint: str, timeout_s: float = 5.0) -
                        "(or AWS_ENDPOINT_URL) and that the server is up") from None
 
 
-def check_speaks_s3(fs, bucket: str, path: str) -> None:
+def check_speaks_s3(fs, bucket: str, path: str, endpoint: str) -> None:
     """One listing of the bucket (a GET, whose refusals S3 explains in its body): an endpoint that is some other
     web server (a storage console's port, a proxy) answers with a bare HTTP status, which s3fs reads as "not
     found", so a mistyped --s3-endpoint was reported as a missing bucket or as no store there. Any other
@@ -236,7 +237,7 @@ def check_speaks_s3(fs, bucket: str, path: str) -> None:
         code = str((response or {}).get("Error", {}).get("Code", ""))
         if response is not None and (not code or code.isdigit()):   # S3 names every refusal (NoSuchBucket, ...)
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", code or "?")
-            raise KvfError(f"--store {path}: the endpoint {os.environ['AWS_ENDPOINT_URL']} answered HTTP {status} "
+            raise KvfError(f"--store {path}: the endpoint {endpoint} answered HTTP {status} "
                            "without an S3 error code, so it is not an S3 server; check --s3-endpoint (or "
                            "AWS_ENDPOINT_URL): the S3 API's address and port, not a console's") from None
 

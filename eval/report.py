@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvf.errors import KvfError, counted, warn
+from kvf.errors import KvfError, warn
 from kvf.eval.metrics import (accuracy, exact_match, is_suite_dataset, normalized_f1, scored_by_accuracy,
                               substring_accuracy, token_f1)
 from kvf.eval.stats import MIN_QUESTIONS, describe_difference, mean_interval, paired_bootstrap, significant
 from kvf.pipeline.files import check_writable_dir, read_listed
-from kvf.pipeline.records import RunRecord, cut_in_gold, read_records, run_files_of
+from kvf.pipeline.records import RunRecord, cut_answers_line, cut_in_gold, read_records, run_files_of
 from kvf.pipeline.workflows.display import fit_table
 
 TIMINGS = ("load", "select", "recompute", "first_token", "decode")
@@ -78,6 +78,7 @@ def record_row(rec: RunRecord, path: Path, lineno: int) -> dict:
            "libraries": json.dumps(libraries, sort_keys=True) if libraries else None,
            # the request a question was asked as: compared to full's only where full was asked the same
            "request": json.dumps([list(rec.chunk_ids), s.get("model"), s.get("max_new_tokens")]),
+           "max_new_tokens": s.get("max_new_tokens"),
            "cut_in_gold": cut_in_gold(rec.answer, rec.gold, rec.answer_tokens, s.get("max_new_tokens"))}
     for name in TIMINGS:
         row[f"t_{name}"] = float(getattr(rec.timings, name))
@@ -264,11 +265,9 @@ def warn_cut_answers(df: pd.DataFrame) -> None:
     if cut.empty:
         return
     first = cut.iloc[0]
-    caps = sorted({json.loads(request)[2] for request in cut.request})
-    warn(f"{len(cut)} of {counted(len(df), 'answer')} in {', '.join(sorted(set(cut.file)))} stopped at --max-new-tokens "
-         f"{', '.join(map(str, caps))} partway through their gold answer (e.g. {first.qid}, "
-         f"{run_selector(first.method, first.ratio, first.label)}: '...{first.answer[-30:]}' for {first.cut_in_gold!r}), "
-         "so they score as wrong; re-run them with a larger --max-new-tokens")
+    warn(cut_answers_line(len(cut), len(df), sorted(set(cut.max_new_tokens.astype(int))),
+                          (first.qid, run_selector(first.method, first.ratio, first.label), first.answer, first.cut_in_gold),
+                          where=f" in {', '.join(sorted(set(cut.file)))}"))
 
 
 def warn_unscored(summary: pd.DataFrame) -> None:

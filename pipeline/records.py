@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvf.errors import KvfError, disk_full, stand_in, warn
+from kvf.errors import KvfError, counted, disk_full, stand_in, warn
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
@@ -153,6 +153,16 @@ def cut_in_gold(answer: str, gold: list[str], answer_tokens: int | None, max_new
                for cut in range(1 if g_text[:1].isdigit() else 2, len(g_text))):   # a proper start, from a word's start
             return g
     return None
+
+
+def cut_answers_line(cut: int, answers: int, caps: list[int], example: tuple[str, str, str, str], where: str = "",
+                     fix: str = "re-run them with a larger --max-new-tokens") -> str:
+    """kvf run's and kvf eval's one line on answers cut_in_gold found: how many of how many answers (in `where`),
+    the caps, an example (qid, run name, answer, the gold answer it was cut inside) and `fix`."""
+    qid, run, answer, gold = example
+    return (f"{cut} of {counted(answers, 'answer')}{where} stopped at --max-new-tokens {', '.join(map(str, caps))} "
+            f"partway through their gold answer (e.g. {qid}, {run}: '...{answer[-30:]}' for {gold!r}), so they score as "
+            f"wrong; {fix}")
 
 
 def run_name(record: dict) -> str:

@@ -27,7 +27,7 @@ from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio,
 from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
-from kvf.pipeline.records import RunFile, RunRecord, cut_in_gold, parse_record, run_name
+from kvf.pipeline.records import RunFile, RunRecord, cut_answers_line, cut_in_gold, parse_record, run_name
 from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
 from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chunk_fits, check_room, index_digests,
@@ -766,11 +766,9 @@ class MethodStats:
         if self.first_cut is None:
             return None
         record, gold = self.first_cut
-        answers = sum(map(len, self.ttft.values()))
-        return (f"{self.cut} of {counted(answers, 'answer')} stopped at --max-new-tokens "
-                f"{record['settings']['max_new_tokens']} partway through their gold answer (e.g. {record['qid']}, "
-                f"{run_name(record)}: '...{record['answer'][-30:]}' for {gold!r}), so they score as wrong; re-run with a "
-                "larger --max-new-tokens, into a new --out or with --overwrite")
+        return cut_answers_line(self.cut, sum(map(len, self.ttft.values())), [record["settings"]["max_new_tokens"]],
+                                (record["qid"], run_name(record), record["answer"], gold),
+                                fix="re-run with a larger --max-new-tokens, into a new --out or with --overwrite")
 
     def line(self, width: int = 110) -> str:
         parts = [f"{label} {1000 * sum(v) / len(v):.0f}ms" for label, v in self.ttft.items()]
