@@ -412,6 +412,9 @@ CASES = {
                                                     "--out", t / "e"], ["s.jsonl line 1", "answer_agree_full"]),
     "eval negative answer KL": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_kl_full=-0.1)),
                                               "--out", t / "e"], ["s.jsonl line 1", "answer_kl_full"]),
+    # answer_tokens (since 2026-12-04) tells eval an answer cut by --max-new-tokens: a hand-edited one is refused
+    "eval negative answer tokens": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_tokens=-3)), "--out", t / "e"],
+                                    ["s.jsonl line 1", "not a kvf run record (answer_tokens", "greater than or equal to 0"]),
     "eval dict qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid={"a": 1})), "--out", t / "e"], ["qid"]),
     # the releases a record names (provenance.libraries, since 2026-12-03): a list, or a release given as a number
     "eval provenance.libraries a list": (lambda d, t: ["eval", write(t / "s.jsonl", record(provenance={
