@@ -254,8 +254,9 @@ def v1_split_at_6k(path: Path) -> dict | None:
     total = sum(r.timings.first_token + r.timings.decode for r in records) / n
     selective = sum(r.timings.first_token for r in records if r.method not in fixed) / n
     full = sum(r.timings.first_token for r in records if r.method == "full") / n
+    new_tokens = sorted({r.settings.get("max_new_tokens") for r in records} - {None})
     return {"questions": n, "total": total, "selective": selective, "full": full,
-            "prefills_recomputed": prefills_recomputed(records)}
+            "prefills_recomputed": prefills_recomputed(records), "max_new_tokens": new_tokens}
 
 
 def prefills_recomputed(records: list) -> float:
@@ -590,6 +591,12 @@ def rows_floor(at_6k: dict) -> float:
     return at_6k["full"] * at_6k["prefills_recomputed"]
 
 
+def new_tokens_said(at_6k: dict) -> str:
+    """'12 new tokens', as the records' settings say (several caps: each named)."""
+    caps = at_6k.get("max_new_tokens") or []
+    return f"{' or '.join(str(c) for c in caps)} new tokens" if caps else "new tokens as their settings say"
+
+
 def real_section(real: dict, note: str, at_6k: dict | None) -> list[str]:
     """Part 5 in markdown: the sweep at a real dataset's prompt length, v1 against shared work."""
     rows = [[name, real["questions"], real["answers"], f"{real[key]:.1f}", f"{real[key] / real['v1']:.2f}"]
@@ -607,7 +614,7 @@ def real_section(real: dict, note: str, at_6k: dict | None) -> list[str]:
             "the whole prompt's cache rows, work that grows with the prompt and that no other request can do for "
             "it. The target of a third of v1 is further away at a real length than on the short synthetic prompts "
             "above." + (f" Recomputing alone sets a floor under it: in v1's committed MuSiQue records ({V1_RECORDS_6K.relative_to(ROOT)}, "
-                        f"{at_6k['questions']} questions, 12 new tokens, two sweeps sharing the 2 cores), this sweep's "
+                        f"{at_6k['questions']} questions, {new_tokens_said(at_6k)}, two sweeps sharing the 2 cores), this sweep's "
                         f"prefills recompute **{at_6k['prefills_recomputed']:.2f}** full prefills' worth of chunk token-layers "
                         f"per question (the full prefill's own 1.00 included; each recomputed row attends over the rows "
                         f"before it, as in a full prefill), which at the full prefill's own {at_6k['full']:.1f} s there "

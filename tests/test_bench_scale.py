@@ -284,3 +284,13 @@ def test_the_rows_floor_counts_every_prefills_token_layers_in_full_prefills():
                rec("q2", "epic", 50), rec("q2", "full", 100)]
     assert prefills_recomputed(records) == pytest.approx((390 / 300 + 150 / 100) / 2)
     assert rows_floor({"full": 20.0, "prefills_recomputed": 1.4}) == pytest.approx(28.0)
+
+
+def test_the_floor_names_the_new_tokens_its_records_were_answered_with():
+    from kvf.scripts.bench_scale import V1_RECORDS_6K, new_tokens_said, v1_split_at_6k
+
+    at_6k = v1_split_at_6k(V1_RECORDS_6K)   # v1's committed MuSiQue sweep: answered with --max-new-tokens 12
+    assert at_6k["max_new_tokens"] == [12]
+    assert new_tokens_said(at_6k) == "12 new tokens"
+    assert new_tokens_said({"max_new_tokens": [8, 12]}) == "8 or 12 new tokens"
+    assert new_tokens_said({}) == "new tokens as their settings say"
