@@ -22,6 +22,7 @@
 #                (KVFUSE_ANN_PROBES= lists read of 61; MuSiQue 11-49, beside the methods sweep's exact ones)
 #   make kvfuse  kvf's own method: dev ablation and held-out comparison on MuSiQue (results/kvfuse.md);
 #                `make kvfuse-curve`: fidelity vs ratio up to 0.7 on held-out 2WikiMQA questions
+#                (`make -j2 kvfuse-curve-nq`: the same on 40 fresh NQ-open questions)
 #   make verify  re-run every committed results file's conditions and check every number (results/expected.yaml; hours)
 #   make verify-smoke  the same on a few questions per file, against the committed records (minutes; run by make test-long)
 #   make gpu-checks  on a CUDA machine only: what only a GPU can check (scripts/gpu_checks.sh)
@@ -42,7 +43,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-heldout-musique bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-curve-nq kvfuse-curve-nq-a kvfuse-curve-nq-b kvfuse-heldout-musique bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -699,6 +700,22 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 	$(KVFUSE_CURVE_RUN) -d $(WORK)/musique -m $(KVFUSE_CURVE_MUSIQUE_METHODS) -r $(KVFUSE_CURVE_MUSIQUE_RATIOS) \
 	  --offset $(KVFUSE_CURVE_MUSIQUE_OFFSET) -n $(KVFUSE_CURVE_MUSIQUE_N) -o $(KVFUSE_RUNS)/curve-musique.jsonl
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/curve-*.jsonl --out $(KVFUSE_OUT)/curve
+# the same curve on NQ-open's short prompts (~680 tokens, BM25 top-5 of the pooled corpus, as `make methods-nq`), on
+# questions 150-189, which no earlier run used (0-49 methods sweep, 50-99 step 20, 100-149 step 24): two halves of
+# 20, side by side with `make -j2 kvfuse-curve-nq` (results/kvfuse.md, "How far 0.85 is on NQ-open")
+KVFUSE_CURVE_NQ_OFFSET ?= 150
+KVFUSE_CURVE_NQ_HALF ?= 20
+KVFUSE_CURVE_NQ_RUN = $(KVF) run --compare-full --max-new-tokens 12 --no-show-answers -d $(WORK)/nq \
+	  -m $(KVFUSE_CURVE_METHODS) -r $(KVFUSE_CURVE_RATIOS) -n $(KVFUSE_CURVE_NQ_HALF)
+kvfuse-curve-nq: kvfuse-curve-nq-a kvfuse-curve-nq-b
+	$(KVF) eval --complete-only $(KVFUSE_RUNS)/nq-curve-a.jsonl $(KVFUSE_RUNS)/nq-curve-b.jsonl --out $(KVFUSE_OUT)/nq-curve
+kvfuse-curve-nq-a: $(WORK)/nq/workspace/manifest.json
+	$(KVFUSE_CURVE_NQ_RUN) --offset $(KVFUSE_CURVE_NQ_OFFSET) -o $(KVFUSE_RUNS)/nq-curve-a.jsonl
+kvfuse-curve-nq-b: $(WORK)/nq/workspace/manifest.json
+	$(KVFUSE_CURVE_NQ_RUN) --offset $$(( $(KVFUSE_CURVE_NQ_OFFSET) + $(KVFUSE_CURVE_NQ_HALF) )) -o $(KVFUSE_RUNS)/nq-curve-b.jsonl
+# the halves share one workspace: built once, before either starts (a question's first answer builds it otherwise)
+$(WORK)/nq/workspace/manifest.json: $(WORK)/nq/questions.jsonl
+	$(KVF) run -d $(WORK)/nq -n 1 -m reuse --max-new-tokens 1 --no-show-answers -o $(WORK)/nq/workspace-made.jsonl
 kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-musique.jsonl --out $(KVFUSE_OUT)/dev
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz --out $(KVFUSE_OUT)/dev-ruler
