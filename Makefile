@@ -705,8 +705,10 @@ kvfuse-curve: $(WORK)/2wikimqa/questions.jsonl $(WORK)/musique/questions.jsonl
 # 20, side by side with `make -j2 kvfuse-curve-nq` (results/kvfuse.md, "How far 0.85 is on NQ-open")
 KVFUSE_CURVE_NQ_OFFSET ?= 150
 KVFUSE_CURVE_NQ_HALF ?= 20
+# kvfuse on the prefix variant too: at 70% the prefix-variant methods passed the fusion-variant ones here
+KVFUSE_CURVE_NQ_METHODS ?= $(KVFUSE_CURVE_METHODS),kvfuse:variant=prefix
 KVFUSE_CURVE_NQ_RUN = $(KVF) run --compare-full --max-new-tokens 12 --no-show-answers -d $(WORK)/nq \
-	  -m $(KVFUSE_CURVE_METHODS) -r $(KVFUSE_CURVE_RATIOS) -n $(KVFUSE_CURVE_NQ_HALF)
+	  -m $(KVFUSE_CURVE_NQ_METHODS) -r $(KVFUSE_CURVE_RATIOS) -n $(KVFUSE_CURVE_NQ_HALF)
 kvfuse-curve-nq: kvfuse-curve-nq-a kvfuse-curve-nq-b
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/nq-curve-a.jsonl $(KVFUSE_RUNS)/nq-curve-b.jsonl --out $(KVFUSE_OUT)/nq-curve
 kvfuse-curve-nq-a: $(WORK)/nq/workspace/manifest.json
