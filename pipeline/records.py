@@ -145,10 +145,10 @@ def cut_in_gold(answer: str, gold: list[str], answer_tokens: int | None, max_new
     if answer_tokens is None or max_new_tokens is None or answer_tokens < max_new_tokens or not answer.strip():
         return None
     text = " ".join(answer.lower().split())
-    if any(g.lower() in text for g in gold if g.strip()):
+    golds = {g: " ".join(g.lower().split()) for g in gold if g.strip()}   # each as the answer is compared
+    if any(g_text in text for g_text in golds.values()):
         return None
-    for g in gold:
-        g_text = " ".join(g.lower().split())
+    for g, g_text in golds.items():
         if any(text.endswith(g_text[:cut]) and (cut == len(text) or not text[-cut - 1].isalnum())
                for cut in range(1 if g_text[:1].isdigit() else 2, len(g_text))):   # a proper start, from a word's start
             return g
