@@ -10,7 +10,10 @@ asks whether method A beats method B. Choices:
   model gold F1 sits near its floor on QA datasets, and fidelity is where methods differ. Where the
   records measured it (`kvf run --compare-full` since 2026-11-30), a third: `answer_agree`, the share of
   full's answer tokens each cache picks when fed full's tokens before them, which still differs between
-  two answers that part from full's at different tokens.
+  two answers that part from full's at different tokens; and a fourth, `answer_kl`, the mean KL divergence per
+  token of the cache's next-token distribution from full's along full's answer, which still differs between
+  two caches that pick the same tokens with different confidence. Lower is better there: its pairs put the row
+  with the lower KL first, and their difference a − b is negative.
 - A difference is paired over the questions both answered, with the 95% paired bootstrap interval
   of eval/stats.py.
 - Many pairs are tested at once (78 for 13 rows), so a pair counts as different only when its
@@ -29,6 +32,11 @@ from kvf.eval.stats import MIN_QUESTIONS, holm, paired_bootstrap, paired_p_value
 ALPHA = 0.05
 FIDELITY = "fidelity_f1"
 AGREEMENT = "answer_agree"
+ANSWER_KL = "answer_kl"
+LOWER_IS_BETTER = {ANSWER_KL}
+AGAINST_FULL = {FIDELITY, AGREEMENT, ANSWER_KL}
+MEASURE_WORDS = {FIDELITY: "fidelity to full", AGREEMENT: "full's answer tokens agreed",
+                 ANSWER_KL: "full's answer KL per token (lower first)"}
 PAIR_COLUMNS = ["dataset", "ratio", "measure", "a", "b", "n", "a_mean", "b_mean", "diff", "low", "high",
                 "p", "p_holm", "significant"]
 
@@ -60,16 +68,18 @@ def per_question(df: pd.DataFrame, row: pd.Series, measure: str) -> pd.Series:
 
 def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd.DataFrame,
                    measure: str) -> list[dict]:
-    """Every pair of rows in one family, oriented so that `a` scores higher; Holm-adjusted."""
-    if measure in (FIDELITY, AGREEMENT):   # full against itself: 1 by definition
+    """Every pair of rows in one family, oriented so that `a` is the better row (scores higher, or lower in a
+    LOWER_IS_BETTER measure); Holm-adjusted."""
+    if measure in AGAINST_FULL:   # full against itself: fidelity and agreement 1, KL 0, by definition
         rows = rows[rows.method != "full"]
     scores = {row_name(r): per_question(df, r, measure) for _, r in rows.iterrows()}
+    better = -1 if measure in LOWER_IS_BETTER else 1
     pairs = []
     for (name_a, a), (name_b, b) in itertools.combinations(scores.items(), 2):
         mean, low, high, n = paired_bootstrap(a, b)
         if n < MIN_QUESTIONS:
             continue
-        if mean < 0:                                            # the higher-scoring row first
+        if better * mean < 0:                                   # the better row first
             (name_a, a), (name_b, b), (mean, low, high) = (name_b, b), (name_a, a), (-mean, -high, -low)
         common = a.index.intersection(b.index)
         pairs.append({"dataset": dataset, "ratio": ratio, "measure": measure, "a": name_a, "b": name_b, "n": n,
@@ -82,8 +92,8 @@ def compare_family(df: pd.DataFrame, dataset: str, ratio: float | None, rows: pd
 
 
 def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame, track=no_progress) -> pd.DataFrame:
-    """One row per compared pair: dataset, ratio, measure, a, b, paired difference a - b (>= 0), its 95%
-    interval, the paired permutation p-value and its Holm adjustment, and whether the pair differs."""
+    """One row per compared pair: dataset, ratio, measure, a, b, paired difference a - b (>= 0; <= 0 for a
+    LOWER_IS_BETTER measure), its 95% interval, the paired permutation p-value and its Holm adjustment, and whether the pair differs."""
     tests = [(dataset, ratio, rows, measure) for dataset, ratio, rows in families(summary)
              for measure in (rows.metric.iloc[0], FIDELITY) + measured_answers(rows)]
     pairs = [pair for dataset, ratio, rows, measure in track(tests, description="testing every pair of methods")
@@ -92,21 +102,22 @@ def pairwise_differences(df: pd.DataFrame, summary: pd.DataFrame, track=no_progr
 
 
 def measured_answers(rows: pd.DataFrame) -> tuple[str, ...]:
-    """(AGREEMENT,) where some row of the family has it (its records measured full's answer), else ()."""
-    return (AGREEMENT,) if answers_measured(rows) else ()
+    """(AGREEMENT, ANSWER_KL) where some row of the family has them (its records measured full's answer), else ()."""
+    return (AGREEMENT, ANSWER_KL) if answers_measured(rows) else ()
 
 
 def pairs_lines(pairs: pd.DataFrame) -> list[str]:
-    """Per (dataset, ratio, measure): a line, then one sub-item per pair that differs, largest difference first."""
+    """Per (dataset, ratio, measure): a line, then one sub-item per pair that differs, largest difference first.
+    KL per token runs to thousandths of a nat: its differences keep three significant digits."""
     lines = []
     for (dataset, ratio, measure), family in pairs.groupby(["dataset", "ratio", "measure"], dropna=False, sort=True):
-        different = family[family.significant].sort_values("diff", ascending=False)
+        different = family[family.significant].sort_values("diff", key=abs, ascending=False)
         at = "" if pd.isna(ratio) else f" at ratio {ratio:g}"
-        measure = {FIDELITY: "fidelity to full", AGREEMENT: "full's answer tokens agreed"}.get(measure,
-                                                                                         f"{measure} vs gold")
-        lines.append(f"- {dataset}{at}, {measure} ({len(family)} pairs tested, "
+        order, digits = ("<", "+.3g") if measure in LOWER_IS_BETTER else (">", "+.3f")
+        words = MEASURE_WORDS.get(measure, f"{measure} vs gold")
+        lines.append(f"- {dataset}{at}, {words} ({len(family)} pairs tested, "
                      f"n = {int(family.n.max())}): " + (f"{len(different)} differ" if len(different)
                                                         else "no pair differs after Holm adjustment"))
-        lines += [f"  - {p.a} > {p.b}: {p.diff:+.3f} [{p.low:+.3f}, {p.high:+.3f}], Holm p = {p.p_holm:.3g}"
-                  for p in different.itertuples()]
+        lines += [f"  - {p.a} {order} {p.b}: {p.diff:{digits}} [{p.low:{digits}}, {p.high:{digits}}], "
+                  f"Holm p = {p.p_holm:.3g}" for p in different.itertuples()]
     return lines

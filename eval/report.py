@@ -753,7 +753,8 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
         pairs = pairwise_differences(df, summary, track)
         written.append(out_dir / "pairs.csv")
         write_atomic(written[-1], pairs.to_csv(index=False))
-        measures = ("the primary metric vs gold, in fidelity to full and in full's answer tokens agreed (`answer_agree`)"
+        measures = ("the primary metric vs gold, in fidelity to full, in full's answer tokens agreed (`answer_agree`) "
+                    "and in full's answer KL per token (`answer_kl`, lower first)"
                     if (pairs.measure == "answer_agree").any() else "the primary metric vs gold and in fidelity to full")
         body += (f"\nMethod pairs that differ (`pairs.csv`), in {measures}: "
                  "paired difference with its 95% interval, listed when the Holm-adjusted permutation p-value within "

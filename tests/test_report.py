@@ -1241,9 +1241,10 @@ def test_answer_kl_and_agreement_are_columns_only_where_records_measured_them(ru
     assert "full's answer KL: A 0.300, B 0.000" in line and "full's answer tokens agreed: A 0.625, B 1.000" in line
 
 
-def test_pairs_test_full_answer_agreement_where_records_measured_it(tmp_path):
-    """Where records carry answer_agree_full, pairs.csv tests it as a third measure (Holm within its family);
-    two runs whose answers part from full's equally often in F1 but at different tokens differ there."""
+def test_pairs_test_full_answer_agreement_and_kl_where_records_measured_them(tmp_path):
+    """Where records carry answer_agree_full and answer_kl_full, pairs.csv tests them as a third and fourth measure
+    (Holm within each family); two runs whose answers part from full's equally often in F1 but at different tokens
+    differ there. KL's pairs put the lower KL first."""
     full_answers = {"q1": "the city of Paris", "q2": "in Rome today", "q3": "Berlin was it", "q4": "Lisbon by the sea"}
 
     def run(method, agree):
@@ -1258,7 +1259,12 @@ def test_pairs_test_full_answer_agreement_where_records_measured_it(tmp_path):
     assert agreement.significant
     fidelity = pairs[pairs.measure == "fidelity_f1"].iloc[0]
     assert fidelity["diff"] == 0 and not fidelity.significant        # the same answer F1 ("x" against each)
-    assert "full's answer tokens agreed" in (tmp_path / "out" / "summary.md").read_text()
+    kl = pairs[pairs.measure == "answer_kl"].iloc[0]                 # lower is better: cacheblend first, a - b < 0
+    assert kl.a.startswith("cacheblend") and kl["diff"] == pytest.approx(0.1875 - 0.875) and kl.high < 0
+    assert kl.a_mean == pytest.approx(0.1875) and kl.significant
+    summary_md = (tmp_path / "out" / "summary.md").read_text()
+    assert "full's answer tokens agreed" in summary_md
+    assert "full's answer KL per token (lower first)" in summary_md and "  - cacheblend (prefix) < prophetkv (prefix): -0.688" in summary_md
 
 
 def test_a_long_knob_list_is_broken_into_lines_in_the_legend_and_the_ranking(tmp_path, monkeypatch):
