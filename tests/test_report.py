@@ -964,6 +964,24 @@ def test_eval_json_is_the_only_thing_on_stdout(runs, tmp_path, capsys, monkeypat
     assert list(rows[0]) == list(pd.read_csv(tmp_path / "out" / "summary.csv").columns)
 
 
+def test_eval_json_carries_the_answer_columns_summary_csv_has(tmp_path, capsys, monkeypatch):
+    """`kvf eval --json` printed SUMMARY_COLUMNS alone, so runs made with --compare-full lost answer_kl and
+    answer_agree (and answer_kl's interval), which summary.csv holds; stdout now has summary.csv's columns."""
+    import sys
+
+    from kvf.cli.main import main
+    answers = {q: ("x", {"full_answer": "x y", "answer_agree_full": 0.5, "answer_kl_full": 0.25}) for q in GOLD}
+    run = write_run(tmp_path / "r.jsonl", replicated("prophetkv", answers, ratio=0.2))
+    monkeypatch.setattr(sys, "argv", ["kvf", "eval", str(run), "-o", str(tmp_path / "out"), "--json"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code in (0, None), err
+    rows = json.loads(out)
+    assert list(rows[0]) == list(pd.read_csv(tmp_path / "out" / "summary.csv").columns)
+    assert rows[0]["answer_kl"] == pytest.approx(0.25) and rows[0]["answer_agree"] == pytest.approx(0.5)
+
+
 def test_a_labelled_run_is_selected_as_tables_print_it():
     """`kvf run --label big` prints the run as 'cacheblend@0.15 [big]'; --a / --compare took only
     'cacheblend@0.15:big', and the printed form failed ('the ratio after @ must be a number')."""
