@@ -20,7 +20,8 @@ def eval_command(
              "`full` and `reuse` runs for the vs_full / vs_reuse intervals and normalized F1 (vs_full and the TTFT "
              "ratio also come from records run with --compare-full).")],
     out: Annotated[Path, typer.Option(
-        "--out", "-o", help="Directory for summary.csv, summary.md and the plots (a folder of its own: the "
+        "--out", "-o", help="Directory for summary.csv, summary.md, pairs.csv (every pair of methods tested per "
+                            "dataset and ratio) and the plots (a folder of its own: the "
                             "repository's results/ holds committed evidence).")] = Path("results/eval"),
     complete_only: Annotated[bool, typer.Option(
         "--complete-only/--all-questions", help="Score only the questions every method/ratio of their dataset "
@@ -33,7 +34,8 @@ def eval_command(
         "--exclude-questions", help="File of question ids (one per line) to leave out, e.g. the split a "
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
-    """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT); write summary.md and plots."""
+    """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT), test every pair of methods;
+    write summary.md, pairs.csv and plots."""
     from kvf.eval.compare import comparison_summary, comparison_table, per_question, select
     from kvf.eval.report import SUMMARY_COLUMNS, evaluate, summary_table, with_answer_columns
     from kvf.pipeline.workflows.display import progress_bar
