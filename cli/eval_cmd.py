@@ -34,8 +34,7 @@ def eval_command(
         "--exclude-questions", help="File of question ids (one per line) to leave out, e.g. the split a "
                                     "method was tuned on, so the table reports held-out questions only.")] = None,
 ):
-    """Score runs against gold and full prefill (F1, EM, accuracy, 95% intervals, TTFT), test every pair of methods;
-    write summary.md, pairs.csv and plots."""
+    """Score runs against gold and full prefill (F1, EM, 95% intervals, TTFT), test method pairs; write tables, plots."""
     from kvf.eval.compare import comparison_summary, comparison_table, per_question, select
     from kvf.eval.report import SUMMARY_COLUMNS, evaluate, summary_table, with_answer_columns
     from kvf.pipeline.workflows.display import progress_bar

@@ -109,6 +109,10 @@ class RunRecord(BaseModel):
             raise ValueError("settings.ratio must be a number within [0, 1]")
         if not isinstance(settings.get("variant", ""), (str, type(None))):
             raise ValueError("settings.variant must be a string")
+        max_new_tokens = settings.get("max_new_tokens")   # kvf eval compares answer_tokens with it (cut answers)
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise ValueError("settings.max_new_tokens must be a whole number of at least 1")
         return settings
 
     @model_validator(mode="after")

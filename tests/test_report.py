@@ -409,6 +409,15 @@ def test_bad_run_files(tmp_path, runs, capsys):
         (tmp_path / "counts.jsonl").write_text(json.dumps({**record("q1-0", "full", "Paris"), **counts}) + "\n")
         with pytest.raises(KvfError, match=f"counts.jsonl line 1: not a kvf run record \\(record: {words}\\)$"):
             evaluate([tmp_path / "counts.jsonl"], tmp_path / "out")
+    # settings.max_new_tokens is compared with answer_tokens (answers cut inside a gold): a word or a list there
+    # was an internal TypeError in kvf eval and kvf compare (make probe-files)
+    for cap in ("12", [12], 0, True, 12.5):
+        line = record("q1-0", "full", "Paris", answer_tokens=12)
+        line["settings"]["max_new_tokens"] = cap
+        (tmp_path / "cap.jsonl").write_text(json.dumps(line) + "\n")
+        with pytest.raises(KvfError, match=r"cap.jsonl line 1: not a kvf run record \(settings: .*settings.max_new_tokens "
+                                           "must be a whole number of at least 1"):
+            evaluate([tmp_path / "cap.jsonl"], tmp_path / "out")
     nan_timing = json.dumps(record("q1-0", "full", "Paris")).replace('"load": 0.1', '"load": NaN')
     (tmp_path / "nan.jsonl").write_text(nan_timing + "\n")
     with pytest.raises(KvfError, match="nan.jsonl line 1: not a kvf run record \\(timings.load"):
