@@ -36,7 +36,7 @@ def eval_command(
 ):
     """Score runs against gold and full prefill (F1, EM, 95% intervals, TTFT), test method pairs; write tables, plots."""
     from kvf.eval.compare import comparison_summary, comparison_table, per_question, select
-    from kvf.eval.report import SUMMARY_COLUMNS, evaluate, summary_table, with_answer_columns
+    from kvf.eval.report import evaluate, summary_csv, summary_table
     from kvf.pipeline.workflows.display import progress_bar
 
     picked = []   # --compare's two runs, picked before the tables are written: a run not in the files is said first
@@ -48,7 +48,7 @@ def eval_command(
                            exclude_questions=exclude_questions, track=progress.track, check_records=check_compare)
     console = output_console(160, stderr=json_out)   # --json: stdout holds the JSON alone
     if json_out:
-        print(summary[with_answer_columns(summary, SUMMARY_COLUMNS)].to_json(orient="records"))   # summary.csv's columns
+        print(summary_csv(summary).to_json(orient="records"))
     else:
         console.print(summary_table(summary, width=console.width))
     if compare:

@@ -554,6 +554,12 @@ def answers_measured(frame: pd.DataFrame) -> bool:
     return bool(frame.get("answer_kl", pd.Series(dtype=float)).notna().any())
 
 
+def summary_csv(summary: pd.DataFrame) -> pd.DataFrame:
+    """summary.csv's rows and columns (`kvf eval --json` prints the same): eval's own bookkeeping left out, the
+    answer columns in where records measured them."""
+    return summary[with_answer_columns(summary, SUMMARY_COLUMNS)]
+
+
 def with_answer_columns(summary: pd.DataFrame, columns: list[str]) -> list[str]:
     """columns, with answer_kl (its interval too where the columns hold intervals) and answer_agree after
     top1_agree where some record measured them (a table made from older records stays as it was)."""
@@ -731,7 +737,7 @@ def write_outputs(summary: pd.DataFrame, out_dir: Path, df: pd.DataFrame | None 
     from kvf.pipeline.files import write_atomic
     from kvf.pipeline.workflows.provenance import git_commit
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
-    write_atomic(written[0], summary[with_answer_columns(summary, SUMMARY_COLUMNS)].to_csv(index=False))
+    write_atomic(written[0], summary_csv(summary).to_csv(index=False))
     best = most_faithful(summary, df=df)
     header = (f"Made by `{command or 'kvf eval'}` at commit {git_commit() or 'unknown'}.\n\n")
     runs = "" if df is None else "Runs:\n\n" + runs_markdown(df) + "\nSummary:\n\n"

@@ -415,6 +415,13 @@ CASES = {
     # answer_tokens (since 2026-12-04) tells eval an answer cut by --max-new-tokens: a hand-edited one is refused
     "eval negative answer tokens": (lambda d, t: ["eval", write(t / "s.jsonl", record(answer_tokens=-3)), "--out", t / "e"],
                                     ["s.jsonl line 1", "not a kvf run record (answer_tokens", "greater than or equal to 0"]),
+    # settings.max_new_tokens is compared with answer_tokens (cut answers): a word there was an internal TypeError
+    "eval word max_new_tokens": (lambda d, t: ["eval", write(t / "s.jsonl", record(
+        settings={"ratio": 1.0, "max_new_tokens": "twelve"}, answer_tokens=12)), "--out", t / "e"],
+                                 ["s.jsonl line 1", "settings.max_new_tokens must be a whole number of at least 1"]),
+    "compare list max_new_tokens": (lambda d, t: ["compare", write(t / "s.jsonl", record(
+        settings={"ratio": 1.0, "max_new_tokens": [12]}, answer_tokens=12)), "--a", "full", "--b", "full"],
+                                    ["s.jsonl line 1", "settings.max_new_tokens must be a whole number of at least 1"]),
     "eval dict qid": (lambda d, t: ["eval", write(t / "s.jsonl", record(qid={"a": 1})), "--out", t / "e"], ["qid"]),
     # the releases a record names (provenance.libraries, since 2026-12-03): a list, or a release given as a number
     "eval provenance.libraries a list": (lambda d, t: ["eval", write(t / "s.jsonl", record(provenance={
