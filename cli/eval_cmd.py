@@ -39,6 +39,10 @@ def eval_command(
     from kvf.eval.report import evaluate, summary_csv, summary_table
     from kvf.pipeline.workflows.display import progress_bar
 
+    from kvf.errors import KvfError
+    if compare and any(selector.startswith("-") for selector in compare):   # it took the next flag for run B
+        raise KvfError(f"--compare {' '.join(compare)}: --compare takes two runs, A and B, e.g. --compare "
+                       f"{compare[0]} full; put them both right after it")
     picked = []   # --compare's two runs, picked before the tables are written: a run not in the files is said first
 
     def check_compare(records):

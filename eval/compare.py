@@ -31,9 +31,13 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
         label, ratio = auto_label(label or ""), ""
     if ratio:
         try:
-            rows = rows[(rows.ratio - float(ratio)).abs() < 1e-9]
+            value = float(ratio)
         except ValueError:
             raise KvfError(f"{flag} {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
+        if 1 < value <= 100:   # a percentage: ratios are fractions, and it would match no run
+            raise KvfError(f"{flag} {selector}: the ratio after @ is a fraction of the chunk tokens, "
+                           f"e.g. {method}@{value / 100:g} for {value:g}%")
+        rows = rows[(rows.ratio - value).abs() < 1e-9]
     if label:
         rows = rows[rows.label == label]
     elif (rows.label == "").any():   # a name without a label is the unlabelled run's, as run_names prints it

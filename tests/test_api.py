@@ -51,7 +51,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         ws.answer("q", method="cacheblend", check_layr=2)
     # another tool's name for one of answer()'s own arguments (kvf's own code says recompute_ratio) was taken for a knob
     for bad, said in (({"k": 3}, "k=3: answer() calls it top_k; pass top_k=3"),
-                      ({"recompute_ratio": 0.15}, "recompute_ratio=0.15: answer() calls it ratio; pass ratio=0.15")):
+                      ({"recompute_ratio": 0.15}, "recompute_ratio=0.15: answer() calls it ratio; pass ratio=0.15"),
+                      ({"passages": ["a"]}, "passages=['a']: answer() calls it documents; pass documents=['a']")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer("q", method="cacheblend", **bad)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):

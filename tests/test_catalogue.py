@@ -131,6 +131,9 @@ CASES = {
                            ["--ratio 0 0.15: separate ratios with commas, e.g. --ratio 0,0.15"]),
     "bench --lengths 2k,4K": (lambda d, t: ["bench", "--lengths", "2k,4K"], ["--lengths 2k,4K: expected comma-separated integers", "write 2k,4K as 2048,4096"]),
     "demo -w a workspace": (lambda d, t: ["demo", "-w", d[1]], ["--workspace", "holds other files", "kvf demo keeps", "a folder of its own"]),
+    # it said "the ratio is given apart: -m cacheblend --ratio 15", which --ratio then refused
+    "run -m METHOD@PERCENT": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend@15", "-o", t / "o.jsonl"],
+                              ["--method cacheblend@15: unknown method", "(the ratio is given apart: -m cacheblend --ratio 0.15)"]),
     "run -m METHOD@RATIO (kvf eval's name of a run)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend@0.15", "-o", t / "o.jsonl"],
                                                        ["--method cacheblend@0.15: unknown method", "(the ratio is given apart: -m cacheblend --ratio 0.15)"]),
     "run -m NAME:KNOB VALUE (no =)": (lambda d, t: [*run_args(d, t / "o.jsonl")[:5], "-m", "cacheblend:check_layer", "3", "-o", t / "o.jsonl"],
@@ -453,8 +456,14 @@ CASES = {
                                          ["run file directory", "holds no .jsonl or .jsonl.gz files"]),
     "eval glob matching nothing": (lambda d, t: ["eval", str(t / "x*.jsonl"), "--out", t / "e"],
                                    ["x*.jsonl: the pattern matches no file"]),
+    # --compare A -o DIR took -o for run B, and DIR for a run file: "run file DIR does not exist"
+    "eval --compare with one run": (lambda d, t: ["eval", write(t / "s.jsonl", record()), "--compare", "full", "-o", t / "e"],
+                                    ["--compare full -o: --compare takes two runs, A and B", "--compare full full"]),
     "compare --a ratio not a number": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "--a", "full@x"],
                                        ["--a full@x", "must be a number"]),
+    # "no records match" of a percentage, as if the run were missing
+    "compare --a ratio as a percentage": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "--a", "cacheblend@15"],
+                                          ["--a cacheblend@15", "a fraction of the chunk tokens", "cacheblend@0.15 for 15%"]),
     "compare --b no such run": (lambda d, t: ["compare", write(t / "s.jsonl", record()), t / "s.jsonl", "--b", "cacheblend@0.15"],
                                 ["--b cacheblend@0.15", "no records match", "the runs there are full@1"]),
     # "the two runs share no question": which of the two files was the wrong one, the user had to guess

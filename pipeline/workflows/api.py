@@ -199,7 +199,8 @@ def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, d
 
 # what other tools (and kvf's own code) call answer()'s arguments
 ARGUMENT_ALIASES = {"k": "top_k", "topk": "top_k", "top_n": "top_k", "recompute_ratio": "ratio",
-                    "max_tokens": "max_new_tokens", "docs": "documents", "doc_ids": "documents"}
+                    "max_tokens": "max_new_tokens", "docs": "documents", "doc_ids": "documents",
+                    "passages": "documents"}   # a questions file's "passages" are documents here
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:
