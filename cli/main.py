@@ -192,13 +192,22 @@ def command_hint(where: str, message: str) -> str:
 RUN_INPUT_FLAGS = ("-w", "--workspace", "-q", "--questions", "-d", "--dataset")
 
 
+# what other tools call a flag kvf has under another name: (command, flag) -> the hint after click's line
+OPTION_ALIASES = {("kvf store gc", "--dry-run"): "; gc only says what it would delete unless given --yes: leave "
+                                                 "--dry-run out",
+                  ("kvf store gc", "--force"): "; kvf store gc --yes deletes for real",
+                  ("kvf store verify", "--fix"): "; kvf store verify --delete-bad deletes bad entries, so that a "
+                                                 "rebuild recomputes them"}
+
+
 def option_hint(where: str, message: str) -> str:
-    """kvf bench given kvf run's inputs: say where the TTFT of one's own questions is measured."""
+    """kvf bench given kvf run's inputs: say where the TTFT of one's own questions is measured; another tool's
+    name for a flag kvf has: name kvf's."""
     found = re.match(r"No such option: (\S+)", message)
     if where == "kvf bench" and found and found.group(1) in RUN_INPUT_FLAGS:
         return ("; kvf bench times prompts it builds of --lengths tokens; your own questions' TTFT against full "
                 "prefill comes from kvf run (its records) and kvf eval (ttft_ratio)")
-    return ""
+    return OPTION_ALIASES.get((where, found.group(1)), "") if found else ""
 
 
 def invalid_value_message(message: str, args: list[str]) -> str:

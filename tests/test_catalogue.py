@@ -95,6 +95,10 @@ CASES = {
                                  ["--input", "mq is a folder", "mq/musique_s.json"]),
     "bench -w (kvf run's input)": (lambda d, t: ["bench", "-w", d[1]],
                                    ["No such option: -w", "kvf bench times prompts it builds", "kvf eval (ttft_ratio)"]),
+    # click's "No such option: --dry-run" alone: gc previews by default, which the user had to find in --help
+    "store gc --dry-run": (lambda d, t: ["store", "gc", d[1], "--dry-run"],
+                           ["No such option: --dry-run", "unless given --yes"]),
+    "store verify --fix": (lambda d, t: ["store", "verify", d[1], "--fix"], ["No such option: --fix", "--delete-bad"]),
     "store gc --keep-workspace a folder of documents": (lambda d, t: ["store", "gc", d[1], "--keep-workspace", d[0] / "corpus"],
                                                         ["--keep-workspace", "it holds documents, not a workspace",
                                                          "then pass --keep-workspace corpus-workspace"]),
