@@ -17,7 +17,7 @@ console = Console()
 
 def demo_command(
     model: ModelOption = None,
-    questions: int = typer.Option(3, "--limit", "-n", "--questions", min=1, help="How many questions to answer."),
+    questions: int = typer.Option(3, "--limit", "-n", "--n", "--questions", min=1, help="How many questions to answer."),
     ratio: float = typer.Option(0.15, "--ratio", "-r", min=0.0, max=1.0, help="Recompute ratio for cacheblend, in [0, 1]."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest answer to generate."),
     workspace: Path = typer.Option(None, "--workspace", "-w", help="Where to build the demo store [default: a temp dir]."),

@@ -1345,16 +1345,17 @@ def test_an_entry_directory_without_metadata_is_reported_and_rebuilt(ws_copy, ca
 
 def test_one_name_for_one_thing_in_every_command(data, tmp_path, capsys, monkeypatch):
     """kvf bench took --methods, --ratios and --rounds, kvf search --k and kvf data ruler --n; kvf run and kvf data
-    prepare refused them ("No such option"). Each is the same option in every command that has it."""
+    prepare refused them ("No such option"), as kvf run refused --n. Each is the same option in every command that has it."""
     dataset, ws = data
     out = tmp_path / "o.jsonl"
     code, _, err = run_cli(["run", "-d", dataset, "-w", ws, "--methods", "reuse,cacheblend", "--ratios", "0.05", "--k", "2",
-                            "--setting", "shared", "-n", "1", "--max-new-tokens", "2", "--no-show-answers", "-o", out],
+                            "--setting", "shared", "--n", "1", "--max-new-tokens", "2", "--no-show-answers", "-o", out],
                            capsys, monkeypatch)
     assert code == 0, err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert {(r["method"], r["settings"]["ratio"], r["settings"]["top_k"]) for r in records} == {("reuse", 0.0, 2),
                                                                                                  ("cacheblend", 0.05, 2)}
+    assert len({r["qid"] for r in records}) == 1                   # --n 1: one question
     raw = write(tmp_path / "mq" / "musique.jsonl", b"\n".join(json.dumps(
         {"id": f"q{i}", "question": "Who?", "answer": "X", "answer_aliases": [], "answerable": True,
          "paragraphs": [{"idx": 0, "title": "T", "paragraph_text": "X did it.", "is_supporting": True}]}).encode()
