@@ -160,6 +160,8 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
         parents = {p.parent for p in paths if p.is_file()}
         folder = f": kvf build-cache {parents.pop()}" if len(parents) == 1 and all(p.is_file() for p in paths) else ""
         return f"; build-cache takes one CORPUS, a folder of documents or one file: pass the folder that holds them{folder}"
+    if where == "kvf demo":   # kvf demo my_docs/: its corpus and questions are its own
+        return DEMO_MAKES_ITS_OWN
     if where == "kvf compare" and not Path(str(ctx.params.get("run_b", ""))).exists():   # kvf compare RUN kvfuse ape
         return (f"; runs of one file go by --a and --b: kvf compare {ctx.params.get('run_a')} "
                 f"--a {ctx.params.get('run_b')} --b {words[0]}")
@@ -190,6 +192,9 @@ def command_hint(where: str, message: str) -> str:
 
 # flags of kvf run passed to kvf bench, which times prompts it makes itself
 RUN_INPUT_FLAGS = ("-w", "--workspace", "-q", "--questions", "-d", "--dataset")
+# kvf demo given one's own documents or questions (its --questions is how many it makes)
+DEMO_MAKES_ITS_OWN = ("; kvf demo makes its own corpus and questions: for yours, kvf build-cache DOCS -w WORKSPACE, "
+                      "then kvf run -w WORKSPACE -q QUESTIONS.jsonl (README: Your own documents and questions)")
 
 
 # what other tools call a flag kvf has under another name: (command, flag) -> the hint after click's line
@@ -204,10 +209,19 @@ def option_hint(where: str, message: str) -> str:
     """kvf bench given kvf run's inputs: say where the TTFT of one's own questions is measured; another tool's
     name for a flag kvf has: name kvf's."""
     found = re.match(r"No such option: (\S+)", message)
+    if where == "kvf demo" and found and found.group(1) in RUN_INPUT_FLAGS:
+        return DEMO_MAKES_ITS_OWN
     if where == "kvf bench" and found and found.group(1) in RUN_INPUT_FLAGS:
         return ("; kvf bench times prompts it builds of --lengths tokens; your own questions' TTFT against full "
                 "prefill comes from kvf run (its records) and kvf eval (ttft_ratio)")
     return OPTION_ALIASES.get((where, found.group(1)), "") if found else ""
+
+
+def demo_count_hint(where: str, message: str) -> str:
+    """kvf demo --questions FILE: its --questions is a count, kvf run's is a file."""
+    from pathlib import Path
+    found = re.match(r"(?:--questions|--limit|--n|-n) (.+?): ", message)
+    return DEMO_MAKES_ITS_OWN if where == "kvf demo" and found and Path(found.group(1)).exists() else ""
 
 
 def invalid_value_message(message: str, args: list[str]) -> str:
@@ -253,7 +267,8 @@ def main():
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
-        hint = extra_argument_hint(where, ctx, message) + command_hint(where, message) + option_hint(where, message)
+        hint = (extra_argument_hint(where, ctx, message) + command_hint(where, message) + option_hint(where, message)
+                + demo_count_hint(where, message))
         see = "" if f"{where} --help" in hint else f" (see `{where} --help`)"   # `kvf help`: "Use kvf --help." says it
         print(f"kvf: error: {message}{hint}{see}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)

@@ -514,6 +514,13 @@ CASES = {
                                                          write(t / "a_file", b"x")], ["is not a kvf store", "--store"]),
     "demo --model a hub id -w NEW": (lambda d, t: ["demo", "--model", "meta-llama/Llama-3-8B", "-w", t / "demo"],   # made no folder
                                      ["--model meta-llama/Llama-3-8B: no such file"]),
+    # "input should be a valid integer" / "No such option" / "unexpected extra argument" alone: the demo makes its own
+    "demo --questions a questions file": (lambda d, t: ["demo", "--questions", d[0] / "questions.jsonl"],
+                                          ["--questions", "valid integer", "kvf demo makes its own corpus and questions",
+                                           "kvf run -w WORKSPACE -q QUESTIONS.jsonl"]),
+    "demo -q": (lambda d, t: ["demo", "-q", d[0] / "questions.jsonl"], ["No such option: -q", "kvf demo makes its own"]),
+    "demo a folder of documents": (lambda d, t: ["demo", d[0] / "corpus"], ["unexpected extra argument",
+                                                                             "kvf build-cache DOCS -w WORKSPACE"]),
     "demo --max-new-tokens -1": (lambda d, t: ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
     "data synthetic --out FILE": (lambda d, t: ["data", "synthetic", "--out", d[0] / "questions.jsonl"], ["--out", "is a file"]),
     "data synthetic --out read-only": (lambda d, t: ["data", "synthetic", "--out", NOWHERE], ["--out"]),
