@@ -267,8 +267,13 @@ def main():
         where = ctx.command_path if ctx is not None else command_path(sys.argv[1:])
         format_message = getattr(e, "format_message", None)
         message = invalid_value_message(" ".join((format_message() if format_message else str(e)).split()), sys.argv[1:])
-        hint = (extra_argument_hint(where, ctx, message) + command_hint(where, message) + option_hint(where, message)
-                + demo_count_hint(where, message))
+        try:
+            hint = (extra_argument_hint(where, ctx, message) + command_hint(where, message)
+                    + option_hint(where, message) + demo_count_hint(where, message))
+        except Exception:   # a hint is a nicety: a bug in one must not turn click's one line into a traceback
+            if debug:
+                raise
+            hint = ""
         see = "" if f"{where} --help" in hint else f" (see `{where} --help`)"   # `kvf help`: "Use kvf --help." says it
         print(f"kvf: error: {message}{hint}{see}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2) or 2)

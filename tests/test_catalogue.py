@@ -787,6 +787,20 @@ def test_kvf_help_says_its_fix_once(capsys, monkeypatch):
     assert assert_one_line(code, err) == "kvf: error: No such command 'help'. Use kvf --help."
 
 
+def test_a_hint_that_fails_leaves_click_s_one_line(tmp_path, capsys, monkeypatch):
+    """A bug in a hint (a name not imported in demo's) turned `kvf demo --questions FILE` into a traceback: the
+    hint is dropped and click's line stands; --debug shows the hint's traceback."""
+    import kvf.cli.main as cli_main
+
+    def broken(*args):
+        raise NameError("a hint's bug")
+    monkeypatch.setattr(cli_main, "option_hint", broken)
+    code, _, err = run_cli(["store", "gc", tmp_path, "--dry-run"], capsys, monkeypatch)
+    assert assert_one_line(code, err) == "kvf: error: No such option: --dry-run (see `kvf store gc --help`)"
+    with pytest.raises(NameError, match="a hint's bug"):
+        run_cli(["--debug", "store", "gc", tmp_path, "--dry-run"], capsys, monkeypatch)
+
+
 @pytest.mark.parametrize("flags,fragments", [(["-m", "reuse", "--dtype", "bf15"], ["--dtype bf15", "float32, bfloat16, float16"]),
                                              (["-m", "cacheblend:check_layer=99"], ["check_layer=99", "30 layers"])])
 def test_a_bad_flag_is_refused_before_a_new_workspace_is_chunked_and_indexed(flags, fragments, data, tmp_path, capsys,
