@@ -99,6 +99,14 @@ def is_number(word: str) -> bool:
     return True
 
 
+def percent_as_fraction(word: str) -> str | None:
+    """A ratio written as a percentage ("15", for 15%) -> the fraction it stands for ("0.15"); None for any other
+    word, a fraction included."""
+    if not is_number(word) or not 1 < float(word) <= 100:
+        return None
+    return f"{float(word) / 100:g}"
+
+
 @contextmanager
 def named_as_arguments(arguments: dict[str, tuple[str, object]]):
     """kvf's checks name the CLI's flags; a line raised inside, called from Python, names the arguments."""

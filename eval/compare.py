@@ -6,7 +6,7 @@ import re
 
 import pandas as pd
 
-from kvf.errors import KvfError, counted
+from kvf.errors import KvfError, counted, percent_as_fraction
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import describe_difference, paired_bootstrap
 from kvf.eval.report import (POOLED, auto_label, compare_full_records, primary_metric,
@@ -34,9 +34,9 @@ def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataF
             value = float(ratio)
         except ValueError:
             raise KvfError(f"{flag} {selector}: the ratio after @ must be a number, e.g. cacheblend@0.15") from None
-        if 1 < value <= 100:   # a percentage: ratios are fractions, and it would match no run
+        if fraction := percent_as_fraction(ratio):   # it would match no run
             raise KvfError(f"{flag} {selector}: the ratio after @ is a fraction of the chunk tokens, "
-                           f"e.g. {method}@{value / 100:g} for {value:g}%")
+                           f"e.g. {method}@{fraction} for {value:g}%")
         rows = rows[(rows.ratio - value).abs() < 1e-9]
     if label:
         rows = rows[rows.label == label]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvf.errors import KvfError, did_you_mean
+from kvf.errors import KvfError, did_you_mean, percent_as_fraction
 from kvf.pipeline.fusion.engine import (FusionEngine, FusionPlan, FusionResult, FusionState, LayerKVSource,
                                         recompute_budget)
 from kvf.pipeline.model.prompt import FusedPrompt
@@ -333,15 +333,6 @@ def methods_with_extras() -> list[str]:
     return sorted(name for name, cls in discover().items() if cls.extras_hook is not None)
 
 
-def fraction_of(ratio: str) -> str:
-    """A ratio as written after METHOD@, as the fraction --ratio takes: "15" (a percentage) -> "0.15"."""
-    try:
-        value = float(ratio)
-    except ValueError:
-        return ratio
-    return f"{value / 100:g}" if 1 < value <= 100 else ratio
-
-
 def check_method_name(name: str, given: str | None = None) -> None:
     """An unknown method is one line naming it as it was given (`given`, e.g. "--auto-method x" or "method='x'";
     default "--method NAME") and listing the known ones."""
@@ -352,7 +343,7 @@ def check_method_name(name: str, given: str | None = None) -> None:
         if len(words) > 1 and set(words) <= set(known):
             hint = f" (separate methods with commas: {','.join(words)})"
         elif at and method in known:   # kvf eval's and compare's METHOD@RATIO
-            ratio = fraction_of(ratio)
+            ratio = percent_as_fraction(ratio) or ratio   # "@15" meant 15%: --ratio takes 0.15
             if python:
                 hint = f" (the ratio is given apart: method={method!r}, ratio={ratio})"
             elif (given or "").startswith("kvf methods"):   # which lists a method's knobs, at no ratio
