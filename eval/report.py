@@ -281,6 +281,18 @@ def warn_unscored(summary: pd.DataFrame) -> None:
                  "--compare-full (or add -m full)")
 
 
+def warn_no_full_reference(summary: pd.DataFrame) -> None:
+    """Datasets scored against gold whose questions no full prefill answered: their vs_full, fidelity and TTFT
+    ratio columns are dashes, which the terminal's table (it shows no notes) does not explain. Said once."""
+    rows = summary[(summary.method != "full") & ~summary.dataset.str.endswith(POOLED)]
+    gold = rows.apply(lambda r: r[r.metric], axis=1) if len(rows) else rows.dataset
+    bare = rows.fidelity_f1.isna().groupby(rows.dataset).all() & gold.notna().groupby(rows.dataset).any()
+    if bare.any():
+        names = sorted(bare[bare].index)
+        warn(f"no full prefill answered the questions of {', '.join(names)}, so vs_full, fidelity_f1 and ttft_ratio are "
+             "'-' there: add -m full to the run, or re-run it with --compare-full")
+
+
 def suite_of(datasets: pd.Series) -> pd.Series:
     """Each generated suite task's suite ("ruler-2048/alias" -> "ruler-2048"); any other dataset, itself."""
     return datasets.str.split("/").str[0]
@@ -811,6 +823,7 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
         check_records(df)
     summary = summarize(df, track)
     warn_unscored(summary)
+    warn_no_full_reference(summary)
     warn_other_requests(summary)
     warn_timed_elsewhere(summary)
     summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]

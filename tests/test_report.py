@@ -919,6 +919,20 @@ def test_runs_with_nothing_to_score_against_say_so(tmp_path, capsys):
     assert "no question has gold" not in capsys.readouterr().err
 
 
+def test_runs_with_gold_but_no_full_prefill_say_why_fidelity_is_a_dash(tmp_path, capsys):
+    """A run scored against gold with no full prefill beside it (no -m full, no --compare-full): the terminal's
+    table shows '-' for vs_full, fidelity and TTFT ratio and no notes, so kvf eval says why, once, and the fix;
+    with full's answers it says nothing."""
+    blend = [record(f"q1-{i}", "cacheblend", "Paris", ratio=0.15) for i in range(REPS)]
+    summary = evaluate([write_run(tmp_path / "blend.jsonl", blend)], tmp_path / "blend")
+    assert row(summary, "cacheblend").f1 == 1.0 and pd.isna(row(summary, "cacheblend").fidelity_f1)
+    err = capsys.readouterr().err
+    assert "no full prefill answered the questions of toy" in err and "--compare-full" in err and "-m full" in err
+    with_full = blend + [record(f"q1-{i}", "full", "Paris", ratio=1.0) for i in range(REPS)]
+    evaluate([write_run(tmp_path / "full.jsonl", with_full)], tmp_path / "full")
+    assert "no full prefill answered" not in capsys.readouterr().err
+
+
 def test_a_full_run_asked_other_requests_is_said(tmp_path, capsys):
     """full run with -k 5, a method with -k 3 (or another model, or fewer new tokens): its fidelity and TTFT
     ratio compare different requests. The row's note and a warning say so; requests alike say nothing."""
