@@ -1071,6 +1071,25 @@ def test_resumed_run_with_other_settings_is_refused(data, tmp_path, capsys, monk
     assert_one_line(code, err, f"--out {out} line 1: not a kvf run record (qid:", "fix or remove that line")
 
 
+def test_a_resumed_run_keeps_to_the_compare_full_its_rows_were_run_with(data, tmp_path, capsys, monkeypatch):
+    """--compare-full added to a finished run was skipped as done, every answer left without full prefill's: said,
+    with the fix. Left out of a resumed --compare-full run, it added answers without it to the same row. A new
+    row (another method) may go either way."""
+    out = tmp_path / "o.jsonl"
+    assert run_cli(run_args(data, out), capsys, monkeypatch)[0] == 0
+    code, _, err = run_cli(run_args(data, out, "--compare-full"), capsys, monkeypatch)
+    assert_one_line(code, err, f"--out {out} holds reuse ratio 0 answers run without --compare-full", "--overwrite")
+    assert run_cli(run_args(data, out, "--compare-full", "--overwrite"), capsys, monkeypatch)[0] == 0
+    assert all(json.loads(line)["full_answer"] is not None for line in out.read_text().splitlines())
+    code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)
+    assert_one_line(code, err, f"--out {out} holds reuse ratio 0 answers run with --compare-full", "add --compare-full")
+    assert len(out.read_text().splitlines()) == 1
+    with_full = [a if a != "reuse" else "full" for a in run_args(data, out, "-n", "2")]   # a new row, no --compare-full
+    assert run_cli(with_full, capsys, monkeypatch)[0] == 0
+    assert run_cli(run_args(data, out, "-n", "2", "--compare-full"), capsys, monkeypatch)[0] == 0
+    assert len(out.read_text().splitlines()) == 4
+
+
 def test_run_file_that_is_not_kvf_s_is_refused_and_only_a_torn_last_line_is_cut(data, tmp_path, capsys, monkeypatch):
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": 1, "text": "mine"}\n{"id": 2, "text": "also mine"}\n')

@@ -304,6 +304,23 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
                            "pass a new --out, or --overwrite to replace them")
 
 
+def check_compare_full_kept(existing: list[RunRecord], wanted: set[tuple], out: Path, compare_full: bool) -> None:
+    """--compare-full puts full prefill's answer beside each answer. A resumed run that asks for it would skip the
+    answers already there without it, and one that leaves it out would add answers without it to a row that has
+    it: either row then scores fidelity on some of its questions only. Refused, with the fix."""
+    for record in existing:
+        key = (record.method, record.label, record.settings.get("variant"), ratio_key(record.settings))
+        if key not in wanted or (record.full_answer is not None) == compare_full:
+            continue
+        row = f"{record.method}{f' [{record.label}]' if record.label else ''} ratio {record.ratio:g}"
+        if compare_full:
+            raise KvfError(f"--out {out} holds {row} answers run without --compare-full, which a resumed run skips "
+                           "as done and leaves without full prefill's answer; pass a new --out, or --overwrite to "
+                           "answer them again with it")
+        raise KvfError(f"--out {out} holds {row} answers run with --compare-full; add --compare-full to resume "
+                       "it, or pass a new --out")
+
+
 def setting_text(settings: dict, name: str) -> str:
     return repr(settings[name]) if name in settings else "(none)"
 
@@ -831,6 +848,8 @@ def run(opts: RunOptions, console: Console) -> Path:
         settings_of = settings_for(planned, opts, base_settings(opts, setting, ws.manifest(), model_name, dtype))
         check_resumable(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)])): settings_of[id(p)]
                                    for p in planned}, opts.out)
+        check_compare_full_kept(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)]))
+                                           for p in planned}, opts.out, opts.compare_full)
         check_same_questions(existing, questions, opts, source_ids)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
         todo_of = {q.qid: [i for i, p in enumerate(planned)
