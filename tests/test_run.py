@@ -13,6 +13,7 @@ from rich.console import Console
 from conftest import assert_one_line, model_of, tiny_llama_dir
 from kvf.errors import KvfError
 from kvf.pipeline.records import RunFile, parse_record
+from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR
 from kvf.pipeline.workflows.run import RunOptions, parse_ratios, run
 
 QUIET = Console(file=io.StringIO())
@@ -529,6 +530,17 @@ def test_ratio_auto_uses_the_loading_controller(tiny_built, tmp_path):
     assert all("ratio_mode" not in r["settings"] for r in records if r["method"] == "reuse")
     run(opts, QUIET)  # resuming matches auto records by mode, whatever ratio they got
     assert len(read_records(out)) == len(records)
+    # another --quality-floor gives other answers: it was skipped as done; now it is a changed setting
+    assert all(r["settings"]["quality_floor"] == 0.25 for r in blend)
+    with pytest.raises(KvfError, match=r"other settings \(quality_floor 0.25 -> 0.5\)"):
+        run(replace(opts, quality_floor=0.5), QUIET)
+    # a record made before floors were recorded resumes as the default floor, and only as it
+    unrecorded = [{**r, "settings": {k: v for k, v in r["settings"].items() if k != "quality_floor"}} for r in records]
+    out.write_text("".join(json.dumps(r) + "\n" for r in unrecorded))
+    run(replace(opts, quality_floor=DEFAULT_QUALITY_FLOOR), QUIET)
+    assert len(read_records(out)) == len(records)
+    with pytest.raises(KvfError, match="quality_floor"):
+        run(opts, QUIET)
     # each question got its own ratio; still one run: one summary row (it was a row of n = 1 per question), and
     # the name progress lines and tables give it
     from kvf.eval.report import evaluate

@@ -287,6 +287,11 @@ def comparable(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in ("ratio", "ratio_mode", "store", "pipeline")}
 
 
+def auto_floor(settings: dict) -> dict:
+    """The --quality-floor an auto-ratio record made before floors were recorded was run with: the default."""
+    return {"quality_floor": DEFAULT_QUALITY_FLOOR} if settings.get("ratio_mode") == "auto" else {}
+
+
 def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: Path) -> None:
     """Records already in --out must have been run with the same answer-changing settings."""
     for record in existing:
@@ -294,7 +299,7 @@ def check_resumable(existing: list[RunRecord], wanted: dict[tuple, dict], out: P
         want = wanted.get(key)
         if want is None:
             continue
-        have = comparable({**default_settings(record.method), **record.settings})  # knobs added since: default
+        have = comparable({**default_settings(record.method), **auto_floor(record.settings), **record.settings})  # added since: default
         want = comparable(want)
         if have != want:
             # a setting the record lacks differs from one it holds as null: named, never an empty "()"
@@ -740,6 +745,7 @@ def auto_settings(method: FusionMethod, opts: RunOptions) -> dict:
     settings = method.settings()
     if opts.auto_ratio and method.ratio_is_knob:
         settings["ratio_mode"] = "auto"
+        settings["quality_floor"] = opts.quality_floor   # the controller's least ratio: another floor, other answers
     return settings
 
 
