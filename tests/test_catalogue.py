@@ -1090,6 +1090,20 @@ def test_a_resumed_run_keeps_to_the_compare_full_its_rows_were_run_with(data, tm
     assert len(out.read_text().splitlines()) == 4
 
 
+def test_a_run_file_answered_on_a_gpu_is_not_resumed_on_the_cpu(data, tmp_path, capsys, monkeypatch):
+    """Its TTFTs, and every ratio of one device's time to the other's full prefill, would mix devices."""
+    out = tmp_path / "o.jsonl"
+    assert run_cli(run_args(data, out), capsys, monkeypatch)[0] == 0
+    record = json.loads(out.read_text())
+    out.write_text(json.dumps({**record, "provenance": {**record["provenance"], "device": "cuda:1"}}) + "\n")
+    code, _, err = run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)
+    assert_one_line(code, err, f"--out {out} was answered on cuda", "--device cuda", "a new --out")
+    assert len(out.read_text().splitlines()) == 1
+    out.write_text(json.dumps(record) + "\n")   # the same device resumes
+    assert run_cli(run_args(data, out, "-n", "2"), capsys, monkeypatch)[0] == 0
+    assert len(out.read_text().splitlines()) == 2
+
+
 def test_run_file_that_is_not_kvf_s_is_refused_and_only_a_torn_last_line_is_cut(data, tmp_path, capsys, monkeypatch):
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": 1, "text": "mine"}\n{"id": 2, "text": "also mine"}\n')

@@ -326,6 +326,17 @@ def check_compare_full_kept(existing: list[RunRecord], wanted: set[tuple], out: 
                        "it, or pass a new --out")
 
 
+def check_same_device(existing: list[RunRecord], out: Path, device: str) -> None:
+    """A run file answered on one kind of device and resumed on another would mix CPU and GPU timings: in a row's
+    TTFT, and in every TTFT ratio that divides one device's time by the other's full prefill. Refused."""
+    kind = device.split(":")[0]
+    for record in existing:
+        theirs = record.provenance.device.split(":")[0] if record.provenance else kind
+        if theirs != kind:
+            raise KvfError(f"--out {out} was answered on {theirs} ({record.method}, question {record.qid}), so answers "
+                           f"timed on {kind} would mix devices in its TTFTs; resume it with --device {theirs}, or pass a new --out")
+
+
 def setting_text(settings: dict, name: str) -> str:
     return repr(settings[name]) if name in settings else "(none)"
 
@@ -856,6 +867,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                                    for p in planned}, opts.out)
         check_compare_full_kept(existing, {(p.method.name, p.label, p.variant, ratio_key(settings_of[id(p)]))
                                            for p in planned}, opts.out, opts.compare_full)
+        check_same_device(existing, opts.out, opts.device)
         check_same_questions(existing, questions, opts, source_ids)
         done = {record_key(r.qid, r.method, r.label, r.settings) for r in existing}
         todo_of = {q.qid: [i for i, p in enumerate(planned)
