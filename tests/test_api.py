@@ -72,6 +72,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("", {"documents": [first_doc]}, "question='': pass the question"),
                                 ("q", {"ratio": "0.15"}, "ratio='0.15': must be a number"),
                                 ("q", {"ratio": float("nan")}, "ratio=nan: must be within [0, 1]"),
+                                ("q", {"ratio": 15}, "ratio=15: must be within [0, 1] (a fraction of the chunk tokens); "
+                                                     "for 15% pass ratio=0.15"),   # as the CLI's --ratio 15
                                 ("q", {"ratio": True}, "ratio=True: must be a number"),
                                 ("q", {"max_new_tokens": 2.5}, "max_new_tokens=2.5: must be an integer"),
                                 ("q", {"top_k": 2.0}, "top_k=2.0: must be an integer"),

@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError, counted, errors_name_arguments, warn
+from kvf.errors import KvfError, counted, errors_name_arguments, percent_as_fraction, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
@@ -190,7 +190,9 @@ def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, d
     if documents is not None and (not isinstance(documents, (list, tuple))
                                   or not all(isinstance(d, str) for d in documents)):
         raise KvfError(f"documents={documents!r}: pass a list of document ids, e.g. documents=['acme.md']")
-    check_argument("ratio", ratio, float, low=0, high=1, why="must be within [0, 1]")
+    percent = percent_as_fraction(str(ratio)) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else None
+    check_argument("ratio", ratio, float, low=0, high=1, why="must be within [0, 1] (a fraction of the chunk tokens)"
+                   + (f"; for {ratio:g}% pass ratio={percent}" if percent else ""))
     check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")
