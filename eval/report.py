@@ -288,7 +288,7 @@ def warn_no_full_reference(summary: pd.DataFrame) -> None:
     gold = rows.apply(lambda r: r[r.metric], axis=1) if len(rows) else rows.dataset
     bare = rows.fidelity_f1.isna().groupby(rows.dataset).all() & gold.notna().groupby(rows.dataset).any()
     if bare.any():
-        names = sorted(bare[bare].index)
+        names = sorted(set(suite_of(pd.Series(bare[bare].index))))   # a suite's tasks by the suite's name
         warn(f"no full prefill answered the questions of {', '.join(names)}, so vs_full, fidelity_f1 and ttft_ratio are "
              "'-' there: add -m full to the run, or re-run it with --compare-full")
 

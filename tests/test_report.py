@@ -931,6 +931,11 @@ def test_runs_with_gold_but_no_full_prefill_say_why_fidelity_is_a_dash(tmp_path,
     with_full = blend + [record(f"q1-{i}", "full", "Paris", ratio=1.0) for i in range(REPS)]
     evaluate([write_run(tmp_path / "full.jsonl", with_full)], tmp_path / "full")
     assert "no full prefill answered" not in capsys.readouterr().err
+    # a suite's tasks are named once, by the suite
+    tasks = [record(f"q1-{i}", "cacheblend", "Paris", ratio=0.15, dataset=f"ruler-2048/{task}")
+             for task in ("alias", "boundary") for i in range(REPS)]
+    evaluate([write_run(tmp_path / "suite.jsonl", tasks)], tmp_path / "suite")
+    assert "no full prefill answered the questions of ruler-2048, so" in capsys.readouterr().err
 
 
 def test_a_full_run_asked_other_requests_is_said(tmp_path, capsys):
