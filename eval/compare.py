@@ -145,6 +145,8 @@ def comparison_summary(table: pd.DataFrame) -> str:
         if len(a) and len(b):
             diff = describe_difference(*paired_bootstrap(a, b))
             parts.append(f"{measure}: A {a.mean():.3f}, B {b.mean():.3f}, A - B {diff}")
+    if table.attrs.get("full_side") is None and "full_answer" in table and not (table.full_answer != "").any():
+        parts.append("vs full: - (no full prefill answered these questions: add -m full to the run, or --compare-full)")
     differ = int((table.answer_a != table.answer_b).sum())
     return (f"over {counted(len(table), 'question')}{pooled_over(table.dataset)} ({differ} answered differently): "
             + "; ".join(parts) + " (95% paired bootstrap intervals)")

@@ -1196,6 +1196,20 @@ def test_compare_summary_names_the_datasets_it_pools():
     assert comparison_summary(table).startswith("over 20 questions of musique (10) and nq (10) (20 answered differently)")
 
 
+def test_compare_summary_says_why_it_has_no_vs_full():
+    """Two runs with no full prefill beside them (no full run, no --compare-full): the summary left "vs full" out
+    and the table showed "full  -", without saying why. It now says so, with the fix; with full's answers, no."""
+    from kvf.eval.compare import comparison_summary
+    table = pd.DataFrame({"dataset": ["nq"] * 20, "qid": [f"q{i}" for i in range(20)], "answer_a": ["x"] * 20,
+                          "answer_b": ["y"] * 20, "score_a": [1.0] * 20, "score_b": [0.0] * 20, "full_answer": [""] * 20,
+                          "fidelity_a": [math.nan] * 20, "fidelity_b": [math.nan] * 20})
+    table.attrs.update(metric="f1", full_side=None)
+    assert "vs full: - (no full prefill answered these questions: add -m full to the run, or --compare-full)" in \
+        comparison_summary(table)
+    answered = table.assign(full_answer="x", fidelity_a=1.0, fidelity_b=0.0)
+    assert "no full prefill" not in comparison_summary(answered) and "vs full: A 1.000, B 0.000" in comparison_summary(answered)
+
+
 def test_a_ranking_leaves_out_a_measure_no_row_has_and_says_why(tmp_path, monkeypatch):
     """RULER rows run without --compare-full and without a full run drew a fidelity frame with nothing in it, its
     note over the x label. A ranking now draws only the measures some row has; the title names what is missing
