@@ -9,7 +9,7 @@ import pandas as pd
 from kvf.errors import KvfError, counted, percent_as_fraction
 from kvf.eval.metrics import token_f1
 from kvf.eval.stats import describe_difference, paired_bootstrap
-from kvf.eval.report import (POOLED, auto_label, compare_full_records, primary_metric,
+from kvf.eval.report import (ADD_FULL, POOLED, auto_label, compare_full_records, primary_metric,
                              reference_rows, run_selector, suite_of)
 
 
@@ -146,7 +146,7 @@ def comparison_summary(table: pd.DataFrame) -> str:
             diff = describe_difference(*paired_bootstrap(a, b))
             parts.append(f"{measure}: A {a.mean():.3f}, B {b.mean():.3f}, A - B {diff}")
     if table.attrs.get("full_side") is None and "full_answer" in table and not (table.full_answer != "").any():
-        parts.append("vs full: - (no full prefill answered these questions: add -m full to the run, or --compare-full)")
+        parts.append(f"vs full: - (no full prefill answered these questions: {ADD_FULL})")
     differ = int((table.answer_a != table.answer_b).sum())
     return (f"over {counted(len(table), 'question')}{pooled_over(table.dataset)} ({differ} answered differently): "
             + "; ".join(parts) + " (95% paired bootstrap intervals)")

@@ -235,6 +235,10 @@ def without_questions(df: pd.DataFrame, listed, flag: str = "--exclude-questions
     return out
 
 
+# how to give rows a full prefill to compare with, where none answered their questions
+ADD_FULL = "add -m full to the run, or re-run it with --compare-full"
+
+
 def warn_timed_elsewhere(summary: pd.DataFrame) -> None:
     """Rows whose ttft_ratio divides by a full prefill that another run timed: said once, since the terminal's
     table shows no notes and such a ratio can read faster or slower than the method is."""
@@ -277,8 +281,7 @@ def warn_unscored(summary: pd.DataFrame) -> None:
         gold = rows.apply(lambda r: r[r.metric], axis=1)
         if gold.isna().all() and rows.fidelity_f1.isna().all():
             warn(f"{dataset}: no question has gold answers and no record has full prefill's answer, so no quality is "
-                 "scored (TTFT and recompute fractions only); give the questions answers, or re-run with "
-                 "--compare-full (or add -m full)")
+                 f"scored (TTFT and recompute fractions only); give the questions answers, or {ADD_FULL}")
 
 
 def warn_no_full_reference(summary: pd.DataFrame) -> None:
@@ -290,7 +293,7 @@ def warn_no_full_reference(summary: pd.DataFrame) -> None:
     if bare.any():
         names = sorted(set(suite_of(pd.Series(bare[bare].index))))   # a suite's tasks by the suite's name
         warn(f"no full prefill answered the questions of {', '.join(names)}, so vs_full, fidelity_f1 and ttft_ratio are "
-             "'-' there: add -m full to the run, or re-run it with --compare-full")
+             f"'-' there: {ADD_FULL}")
 
 
 def suite_of(datasets: pd.Series) -> pd.Series:

@@ -1204,7 +1204,7 @@ def test_compare_summary_says_why_it_has_no_vs_full():
                           "answer_b": ["y"] * 20, "score_a": [1.0] * 20, "score_b": [0.0] * 20, "full_answer": [""] * 20,
                           "fidelity_a": [math.nan] * 20, "fidelity_b": [math.nan] * 20})
     table.attrs.update(metric="f1", full_side=None)
-    assert "vs full: - (no full prefill answered these questions: add -m full to the run, or --compare-full)" in \
+    assert "vs full: - (no full prefill answered these questions: add -m full to the run, or re-run it with --compare-full)" in \
         comparison_summary(table)
     answered = table.assign(full_answer="x", fidelity_a=1.0, fidelity_b=0.0)
     assert "no full prefill" not in comparison_summary(answered) and "vs full: A 1.000, B 0.000" in comparison_summary(answered)
