@@ -505,20 +505,45 @@ def throughput_rows(results: dict, unit: str, wall: str | None = None) -> list[l
              f"{r[unit] / one:.2f}×"] for name, r in results.items()]
 
 
-def plot(build: dict, sweep: dict, path: Path) -> None:
+def plot(build: dict, sweep: dict, share: dict, real: dict | None, own_prefills: float, path: Path) -> None:
+    """Three panels: build and sweep throughput per execution, and the methods sweep's cost per question
+    against v1's (synthetic prompts, and the real dataset's where part 5 ran), with issue 18's target of a third
+    and, per prompt length, what the distinct prefills' own layer loops cost (no exact sharing removes them)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1, 1, 1.25]})
     for ax, results, unit, label in ((axes[0], build, "chunks_per_s", "build-cache KV stage (chunks/s)"),
                                      (axes[1], sweep, "answers_per_s", "kvf run sweep (answers/s, steady)")):
         names = list(results)
         ax.bar(names, [results[n][unit] for n in names], color=["#888888", "#4C72B0", "#DD8452"])
         ax.set_ylabel(label)
         ax.set_xlabel("execution (1 torch thread per process)")
+    ax = axes[2]
+    v1, lone, shared = (share[name]["per_question"] for name in share)   # the table's order: v1, lone, shared
+    groups = [("synthetic prompts", {"v1": 1.0, "lone requests": lone / v1, "shared work": shared / v1}, own_prefills / v1)]
+    if real is not None:
+        groups.append((f"{Path(real['dataset']).name} ({real['prompt_tokens'] / 1000:.1f}K tokens)",
+                       {"v1": 1.0, "shared work": real["shared"] / real["v1"]}, real["own_prefills"] / real["v1"]))
+    colors = {"v1": "#888888", "lone requests": "#4C72B0", "shared work": "#DD8452"}
+    width = 0.27
+    for g, (_, costs, loops) in enumerate(groups):
+        offsets = [(i - (len(costs) - 1) / 2) * width for i in range(len(costs))]
+        for (mode, cost), dx in zip(costs.items(), offsets):
+            ax.bar(g + dx, cost, width, color=colors[mode], label=mode if g == 0 else None)
+        dx = offsets[-1]   # the shared bar: the part of it that its distinct prefills' layer loops take
+        ax.hlines(loops, g + dx - width / 2, g + dx + width / 2, colors="black", linewidth=2,
+                  label="its distinct prefills' layer loops" if g == 0 else None)
+    ax.axhline(1 / 3, color="black", linestyle="--", linewidth=1, label="issue 18's target (1/3 of v1)")
+    ax.set_xticks(range(len(groups)), [name for name, _, _ in groups])
+    ax.set_ylabel("sweep cost per question (x v1)")
+    ax.set_xlabel("questions (9 methods x 4 ratios, --compare-full)")
+    ax.set_ylim(0, 1.6)
+    ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=2)
+    for ax in axes:
         ax.spines[["top", "right"]].set_visible(False)
-    fig.suptitle("Throughput on a 2-core CPU, SmolLM2-135M-Instruct (float32)", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle("Scale-out on a 2-core CPU, SmolLM2-135M-Instruct (float32)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=200)
     plt.close(fig)
 
@@ -760,7 +785,7 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
                   f"distinct prefills' own layer loops / v1: {floor / before:.2f}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(build, sweep, args.out.with_suffix(".png"))
+    plot(build, sweep, share, real, floor, args.out.with_suffix(".png"))
     command, conditions = numbers["command"], numbers["conditions"]
     made_by = (f"Made by `{command.strip()}` at commit {git_commit() or 'unknown'}." if rendered_by is None else
                f"Made by `{rendered_by}` at commit {git_commit() or 'unknown'}, from the numbers that `{command.strip()}` "
@@ -821,7 +846,7 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           "The other Llama-3-8B rows are arithmetic on the stated assumptions. The fusion variant doubles bytes "
           f"and compute. {store_or_compute(proj)}\n",
           *([driver_note(proj, driver, numbers.get("driver_measured_by"))] if driver else []),
-          f"![throughput]({args.out.with_suffix('.png').name})\n"]
+          f"![throughput and the sweep's cost per question]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
     numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
                "own_prefills_over_v1": floor / before,
