@@ -1,10 +1,11 @@
 """Scale-out on Ray (`--ray local`, two actors on this machine): a distributed build equals a
 one-process build byte for byte, also when a worker is killed with SIGKILL mid-batch (its actor is
-restarted and the batch retried); `kvf run --ray` writes the same records as a one-process run, and a
-resumed distributed run adds only what is missing. Skipped with the reason where Ray is not installed.
+restarted and the batch retried); `kvf run --ray` writes the same records as a one-process run, also when a
+worker is killed mid-question, and a resumed distributed run adds only what is missing. Skipped with the
+reason where Ray is not installed.
 The builds and runs use a 2-layer random Llama with SmolLM2's tokenizer (what Ray hands out and collects is the
-same for any model); the SIGKILL test, run by make test-long, uses the embedded model, whose batches last long
-enough to be caught mid-batch, and so checks that the actors load it."""
+same for any model); the SIGKILL tests, run by make test-long, use the embedded model, whose batches and
+questions last long enough to be caught mid-task, and so check that the actors load it."""
 import io
 import json
 import os
@@ -145,9 +146,9 @@ def test_a_ray_build_beside_another_hands_out_its_batches_in_reverse(ray_local, 
         assert np.array_equal(store.get(key).numpy(), reference.get(key).numpy()), key
 
 
-def build_killing_a_worker(args: list[str], markers, poll: float = 0.05):
-    """Run `kvf build-cache ... --ray` (args) and SIGKILL the first actor caught mid-batch (its pid
-    marker in `markers`). Returns (the pid killed or None, the build's exit status, its stderr)."""
+def killing_a_worker(args: list[str], markers, poll: float = 0.05):
+    """Run `kvf build-cache ... --ray` or `kvf run ... --ray` (args) and SIGKILL the first actor caught mid-task
+    (its pid marker in `markers`). Returns (the pid killed or None, the command's exit status, its stderr)."""
     proc = subprocess.Popen(args, env={**ENV, "KVF_RAY_PID_DIR": str(markers)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     killed = None
@@ -175,7 +176,7 @@ def test_worker_killed_mid_batch_is_restarted_and_the_store_is_the_same(embedded
     args = [sys.executable, "-m", "kvf", "build-cache", str(corpus / "data" / "corpus"), "-w", str(tmp_path / "ws"),
             "--chunk-tokens", "32", "--variant", "prefix,fusion", "--neighbours", "2", "--dtype", "float32",
             "--no-bm25", "--ray", "local", "--workers", "2", "--batch", "4"]
-    killed, returncode, err = build_killing_a_worker(args, markers)
+    killed, returncode, err = killing_a_worker(args, markers)
     assert killed is not None, "no worker was caught mid-batch"
     assert returncode == 0, err[-2000:]
     assert_same_store(corpus / "one" / "kv.zarr", tmp_path / "ws" / "kv.zarr")
@@ -186,6 +187,30 @@ def answers(path):
     return {(r["qid"], r["method"], r["settings"]["ratio"]): (r["answer"], r["chunk_ids"],
                                                              {k: v for k, v in r["settings"].items() if k != "store"})
             for r in rows}, len(rows)
+
+
+@pytest.mark.long
+def test_a_run_worker_killed_mid_question_is_restarted_and_the_run_file_is_the_same(embedded_corpus, tmp_path):
+    """SIGKILL one actor while it answers a question: Ray restarts it and asks the question again, and the run
+    file ends with the one-process run's records, each once (the killed task had written none: records stream
+    back to the driver, the file's only writer, when a question is done)."""
+    from kvf.pipeline.workflows.run import RunOptions, run
+    corpus = embedded_corpus
+    shutil.copytree(corpus / "one", tmp_path / "ws")   # the runs may add entries: the build tests' reference stays as built
+    common = ["-d", str(corpus / "data"), "-w", str(tmp_path / "ws"), "-m", "full,cacheblend,prophetkv", "-r", "0.15",
+              "--max-new-tokens", "4", "--no-warmup", "--no-show-answers"]
+    torch.set_num_threads(1)   # the actors run one thread each: same kernels, same bits
+    run(RunOptions(out=tmp_path / "one.jsonl", dataset=corpus / "data", workspace=tmp_path / "ws",
+                   methods=["full", "cacheblend", "prophetkv"], ratios=[0.15], max_new_tokens=4, warmup=False), QUIET)
+    markers = tmp_path / "pids"
+    markers.mkdir()
+    args = [sys.executable, "-m", "kvf", "run", *common, "-o", str(tmp_path / "ray.jsonl"), "--ray", "local", "--workers", "2"]
+    killed, returncode, err = killing_a_worker(args, markers)
+    assert killed is not None, "no worker was caught mid-question"
+    assert returncode == 0, err[-2000:]
+    one, n_one = answers(tmp_path / "one.jsonl")
+    on_ray, n_ray = answers(tmp_path / "ray.jsonl")
+    assert n_one == n_ray == 9 and on_ray == one
 
 
 def test_run_on_ray_equals_one_process_run_and_resumes(ray_local, corpus, monkeypatch):
