@@ -124,6 +124,63 @@ def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(tiny_built
     assert all(rec["shared"] == [] for rec in alone)
 
 
+def test_a_question_whose_caches_the_free_memory_cannot_hold_goes_in_groups(tiny_built, tmp_path, monkeypatch):
+    """A sweep holds each method's prefilled cache until the question's answers are decoded together: v1's 9
+    methods x 4 ratios at 6K tokens took 7.5 GB here, and past the free memory the kernel ends the process without
+    a word. Where the free memory holds fewer caches than there are methods, they go in groups, each prefilled,
+    decoded and scored before the next: the same answers and the same measures against full's, fewer caches
+    alive at once, and smaller decoding batches."""
+    import weakref
+    from kvf.pipeline.model.forward import KVCache
+    from kvf.pipeline.workflows import run as run_module
+    alive, most = weakref.WeakSet(), []
+    original_init = KVCache.__init__
+
+    def counted_init(self, *a, **kw):
+        original_init(self, *a, **kw)
+        alive.add(self)
+        most.append(len(alive))
+    monkeypatch.setattr(KVCache, "__init__", counted_init)
+    kw = dict(methods=["full", "reuse", "prophetkv", "fusionrag", "cacheblend", "epic"], ratios=[0.0, 0.15, 0.3],
+              warmup=False, limit=1, compare_full=True)
+    run(run_opts(tiny_built, tmp_path / "roomy.jsonl", **kw), QUIET)
+    roomy_most, most[:] = max(most), []
+    monkeypatch.setattr(run_module.QuestionRunner, "methods_at_once", lambda self, prompt, held: 2)
+    run(run_opts(tiny_built, tmp_path / "short.jsonl", **kw), QUIET)
+    short_most = max(most)
+    roomy, short = read_records(tmp_path / "roomy.jsonl"), read_records(tmp_path / "short.jsonl")
+    key = lambda r: (r["qid"], r["method"], r["settings"]["ratio"])  # noqa: E731
+    measures = lambda r: (r["answer"], r["recomputed_tokens"], r["kl_full"], r["answer_agree_full"])  # noqa: E731
+    assert [key(r) for r in roomy] == [key(r) for r in short] and len(roomy) == 14
+    assert {key(r): measures(r) for r in roomy} == {key(r): measures(r) for r in short}
+    assert all(abs(a["answer_kl_full"] - b["answer_kl_full"]) < 1e-5 for a, b in zip(roomy, short))
+    assert len({r["answer"] for r in roomy}) > 1   # answers that tell the caches apart: the check above can fail
+    batches = lambda records: {int(t.split(":")[1]) for r in records for t in r["shared"] if t.startswith("decode-batch")}  # noqa: E731
+    assert batches(roomy) == {11}   # full's prefill, reuse's on each variant, and 8 more
+    assert batches(short) and max(batches(short)) <= 3   # 2 methods a group, and full's prefill with the first
+    assert short_most < roomy_most, (short_most, roomy_most)
+
+
+def test_methods_at_once_is_the_free_memory_s_share_in_caches(tiny_built, tmp_path, monkeypatch):
+    """methods_at_once: CACHE_MEMORY_SHARE of the free memory, in caches of the prompt's rows plus the answer's, less
+    the caches kept for the whole question; at least one; every method where the free memory cannot be read."""
+    from kvf.pipeline.workflows import run as run_module
+    seen = {}
+    original = run_module.QuestionRunner.methods_at_once
+
+    def spy(self, prompt, held):
+        t = self.session.answerer.transformer
+        one = t.n_layers * 2 * t.n_kv_heads * (prompt.n_tokens + self.opts.max_new_tokens) * t.head_dim * 4  # float32
+        for free, want in ((one * 10 / run_module.CACHE_MEMORY_SHARE, 10 - held), (one, 1), (None, len(self.planned))):
+            monkeypatch.setattr(run_module, "allocatable_bytes", lambda device, free=free: free)
+            seen[free] = (original(self, prompt, held), want)
+        return original(self, prompt, held)
+    monkeypatch.setattr(run_module.QuestionRunner, "methods_at_once", spy)
+    run(run_opts(tiny_built, tmp_path / "runs.jsonl", methods=["full", "cacheblend"], ratios=[0.15], limit=1,
+                 compare_full=True, warmup=False), QUIET)
+    assert len(seen) == 3 and all(got == want for got, want in seen.values()), seen
+
+
 def test_rerun_skips_done_and_a_torn_line_is_recovered(tiny_built, tmp_path):
     out = tmp_path / "runs.jsonl"
     opts = run_opts(tiny_built, out, methods=["reuse", "cacheblend"], ratios=[0.2])

@@ -90,6 +90,15 @@ def free_bytes(device: str) -> int | None:
     return int(kib) * 1024 if kib else None
 
 
+def allocatable_bytes(device: str) -> int | None:
+    """What this process can still allocate on `device`: free_bytes, plus on a GPU the blocks PyTorch's
+    caching allocator holds unused (freed tensors it keeps for reuse, which the driver counts as taken)."""
+    free = free_bytes(device)
+    if free is not None and device.startswith("cuda"):
+        free += torch.cuda.memory_reserved(torch.device(device)) - torch.cuda.memory_allocated(torch.device(device))
+    return free
+
+
 def check_model_fits(config, dtype: torch.dtype, device: str, flag: str) -> None:
     """A model whose weights alone exceed the free memory is refused in one line, before any is allocated:
     the kernel's OOM killer would end the process midway without a word (`kvf bench --random-weights

@@ -334,7 +334,7 @@ def fusion_context(variant: str, batch: list, neighbours: Mapping | None, by_id)
 class RunWorkerImpl:
     """One session (model + store reader) answering whole questions with every planned method."""
 
-    def __init__(self, opts, setting: str, name: str, workspace: str):
+    def __init__(self, opts, setting: str, name: str, workspace: str, memory_share: float):
         import torch
         from kvf.pipeline.workflows.run import (ChunkPicker, QuestionRunner, base_settings, plan_methods,
                                                 settings_for)
@@ -348,7 +348,7 @@ class RunWorkerImpl:
         settings_of = settings_for(self.planned, opts, base_settings(opts, setting, session.manifest,
                                                                      session.model_ref.name, session.dtype))
         self.runner = QuestionRunner(opts, session, ChunkPicker(ws, setting, opts.top_k, opts.retriever),
-                                     self.planned, settings_of, name)
+                                     self.planned, settings_of, name, memory_share)
 
     def answer(self, question, indices: list[int]) -> list[dict]:
         write_pid_marker()
@@ -366,7 +366,12 @@ def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, wri
     ray = start_ray(opts.ray, opts.threads)
     n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), len(jobs))
     worker_opts = replace(opts, ray=None, **{f: absolute(getattr(opts, f)) for f in ("dataset", "questions", "workspace", "out")})
-    workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()))
+    # a question's prefilled caches may take a share of the free memory (run.CACHE_MEMORY_SHARE); CPU workers
+    # share a machine's, so each takes its part (GPU workers have a GPU each)
+    from kvf.pipeline.workflows.run import CACHE_MEMORY_SHARE
+    memory_share = CACHE_MEMORY_SHARE if opts.device.startswith("cuda") else CACHE_MEMORY_SHARE / n_workers
+    workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()),
+                                                            memory_share)
                for _ in range(n_workers)]
     try:
         with task_errors(ray):

@@ -33,7 +33,7 @@ from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chunk_fits, check_room, index_digests,
                                           missing_entries, open_workspace_store, settle_settings, stage_chunks,
                                           stage_indexes, write_workspace_manifest)
-from kvf.pipeline.workflows.devices import check_device, compute_dtype, dtype_name, warn_if_slow
+from kvf.pipeline.workflows.devices import allocatable_bytes, check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import (Session, check_entries_dtype, check_workspace_model, open_run_store,
@@ -915,6 +915,11 @@ def run(opts: RunOptions, console: Console) -> Path:
     return opts.out
 
 
+# the share of the free memory a question's prefilled caches may take (QuestionRunner.methods_at_once); the rest is
+# for what a prefill and decoding allocate on the way (attention blocks, MLP rows, logits) and for the store's reads
+CACHE_MEMORY_SHARE = 0.6
+
+
 def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -> None:
     """Answer (question, planned indices) jobs in this process, showing offline KV work as it happens."""
     offline = progress.add_task("offline KVs", total=None, stats="", visible=False)
@@ -929,13 +934,15 @@ def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -
 class QuestionRunner:
     """Answers one question with every planned method: its chunks' entries once, the full prefill once
     (shared by `full` and --compare-full), each method's timed prefill (one reuse prefill per variant for
-    every method that is plain reuse here), then the answers decoded together in one batch. What a
-    record shares with others is listed in its `shared` field."""
+    every method that is plain reuse here), then the answers decoded together in one batch (in groups of
+    methods where the free memory holds fewer caches: methods_at_once). What a record shares with others is
+    listed in its `shared` field."""
 
     def __init__(self, opts: RunOptions, session: Session, picker: ChunkPicker, planned: list[Planned],
-                 settings_of: dict, name: str):
+                 settings_of: dict, name: str, memory_share: float | None = None):
         self.opts, self.session, self.picker, self.planned = opts, session, picker, planned
         self.settings_of, self.name = settings_of, name
+        self.memory_share = CACHE_MEMORY_SHARE if memory_share is None else memory_share   # of the free memory, for caches
         self.prov = provenance(opts.device)
         self.full_method, self.reuse_method = get_method("full"), get_method("reuse")
         self.warmed: set[str] = set() if opts.warmup else {p.method.name for p in planned} | {"full"}
@@ -948,7 +955,9 @@ class QuestionRunner:
             self.warmed.add(method.name)
 
     def records(self, q: Question, todo: list[Planned], on_missing=None, on_done=None):
-        """Yield one run record (a dict) per planned method of `todo`, for question q."""
+        """Yield one run record (a dict) per planned method of `todo`, for question q. A method's prefilled cache
+        is held until its answer is decoded and scored; where the free memory holds fewer caches than there are
+        methods, they go in groups (methods_at_once), each prefilled, decoded and scored before the next."""
         opts, session = self.opts, self.session
         chunk_ids = self.picker.chunk_ids(q)
         chunks = session.chunks(chunk_ids, opts.retriever)
@@ -957,64 +966,95 @@ class QuestionRunner:
                                    on_done=on_done)
                 for v in {p.variant for p in todo if p.method.uses_store}}
         needs_full = opts.compare_full or any(not p.method.uses_store for p in todo)
+        at_once = self.methods_at_once(prompt, held=int(needs_full) + 2 * len(keys))
         full = None
         if needs_full:
             self.warm(prompt, self.full_method, None)
             full = session.prefill(prompt, self.full_method, None, opts.max_new_tokens)
-        jobs = []  # (planned, method, (fused, timings))
         shared_of = {v: {} for v in keys} if opts.share else {}  # per variant: its query-only pass, once
-        reused = {}  # per variant: the one reuse prefill that every method which is reuse here shares
-        for p in todo:
-            method, variant_keys = p.method, keys.get(p.variant)
-            if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
-                method = with_auto_ratio(method, session.store, variant_keys or [], prompt, self.token_layer_seconds, opts)
-            if not method.uses_store:
-                jobs.append((p, method, full))  # the full prefill timed above: not run twice
-                continue
-            if opts.share and method.is_reuse():
-                if p.variant not in reused:
-                    reused[p.variant] = self.prefill(prompt, self.reuse_method, variant_keys, shared_of.get(p.variant))
-                jobs.append((p, method, reused[p.variant]))
-                continue
-            jobs.append((p, method, self.prefill(prompt, method, variant_keys, shared_of.get(p.variant))))
-        to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]}.values())
-        answer_of = {id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}
-        full_answer = answer_of[id(full)] if full else None
-        on_full_answer = (self.on_full_answer(full_answer, answer_of)
-                          if full_answer is not None and opts.compare_full else {})
-        for p, method, prefilled in jobs:
-            ans = answer_of[id(prefilled)]
-            settings = {**self.settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
-            rec = {"qid": q.qid, "dataset": f"{self.name}/{q.task}" if q.task else self.name, "method": method.name,
-                   "label": p.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
-                   "gold": q.answers, "gold_mode": q.gold_mode, "provenance": self.prov, **ans.record()}
-            shared = []
-            if prefilled is full and opts.compare_full:
-                shared.append("prefill:full")
-            if prefilled is reused.get(p.variant) and method.name != "reuse":
-                shared.append(f"reuse-prefill:{p.variant}")
-            if prefilled[0].info.get("shared"):
-                shared += [f"{piece}:{p.variant}" for piece in prefilled[0].info["shared"]]
-            if ans.decoded_with > 1:
-                shared.append(f"decode-batch:{ans.decoded_with}")
-            rec["shared"] = shared
-            if "read" in prefilled[1]:
-                rec["timings"]["read"] = round(prefilled[1]["read"], 6)
+        reused = {}    # per variant: the one reuse prefill that every method which is reuse here shares
+        kept = {}      # id(prefill) -> its answer, for the prefills every group shares (full's, reuse's)
+        scored = {}    # the same for (answer KL, agreement) to full's answer, with --compare-full: kept prefills' only
+        full_answer = None
+        for start in range(0, len(todo), at_once):
+            jobs = []  # (planned, method, (fused, timings))
+            for p in todo[start: start + at_once]:
+                method, variant_keys = p.method, keys.get(p.variant)
+                if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
+                    method = with_auto_ratio(method, session.store, variant_keys or [], prompt, self.token_layer_seconds, opts)
+                if not method.uses_store:
+                    jobs.append((p, method, full))  # the full prefill timed above: not run twice
+                    continue
+                if opts.share and method.is_reuse():
+                    if p.variant not in reused:
+                        reused[p.variant] = self.prefill(prompt, self.reuse_method, variant_keys, shared_of.get(p.variant))
+                    jobs.append((p, method, reused[p.variant]))
+                    continue
+                jobs.append((p, method, self.prefill(prompt, method, variant_keys, shared_of.get(p.variant))))
+            to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]
+                              if id(pre) not in kept}.values())
+            answer_of = {**kept, **{id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}}
+            kept.update({id(pre): answer_of[id(pre)] for pre in [full, *reused.values()] if pre is not None})
+            full_answer = answer_of[id(full)] if full else None
+            group_scored = {}   # keyed by id: only while this group's prefills live (a freed one's id is reused)
             if full_answer is not None and opts.compare_full:
-                rec.update(full_answer=full_answer.text,
-                           kl_full=kl_divergence(full_answer.fused.logits, ans.fused.logits),
-                           top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)),
-                           full_first_token=round(full_answer.timings["first_token"], 6))
-                if id(prefilled) in on_full_answer:
-                    rec["answer_kl_full"], rec["answer_agree_full"] = on_full_answer[id(prefilled)]
-            yield rec
+                group_scored = {**scored, **self.on_full_answer(full_answer, {k: a for k, a in answer_of.items()
+                                                                                if k not in scored})}
+                scored = {k: v for k, v in group_scored.items() if k in kept}
+            for p, method, prefilled in jobs:
+                yield self.record(q, p, method, prefilled, answer_of[id(prefilled)], chunk_ids, full, full_answer,
+                                  reused, group_scored)
+            jobs = to_decode = answer_of = prefilled = None   # this group's caches go before the next group's are made
+
+    def methods_at_once(self, prompt, held: int) -> int:
+        """How many methods a question prefills before decoding them: all of them, unless memory_share of the free
+        memory holds fewer of their caches (with `held` caches more, kept for the whole question: full prefill's, and per
+        stored variant its query-only pass and reuse's prefill). Holding every method's cache of a long prompt
+        at once took 7.5 GB for v1's 9 methods x 4 ratios at 6K tokens here; past the free memory, the kernel
+        ends the process without a word."""
+        free = allocatable_bytes(self.opts.device)
+        if free is None:
+            return len(self.planned)
+        t = self.session.answerer.transformer
+        one_cache = (t.n_layers * 2 * t.n_kv_heads * (prompt.n_tokens + self.opts.max_new_tokens) * t.head_dim
+                     * t.dtype.itemsize)                                       # KVCache: [L, 2, KV, cap, d]
+        return max(1, int(self.memory_share * free / one_cache) - held)
+
+    def record(self, q: Question, p: Planned, method: FusionMethod, prefilled, ans, chunk_ids, full, full_answer,
+               reused: dict, scored: dict) -> dict:
+        """One run record: the answer, its settings, what it shared, and with --compare-full how it stands to full's."""
+        opts, session = self.opts, self.session
+        settings = {**self.settings_of[id(p)], "ratio": method.recompute_ratio, "store": str(session.store.path)}
+        rec = {"qid": q.qid, "dataset": f"{self.name}/{q.task}" if q.task else self.name, "method": method.name,
+               "label": p.label, "settings": settings, "chunk_ids": chunk_ids, "question": q.question,
+               "gold": q.answers, "gold_mode": q.gold_mode, "provenance": self.prov, **ans.record()}
+        shared = []
+        if prefilled is full and opts.compare_full:
+            shared.append("prefill:full")
+        if prefilled is reused.get(p.variant) and method.name != "reuse":
+            shared.append(f"reuse-prefill:{p.variant}")
+        if prefilled[0].info.get("shared"):
+            shared += [f"{piece}:{p.variant}" for piece in prefilled[0].info["shared"]]
+        if ans.decoded_with > 1:
+            shared.append(f"decode-batch:{ans.decoded_with}")
+        rec["shared"] = shared
+        if "read" in prefilled[1]:
+            rec["timings"]["read"] = round(prefilled[1]["read"], 6)
+        if full_answer is not None and opts.compare_full:
+            rec.update(full_answer=full_answer.text,
+                       kl_full=kl_divergence(full_answer.fused.logits, ans.fused.logits),
+                       top1_agree_full=bool(torch.argmax(full_answer.fused.logits) == torch.argmax(ans.fused.logits)),
+                       full_first_token=round(full_answer.timings["first_token"], 6))
+            if id(prefilled) in scored:
+                rec["answer_kl_full"], rec["answer_agree_full"] = scored[id(prefilled)]
+        return rec
 
     def on_full_answer(self, full_answer, answer_of: dict) -> dict[int, tuple[float, float]]:
         """Per answer (by its prefill's id): how its cache predicts full prefill's answer token by token, each
         from full's tokens before it: the mean KL(full || it) over those tokens, and the share of them it would
         pick itself. Where answers part in decoding, this tells how far apart, as answer F1 cannot. Untimed:
         decoding's own logits up to where an answer leaves full's, then full's later tokens over every cache, in one
-        batched pass when work is shared."""
+        batched pass (per group of methods, see records) when work is shared."""
         tokens = full_answer.token_ids
         if not tokens:   # full prefill answered nothing: no token to predict
             return {}
