@@ -313,3 +313,7 @@ class Transformer:
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.n_layers, self.n_kv_heads, capacity, self.head_dim, self.device, self.dtype)
+
+    def cache_bytes(self, capacity: int) -> int:
+        """What new_cache(capacity) allocates: [L, 2, KV, capacity, d] in the model's dtype."""
+        return self.n_layers * 2 * self.n_kv_heads * capacity * self.head_dim * self.dtype.itemsize

@@ -434,8 +434,7 @@ def prepare_length(opts: BenchOptions, engine: FusionEngine, methods: list, leng
                              "kv_heads": transformer.n_kv_heads, "head_dim": transformer.head_dim})
     keys = store_chunk_kvs(engine, prompt, store, methods)
     extras = store.get_extras_many(keys)  # Cache-Craft's, read before timing like any index
-    fused_kv_bytes = transformer.n_layers * 2 * transformer.n_kv_heads * prompt.n_tokens * transformer.head_dim \
-        * torch.empty(0, dtype=transformer.dtype).element_size()
+    fused_kv_bytes = transformer.cache_bytes(prompt.n_tokens)
     auto = None
     if opts.auto_ratio:
         layer_bytes, bandwidth = measure_bandwidth(store, keys)

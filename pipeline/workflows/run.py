@@ -1015,9 +1015,7 @@ class QuestionRunner:
         free = allocatable_bytes(self.opts.device)
         if free is None:
             return len(self.planned)
-        t = self.session.answerer.transformer
-        one_cache = (t.n_layers * 2 * t.n_kv_heads * (prompt.n_tokens + self.opts.max_new_tokens) * t.head_dim
-                     * t.dtype.itemsize)                                       # KVCache: [L, 2, KV, cap, d]
+        one_cache = self.session.answerer.transformer.cache_bytes(prompt.n_tokens + self.opts.max_new_tokens)
         return max(1, int(self.memory_share * free / one_cache) - held)
 
     def record(self, q: Question, p: Planned, method: FusionMethod, prefilled, ans, chunk_ids, full, full_answer,
