@@ -299,7 +299,31 @@ def main():
             print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
+        if not debug and out_of_memory(e):
+            print(f"kvf: error: out of memory ({out_of_memory(e)}); {MEMORY_FIX.get(command_path(sys.argv[1:]), MEMORY_FIX['kvf'])}",
+                  file=sys.stderr)
+            sys.exit(1)
         report_unexpected(e, debug)
+
+
+# what to lower when a command runs out of memory (torch's allocators raise; the kernel's OOM killer says nothing)
+MEMORY_FIX = {
+    "kvf run": "shorten the prompts (fewer passages, --top-k), lower --max-new-tokens, or free some memory; "
+               "a re-run resumes",
+    "kvf build-cache": "lower --chunk-tokens or --batch, use a half --compute-dtype on a GPU, or free some memory; "
+                       "a re-run resumes",
+    "kvf bench": "time shorter --lengths or fewer --methods, or free some memory",
+    "kvf": "free some memory, or give the command less to hold at once",
+}
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """-> the allocator's own words where `e` is an allocation that failed (torch's OutOfMemoryError on a GPU,
+    its CPU allocator's RuntimeError, Python's MemoryError), else None."""
+    text = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+        return text
+    return None
 
 
 def report_unexpected(e: BaseException, debug: bool) -> None:

@@ -827,6 +827,43 @@ def test_a_model_larger_than_the_free_memory_is_one_line_before_it_is_loaded(com
     assert_one_line(code, err, f"{flag}: its ", "parameters take", "more than the 0.00 GiB free on cpu")
 
 
+def test_a_question_whose_caches_the_free_memory_cannot_hold_is_refused_before_any_answer(data, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A question holds several KV caches at once (full prefill's for --compare-full, the query-only pass's and reuse's
+    prefill per stored variant, and one method's): where even those exceed the free memory, the kernel would end the
+    run without a word (a GPU would fail mid-answer). The run is refused before its first answer, naming the question
+    and what to lower."""
+    from kvf.pipeline.workflows import run as run_module
+    monkeypatch.setattr(run_module, "allocatable_bytes", lambda device: 2**20)   # 1 MiB: a prompt's cache takes more
+    out = tmp_path / "o.jsonl"
+    code, _, err = run_cli(run_args(data, out, "--compare-full"), capsys, monkeypatch)
+    assert_one_line(code, err, "question syn1-0000 in ", "needs 4 KV caches at once", "more than the 0.00 GiB free on cpu",
+                    "give it fewer passages", "lower --max-new-tokens", "leave out --compare-full")
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.parametrize("error", ["cuda", "cpu", "python"])
+def test_running_out_of_memory_mid_run_is_one_line_saying_what_to_lower(error, data, tmp_path, capsys, monkeypatch):
+    """An allocation that fails while answering (torch's OutOfMemoryError on a GPU, its CPU allocator's RuntimeError,
+    Python's MemoryError) is no kvf bug: one line with the allocator's words and what to lower, not "internal error"."""
+    import torch
+    from kvf.pipeline.fusion.engine import FusionEngine
+    raised = {"cuda": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                             "of 79.19 GiB of which 1.06 GiB is free."),
+              "cpu": RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                                  "you tried to allocate 4831838208 bytes. Error code 12 (Cannot allocate memory)"),
+              "python": MemoryError()}[error]
+
+    def fails(*args, **kwargs):
+        raise raised
+    monkeypatch.setattr(FusionEngine, "fuse", fails)
+    code, _, err = run_cli(run_args(data, tmp_path / "o.jsonl", "--no-warmup"), capsys, monkeypatch)
+    line = assert_one_line(code, err, "kvf: error: out of memory (", "shorten the prompts", "lower --max-new-tokens",
+                           "a re-run resumes")
+    assert code == 1 and "internal error" not in line
+    assert {"cuda": "Tried to allocate 2.00 GiB", "cpu": "can't allocate memory", "python": "(MemoryError)"}[error] in line
+
+
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
     """`kvf eval` onto a full disk: the line names the file it could not write and says to free space or
     write elsewhere (it said "No space left on device (check the path and its permissions)")."""

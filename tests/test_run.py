@@ -145,7 +145,7 @@ def test_a_question_whose_caches_the_free_memory_cannot_hold_goes_in_groups(tiny
               warmup=False, limit=1, compare_full=True)
     run(run_opts(tiny_built, tmp_path / "roomy.jsonl", **kw), QUIET)
     roomy_most, most[:] = max(most), []
-    monkeypatch.setattr(run_module.QuestionRunner, "methods_at_once", lambda self, prompt, held: 2)
+    monkeypatch.setattr(run_module.QuestionRunner, "methods_at_once", lambda self, prompt, held, q: 2)
     run(run_opts(tiny_built, tmp_path / "short.jsonl", **kw), QUIET)
     short_most = max(most)
     roomy, short = read_records(tmp_path / "roomy.jsonl"), read_records(tmp_path / "short.jsonl")
@@ -163,22 +163,31 @@ def test_a_question_whose_caches_the_free_memory_cannot_hold_goes_in_groups(tiny
 
 def test_methods_at_once_is_the_free_memory_s_share_in_caches(tiny_built, tmp_path, monkeypatch):
     """methods_at_once: CACHE_MEMORY_SHARE of the free memory, in caches of the prompt's rows plus the answer's, less
-    the caches kept for the whole question; at least one; every method where the free memory cannot be read."""
+    the caches kept for the whole question; at least one where the held caches and one more fit in all of the free
+    memory, refused where they do not (memory that went between the run's checks and this question); every method
+    where the free memory cannot be read."""
+    from kvf.errors import KvfError
     from kvf.pipeline.workflows import run as run_module
     seen = {}
     original = run_module.QuestionRunner.methods_at_once
 
-    def spy(self, prompt, held):
+    def spy(self, prompt, held, q):
         t = self.session.answerer.transformer
         one = t.n_layers * 2 * t.n_kv_heads * (prompt.n_tokens + self.opts.max_new_tokens) * t.head_dim * 4  # float32
-        for free, want in ((one * 10 / run_module.CACHE_MEMORY_SHARE, 10 - held), (one, 1), (None, len(self.planned))):
+        for free, want in ((one * 10 / run_module.CACHE_MEMORY_SHARE, 10 - held), (one * (held + 1), 1),
+                           (None, len(self.planned))):
             monkeypatch.setattr(run_module, "allocatable_bytes", lambda device, free=free: free)
-            seen[free] = (original(self, prompt, held), want)
-        return original(self, prompt, held)
+            seen[free] = (original(self, prompt, held, q), want)
+        monkeypatch.setattr(run_module, "allocatable_bytes", lambda device: one * (held + 1) - 1)
+        with pytest.raises(KvfError, match=f"question {q.qid} in .* needs {held + 1} KV caches at once"):
+            original(self, prompt, held, q)
+        seen["held"] = (held, 3)   # full prefill's (--compare-full), and on cacheblend's variant its pass and reuse's
+        monkeypatch.setattr(run_module, "allocatable_bytes", lambda device: None)
+        return original(self, prompt, held, q)
     monkeypatch.setattr(run_module.QuestionRunner, "methods_at_once", spy)
     run(run_opts(tiny_built, tmp_path / "runs.jsonl", methods=["full", "cacheblend"], ratios=[0.15], limit=1,
                  compare_full=True, warmup=False), QUIET)
-    assert len(seen) == 3 and all(got == want for got, want in seen.values()), seen
+    assert len(seen) == 4 and all(got == want for got, want in seen.values()), seen
 
 
 def test_rerun_skips_done_and_a_torn_line_is_recovered(tiny_built, tmp_path):

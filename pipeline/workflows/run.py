@@ -488,21 +488,29 @@ class ChunkPicker:
 
 
 def check_prompts_fit(questions: list[Question], prompt_of, planned: list[Planned], opts: RunOptions,
-                      setting: str, limit: int, console: Console) -> None:
+                      setting: str, limit: int, console: Console, fits_memory=None) -> None:
     """Every question's prompt (those still to answer) must fit the model's positions with --max-new-tokens
     to spare, under every planned method, checked before any work: else a sweep stops at its first long question, and
-    at that question again on every resume. prompt_of(q) -> FusedPrompt."""
+    at that question again on every resume. prompt_of(q) -> FusedPrompt; fits_memory(q, prompt), where given, checks
+    that its caches fit in the free memory (caches_fit_memory)."""
     methods = [p.method for p in planned] + ([get_method("full")] if opts.compare_full else [])
     source = opts.questions_source
-    fewer = "retrieve fewer chunks (--top-k)" if setting == "shared" else "give it fewer passages"
+    fewer = fewer_chunks(setting)
     with progress_bar(console) as progress:
         for q in progress.track(questions, description="checking every prompt fits"):
             prompt = prompt_of(q)
             check_prompt_fits(q, prompt, methods, opts.max_new_tokens, limit, source, fewer)
+            if fits_memory is not None:
+                fits_memory(q, prompt)
             if prompt.n_chunk_tokens == 0:  # only shared retrieval gets here: BM25 matched no word of the question
                 raise KvfError(f"question {q.qid} in {source}: {opts.retriever} retrieval found no chunk for it, so every "
                                f"method would answer it without context, alike; rephrase it, use --retriever dense, "
                                f"or leave it out of {source.name}")
+
+
+def fewer_chunks(setting: str) -> str:
+    """How to shorten a question's prompt in this setting."""
+    return "retrieve fewer chunks (--top-k)" if setting == "shared" else "give it fewer passages"
 
 
 def check_prompt_fits(q: Question, prompt, methods: list[FusionMethod], max_new_tokens: int, limit: int,
@@ -875,8 +883,10 @@ def run(opts: RunOptions, console: Console) -> Path:
                    for q in questions}
         check_same_chunks(existing, [q for q in questions if todo_of[q.qid]], picker, opts)
         # questions already answered in full proved that they fit: a resumed sweep does not search them again
+        fits_memory = (caches_fit_memory(session.answerer.transformer, todo_of, planned, opts, setting)
+                       if opts.ray is None else None)   # Ray workers check their own memory (methods_at_once)
         check_prompts_fit([q for q in questions if todo_of[q.qid]], prompt_of, planned, opts, setting, max_positions,
-                          console)
+                          console, fits_memory)
         if opts.ray is None:
             builder, chunk_table, neighbours_of = session.builder, session.chunks_by_id, session.neighbours
         else:   # the driver sizes what its workers will compute (an EntryBuilder loads the model only to compute)
@@ -918,6 +928,40 @@ def run(opts: RunOptions, console: Console) -> Path:
 # the share of the free memory a question's prefilled caches may take (QuestionRunner.methods_at_once); the rest is
 # for what a prefill and decoding allocate on the way (attention blocks, MLP rows, logits) and for the store's reads
 CACHE_MEMORY_SHARE = 0.6
+
+
+def held_caches(todo: list[Planned], opts: RunOptions) -> int:
+    """The KV caches a question keeps from its first prefill to its last answer: full prefill's (for `full` or
+    --compare-full), and per stored variant its query-only pass and reuse's prefill."""
+    needs_full = opts.compare_full or any(not p.method.uses_store for p in todo)
+    return int(needs_full) + 2 * len({p.variant for p in todo if p.method.uses_store})
+
+
+def check_caches_fit(q: Question, n_tokens: int, held: int, one_cache: int, free: int, opts: RunOptions,
+                     setting: str) -> None:
+    """The fewest caches a question must hold at once, its held ones and one method's, must fit in the free memory:
+    past it the kernel ends the process without a word (on a GPU, an allocation fails mid-answer)."""
+    need = (held + 1) * one_cache
+    if need > free:
+        raise KvfError(f"question {q.qid} in {opts.questions_source}: its prompt of {n_tokens:,} tokens + --max-new-tokens "
+                       f"{opts.max_new_tokens} needs {held + 1} KV caches at once ({need / 2**30:.2f} GiB), more than the "
+                       f"{free / 2**30:.2f} GiB free on {opts.device}; {fewer_chunks(setting)}, lower --max-new-tokens"
+                       + (", leave out --compare-full" if opts.compare_full else "")
+                       + ", or free some memory (another --device)")
+
+
+def caches_fit_memory(transformer, todo_of: dict, planned: list[Planned], opts: RunOptions, setting: str):
+    """-> fits_memory(q, prompt) for check_prompts_fit: question q's fewest caches at once (check_caches_fit) against
+    the memory free now, before any answer; None where the free memory cannot be read."""
+    free = allocatable_bytes(opts.device)
+    if free is None:
+        return None
+
+    def fits_memory(q: Question, prompt) -> None:
+        one_cache = transformer.cache_bytes(prompt.n_tokens + opts.max_new_tokens)
+        held = held_caches([planned[i] for i in todo_of[q.qid]], opts)
+        check_caches_fit(q, prompt.n_tokens, held, one_cache, free, opts, setting)
+    return fits_memory
 
 
 def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -> None:
@@ -966,7 +1010,7 @@ class QuestionRunner:
                                    on_done=on_done)
                 for v in {p.variant for p in todo if p.method.uses_store}}
         needs_full = opts.compare_full or any(not p.method.uses_store for p in todo)
-        at_once = self.methods_at_once(prompt, held=int(needs_full) + 2 * len(keys))
+        at_once = self.methods_at_once(prompt, held_caches(todo, opts), q)
         full = None
         if needs_full:
             self.warm(prompt, self.full_method, None)
@@ -1006,16 +1050,17 @@ class QuestionRunner:
                                   reused, group_scored)
             jobs = to_decode = answer_of = prefilled = None   # this group's caches go before the next group's are made
 
-    def methods_at_once(self, prompt, held: int) -> int:
+    def methods_at_once(self, prompt, held: int, q: Question) -> int:
         """How many methods a question prefills before decoding them: all of them, unless memory_share of the free
-        memory holds fewer of their caches (with `held` caches more, kept for the whole question: full prefill's, and per
-        stored variant its query-only pass and reuse's prefill). Holding every method's cache of a long prompt
-        at once took 7.5 GB for v1's 9 methods x 4 ratios at 6K tokens here; past the free memory, the kernel
-        ends the process without a word."""
+        memory holds fewer of their caches (with `held` caches more, kept for the whole question: held_caches).
+        Holding every method's cache of a long prompt at once took 7.5 GB for v1's 9 methods x 4 ratios at 6K tokens
+        here; past the free memory, the kernel ends the process without a word. Where not even one method's cache
+        fits beside the held ones, the question is refused (check_caches_fit)."""
         free = allocatable_bytes(self.opts.device)
         if free is None:
             return len(self.planned)
         one_cache = self.session.answerer.transformer.cache_bytes(prompt.n_tokens + self.opts.max_new_tokens)
+        check_caches_fit(q, prompt.n_tokens, held, one_cache, free, self.opts, self.picker.setting)
         return max(1, int(self.memory_share * free / one_cache) - held)
 
     def record(self, q: Question, p: Planned, method: FusionMethod, prefilled, ans, chunk_ids, full, full_answer,
