@@ -357,3 +357,16 @@ def test_more_workers_than_the_cluster_has_room_for_are_refused_before_any_work(
                        workers=cpus + 1, model=model_of(corpus)), QUIET)
     assert not out.exists()
 
+
+
+def test_a_run_worker_s_memory_share_is_its_node_s_part():
+    """worker_memory_share: a GPU worker takes CACHE_MEMORY_SHARE; a CPU worker that share over the run's workers that
+    can sit on its node, at most all of them and at most its CPUs // --threads, at least one."""
+    from kvf.pipeline.workflows.distributed import worker_memory_share
+    from kvf.pipeline.workflows.run import CACHE_MEMORY_SHARE as share
+    assert worker_memory_share("cuda", 8, 1, 64) == share
+    assert worker_memory_share("cpu", 2, 1, 2) == share / 2        # this machine: 2 workers, 2 cores
+    assert worker_memory_share("cpu", 2, 1, 16) == share / 2       # a big node holds only the run's 2
+    assert worker_memory_share("cpu", 64, 1, 16) == share / 16     # 4 nodes of 16: 16 beside each worker, not 64
+    assert worker_memory_share("cpu", 64, 4, 16) == share / 4      # 4 threads each: 4 fit a node
+    assert worker_memory_share("cpu", 3, 4, 2) == share            # fewer CPUs than --threads: alone

@@ -118,3 +118,31 @@ def test_a_port_that_is_not_a_ray_head_is_one_line_soon(tmp_path):
     server.close()
     assert_one_line(proc.returncode, proc.stderr, f"kvf: error: --ray 127.0.0.1:{port}: cannot connect to a Ray cluster there")
     assert time.time() - started < 120
+
+
+@pytest.mark.long
+def test_each_run_worker_takes_its_own_node_s_part_of_the_memory():
+    """A CPU run worker's caches may take CACHE_MEMORY_SHARE / (the run's workers that can sit on its node): on a
+    two-node cluster (1 and 3 CPUs, as ray.cluster_utils starts one on this machine) a worker on each node, worked out
+    where it runs, takes that node's part. Dividing by every worker of the run (v1 of this) took a quarter on each."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvf.pipeline.workflows.distributed import node_cpus, worker_memory_share
+    from kvf.pipeline.workflows.run import CACHE_MEMORY_SHARE
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=3)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+
+        @ray.remote(num_cpus=1)
+        def share_here():
+            return node_cpus(), worker_memory_share("cpu", 4, 1, node_cpus())
+        got = sorted(ray.get(share_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                             .remote()) for n in ray.nodes() if n["Alive"])
+        assert got == [(1.0, CACHE_MEMORY_SHARE), (3.0, CACHE_MEMORY_SHARE / 3)], got
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

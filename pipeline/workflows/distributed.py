@@ -334,7 +334,7 @@ def fusion_context(variant: str, batch: list, neighbours: Mapping | None, by_id)
 class RunWorkerImpl:
     """One session (model + store reader) answering whole questions with every planned method."""
 
-    def __init__(self, opts, setting: str, name: str, workspace: str, memory_share: float):
+    def __init__(self, opts, setting: str, name: str, workspace: str, n_workers: int):
         import torch
         from kvf.pipeline.workflows.run import (ChunkPicker, QuestionRunner, base_settings, plan_methods,
                                                 settings_for)
@@ -347,6 +347,7 @@ class RunWorkerImpl:
         session = Session(ws, opts.model, opts.device, opts.dtype, opts.store, tuple(extras_for))
         settings_of = settings_for(self.planned, opts, base_settings(opts, setting, session.manifest,
                                                                      session.model_ref.name, session.dtype))
+        memory_share = worker_memory_share(opts.device, n_workers, opts.threads, node_cpus())   # here, where it runs
         self.runner = QuestionRunner(opts, session, ChunkPicker(ws, setting, opts.top_k, opts.retriever),
                                      self.planned, settings_of, name, memory_share)
 
@@ -355,6 +356,28 @@ class RunWorkerImpl:
         records = list(self.runner.records(question, [self.planned[i] for i in indices]))
         clear_pid_marker()
         return records
+
+
+def worker_memory_share(device: str, n_workers: int, threads: int, cpus_here: float) -> float:
+    """The share of the free memory a run worker's prefilled caches may take (run.CACHE_MEMORY_SHARE, which one process
+    takes alone). A GPU worker has its GPU to itself. CPU workers share their node's memory with the run's other
+    workers there: at most all n_workers of them, and at most as many as the node's CPUs hold at `threads` each.
+    Worked out where the worker runs, so that one restarted on another node takes that node's part."""
+    from kvf.pipeline.workflows.run import CACHE_MEMORY_SHARE
+    if device.startswith("cuda"):
+        return CACHE_MEMORY_SHARE
+    return CACHE_MEMORY_SHARE / max(1, min(n_workers, int(cpus_here // threads)))
+
+
+def node_cpus() -> float:
+    """The CPUs Ray counts on the node this process runs on (os.cpu_count() where Ray cannot say: not in Ray)."""
+    import ray
+    if ray.is_initialized():
+        me = ray.get_runtime_context().get_node_id()
+        cpus = next((n["Resources"].get("CPU") for n in ray.nodes() if n["NodeID"] == me and n["Alive"]), None)
+        if cpus:
+            return cpus
+    return os.cpu_count() or 1
 
 
 def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, write) -> None:
@@ -366,12 +389,8 @@ def run_with_ray(opts, jobs: list, setting: str, name: str, workspace: Path, wri
     ray = start_ray(opts.ray, opts.threads)
     n_workers = min(worker_count(ray, opts.workers, opts.device, opts.threads), len(jobs))
     worker_opts = replace(opts, ray=None, **{f: absolute(getattr(opts, f)) for f in ("dataset", "questions", "workspace", "out")})
-    # a question's prefilled caches may take a share of the free memory (run.CACHE_MEMORY_SHARE); CPU workers
-    # share a machine's, so each takes its part (GPU workers have a GPU each)
-    from kvf.pipeline.workflows.run import CACHE_MEMORY_SHARE
-    memory_share = CACHE_MEMORY_SHARE if opts.device.startswith("cuda") else CACHE_MEMORY_SHARE / n_workers
     workers = [actor_class(ray, RunWorkerImpl, opts).remote(worker_opts, setting, name, str(Path(workspace).resolve()),
-                                                            memory_share)
+                                                            n_workers)
                for _ in range(n_workers)]
     try:
         with task_errors(ray):
