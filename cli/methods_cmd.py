@@ -56,6 +56,7 @@ def method_row(cls, name: str, detail: bool = False) -> dict:
     ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
             "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-",
+            "configurations": [f"-m {name}:{c} = {name}:{knobs}" for c, knobs in cls.configurations.items()],
             "file": defined_in(cls) if detail else None}
 
 
@@ -64,7 +65,8 @@ def method_json(cls, name: str) -> dict:
     return {"method": name, "summary": cls.summary, "ratio_is_knob": cls.ratio_is_knob,
             "default_ratio": DEFAULT_RATIO if cls.ratio_is_knob else cls.fixed_ratio, "paper_ratio": cls.paper_ratio,
             "stored_variant": cls.offline_variant if cls.uses_store else None,
-            "knobs": {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, "extras": list(cls.extras_names)}
+            "knobs": {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, "extras": list(cls.extras_names),
+            "configurations": dict(cls.configurations)}
 
 
 def methods_table(rows: list[dict]) -> Table:
@@ -85,6 +87,7 @@ def method_block(r: dict) -> Group:
     ratio = r["ratio"] if r["ratio"].startswith("--") else f"ratio {r['ratio']}"
     head.append(f" · {ratio} · stored variant {r['variant']}")
     extras = [f"build-time extras: {', '.join(r['extras'])}"] if r["extras"] else []
+    extras += [f"named configuration: {line}" for line in r["configurations"]]
     if not r["file"]:
         lines = [r["summary"]] + ([f"knobs [default]: {', '.join(r['knobs'])}"] if r["knobs"] else []) + extras
         return Group(head, *(Padding(Text(line), (0, 0, 0, 4), expand=False) for line in lines), Text(""))

@@ -81,6 +81,10 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,"),
                                 ("q", {"method": "cacheblend:check_layer=2:deviation=v"},   # kvf run -m's spelling
                                  "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')"),
+                                ("q", {"method": "kvfuse:tuned:hop_after=8"},   # a named configuration, written out
+                                 "(its knobs go apart: method='kvfuse', sink_tokens=8, sinks_after_top=2, locate_from=0.6, "
+                                 "locate_to=0.85, hop_rows=16, hop_seeds='band', hop_weight=0, hop_after=8, "
+                                 "hop_if_fits=True)"),
                                 ("q", {"method": "cacheblend:"},   # it said "(its knobs go apart: method='cacheblend', =)"
                                  "method='cacheblend:': unknown method (did you mean cacheblend?)"),
                                 # kvf eval's METHOD@RATIO; the line named the command line's flag, cut at its point:

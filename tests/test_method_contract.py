@@ -8,7 +8,8 @@
 - its knobs round-trip into run records, and `kvf run` has a flag for each of them;
 - it reads no cache row that nothing wrote: over caches filled with NaN instead of zeros, its prefill,
   decoding and teacher forcing give the bits they give over zero-filled ones, at its default knobs and at the
-  configurations named below (the README's kvfuse configuration among them);
+  configurations named below (every method's named configurations among them, `-m kvfuse:tuned`), which at
+  ratio 1 equal full prefill too;
 - it says in one line what it recomputes (`summary`, printed by `kvf methods`), and the README's methods
   table has its row saying the same;
 and ARCHITECTURE.md's example method, written in one file outside kvf, passes this contract and is found, with
@@ -17,11 +18,9 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +58,19 @@ def test_compute_everything_equals_full_on_the_embedded_model(answerer, embedded
     gap = (got.fused.logits - full.fused.logits).abs().max().item()
     assert gap <= 1e-3, f"{name} at ratio 1 with oracle_knobs={METHODS[name].oracle_knobs}: first-token logits {gap:.3g} " \
                         "from full prefill's; set oracle_knobs to the knobs that make it recompute every chunk token"
+    assert got.text == full.text and got.text
+
+
+NAMED = [(name, configuration) for name in NAMES for configuration in METHODS[name].configurations]
+
+
+@pytest.mark.parametrize("name,configuration", NAMED)
+def test_each_named_configuration_computing_everything_equals_full(answerer, embedded, name, configuration):
+    """`-m kvfuse:tuned` at ratio 1 (with the method's oracle_knobs) is full prefill too: its knobs only choose rows."""
+    knobs = {**parse_method_spec(f"{name}:{configuration}").knobs, **METHODS[name].oracle_knobs}
+    prompt, source, full = embedded["many"]
+    got = answerer.answer(prompt, get_method(name, 1.0, **knobs), source, max_new_tokens=8)
+    assert (got.fused.logits - full.fused.logits).abs().max().item() <= 1e-3, (name, configuration)
     assert got.text == full.text and got.text
 
 
@@ -123,20 +135,15 @@ def test_a_shared_query_pass_gives_the_bits_of_a_lone_request(answerer, embedded
         answerer.answer(prompt, get_method(name, ratios[-1]), source, 4).text
 
 
-def readme_kvfuse_configuration() -> dict:
-    """The knobs of the kvfuse configuration the README says to use."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    found = re.search(r"The configuration to use.*?`-m (kvfuse:[^`]+)`", readme, re.S)
-    assert found, "README.md no longer names kvfuse's configuration to use: say which here"
-    return parse_method_spec(found.group(1)).knobs
+def named_configurations(name: str) -> list[dict]:
+    """The knobs of each configuration a method names (`-m kvfuse:tuned`), as an entry naming it plans them."""
+    return [parse_method_spec(f"{name}:{configuration}").knobs for configuration in METHODS[name].configurations]
 
 
-# knobs whose code paths read the cache their own way: a pass of their own (hop_rows), the shift before attention,
-# a calibration, per-layer budgets, whole chunks, a gradual check
-CONFIGURATIONS = {"kvfuse": [readme_kvfuse_configuration(), {"hop_rows": 16, "hop_weight": 1.0},
-                             {"propagate": "before"}, {"ape_temperature": 0.9}, {"budget_slope": 0.5},
-                             {"select_unit": "chunks"}, {"requery": True}],
-                  "cacheblend": [{"gradual": True}]}
+CONFIGURATIONS = {name: named_configurations(name) for name in NAMES}
+CONFIGURATIONS["kvfuse"] += [{"hop_rows": 16, "hop_weight": 1.0}, {"propagate": "before"}, {"ape_temperature": 0.9},
+                             {"budget_slope": 0.5}, {"select_unit": "chunks"}, {"requery": True}]
+CONFIGURATIONS["cacheblend"] += [{"gradual": True}]
 
 
 @contextlib.contextmanager
@@ -393,6 +400,8 @@ def test_kvf_methods_json_lists_every_method_with_its_knob_defaults(capsys):
     for name, cls in METHODS.items():
         assert listed[name]["knobs"] == {f.name: f.default for f in dataclasses.fields(cls.Knobs)}, name
         assert listed[name]["ratio_is_knob"] == cls.ratio_is_knob and listed[name]["summary"] == cls.summary
+        assert listed[name]["configurations"] == cls.configurations, name   # `-m kvfuse:tuned`'s knobs, written out
+    assert "tuned" in listed["kvfuse"]["configurations"]
 
 
 def test_the_ratio_kvf_methods_shows_is_the_one_a_method_runs_at(capsys):

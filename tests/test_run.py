@@ -672,6 +672,20 @@ def test_method_entries_with_their_own_knobs_are_separate_rows_and_offset_skips_
     assert len(read_records(out)) == 2
 
 
+def test_an_entry_naming_a_configuration_plans_its_knobs_labelled_by_its_name():
+    """`-m kvfuse:tuned` is kvfuse with the knobs its file names `tuned` (what results/kvfuse.md's ablation chose),
+    labelled `tuned`; a knob after the name overrides it; a name the method does not have lists the ones it has."""
+    from kvf.pipeline.fusion.methods import METHODS
+    from kvf.pipeline.workflows.run import parse_method_spec
+    named = parse_method_spec("kvfuse:tuned")   # registers the methods first
+    written = parse_method_spec("kvfuse:" + METHODS["kvfuse"].configurations["tuned"])
+    assert named.knobs == written.knobs and named.knobs["hop_if_fits"] is True and named.label == "tuned"
+    assert parse_method_spec("kvfuse:tuned:hop_after=8").knobs == {**written.knobs, "hop_after": 8}
+    assert parse_method_spec("kvfuse:hop_after=8:tuned").knobs["hop_after"] == 12   # the later part wins
+    with pytest.raises(KvfError, match="or one of its named configurations: tuned$"):
+        parse_method_spec("kvfuse:tunned")
+
+
 @pytest.mark.parametrize("entry,fragment", [("cacheblend:nope=1", "no knob 'nope'"),
                                             ("cacheblend:check_layer=abc", "must be int"),
                                             ("cacheblend:variant=middle", "use prefix or fusion"),

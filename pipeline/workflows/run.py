@@ -158,15 +158,17 @@ class MethodSpec:
 
 def parse_method_spec(text: str) -> MethodSpec:
     from kvf.pipeline.fusion.methods import METHODS
-    from kvf.pipeline.fusion.methods.base import knob_types
-    name, *pairs = [part.strip() for part in text.split(":")]
+    from kvf.pipeline.fusion.methods.base import configuration_pairs, knob_types
+    name, *parts = [part.strip() for part in text.split(":")]
     get_method(name)
     types, knobs, variant = knob_types(METHODS[name].Knobs), {}, None
-    for pair in pairs:
+    for pair in configuration_pairs(name, parts):
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
-            raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3")
+            named = METHODS[name].configurations
+            also = f", or one of its named configurations: {', '.join(named)}" if named else ""
+            raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3{also}")
         if key == "variant":
             if value not in VARIANTS:
                 raise KvfError(f"--method {text}: variant {value!r}; use prefix or fusion")

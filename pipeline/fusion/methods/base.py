@@ -9,7 +9,8 @@ itself, and nothing else in kvf names it:
   existed resume as its default (`default_settings`);
 - `ratio_is_knob` (False: the method recomputes a fixed amount, `fixed_ratio`, whatever --ratio
   says), `offline_variant` (the stored variant it reads by default), `uses_store`,
-  `reuse_at_ratio_zero` (at ratio 0 it is plain reuse, so a sweep shares reuse's prefill);
+  `reuse_at_ratio_zero` (at ratio 0 it is plain reuse, so a sweep shares reuse's prefill), `configurations`
+  (named knob sets: `-m kvfuse:tuned` runs the knobs its file names `tuned`, labelled `tuned`);
 - `extras_hook`: an optional build-time hook (Cache-Craft's attention summaries) that build-cache,
   run and bench call through this interface;
 - its answers to the engine's one layer loop (FusionEngine.fuse): `plan` (positions, the rows
@@ -143,6 +144,8 @@ class FusionMethod:
     in_all = True                 # part of `-m all` (prefix is not: it equals full by construction)
     oracle_knobs: dict = {}       # with these knobs at ratio 1 the method reproduces full prefill
     exact_budget = True           # recomputes exactly round(r * chunk tokens); False: within one token per chunk
+    configurations: dict = {}     # NAME -> "knob=value:..." that `-m METHOD:NAME` runs, labelled NAME (e.g. the
+                                  # setting an ablation chose, where changing the default would relabel old records)
 
     def __init__(self, recompute_ratio: float | None = None, knobs=None, **knob_values):
         if knobs is None:
@@ -363,11 +366,19 @@ def check_method_name(name: str, given: str | None = None) -> None:
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
 
 
+def configuration_pairs(method: str, parts: list[str]) -> list[str]:
+    """A -m entry's parts after the method's name, each named configuration (`kvfuse:tuned`) written out as
+    its own KNOB=VALUE parts, in place (so a knob after it overrides it); other parts as they are."""
+    named = METHODS[method].configurations if method in METHODS else {}
+    return [pair for part in parts for pair in (named[part].split(":") if part in named else [part])]
+
+
 def knobs_apart(name: str, python: bool) -> str:
     """Where a bare method name goes, NAME:KNOB=VALUE (kvf run -m's spelling) says how its knobs go there:
     keyword arguments in Python, their own flags on the command line."""
     base, *knobs = name.split(":")
-    pairs = [knob.partition("=") for knob in knobs if knob]
+    given = dict(knob.partition("=")[::2] for knob in configuration_pairs(base, knobs) if knob)   # a later one wins
+    pairs = [(k, "=", v) for k, v in given.items()]
     if python:
         def literal(value: str) -> str:
             if value.lower() in ("true", "false"):

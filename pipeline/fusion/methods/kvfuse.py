@@ -248,6 +248,11 @@ class KvFuse(FusionMethod):
     offline_variant = "fusion"
     query_pass = True
     reuse_at_ratio_zero = True  # no recomputed row: nothing to propagate
+    # the configuration results/kvfuse.md's ablation chose (step 24: step 10's located sinks, step 19's windows where
+    # the budget holds them). Not the default: every committed kvfuse record was made with step 3's, and a record
+    # without a label reads as the default
+    configurations = {"tuned": "sink_tokens=8:sinks_after_top=2:locate_from=0.6:locate_to=0.85:hop_rows=16:"
+                               "hop_seeds=band:hop_weight=0:hop_after=12:hop_if_fits=true"}
 
     def __init__(self, recompute_ratio: float | None = None, knobs=None, **knob_values):
         super().__init__(recompute_ratio, knobs, **knob_values)
