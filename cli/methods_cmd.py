@@ -75,8 +75,9 @@ def methods_table(rows: list[dict]) -> Table:
         table.add_column(Text(col), no_wrap=True)   # Text: "[default]" is not rich markup
     table.add_column("what it recomputes", overflow="fold", ratio=1, min_width=30)
     for r in rows:
-        cells = (r["method"], r["ratio"], r["variant"], "\n".join(r["knobs"]) or "-", "\n".join(r["extras"]) or "-",
-                 r["summary"])
+        named = [f"named: {c.split(' = ')[0].removeprefix('-m ')}" for c in r["configurations"]]   # -m kvfuse:tuned
+        cells = (r["method"], r["ratio"], r["variant"], "\n".join(r["knobs"] + named) or "-",
+                 "\n".join(r["extras"]) or "-", r["summary"])
         table.add_row(*map(Text, cells))   # Text: a default such as [k] is not rich markup
     return table
 
