@@ -29,7 +29,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def bench_command(
     lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens, comma-separated."),
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Chunk size: tokens per chunk of the benchmark prompt."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated, each NAME or NAME:KNOB=VALUE as on kvf run [default: all]."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", "--methods", help="Methods to time, comma-separated, each NAME, NAME:KNOB=VALUE or NAME:CONFIGURATION as on kvf run [default: all]."),
     ratio: str = typer.Option("0.05,0.15,0.3", "--ratio", "-r", "--ratios", help="Recompute ratios, comma-separated, for methods whose ratio is a knob."),
     repeats: int = typer.Option(3, "--repeats", "--rounds", min=1, help="Timed rounds, each timing every setting once in a balanced order (medians reported), after one warm-up each."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time with the store's pages dropped from the page cache."),

@@ -16,7 +16,8 @@ console = Console(stderr=True)
 @with_method_knobs
 def run_command(
     out: Path = typer.Option(..., "--out", "-o", help="Run file (JSON lines); re-running skips questions already in it."),
-    method: str = typer.Option(..., "--method", "-m", "--methods", help="Fusion method(s), comma-separated, or all (see `kvf methods`)."),
+    method: str = typer.Option(..., "--method", "-m", "--methods", help="Fusion method(s), comma-separated, or all (see `kvf methods`); an entry NAME:KNOB=VALUE "
+                                "or NAME:CONFIGURATION (kvfuse:tuned) runs with its own knobs, labelled by them."),
     dataset: Optional[Path] = typer.Option(None, "--dataset", "-d", help="Prepared dataset dir (corpus/ + questions.jsonl), see `kvf data`."),
     questions: Optional[Path] = typer.Option(None, "--questions", "-q", help="Your own questions, JSON Lines {question, answers?, id?, passages?}, answered from --workspace."),
     ratio: Optional[str] = typer.Option(None, "--ratio", "-r", "--ratios", show_default=False, help="Recompute ratio in [0, 1], a comma list to sweep (0,0.05,0.15,0.3,1), or auto (loading controller) [default: 0.15]."),
