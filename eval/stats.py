@@ -24,6 +24,16 @@ def paired_bootstrap(a: pd.Series, b: pd.Series, samples: int = BOOTSTRAP_SAMPLE
     return float(diff.mean()), float(low), float(high), len(diff)
 
 
+def ratio_of_means_interval(a: np.ndarray, b: np.ndarray, samples: int = BOOTSTRAP_SAMPLES,
+                            seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of mean(a) / mean(b) over paired items (a[i], b[i]: one question's cost
+    under two codes), the pairs resampled together (fixed seed)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)                      # [questions] each
+    picks = resamples(len(a), samples, seed)                                           # [samples, questions]
+    low, high = np.percentile(a[picks].sum(axis=1) / b[picks].sum(axis=1), [2.5, 97.5])
+    return float(low), float(high)
+
+
 def in_question_order(values: pd.Series) -> np.ndarray:
     """The values sorted by question (index), ties by value: an order that the records' order cannot change."""
     frame = pd.DataFrame({"question": values.index.astype(str), "value": values.to_numpy()})

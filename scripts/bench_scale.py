@@ -51,11 +51,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from kvf.cachestore import open_store
+from kvf.eval.stats import ratio_of_means_interval
 from kvf.pipeline.data.synthetic import make_synthetic
 from kvf.pipeline.files import work_dir, write_atomic
 from kvf.pipeline.fusion.methods import METHODS, method_names
@@ -296,6 +298,7 @@ def real_sweep(work: Path, dataset: Path, n: int, v1: Path, console: Console) ->
     records = out["shared"]["records"]
     return {"dataset": str(dataset), "questions": n, "v1": out["v1"]["per_question"],
             "shared": out["shared"]["per_question"], "answers": out["shared"]["answers"],
+            "v1_each": out["v1"]["each"], "shared_each": out["shared"]["each"],
             "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
             "own_prefills": own_prefill_seconds(records),
             "same_answers": answers_of(out["v1"]["records"]) == answers_of(records)}
@@ -343,7 +346,25 @@ def watched_sweep(cmd: list[str], env: dict, out: Path, n: int) -> dict:
     records = run_records(out)
     done_at = question_ends(lines.seen, len(records), n, out)
     return {"questions": n, "answers": len(records), "seconds": lines.seconds,
-            "per_question": (done_at[-1] - done_at[0]) / (n - 1), "records": records}
+            "per_question": (done_at[-1] - done_at[0]) / (n - 1),
+            "each": [end - before for before, end in zip(done_at, done_at[1:])],   # [n - 1] steady questions
+            "records": records}
+
+
+def cost_interval(each: list[float] | None, v1_each: list[float] | None) -> tuple[float, float] | None:
+    """95% interval of (mean cost per question) / (v1's), the same steady questions paired; None where a run
+    measured before per-question costs were kept (its numbers are re-rendered as they were)."""
+    if not each or not v1_each or len(each) != len(v1_each):
+        return None
+    return ratio_of_means_interval(np.array(each), np.array(v1_each))
+
+
+def interval_text(interval: tuple[float, float]) -> str:
+    return f"[{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def with_interval(ratio: float, interval: tuple[float, float] | None) -> str:
+    return f"{ratio:.2f}" + (f" {interval_text(interval)}" if interval else "")
 
 
 def question_ends(seen: list[tuple[float, int]], total: int, n: int, out: Path) -> list[float]:
@@ -624,16 +645,21 @@ def new_tokens_said(at_6k: dict) -> str:
 
 def real_section(real: dict, note: str, at_6k: dict | None) -> list[str]:
     """Part 5 in markdown: the sweep at a real dataset's prompt length, v1 against shared work."""
-    rows = [[name, real["questions"], real["answers"], f"{real[key]:.1f}", f"{real[key] / real['v1']:.2f}"]
+    interval = cost_interval(real.get("shared_each"), real.get("v1_each"))
+    rows = [[name, real["questions"], real["answers"], f"{real[key]:.1f}",
+             with_interval(real[key] / real["v1"], interval if key == "shared" else None)]
             for name, key in ((f"v1 ({V1_COMMIT}, as filed)", "v1"), ("shared work (default)", "shared"))]
     return [f"## The same sweep at a real prompt length ({Path(real['dataset']).name})\n",
-            markdown_table(["code", "questions", "answers", "s/question", "vs v1"], rows),
+            markdown_table(["code", "questions", "answers", "s/question", "vs v1" + (" [95% CI]" if interval else "")],
+                           rows),
             f"\nPart 3's sweep (v1's 9 methods x ratios 0, 0.05, 0.15, 0.3, --compare-full, 16 new tokens) on the first "
             f"{real['questions']} questions of `{real['dataset']}` (prepared by `kvf data prepare`; per-question passages, "
             f"256-token chunks, FusionRAG neighbours n = 3), {real['prompt_tokens']:,.0f} prompt tokens on average, "
             f"measured with {note}; steady state over {real['questions'] - 1} questions, as in part 3. Each code answered "
             f"from its own copy of the dataset, whose store an untimed first run filled. Shared / v1 = "
-            f"**{real['shared'] / real['v1']:.2f}**; same answers: **{real['same_answers']}**. At this length the distinct "
+            f"**{real['shared'] / real['v1']:.2f}**" + (f" (95% interval {interval_text(interval)}, "
+            "a bootstrap over the steady questions, each one's cost under both codes resampled together)" if interval else "") +
+            f"; same answers: **{real['same_answers']}**. At this length the distinct "
             f"prefills' own layer loops (each once, the full prefill included) take **{real['own_prefills']:.0f} s** per "
             f"question, **{real['own_prefills'] / real['v1']:.2f}** of v1's cost: each recomputed row attends over up to "
             "the whole prompt's cache rows, work that grows with the prompt and that no other request can do for "
@@ -772,9 +798,12 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
     sweep_cols = ["execution", "answers/s (steady)", "answers/s (whole run)", "seconds", "vs ray x1"]
     per_q = {n: r["per_question"] for n, r in share.items()}
     before, lone, shared_s = per_q.values()
-    share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}", f"{s / before:.2f}"]
+    v1_name = next(iter(share))
+    intervals = {n: None if n == v1_name else cost_interval(share[n].get("each"), share[v1_name].get("each"))
+                 for n in share}
+    share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}", with_interval(s / before, intervals[n])]
                   for n, s in per_q.items()]
-    share_cols = ["code", "questions", "answers", "s/question", "vs v1"]
+    share_cols = ["code", "questions", "answers", "s/question", "vs v1" + (" [95% CI]" if any(intervals.values()) else "")]
     for title, cols, rows in (("build-cache KV stage", ["execution", "chunks/s", "seconds", "vs ray x1"], build_rows),
                               ("kvf run sweep", sweep_cols, sweep_rows),
                               ("methods sweep per question", share_cols, share_rows)):
@@ -811,7 +840,9 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           f"mode its own `kvf run` process (v1 is commit {V1_COMMIT} in a git worktree, on a store it built), "
           f"measured with {args.share_note}. Seconds per question are steady state: from the first "
           f"question's last record to the last question's, over {args.share_questions - 1} questions (start-up, "
-          f"model load and the per-method warm-up calls excluded). Shared / v1 = **{shared_s / before:.2f}**, "
+          f"model load and the per-method warm-up calls excluded). Shared / v1 = **{shared_s / before:.2f}**" +
+          (f" (95% interval {interval_text(intervals['shared work (default)'])}, a bootstrap over "
+           "the steady questions, each one's costs resampled together)" if intervals["shared work (default)"] else "") + f", "
           f"shared / lone = **{shared_s / lone:.2f}**; same answers in all three: **{share_equal}**. Sharing does "
           "once per question what lone requests repeat: the full prefill, each variant's query-only pass, the "
           "prefill and decoding of every method that is plain reuse at ratio 0, and decoding (all of a question's "
@@ -848,7 +879,9 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           *([driver_note(proj, driver, numbers.get("driver_measured_by"))] if driver else []),
           f"![throughput and the sweep's cost per question]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
+    real_interval = cost_interval(real.get("shared_each"), real.get("v1_each")) if real else None
     numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
+               "shared_over_v1_ci": intervals["shared work (default)"], "real_shared_over_v1_ci": real_interval,
                "own_prefills_over_v1": floor / before,
                "real_shared_over_v1": real["shared"] / real["v1"] if real else None,
                "real_own_prefills_over_v1": real["own_prefills"] / real["v1"] if real else None,

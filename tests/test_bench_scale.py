@@ -10,6 +10,8 @@ import torch
 
 from kvf.scripts.bench_scale import own_prefill_seconds, question_ends
 
+QUIET_CONSOLE = __import__("rich.console").console.Console(file=__import__("io").StringIO())
+
 
 def test_question_ends_are_the_first_samples_with_all_of_a_questions_records(tmp_path):
     seen = [(0.1, 0), (1.0, 2), (1.5, 3), (2.0, 4), (2.5, 4), (4.0, 6)]
@@ -133,6 +135,33 @@ def test_rerendering_the_committed_numbers_gives_the_committed_report(tmp_path):
     rerender(args, rendered_by)
     commit = re.compile(r"at commit [0-9a-f]{7,}(-dirty)?")   # a working tree with edits reads -dirty
     assert commit.sub("", (tmp_path / "scale.md").read_text()) == commit.sub("", committed.read_text())
+
+
+def test_the_cost_ratio_s_interval_resamples_each_question_s_two_costs_together(tmp_path):
+    """shared / v1 per question gets a 95% bootstrap interval over the steady questions, each question's cost under
+    both codes drawn together: questions whose ratio is the same give an interval of that ratio alone, however
+    different their costs; a run measured before per-question costs were kept renders without one."""
+    from kvf.eval.stats import ratio_of_means_interval
+    from kvf.scripts.bench_scale import ROOT, cost_interval, parse_args, report
+    v1 = [150.0, 190.0, 171.0, 160.0, 182.0]
+    assert ratio_of_means_interval([0.8 * c for c in v1], v1) == pytest.approx((0.8, 0.8))
+    low, high = cost_interval([120.0, 150.0, 140.0, 120.0, 160.0], v1)
+    assert low < (120 + 150 + 140 + 120 + 160) / sum(v1) < high and high - low < 0.2
+    assert cost_interval(None, v1) is None and cost_interval([1.0, 2.0], v1) is None
+    numbers = json.loads((ROOT / "results" / "scale.json").read_text())
+    for name, each in zip(numbers["share"], ([38.0, 37.0, 39.0], [41.0, 40.0, 42.0], [14.0, 14.5, 14.1])):
+        numbers["share"][name]["each"] = each
+    numbers["real"] |= {"v1_each": [171.0, 170.6], "shared_each": [128.0, 148.4]}
+    out = tmp_path / "scale.md"
+    args = parse_args(["--rerender", str(ROOT / "results" / "scale.json"), "--out", str(out)])
+    report(args, numbers, QUIET_CONSOLE)
+    md = out.read_text()
+    assert md.count("| vs v1 [95% CI] |") == 2
+    assert re.search(r"\| shared work \(default\) \| 4 \| 96 \| 14.2 \| 0.37 \[0.3\d, 0.3\d\] \|", md)
+    assert "| shared work (default) | 3 | 72 | 138.2 | 0.81 [0.75, 0.87] |" in md   # 128/171 and 148.4/170.6
+    assert "Shared / v1 = **0.81** (95% interval [0.75, 0.87]" in md
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["real_shared_over_v1_ci"] == pytest.approx(list(ratio_of_means_interval([128.0, 148.4], [171.0, 170.6])))
 
 
 def test_rerender_of_a_file_that_is_not_bench_scales_numbers_is_one_line(tmp_path):
