@@ -880,8 +880,11 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           f"![throughput and the sweep's cost per question]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
     real_interval = cost_interval(real.get("shared_each"), real.get("v1_each")) if real else None
-    numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before,
-               "shared_over_v1_ci": intervals["shared work (default)"], "real_shared_over_v1_ci": real_interval,
+    bounds = {f"{column}_{side}": (interval[i] if interval else None)   # COLUMN_low/_high: what verify checks
+              for column, interval in (("shared_over_v1", intervals["shared work (default)"]),
+                                       ("real_shared_over_v1", real_interval))
+              for i, side in enumerate(("low", "high"))}
+    numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before, **bounds,
                "own_prefills_over_v1": floor / before,
                "real_shared_over_v1": real["shared"] / real["v1"] if real else None,
                "real_own_prefills_over_v1": real["own_prefills"] / real["v1"] if real else None,
