@@ -736,7 +736,7 @@ kvfuse-heldout-musique: | setup
 SCALE_OUT ?= results/scale.md
 # part 5: the methods sweep again at a real prompt length (MuSiQue, ~6K tokens); SCALE_REAL= skips it
 SCALE_REAL ?= $(WORK)/musique
-SCALE_REAL_N ?= 6
+SCALE_REAL_N ?= 3
 # part 3: the methods sweep's questions per code (the first carries start-up; the rest give its 95% interval)
 SCALE_SHARE_N ?= 6
 bench-scale: setup $(if $(SCALE_REAL),$(SCALE_REAL)/questions.jsonl)
