@@ -149,7 +149,8 @@ def test_the_cost_ratio_s_interval_resamples_each_question_s_two_costs_together(
     assert low < (120 + 150 + 140 + 120 + 160) / sum(v1) < high and high - low < 0.2
     assert cost_interval(None, v1) is None and cost_interval([1.0, 2.0], v1) is None
     numbers = json.loads((ROOT / "results" / "scale.json").read_text())
-    for name, each in zip(numbers["share"], ([38.0, 37.0, 39.0], [41.0, 40.0, 42.0], [14.0, 14.5, 14.1])):
+    v1_name, _, shared_name = numbers["share"]
+    for name, each in zip(numbers["share"], ([38.0, 37.0, 39.0], [41.0, 40.0, 42.0], [14.0, 17.5, 14.1])):
         numbers["share"][name]["each"] = each
     numbers["real"] |= {"v1_each": [171.0, 170.6], "shared_each": [128.0, 148.4]}
     out = tmp_path / "scale.md"
@@ -157,11 +158,15 @@ def test_the_cost_ratio_s_interval_resamples_each_question_s_two_costs_together(
     report(args, numbers, QUIET_CONSOLE)
     md = out.read_text()
     assert md.count("| vs v1 [95% CI] |") == 2
-    assert re.search(r"\| shared work \(default\) \| 4 \| 96 \| 14.2 \| 0.37 \[0.3\d, 0.3\d\] \|", md)
-    assert "| shared work (default) | 3 | 72 | 138.2 | 0.81 [0.75, 0.87] |" in md   # 128/171 and 148.4/170.6
-    assert "Shared / v1 = **0.81** (95% interval [0.75, 0.87]" in md
+    share, v1 = numbers["share"][shared_name], numbers["share"][v1_name]
+    low, high = ratio_of_means_interval([14.0, 17.5, 14.1], [38.0, 37.0, 39.0])
+    assert f"| {shared_name} | {share['questions']} | {share['answers']} | {share['per_question']:.1f} | " \
+           f"{share['per_question'] / v1['per_question']:.2f} [{low:.2f}, {high:.2f}] |" in md
+    real = numbers["real"]
+    low, high = ratio_of_means_interval([128.0, 148.4], [171.0, 170.6])   # 128/171 and 148.4/170.6
+    assert f"| {real['shared'] / real['v1']:.2f} [{low:.2f}, {high:.2f}] |" in md and (low, high) < (0.76, 0.88)
+    assert f"Shared / v1 = **{real['shared'] / real['v1']:.2f}** (95% interval [{low:.2f}, {high:.2f}]" in md
     saved = json.loads(out.with_suffix(".json").read_text())
-    low, high = ratio_of_means_interval([128.0, 148.4], [171.0, 170.6])
     assert (saved["real_shared_over_v1_low"], saved["real_shared_over_v1_high"]) == pytest.approx((low, high))
 
 
