@@ -56,7 +56,7 @@ def method_row(cls, name: str, detail: bool = False) -> dict:
     ratio = f"--ratio [{DEFAULT_RATIO:g}]{paper}" if cls.ratio_is_knob else f"fixed {cls.fixed_ratio:g}"
     return {"method": name, "ratio": ratio, "variant": cls.offline_variant if cls.uses_store else "-",
             "knobs": knobs, "extras": list(cls.extras_names), "summary": cls.summary or "-",
-            "configurations": [f"-m {name}:{c} = {name}:{knobs}" for c, knobs in cls.configurations.items()],
+            "configurations": {f"{name}:{c}": f"{name}:{knobs}" for c, knobs in cls.configurations.items()},
             "file": defined_in(cls) if detail else None}
 
 
@@ -75,7 +75,7 @@ def methods_table(rows: list[dict]) -> Table:
         table.add_column(Text(col), no_wrap=True)   # Text: "[default]" is not rich markup
     table.add_column("what it recomputes", overflow="fold", ratio=1, min_width=30)
     for r in rows:
-        named = [f"named: {c.split(' = ')[0].removeprefix('-m ')}" for c in r["configurations"]]   # -m kvfuse:tuned
+        named = [f"named: {entry}" for entry in r["configurations"]]   # kvfuse:tuned
         cells = (r["method"], r["ratio"], r["variant"], "\n".join(r["knobs"] + named) or "-",
                  "\n".join(r["extras"]) or "-", r["summary"])
         table.add_row(*map(Text, cells))   # Text: a default such as [k] is not rich markup
@@ -88,7 +88,7 @@ def method_block(r: dict) -> Group:
     ratio = r["ratio"] if r["ratio"].startswith("--") else f"ratio {r['ratio']}"
     head.append(f" · {ratio} · stored variant {r['variant']}")
     extras = [f"build-time extras: {', '.join(r['extras'])}"] if r["extras"] else []
-    extras += [f"named configuration: {line}" for line in r["configurations"]]
+    extras += [f"named configuration: -m {entry} = {knobs}" for entry, knobs in r["configurations"].items()]
     if not r["file"]:
         lines = [r["summary"]] + ([f"knobs [default]: {', '.join(r['knobs'])}"] if r["knobs"] else []) + extras
         return Group(head, *(Padding(Text(line), (0, 0, 0, 4), expand=False) for line in lines), Text(""))

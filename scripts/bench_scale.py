@@ -51,7 +51,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -356,7 +355,7 @@ def cost_interval(each: list[float] | None, v1_each: list[float] | None) -> tupl
     measured before per-question costs were kept (its numbers are re-rendered as they were)."""
     if not each or not v1_each or len(each) != len(v1_each):
         return None
-    return ratio_of_means_interval(np.array(each), np.array(v1_each))
+    return ratio_of_means_interval(each, v1_each)
 
 
 def interval_text(interval: tuple[float, float]) -> str:
@@ -643,9 +642,9 @@ def new_tokens_said(at_6k: dict) -> str:
     return f"{' or '.join(str(c) for c in caps)} new tokens" if caps else "new tokens as their settings say"
 
 
-def real_section(real: dict, note: str, at_6k: dict | None) -> list[str]:
-    """Part 5 in markdown: the sweep at a real dataset's prompt length, v1 against shared work."""
-    interval = cost_interval(real.get("shared_each"), real.get("v1_each"))
+def real_section(real: dict, note: str, at_6k: dict | None, interval: tuple[float, float] | None) -> list[str]:
+    """Part 5 in markdown: the sweep at a real dataset's prompt length, v1 against shared work (and shared / v1's
+    95% interval, where the run kept each question's cost)."""
     rows = [[name, real["questions"], real["answers"], f"{real[key]:.1f}",
              with_interval(real[key] / real["v1"], interval if key == "shared" else None)]
             for name, key in ((f"v1 ({V1_COMMIT}, as filed)", "v1"), ("shared work (default)", "shared"))]
@@ -798,9 +797,10 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
     sweep_cols = ["execution", "answers/s (steady)", "answers/s (whole run)", "seconds", "vs ray x1"]
     per_q = {n: r["per_question"] for n, r in share.items()}
     before, lone, shared_s = per_q.values()
-    v1_name = next(iter(share))
+    v1_name, _, shared_name = share   # the table's order: v1, lone, shared
     intervals = {n: None if n == v1_name else cost_interval(share[n].get("each"), share[v1_name].get("each"))
                  for n in share}
+    real_interval = cost_interval(real.get("shared_each"), real.get("v1_each")) if real else None
     share_rows = [[n, share[n]["questions"], share[n]["answers"], f"{s:.1f}", with_interval(s / before, intervals[n])]
                   for n, s in per_q.items()]
     share_cols = ["code", "questions", "answers", "s/question", "vs v1" + (" [95% CI]" if any(intervals.values()) else "")]
@@ -841,8 +841,8 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           f"measured with {args.share_note}. Seconds per question are steady state: from the first "
           f"question's last record to the last question's, over {args.share_questions - 1} questions (start-up, "
           f"model load and the per-method warm-up calls excluded). Shared / v1 = **{shared_s / before:.2f}**" +
-          (f" (95% interval {interval_text(intervals['shared work (default)'])}, a bootstrap over "
-           "the steady questions, each one's costs resampled together)" if intervals["shared work (default)"] else "") + f", "
+          (f" (95% interval {interval_text(intervals[shared_name])}, a bootstrap over "
+           "the steady questions, each one's costs resampled together)" if intervals[shared_name] else "") + f", "
           f"shared / lone = **{shared_s / lone:.2f}**; same answers in all three: **{share_equal}**. Sharing does "
           "once per question what lone requests repeat: the full prefill, each variant's query-only pass, the "
           "prefill and decoding of every method that is plain reuse at ratio 0, and decoding (all of a question's "
@@ -860,7 +860,7 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
            f"the methods with a ratio knob take {at_6k['selective']:.0f} of {at_6k['total']:.0f} s per question "
            f"to their first token and the full prefill {at_6k['full']:.0f} s; part 5 measures it." if at_6k and real is None
            else "") + "\n",
-          *(real_section(real, args.share_note, at_6k) if real else []),
+          *(real_section(real, args.share_note, at_6k, real_interval) if real else []),
           f"## Projection: a {proj['chunks']:,.0f}-chunk store ({args.chunk_tokens} tokens per chunk)\n",
           markdown_table(["model", "what", "value", "from"], projection_rows(proj, measured, gpu_cost, args.gpus) +
                          (driver_rows(proj, driver) if driver else [])),
@@ -879,9 +879,8 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
           *([driver_note(proj, driver, numbers.get("driver_measured_by"))] if driver else []),
           f"![throughput and the sweep's cost per question]({args.out.with_suffix('.png').name})\n"]
     write_atomic(args.out, "\n".join(md))
-    real_interval = cost_interval(real.get("shared_each"), real.get("v1_each")) if real else None
     bounds = {f"{column}_{side}": (interval[i] if interval else None)   # COLUMN_low/_high: what verify checks
-              for column, interval in (("shared_over_v1", intervals["shared work (default)"]),
+              for column, interval in (("shared_over_v1", intervals[shared_name]),
                                        ("real_shared_over_v1", real_interval))
               for i, side in enumerate(("low", "high"))}
     numbers = {**numbers, "shared_over_lone": shared_s / lone, "shared_over_v1": shared_s / before, **bounds,

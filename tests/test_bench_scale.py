@@ -8,9 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvf.scripts.bench_scale import own_prefill_seconds, question_ends
-
-QUIET_CONSOLE = __import__("rich.console").console.Console(file=__import__("io").StringIO())
+from kvf.scripts.bench_scale import QUIET, own_prefill_seconds, question_ends
 
 
 def test_question_ends_are_the_first_samples_with_all_of_a_questions_records(tmp_path):
@@ -155,7 +153,7 @@ def test_the_cost_ratio_s_interval_resamples_each_question_s_two_costs_together(
     numbers["real"] |= {"v1_each": [171.0, 170.6], "shared_each": [128.0, 148.4]}
     out = tmp_path / "scale.md"
     args = parse_args(["--rerender", str(ROOT / "results" / "scale.json"), "--out", str(out)])
-    report(args, numbers, QUIET_CONSOLE)
+    report(args, numbers, QUIET)
     md = out.read_text()
     assert md.count("| vs v1 [95% CI] |") == 2
     share, v1 = numbers["share"][shared_name], numbers["share"][v1_name]
