@@ -525,10 +525,12 @@ def throughput_rows(results: dict, unit: str, wall: str | None = None) -> list[l
              f"{r[unit] / one:.2f}×"] for name, r in results.items()]
 
 
-def plot(build: dict, sweep: dict, share: dict, real: dict | None, own_prefills: float, path: Path) -> None:
+def plot(build: dict, sweep: dict, share: dict, real: dict | None, own_prefills: float, path: Path,
+         shared_intervals: tuple = (None, None)) -> None:
     """Three panels: build and sweep throughput per execution, and the methods sweep's cost per question
     against v1's (synthetic prompts, and the real dataset's where part 5 ran), with issue 18's target of a third
-    and, per prompt length, what the distinct prefills' own layer loops cost (no exact sharing removes them)."""
+    and, per prompt length, what the distinct prefills' own layer loops cost (no exact sharing removes them).
+    shared_intervals: shared / v1's 95% interval per prompt length (synthetic, real), drawn on its bar where known."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -547,18 +549,23 @@ def plot(build: dict, sweep: dict, share: dict, real: dict | None, own_prefills:
                        {"v1": 1.0, "shared work": real["shared"] / real["v1"]}, real["own_prefills"] / real["v1"]))
     colors = {"v1": "#888888", "lone requests": "#4C72B0", "shared work": "#DD8452"}
     width = 0.27
-    for g, (_, costs, loops) in enumerate(groups):
+    for g, ((_, costs, loops), interval) in enumerate(zip(groups, shared_intervals)):
         offsets = [(i - (len(costs) - 1) / 2) * width for i in range(len(costs))]
         for (mode, cost), dx in zip(costs.items(), offsets):
             ax.bar(g + dx, cost, width, color=colors[mode], label=mode if g == 0 else None)
-        dx = offsets[-1]   # the shared bar: the part of it that its distinct prefills' layer loops take
+        dx = offsets[-1]   # the shared bar: its 95% interval, and the part of it its distinct prefills' layer loops take
+        if interval:
+            shared_cost = costs["shared work"]
+            ax.errorbar(g + dx, shared_cost, yerr=[[shared_cost - interval[0]], [interval[1] - shared_cost]],
+                        fmt="none", ecolor="black", elinewidth=1, capsize=3,
+                        label="shared work's 95% interval" if g == 0 else None)
         ax.hlines(loops, g + dx - width / 2, g + dx + width / 2, colors="black", linewidth=2,
                   label="its distinct prefills' layer loops" if g == 0 else None)
     ax.axhline(1 / 3, color="black", linestyle="--", linewidth=1, label="issue 18's target (1/3 of v1)")
     ax.set_xticks(range(len(groups)), [name for name, _, _ in groups])
     ax.set_ylabel("sweep cost per question (x v1)")
     ax.set_xlabel("questions (9 methods x 4 ratios, --compare-full)")
-    ax.set_ylim(0, 1.6)
+    ax.set_ylim(0, 2.0)   # room above the tallest bar (lone requests, ~1.3) for the legend
     ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=2)
     for ax in axes:
         ax.spines[["top", "right"]].set_visible(False)
@@ -814,7 +821,7 @@ def report(args, numbers: dict, console, rendered_by: str | None = None) -> None
                   f"distinct prefills' own layer loops / v1: {floor / before:.2f}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(build, sweep, share, real, floor, args.out.with_suffix(".png"))
+    plot(build, sweep, share, real, floor, args.out.with_suffix(".png"), (intervals[shared_name], real_interval))
     command, conditions = numbers["command"], numbers["conditions"]
     made_by = (f"Made by `{command.strip()}` at commit {git_commit() or 'unknown'}." if rendered_by is None else
                f"Made by `{rendered_by}` at commit {git_commit() or 'unknown'}, from the numbers that `{command.strip()}` "
