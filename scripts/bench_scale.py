@@ -554,9 +554,8 @@ def plot(build: dict, sweep: dict, share: dict, real: dict | None, own_prefills:
         for (mode, cost), dx in zip(costs.items(), offsets):
             ax.bar(g + dx, cost, width, color=colors[mode], label=mode if g == 0 else None)
         dx = offsets[-1]   # the shared bar: its 95% interval, and the part of it its distinct prefills' layer loops take
-        if interval:
-            shared_cost = costs["shared work"]
-            ax.errorbar(g + dx, shared_cost, yerr=[[shared_cost - interval[0]], [interval[1] - shared_cost]],
+        if interval:   # drawn from its own ends: a percentile interval need not hold the bar's height
+            ax.errorbar(g + dx, (interval[0] + interval[1]) / 2, yerr=(interval[1] - interval[0]) / 2,
                         fmt="none", ecolor="black", elinewidth=1, capsize=3,
                         label="shared work's 95% interval" if g == 0 else None)
         ax.hlines(loops, g + dx - width / 2, g + dx + width / 2, colors="black", linewidth=2,
