@@ -39,7 +39,7 @@ def run_command(
     show_answers: bool = typer.Option(True, "--show-answers/--no-show-answers", help="Print a table of the answers at the end."),
     qid: Optional[str] = typer.Option(None, "--qid", help="Answer only these question ids, comma-separated."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once untimed first, so TTFT leaves out one-time set-up."),
-    share: bool = typer.Option(True, "--share/--no-share", help="Do each piece of a question's work once for all methods (the query-only pass per variant, batched decoding; each record still pays its full cost). --no-share: every request alone."),
+    share: bool = typer.Option(True, "--share/--no-share", help="Do each piece of a question's work once for all methods (the query-only pass and its loaded cache per variant, batched decoding; each record still pays its full cost). --no-share: every request alone."),
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
     store: Optional[str] = typer.Option(None, "--store", help="KV store path or URL (s3://bucket/prefix) [default: the workspace's]."),

@@ -135,6 +135,28 @@ def test_a_shared_query_pass_gives_the_bits_of_a_lone_request(answerer, embedded
         answerer.answer(prompt, get_method(name, ratios[-1]), source, 4).text
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].uses_store and not METHODS[n].query_pass])
+def test_a_shared_loaded_cache_gives_the_bits_of_a_lone_request(answerer, embedded, name):
+    """A method that loads every chunk at contiguous positions starts, in a sweep, from a copy of the query pass's
+    loaded cache: the same logits, cache and counts as loading alone, at every ratio; charged the loading."""
+    prompt, source, _ = embedded["many"]
+    engine, shared = answerer.engine, {}
+    for ratio in ([0.15, 0.3, 1.0] if METHODS[name].ratio_is_knob else [None]):
+        method = get_method(name, ratio)
+        loads_everything = engine.loads_everything(method, method.plan(engine, prompt, source, 4), prompt)
+        alone = method.prefill(engine, prompt, source, max_new_tokens=4)
+        fused, timings = answerer.prefill(prompt, get_method(name, ratio), source, 4, shared)
+        assert torch.equal(fused.logits, alone.logits), (name, ratio)
+        assert torch.equal(fused.cache.kv[:, :, :, : prompt.n_tokens], alone.cache.kv[:, :, :, : prompt.n_tokens])
+        assert (fused.recomputed_tokens, fused.recomputed_token_layers) == (alone.recomputed_tokens,
+                                                                            alone.recomputed_token_layers)
+        assert ("loaded-kv" in fused.info.get("shared", [])) == loads_everything
+        if loads_everything:
+            assert timings["first_token"] >= shared["query-pass"].loading_seconds  # each request pays the loading
+            assert answerer.decode_many(prompt, [(fused, timings)], 4)[0].text == \
+                answerer.answer(prompt, get_method(name, ratio), source, 4).text
+
+
 def named_configurations(name: str) -> list[dict]:
     """The knobs of each configuration a method names (`-m kvfuse:tuned`), as an entry naming it plans them."""
     return [parse_method_spec(f"{name}:{configuration}").knobs for configuration in METHODS[name].configurations]

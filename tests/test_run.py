@@ -97,8 +97,8 @@ def test_compare_full_and_full_share_one_prefill_per_question(tiny_built, tmp_pa
 
 
 def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(tiny_built, tmp_path, monkeypatch):
-    """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio),
-    computes once the reuse prefill of every method that is reuse at ratio 0, and decodes in batches;
+    """A sweep shares each variant's query-only pass (reuse, fusionrag, prophetkv at every ratio) and its loaded
+    cache (cacheblend), computes once the reuse prefill of every method that is reuse at ratio 0, and decodes in batches;
     --no-share runs every request alone. Same answers, and the shared pieces are named in each record."""
     from kvf.pipeline.fusion.engine import FusionEngine
     passes, fused = [], []
@@ -121,6 +121,7 @@ def test_shared_work_gives_the_answers_of_lone_requests_and_is_listed(tiny_built
         assert "decode-batch:5" in rec["shared"]  # 7 answers, 5 distinct prefills
         assert (f"reuse-prefill:{variant}" in rec["shared"]) == (ratio == 0.0 and rec["method"] != "reuse")
         assert (f"query-pass:{variant}" in rec["shared"]) == (rec["method"] != "cacheblend" or ratio == 0.0)
+        assert (f"loaded-kv:{variant}" in rec["shared"]) == (rec["method"] == "cacheblend" and ratio > 0.0)
     assert all(rec["shared"] == [] for rec in alone)
 
 
@@ -689,7 +690,11 @@ def test_an_entry_naming_a_configuration_plans_its_knobs_labelled_by_its_name():
 @pytest.mark.parametrize("entry,fragment", [("cacheblend:nope=1", "no knob 'nope'"),
                                             ("cacheblend:check_layer=abc", "must be int"),
                                             ("cacheblend:variant=middle", "use prefix or fusion"),
-                                            ("cacheblend:check_layer", "expected NAME:KNOB=VALUE")])
+                                            ("cacheblend:check_layer", "expected NAME:KNOB=VALUE"),
+                                            (":tuned", "no method name before ':'"),
+                                            ("reuse:tuned", "reuse has no knobs or named configurations; write reuse, "
+                                                            "or reuse:variant=prefix\\|fusion$"),
+                                            ("full:x", "full has no knobs or named configurations; write full$")])
 def test_bad_method_entries_are_one_line_errors(entry, fragment):
     from kvf.pipeline.workflows.run import parse_methods
     with pytest.raises(KvfError, match=fragment):

@@ -125,6 +125,7 @@ class QueryPass:
     token_layers: int
     seconds: float                   # the pass, as a lone request pays it
     load_seconds: float              # of which waiting for the store
+    loading_seconds: float           # of which filling the cache from the store (waiting, copying, rotating keys)
 
 
 @dataclass
@@ -139,10 +140,11 @@ COPY_STORED_ROWS_ON_CPU = False  # tests set it to hold the two ways of keeping 
 
 
 @dataclass
-class NotRunHere:
-    """Nothing to charge: this request ran the shared work itself, inside its own wall time."""
+class Charge:
+    """What a request is charged for shared work beyond its own wall time: the work as a lone request of it pays
+    it, less what its wall time already holds (nothing, when it ran the work itself: Charge())."""
     seconds: float = 0.0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0        # of which waiting for the store
 
 
 @dataclass
@@ -243,7 +245,9 @@ class FusionEngine:
         shared: work done once for several requests on one prompt and stored variant (a sweep's
         methods x ratios). A method whose first pass is the plain query-only pass (`query_pass`)
         takes it from there, run by the first such request; each request is still charged the
-        pass's full time, as a lone request would pay it, and says so in result.info["shared"].
+        pass's full time, as a lone request would pay it, and says so in result.info["shared"]. Any other
+        method whose plan loads every chunk at contiguous positions starts from a copy of that pass's cache
+        (from_loaded_cache), charged the loading a lone request would pay.
         """
         started = time.perf_counter()
         load_before = source.load_seconds if source is not None else 0.0
@@ -259,7 +263,12 @@ class FusionEngine:
             t0 = time.perf_counter()
             plan = method.plan(self, prompt, source, max_new_tokens)
             plan_seconds = time.perf_counter() - t0
-            state = self.start(prompt, source, plan, max_new_tokens)
+            if shared is not None and self.loads_everything(method, plan, prompt):
+                state, charged = self.from_loaded_cache(plan, prompt, source, max_new_tokens, shared)
+                started -= charged.seconds
+                load_before -= charged.load_seconds
+            else:
+                state = self.start(prompt, source, plan, max_new_tokens)
             state.select_seconds += plan_seconds
         for pass_index in range(first_pass, method.passes):
             pass_started, load_at_pass = time.perf_counter(), self._loaded(source)
@@ -288,23 +297,23 @@ class FusionEngine:
         """Every chunk loaded at contiguous positions, only Q computed, Q's attention recorded at every layer."""
         started, load_before = time.perf_counter(), self._loaded(source)
         state = self.start(prompt, source, FusionPlan(torch.empty(0, dtype=torch.long)), max_new_tokens)
+        loading = time.perf_counter() - started   # the cache's allocation and the reader's start
         for layer in range(self.model.n_layers):
+            t0 = time.perf_counter()
+            self.load_layer(state, layer)   # (step would load it first thing): timed apart, for from_loaded_cache
+            loading += time.perf_counter() - t0
             self.step(state, layer, record_query_attention=True)
         return QueryPass(state.cache, state.hidden, state.query_attention, state.token_layers,
-                         time.perf_counter() - started, self._loaded(source) - load_before)
+                         time.perf_counter() - started, self._loaded(source) - load_before, loading)
 
     def from_query_pass(self, method: "FusionMethod", prompt: FusedPrompt, source: LayerKVSource | None,
-                        max_new_tokens: int, shared: dict) -> tuple[FusionState, "QueryPass | NotRunHere"]:
+                        max_new_tokens: int, shared: dict) -> tuple[FusionState, Charge]:
         """The state a lone request of `method` would be in after its first pass, from the shared pass
         (run now if it is not there yet), on a copy of its cache; and what this request is charged for
         the pass beyond its own wall time (the whole pass when an earlier request ran it)."""
-        charged: QueryPass | NotRunHere = shared.get("query-pass") or NotRunHere()
-        if "query-pass" not in shared:
-            shared["query-pass"] = self.query_pass(prompt, source, max_new_tokens)
-        done: QueryPass = shared["query-pass"]
-        cache = self.model.new_cache(done.cache.kv.shape[3])
-        cache.kv.copy_(done.cache.kv)
-        cache.length = done.cache.length
+        done, ran_here = self.shared_query_pass(prompt, source, max_new_tokens, shared)
+        charged = Charge() if ran_here else Charge(done.seconds, done.load_seconds)
+        cache = self.copy_of(done.cache)
         positions = torch.arange(prompt.n_tokens)
         cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)
         state = FusionState(prompt, positions, cache, prompt.question_rows(), done.hidden.clone(),
@@ -316,6 +325,41 @@ class FusionEngine:
         if method.passes > 1:  # the shared pass was this method's selection pass
             state.select_seconds = max(0.0, done.seconds - done.load_seconds)
         state.info.update(shared=["query-pass"], charged_seconds=charged.seconds)
+        return state, charged
+
+    def shared_query_pass(self, prompt: FusedPrompt, source: LayerKVSource | None, max_new_tokens: int,
+                          shared: dict) -> tuple[QueryPass, bool]:
+        """The question's query-only pass on this variant, run now if no request has yet; and whether it ran now."""
+        ran_here = "query-pass" not in shared
+        if ran_here:
+            shared["query-pass"] = self.query_pass(prompt, source, max_new_tokens)
+        return shared["query-pass"], ran_here
+
+    def copy_of(self, cache: KVCache) -> KVCache:
+        copy = self.model.new_cache(cache.kv.shape[3])
+        copy.kv.copy_(cache.kv)
+        copy.length = cache.length
+        return copy
+
+    @staticmethod
+    def loads_everything(method: "FusionMethod", plan: FusionPlan, prompt: FusedPrompt) -> bool:
+        """Whether a request's loading writes what the query pass's did: every chunk, at contiguous positions that
+        stay (a method that re-positions rows mid-fusion rotates each layer's keys where they are by then)."""
+        contiguous = plan.positions is None or torch.equal(plan.positions, torch.arange(prompt.n_tokens))
+        return plan.loaded_chunks is None and contiguous and not method.repositions
+
+    def from_loaded_cache(self, plan: FusionPlan, prompt: FusedPrompt, source: LayerKVSource | None,
+                          max_new_tokens: int, shared: dict) -> tuple[FusionState, Charge]:
+        """start(plan) without loading: a copy of the shared query pass's cache, whose every layer holds what
+        this request's own loading would write there, bit for bit, S and every chunk at contiguous positions.
+        It differs only on Q's rows, which every layer recomputes (Q is always active), and each active row
+        writes its fresh K/V before any row attends. Charged the pass's loading, as a lone request pays it;
+        where this request ran the pass, its wall time holds Q's computing there too, which it is not charged."""
+        done, ran_here = self.shared_query_pass(prompt, source, max_new_tokens, shared)
+        charged = Charge(done.loading_seconds - (done.seconds if ran_here else 0.0),
+                         0.0 if ran_here else done.load_seconds)
+        state = self.start(prompt, source, plan, max_new_tokens, cache=self.copy_of(done.cache))
+        state.info.update(shared=["loaded-kv"], charged_seconds=charged.seconds)
         return state, charged
 
     @staticmethod
@@ -352,12 +396,14 @@ class FusionEngine:
                                "the store holds a misplaced entry; run `kvf store verify --delete-bad` and rebuild")
 
     def start(self, prompt: FusedPrompt, source: LayerKVSource | None, plan: FusionPlan,
-              max_new_tokens: int = 0, prefix_kv: torch.Tensor | None = None) -> FusionState:
-        """Set up the cache and the rows recomputed from layer 0 (the plan's chunk rows plus Q)."""
+              max_new_tokens: int = 0, prefix_kv: torch.Tensor | None = None, cache: KVCache | None = None) -> FusionState:
+        """Set up the cache and the rows recomputed from layer 0 (the plan's chunk rows plus Q). A given cache has
+        every layer loaded already (from_loaded_cache): nothing is read into it."""
         self.check_fits(prompt, max_new_tokens, plan.positions)
         n = prompt.n_tokens
         positions = torch.arange(n) if plan.positions is None else plan.positions
-        cache = self.model.new_cache(n + max_new_tokens)
+        preloaded = cache is not None
+        cache = cache if preloaded else self.model.new_cache(n + max_new_tokens)
         cache.length = n
         rows = torch.unique(torch.cat([plan.recompute_chunk_rows.long(), prompt.question_rows()]))  # sorted
         hidden = self.model.embed(prompt.all_ids()[rows])
@@ -367,7 +413,9 @@ class FusionEngine:
         cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)  # [n, d]
         state = FusionState(prompt, positions, cache, rows, hidden, loaded, source, prefix_kv, cos, sin,
                             max_new_tokens=max_new_tokens, calibration=plan.calibration, scratch=plan.scratch)
-        if source is not None and hasattr(source, "start"):
+        if preloaded:
+            state.loaded_layers = set(range(self.model.n_layers))
+        elif source is not None and hasattr(source, "start"):
             source.start(loaded, self.model.device)  # a pipelined source starts reading layer 0 now
         return state
 

@@ -160,6 +160,9 @@ def parse_method_spec(text: str) -> MethodSpec:
     from kvf.pipeline.fusion.methods import METHODS
     from kvf.pipeline.fusion.methods.base import configuration_pairs, knob_types
     name, *parts = [part.strip() for part in text.split(":")]
+    if not name:
+        raise KvfError(f"--method {text}: no method name before ':'; write NAME or NAME:KNOB=VALUE, "
+                       "e.g. cacheblend:check_layer=3 (`kvf methods` lists them)")
     get_method(name)
     types, knobs, variant = knob_types(METHODS[name].Knobs), {}, None
     for pair in configuration_pairs(name, parts):
@@ -168,6 +171,9 @@ def parse_method_spec(text: str) -> MethodSpec:
         if not sep or not key:
             named = METHODS[name].configurations
             also = f", or one of its named configurations: {', '.join(named)}" if named else ""
+            if not types and not named:
+                variant_too = f", or {name}:variant=prefix|fusion" if METHODS[name].uses_store else ""
+                raise KvfError(f"--method {text}: {name} has no knobs or named configurations; write {name}{variant_too}")
             raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3{also}")
         if key == "variant":
             if value not in VARIANTS:
@@ -934,7 +940,8 @@ CACHE_MEMORY_SHARE = 0.6
 
 def held_caches(todo: list[Planned], opts: RunOptions) -> int:
     """The KV caches a question keeps from its first prefill to its last answer: full prefill's (for `full` or
-    --compare-full), and per stored variant its query-only pass and reuse's prefill."""
+    --compare-full), and per stored variant its query-only pass (whose loaded cache other methods copy) and reuse's
+    prefill."""
     needs_full = opts.compare_full or any(not p.method.uses_store for p in todo)
     return int(needs_full) + 2 * len({p.variant for p in todo if p.method.uses_store})
 

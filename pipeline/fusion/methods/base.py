@@ -138,6 +138,7 @@ class FusionMethod:
     query_pass = False            # True: its first pass is reuse's plain query-only pass (default plan, no
                                   # hooks in it), which a sweep runs once per question and variant
     reuse_at_ratio_zero = False   # True: at ratio 0 it recomputes and changes nothing (see is_reuse)
+    repositions = False           # True: it moves rows mid-fusion (engine.reposition), so it loads each layer itself
     extras_hook = None            # (attention [L][t, c+t], context_lengths, context_ids) -> {name: array}
     extras_names: tuple = ()      # the extras an entry must carry for this method
     # what the contract test (tests/test_method_contract.py) holds every method to:

@@ -134,6 +134,7 @@ class CacheFocus(FusionMethod):
     ratio_is_knob = False  # query-only prefill: no chunk token is recomputed whatever the ratio says
     fixed_ratio = 0.0
     oracle_knobs = {"prune_every": 0}  # no pruning: contiguous positions, i.e. `reuse`
+    repositions = True     # after pruning (engine.reposition): each layer is rotated where its rows are by then
 
     def kept_count(self, k: int) -> int:
         """How many chunks survive pruning: --keep-chunks, default ceil(k / 2)."""
