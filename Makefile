@@ -734,9 +734,9 @@ kvfuse-heldout-musique: | setup
 
 # Ray workers vs one process (build and sweeps), shared vs lone sweep work, 1M-chunk projection.
 SCALE_OUT ?= results/scale.md
-# part 5: the methods sweep again at a real prompt length (MuSiQue, ~6K tokens); SCALE_REAL= skips it
+# part 5: the methods sweep again at a real prompt length (MuSiQue, ~6K tokens; 6 questions take ~45 min here); SCALE_REAL= skips it
 SCALE_REAL ?= $(WORK)/musique
-SCALE_REAL_N ?= 3
+SCALE_REAL_N ?= 6
 # part 3: the methods sweep's questions per code (the first carries start-up; the rest give its 95% interval)
 SCALE_SHARE_N ?= 6
 bench-scale: setup $(if $(SCALE_REAL),$(SCALE_REAL)/questions.jsonl)
