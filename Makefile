@@ -188,12 +188,15 @@ RULER_4K_METHODS ?= all
 ruler-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
 ruler-4096: RULER_SEEDS = $(RULER_4K_SEEDS)
 ruler-4096: RULER_METHODS = $(RULER_4K_METHODS)
+# $(call ruler_seed_data,LENGTH), in a shell loop over $$spec (SEED or SEED:N): sets $$seed, $$suffix and $$dir, that
+# seed's workspace (seed 0 work/ruler-LENGTH, others work/ruler-LENGTH-sSEED), and writes its samples there if missing
+ruler_seed_data = seed=$${spec%%:*}; n=$(RULER_N); case $$spec in *:*) n=$${spec\#*:};; esac; \
+  suffix=$$([ $$seed = 0 ] || echo -s$$seed); dir=$(WORK)/ruler-$(1)$$suffix; \
+  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $(1) --n $$n --seed $$seed --tasks $(RULER_TASKS) --out $$dir \
+  || exit 1
 ruler-2048 ruler-4096: ruler-%: | setup
 	for spec in $(RULER_SEEDS); do \
-	  seed=$${spec%%:*}; n=$(RULER_N); case $$spec in *:*) n=$${spec#*:};; esac; \
-	  suffix=$$([ $$seed = 0 ] || echo -s$$seed); dir=$(WORK)/ruler-$*$$suffix; \
-	  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $* --n $$n --seed $$seed \
-	    --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	  $(call ruler_seed_data,$*); \
 	  $(RULER_SWEEP) -d $$dir -o $(RULER_RUNS)/ruler-$*$$suffix.jsonl || exit 1; \
 	done
 ruler: ruler-2048 ruler-4096
@@ -723,22 +726,21 @@ kvfuse: kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-can
 	$(KVF) eval --complete-only $(KVFUSE_RUNS)/dev-ruler-2048.jsonl.gz --out $(KVFUSE_OUT)/dev-ruler
 	$(KVF) eval --complete-only --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
 	  --out $(KVFUSE_OUT)/heldout-musique
-	$(KVFUSE_HELDOUT_MUSIQUE_EVAL)
+	$(KVFUSE_HELDOUT_MUSIQUE_EVAL) --out $(KVFUSE_OUT)/heldout-musique-pooled
 # MuSiQue held out at n >= 50 (issue 17's condition), scored from the records above, no new runs: every MuSiQue
 # question kvfuse's default answered at 15% that no choice used, each run beside full, ProphetKV and FusionRAG:
 # the methods sweep's 11-49, held-out B (115-134) and the curve's 135-149 (n = 74; ratio 0.3 n = 54)
-KVFUSE_HELDOUT_MUSIQUE_EVAL = $(KVF) eval --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  $(KVFUSE_RUNS)/test-b-musique.jsonl $(KVFUSE_RUNS)/curve-musique.jsonl --out $(KVFUSE_OUT)/heldout-musique-pooled
+KVFUSE_HELDOUT_MUSIQUE_RUNS = $(METHOD_RUNS)/musique.jsonl.gz $(KVFUSE_RUNS)/test-b-musique.jsonl $(KVFUSE_RUNS)/curve-musique.jsonl
+KVFUSE_HELDOUT_MUSIQUE_EVAL = $(KVF) eval --exclude-questions results/kvfuse/dev-questions.txt $(KVFUSE_HELDOUT_MUSIQUE_RUNS)
 kvfuse-heldout-musique: | setup
-	$(KVFUSE_HELDOUT_MUSIQUE_EVAL)
+	$(KVFUSE_HELDOUT_MUSIQUE_EVAL) --out $(KVFUSE_OUT)/heldout-musique-pooled
 # the same n >= 50 for the configuration to use (step 24, `kvfuse:tuned`, its knobs spelled out as in fits-musique's
 # records): it answered 11-49 (kvfuse-fits); this answers 115-149, which only the default had answered held out, and
 # scores all 74 beside the default's, full prefill's answers from the same files as above (~35 min here)
 kvfuse-tuned-musique: $(WORK)/musique/questions.jsonl
 	$(KVFUSE_RUN) --offset $(KVFUSE_TEST_OFFSET) -n 35 -m $(KVFUSE_FITS) -o $(KVFUSE_RUNS)/fits-musique-115.jsonl
-	$(KVF) eval --exclude-questions results/kvfuse/dev-questions.txt $(METHOD_RUNS)/musique.jsonl.gz \
-	  $(KVFUSE_RUNS)/test-b-musique.jsonl $(KVFUSE_RUNS)/curve-musique.jsonl $(KVFUSE_RUNS)/fits-musique.jsonl \
-	  $(KVFUSE_RUNS)/fits-musique-115.jsonl --out $(KVFUSE_OUT)/heldout-musique-pooled-tuned
+	$(KVFUSE_HELDOUT_MUSIQUE_EVAL) $(KVFUSE_RUNS)/fits-musique.jsonl $(KVFUSE_RUNS)/fits-musique-115.jsonl \
+	  --out $(KVFUSE_OUT)/heldout-musique-pooled-tuned
 # and on the methods sweep's 2WikiMQA 0-49, which step 24 counts as step 19's (its prompts' budgets hold the windows),
 # beside step 19's records there, full prefill's answers from the sweep (~50 min here)
 kvfuse-tuned-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
@@ -751,9 +753,7 @@ kvfuse-tuned-2wikimqa: $(WORK)/2wikimqa/questions.jsonl
 KVFUSE_TUNED_4K_SEEDS ?= 2 3 4:5 5:5
 kvfuse-tuned-ruler-4096: | setup
 	for spec in $(KVFUSE_TUNED_4K_SEEDS); do \
-	  seed=$${spec%%:*}; n=$(RULER_N); case $$spec in *:*) n=$${spec#*:};; esac; dir=$(WORK)/ruler-4096-s$$seed; \
-	  [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length 4096 --n $$n --seed $$seed \
-	    --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	  $(call ruler_seed_data,4096); \
 	  $(KVF) run -d $$dir -m $(KVFUSE_SEEDS_AFTER),$(KVFUSE_FITS) -r 0.15 --max-new-tokens 32 --no-show-answers \
 	    -o $(KVFUSE_RUNS)/tuned-ruler-4096-s$$seed.jsonl || exit 1; \
 	done
