@@ -7,7 +7,8 @@
 #                values (30 to 41 and 10 to 15 minutes)
 #   make quality methods x ratios on MuSiQue, 2WikiMQA and NQ-open, then kvf eval   (N= questions)
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
-#                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side)
+#                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side; with kvfuse:tuned's rows, in
+#                run files of their own: make methods-tuned-nq, methods-tuned-2wikimqa, methods-tuned-musique)
 #   make ruler   every method on the calibrated RULER-style tasks: 2K and 4K at ratios {0,.15,.3}; results/ruler.md (RULER_N=)
 #   make hotpotqa  every method at 15% on HotpotQA (dev, fullwiki), then results/hotpotqa.md            (HOTPOTQA_N=)
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
@@ -43,7 +44,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-curve-nq kvfuse-curve-nq-a kvfuse-curve-nq-b kvfuse-heldout-musique kvfuse-tuned-musique kvfuse-tuned-ruler-4096 kvfuse-tuned-2wikimqa bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-curve-nq kvfuse-curve-nq-a kvfuse-curve-nq-b kvfuse-heldout-musique kvfuse-tuned-musique kvfuse-tuned-ruler-4096 kvfuse-tuned-2wikimqa bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -146,7 +147,15 @@ methods-nq: $(WORK)/nq/questions.jsonl
 	$(call method_sweep,nq,-d $(WORK)/nq -n $(N_NQ))
 methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
 	$(call method_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS))
-methods: methods-nq methods-2wikimqa methods-musique
+# kvfuse's configuration to use (`kvfuse:tuned`, results/kvfuse.md step 24) at the sweep's settings, in run files of its
+# own (RUNS/tuned-DATASET.jsonl.gz), which `make methods` scores with the rest: the sweep's files stay as other results
+# read them. Its answers carry full prefill's own (--compare-full), as the sweep's do
+TUNED_SWEEP = $(KVF) run -m kvfuse:tuned -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
+methods-tuned-nq: $(WORK)/nq/questions.jsonl
+	$(call resumable_sweep,tuned-nq,-d $(WORK)/nq -n $(N_NQ),$(TUNED_SWEEP),$(METHOD_RUNS))
+methods-tuned-2wikimqa methods-tuned-musique: methods-tuned-%: $(WORK)/%/questions.jsonl
+	$(call resumable_sweep,tuned-$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS),$(TUNED_SWEEP),$(METHOD_RUNS))
+methods: methods-nq methods-2wikimqa methods-musique methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique
 	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl.gz --out $(METHODS_OUT)
 	cat scripts/methods_header.md $(METHODS_OUT)/summary.md > $(METHODS_OUT).md
 	@echo "results in $(METHODS_OUT).md and $(METHODS_OUT)/ (summary.csv, plots)"

@@ -19,6 +19,7 @@ METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold valu
 NO_GOLD = "no gold answers in these records"
 ALL_ZERO = "0 for every row (intervals too)"
 NO_FIDELITY = "no fidelity to full prefill: run with --compare-full (or include a full run)"
+ONE_ANSWER_KL = "answer KL to full: one row measured it (records before 2026-11-30 did not), so no panel compares it"
 
 
 def save_figure(fig, path: Path) -> None:
@@ -303,10 +304,17 @@ def plot_ranking(rows: pd.DataFrame, title: str, path: Path):
     row_inches = 0.22 + 0.16 * max(map(len, lines))   # rows are evenly spaced: each has room for the most lines
     panels = [(metric, "metric_low", "metric_high", METRIC_NAMES.get(metric, metric), NO_GOLD),
               ("fidelity_f1", "fidelity_low", "fidelity_high", "answer F1 vs full prefill's answer", NO_FIDELITY)]
-    if answers_measured(rows):   # records that measured full's answer: its KL, a third panel
+    # records that measured full's answer: its KL, a third panel, unless one row alone has it beside rows that do
+    # not (a sweep resumed with a new method: one bar among n/a's, nothing to compare)
+    methods = rows[rows.method != "full"]
+    answer_kl_rows = int(methods.answer_kl.notna().sum()) if answers_measured(rows) else 0
+    lone_answer_kl = answer_kl_rows == 1 and len(methods) > 1
+    if answer_kl_rows and not lone_answer_kl:
         panels.append(("answer_kl", "answer_kl_low", "answer_kl_high",
                        "KL from full prefill per answer token (nats; lower = nearer)", NO_FIDELITY))
     drawn, notes = measured_panels(rows, panels)
+    if lone_answer_kl:
+        notes += f"\n{ONE_ANSWER_KL}"
     if base is not None:
         notes += f"\nbase = {labelled.method.iloc[0]}:{base}"
     fig = Figure(figsize=(max(12.0, names_inches + 3.8 * len(drawn)), row_inches * len(rows) + 1.8))

@@ -866,6 +866,29 @@ def test_a_ranking_draws_no_bar_where_a_row_has_no_score(tmp_path, monkeypatch):
     assert len(whiskers) == 2                                      # one per scored row, none at 0 for epic
 
 
+def test_a_ranking_compares_answer_kl_only_where_two_rows_measured_it(tmp_path, monkeypatch):
+    """results/methods.md's sweep, resumed with kvfuse:tuned, drew a third panel of answer KL with one bar (the new
+    rows' records measure it, the sweep's older ones do not) and n/a on every other row: nothing to compare. The
+    panel is now left out where one row alone has it beside rows that do not, and the title says why."""
+    from kvf.eval import plots
+    figures = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.update({Path(path).name: fig}))
+    nan = float("nan")
+    rows = pd.DataFrame({"method": ["full", "cacheblend", "kvfuse"], "label": "", "variant": "prefix", "ratio": 0.15,
+                         "metric": "f1", "n": 8, "f1": [0.2, 0.1, 0.15], "metric_low": [0.1, 0.0, 0.1],
+                         "metric_high": [0.3, 0.2, 0.2], "fidelity_f1": [1.0, 0.7, 0.8], "fidelity_low": [1.0, 0.6, 0.7],
+                         "fidelity_high": [1.0, 0.8, 0.9], "answer_kl": [0.0, nan, 0.05],
+                         "answer_kl_low": [0.0, nan, 0.03], "answer_kl_high": [0.0, nan, 0.07]})
+    plots.plot_ranking(rows, "one measured", tmp_path / "one.png")
+    assert len(figures["one.png"].axes) == 2
+    assert figures["one.png"].texts[0].get_text().endswith("\n" + plots.ONE_ANSWER_KL)
+    plots.plot_ranking(rows.assign(answer_kl=[0.0, 0.2, 0.05], answer_kl_low=[0.0, 0.1, 0.03],
+                                   answer_kl_high=[0.0, 0.3, 0.07]), "two measured", tmp_path / "two.png")
+    gold, fidelity, answer_kl = figures["two.png"].axes
+    assert [bar.get_width() for bar in answer_kl.patches] == [0.2, 0.05, 0.0]   # ranked by fidelity, best at the top
+    assert plots.ONE_ANSWER_KL not in figures["two.png"].texts[0].get_text()
+
+
 def test_every_method_gets_its_own_colour_even_when_listed_once_per_ratio():
     from kvf.eval.plots import _palette
     labels = [f"method{i}" for i in range(12)] * 3            # plot_quality lists each method at every ratio
