@@ -126,7 +126,10 @@ ALL_METHODS ?= all
 METHOD_RATIOS ?= 0,0.05,0.15,0.3
 NEIGHBOURS ?= 3
 N_NQ ?= 50
-METHOD_SWEEP = $(KVF) run -m $(ALL_METHODS) -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
+# $(call sweep_command,METHODS): `kvf run` of those --method entries at the sweep's ratios and settings
+sweep_command = $(KVF) run -m $(1) -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
+# $(call sweep_questions,DATASET): the sweep's workspace and questions (NQ-open: N_NQ, the store's default neighbours)
+sweep_questions = -d $(WORK)/$(1) $(if $(filter nq,$(1)),-n $(N_NQ),-n $(N) --neighbours $(NEIGHBOURS))
 # The sweep's raw records are evidence and live in git (results/methods/runs/): a sweep takes
 # hours on a 2-core CPU, and every later `make methods` resumes where the committed one stopped.
 METHOD_RUNS ?= results/methods/runs
@@ -141,20 +144,15 @@ resumable_sweep = f=$(WORK)/$(4)/$(1).jsonl; gz=$(4)/$(1).jsonl.gz; mkdir -p $(W
 	if [ -f $$gz ] && { [ ! -f $$f ] || [ $$gz -nt $$f ]; }; then gunzip -c $$gz > $$f; fi; \
 	$(3) $(2) -o $$f; rc=$$?; \
 	{ gzip -9nc $$f > $$gz.tmp && mv $$gz.tmp $$gz; } || rm -f $$gz.tmp; exit $$rc
-# $(call method_sweep,DATASET,ARGS)
-method_sweep = $(call resumable_sweep,$(1),$(2),$(METHOD_SWEEP),$(METHOD_RUNS))
-methods-nq: $(WORK)/nq/questions.jsonl
-	$(call method_sweep,nq,-d $(WORK)/nq -n $(N_NQ))
-methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
-	$(call method_sweep,$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS))
+# $(call method_sweep,RUNFILE,DATASET,METHODS): the sweep of METHODS on DATASET, resumed from RUNS/RUNFILE.jsonl.gz
+method_sweep = $(call resumable_sweep,$(1),$(call sweep_questions,$(2)),$(call sweep_command,$(3)),$(METHOD_RUNS))
+methods-nq methods-2wikimqa methods-musique: methods-%: $(WORK)/%/questions.jsonl
+	$(call method_sweep,$*,$*,$(ALL_METHODS))
 # kvfuse's configuration to use (`kvfuse:tuned`, results/kvfuse.md step 24) at the sweep's settings, in run files of its
 # own (RUNS/tuned-DATASET.jsonl.gz), which `make methods` scores with the rest: the sweep's files stay as other results
 # read them. Its answers carry full prefill's own (--compare-full), as the sweep's do
-TUNED_SWEEP = $(KVF) run -m kvfuse:tuned -r $(METHOD_RATIOS) --compare-full --max-new-tokens 12
-methods-tuned-nq: $(WORK)/nq/questions.jsonl
-	$(call resumable_sweep,tuned-nq,-d $(WORK)/nq -n $(N_NQ),$(TUNED_SWEEP),$(METHOD_RUNS))
-methods-tuned-2wikimqa methods-tuned-musique: methods-tuned-%: $(WORK)/%/questions.jsonl
-	$(call resumable_sweep,tuned-$*,-d $(WORK)/$* -n $(N) --neighbours $(NEIGHBOURS),$(TUNED_SWEEP),$(METHOD_RUNS))
+methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique: methods-tuned-%: $(WORK)/%/questions.jsonl
+	$(call method_sweep,tuned-$*,$*,kvfuse:tuned)
 methods: methods-nq methods-2wikimqa methods-musique methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique
 	$(KVF) eval --complete-only $(METHOD_RUNS)/*.jsonl.gz --out $(METHODS_OUT)
 	cat scripts/methods_header.md $(METHODS_OUT)/summary.md > $(METHODS_OUT).md

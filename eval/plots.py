@@ -19,7 +19,7 @@ METRIC_NAMES = {"f1": "F1 vs gold", "acc": "accuracy vs gold (share of gold valu
 NO_GOLD = "no gold answers in these records"
 ALL_ZERO = "0 for every row (intervals too)"
 NO_FIDELITY = "no fidelity to full prefill: run with --compare-full (or include a full run)"
-ONE_ANSWER_KL = "answer KL to full: one row measured it (records before 2026-11-30 did not), so no panel compares it"
+ONE_ANSWER_KL = "answer KL to full: only one row's records measured it (kvf run --compare-full, since 2026-11-30), so no panel compares it"
 
 
 def save_figure(fig, path: Path) -> None:

@@ -866,7 +866,7 @@ def test_a_ranking_draws_no_bar_where_a_row_has_no_score(tmp_path, monkeypatch):
     assert len(whiskers) == 2                                      # one per scored row, none at 0 for epic
 
 
-def test_a_ranking_compares_answer_kl_only_where_two_rows_measured_it(tmp_path, monkeypatch):
+def test_a_ranking_leaves_out_answer_kl_that_one_row_alone_measured(tmp_path, monkeypatch):
     """results/methods.md's sweep, resumed with kvfuse:tuned, drew a third panel of answer KL with one bar (the new
     rows' records measure it, the sweep's older ones do not) and n/a on every other row: nothing to compare. The
     panel is now left out where one row alone has it beside rows that do not, and the title says why."""
