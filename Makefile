@@ -9,7 +9,8 @@
 #   make methods every method x ratios {0,.05,.15,.3}, then results/methods.md       (N=, N_NQ= questions;
 #                -j2 with OMP_NUM_THREADS=1 runs two datasets side by side; with kvfuse:tuned's rows, in
 #                run files of their own: make methods-tuned-nq, methods-tuned-2wikimqa, methods-tuned-musique)
-#   make ruler   every method on the calibrated RULER-style tasks: 2K and 4K at ratios {0,.15,.3}; results/ruler.md (RULER_N=)
+#   make ruler   every method on the calibrated RULER-style tasks: 2K and 4K at ratios {0,.15,.3}; results/ruler.md (RULER_N=;
+#                with kvfuse:tuned's rows, in run files of their own: make ruler-tuned-2048, ruler-tuned-4096)
 #   make hotpotqa  every method at 15% on HotpotQA (dev, fullwiki), then results/hotpotqa.md            (HOTPOTQA_N=)
 #   make ruler-calibration  full vs reuse on every generated task at 2K: which tasks the model solves
 #   make ceiling  what the store's rounding costs (`ceiling`) and a deviation-ranked oracle, results/ceiling.md
@@ -44,7 +45,7 @@ WORK ?= work
 export HF_HUB_OFFLINE := 1
 export KVF_DATA
 
-.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique ruler ruler-2048 ruler-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-curve-nq kvfuse-curve-nq-a kvfuse-curve-nq-b kvfuse-heldout-musique kvfuse-tuned-musique kvfuse-tuned-ruler-4096 kvfuse-tuned-2wikimqa bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
+.PHONY: help setup demo test test-long probe-flags probe-files quality methods ceiling ceiling-nq ceiling-2wikimqa ceiling-musique ceiling-hotpotqa methods-nq methods-2wikimqa methods-musique methods-tuned-nq methods-tuned-2wikimqa methods-tuned-musique ruler ruler-2048 ruler-4096 ruler-tuned-2048 ruler-tuned-4096 ruler-calibration hotpotqa ttft bench-build bench-scale bench-s3 kvfuse kvfuse-dev kvfuse-ruler-dev kvfuse-ruler-dev-4096 kvfuse-test kvfuse-candidate kvfuse-probe kvfuse-selection kvfuse-correction kvfuse-correction-2wikimqa kvfuse-requery kvfuse-requery-2wikimqa kvfuse-requery-heldout kvfuse-slope-heldout kvfuse-sinks kvfuse-sinks-musique kvfuse-located kvfuse-located-musique kvfuse-located-2wikimqa kvfuse-located-nq kvfuse-located-bench kvfuse-hop-bench kvfuse-hop-after-bench kvfuse-seeds-after-bench kvfuse-spread kvfuse-spread-musique kvfuse-spread-probe kvfuse-key-scale kvfuse-hop kvfuse-hop-after kvfuse-seeds-after kvfuse-seams kvfuse-fits kvfuse-ape-nq kvfuse-seeds-after-qa kvfuse-seeds-after-2wikimqa kvfuse-seeds-after-nq kvfuse-share-nq kvfuse-crosses-probe kvfuse-read-probe kvfuse-value-probe kvfuse-value-probe-facts kvfuse-value-probe-rest kvfuse-divergence-probe kvfuse-divergence-probe-qa kvfuse-hop-probe kvfuse-answer-kl kvfuse-locate-probe kvfuse-locate-probe-4096 kvfuse-copies kvfuse-neighbours kvfuse-ann-neighbours kvfuse-budget-oracle kvfuse-bench kvfuse-curve kvfuse-curve-nq kvfuse-curve-nq-a kvfuse-curve-nq-b kvfuse-heldout-musique kvfuse-tuned-musique kvfuse-tuned-ruler-4096 kvfuse-tuned-2wikimqa bench-allocator recompute-cost ann-recall verify verify-smoke gpu-checks clean
 
 setup: $(VENV)/.installed
 
@@ -184,7 +185,8 @@ RULER_RATIOS ?= 0,0.15,0.3
 RULER_RUNS ?= results/ruler/runs
 RULER_OUT ?= results/ruler
 RULER_METHODS ?= all,kvfuse:propagate=before:propagate_from=0.33
-RULER_SWEEP = $(KVF) run -m $(RULER_METHODS) -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
+# $(call ruler_sweep,METHODS): `kvf run` of those --method entries at the suite's ratios and settings
+ruler_sweep = $(KVF) run -m $(1) -r $(RULER_RATIOS) --compare-full --max-new-tokens 32 --no-show-answers
 # Each seed is a fresh set of RULER_N samples per task (seed 0: work/ruler-2048, others: work/ruler-2048-sS);
 # S:N is seed S with N samples per task. Their records pool into one dataset per length (50 per task at each length).
 # 4K samples cost ~2x as much on this CPU, so kvfuse's rejected configuration (results/kvfuse.md) runs at 2K only.
@@ -192,8 +194,8 @@ RULER_SEEDS ?= 0 1 2 3 4
 RULER_4K_SEEDS ?= 0 1 2 3 4:5 5:5
 RULER_4K_RATIOS ?= 0,0.15,0.3
 RULER_4K_METHODS ?= all
-ruler-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
-ruler-4096: RULER_SEEDS = $(RULER_4K_SEEDS)
+ruler-4096 ruler-tuned-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
+ruler-4096 ruler-tuned-4096: RULER_SEEDS = $(RULER_4K_SEEDS)
 ruler-4096: RULER_METHODS = $(RULER_4K_METHODS)
 # $(call ruler_seed_data,LENGTH), in a shell loop over $$spec (SEED or SEED:N): sets $$seed, $$suffix and $$dir, that
 # seed's workspace (seed 0 work/ruler-LENGTH, others work/ruler-LENGTH-sSEED), and writes its samples there if missing
@@ -201,12 +203,19 @@ ruler_seed_data = seed=$${spec%%:*}; n=$(RULER_N); case $$spec in *:*) n=$${spec
   suffix=$$([ $$seed = 0 ] || echo -s$$seed); dir=$(WORK)/ruler-$(1)$$suffix; \
   [ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $(1) --n $$n --seed $$seed --tasks $(RULER_TASKS) --out $$dir \
   || exit 1
-ruler-2048 ruler-4096: ruler-%: | setup
-	for spec in $(RULER_SEEDS); do \
-	  $(call ruler_seed_data,$*); \
-	  $(RULER_SWEEP) -d $$dir -o $(RULER_RUNS)/ruler-$*$$suffix.jsonl || exit 1; \
+# $(call ruler_seeds,LENGTH,METHODS,RUNFILE): the sweep of METHODS on every seed's samples at LENGTH, each seed into
+# $(RULER_RUNS)/RUNFILE-LENGTH[-sSEED].jsonl (resumed where it stopped)
+ruler_seeds = for spec in $(RULER_SEEDS); do \
+	  $(call ruler_seed_data,$(1)); \
+	  $(call ruler_sweep,$(2)) -d $$dir -o $(RULER_RUNS)/$(3)-$(1)$$suffix.jsonl || exit 1; \
 	done
-ruler: ruler-2048 ruler-4096
+ruler-2048 ruler-4096: ruler-%: | setup
+	$(call ruler_seeds,$*,$(RULER_METHODS),ruler)
+# kvfuse's configuration to use (`kvfuse:tuned`, results/kvfuse.md step 24) on the same samples at the same ratios, in
+# run files of their own (tuned-ruler-LENGTH[-sSEED].jsonl), as in make methods-tuned-DATASET
+ruler-tuned-2048 ruler-tuned-4096: ruler-tuned-%: | setup
+	$(call ruler_seeds,$*,kvfuse:tuned,tuned-ruler)
+ruler: ruler-2048 ruler-4096 ruler-tuned-2048 ruler-tuned-4096
 	$(KVF) eval --complete-only $(RULER_RUNS)/*.jsonl --out $(RULER_OUT)
 	cat scripts/ruler_header.md $(RULER_OUT)/summary.md > $(RULER_OUT).md
 	@echo "results in $(RULER_OUT).md and $(RULER_OUT)/ (summary.csv, plots)"
