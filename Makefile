@@ -197,7 +197,7 @@ RULER_4K_METHODS ?= all
 ruler-4096 ruler-tuned-4096: RULER_RATIOS = $(RULER_4K_RATIOS)
 ruler-4096 ruler-tuned-4096: RULER_SEEDS = $(RULER_4K_SEEDS)
 ruler-4096: RULER_METHODS = $(RULER_4K_METHODS)
-# $(call ruler_seed_data,LENGTH), in a shell loop over $$spec (SEED or SEED:N): sets $$seed, $$suffix and $$dir, that
+# $(call ruler_seed_data,LENGTH), with $$spec (SEED or SEED:N) set (a shell loop over seeds, or ruler_heldout): sets $$seed, $$suffix and $$dir, that
 # seed's workspace (seed 0 work/ruler-LENGTH, others work/ruler-LENGTH-sSEED), and writes its samples there if missing
 ruler_seed_data = seed=$${spec%%:*}; n=$(RULER_N); case $$spec in *:*) n=$${spec\#*:};; esac; \
   suffix=$$([ $$seed = 0 ] || echo -s$$seed); dir=$(WORK)/ruler-$(1)$$suffix; \
@@ -321,9 +321,7 @@ kvfuse-sinks-musique: $(WORK)/musique/questions.jsonl
 # $(call ruler_heldout,METHODS,NAME) in a recipe whose % is LENGTH-SEED (e.g. 2048-0): METHODS on the suite's data
 # for that seed (make ruler's), records in $(KVFUSE_RUNS)/NAME-ruler-LENGTH-sSEED.jsonl
 define ruler_heldout
-	spec=$*; length=$${spec%-*}; seed=$${spec#*-}; dir=$(WORK)/ruler-$$length$$([ $$seed = 0 ] || echo -s$$seed); \
-	[ -f $$dir/questions.jsonl ] || $(KVF) data ruler --length $$length --n $(RULER_N) --seed $$seed \
-	  --tasks $(RULER_TASKS) --out $$dir || exit 1; \
+	spec=$*; length=$${spec%-*}; spec=$${spec#*-}; $(call ruler_seed_data,$$length); \
 	$(KVF) run -d $$dir -m $(1) -r 0.15 --max-new-tokens 32 --no-show-answers \
 	  -o $(KVFUSE_RUNS)/$(2)-ruler-$$length-s$$seed.jsonl
 endef

@@ -79,14 +79,18 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
                                 ("q", {"top_k": 2.0}, "top_k=2.0: must be an integer"),
                                 ("q", {"documents": first_doc}, f"documents={first_doc!r}: pass a list of document ids"),
                                 ("q", {"method": "nope"}, "method='nope': unknown method; known methods: a3,"),
-                                ("q", {"method": "cacheblend:check_layer=2:deviation=v"},   # kvf run -m's spelling
-                                 "(its knobs go apart: method='cacheblend', check_layer=2, deviation='v')"),
-                                ("q", {"method": "kvfuse:tuned:hop_after=8"},   # a named configuration, written out
-                                 "(its knobs go apart: method='kvfuse', sink_tokens=8, sinks_after_top=2, locate_from=0.6, "
-                                 "locate_to=0.85, hop_rows=16, hop_seeds='band', hop_weight=0, hop_after=8, "
-                                 "hop_if_fits=True)"),
-                                ("q", {"method": "cacheblend:"},   # it said "(its knobs go apart: method='cacheblend', =)"
-                                 "method='cacheblend:': unknown method (did you mean cacheblend?)"),
+                                # kvf run -m's spelling is taken (below); its errors name the argument, not -m
+                                ("q", {"method": "cacheblend:check_layr=2"},
+                                 "method='cacheblend:check_layr=2': cacheblend has no knob 'check_layr'"),
+                                ("q", {"method": "cacheblend:check_layer=x"},
+                                 "method='cacheblend:check_layer=x': check_layer must be int, not 'x'"),
+                                ("q", {"method": "kvfuse:best"},
+                                 "method='kvfuse:best': expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3, or one "
+                                 "of its named configurations: tuned"),
+                                ("q", {"method": "nope:tuned"}, "method='nope:tuned': unknown method; known methods"),
+                                ("q", {"method": "cacheblend:"}, "method='cacheblend:': expected NAME:KNOB=VALUE"),
+                                ("q", {"method": "cacheblend:variant=fusion", "variant": "prefix"},
+                                 "variant='prefix': method='cacheblend:variant=fusion' sets variant=fusion; give it once"),
                                 # kvf eval's METHOD@RATIO; the line named the command line's flag, cut at its point:
                                 # "cacheblend with ratio='0'.15 on the command line"
                                 ("q", {"method": None}, "method=None: pass one method's name"),   # AttributeError
@@ -201,6 +205,61 @@ def test_cachecraft_answers_from_python_as_kvf_run_does(built, tmp_path, capsys,
     assert (answer.text, answer.chunk_ids, answer.recomputed_tokens) == (record["answer"], record["chunk_ids"],
                                                                         record["recomputed_tokens"])
     assert 0 < answer.recomputed_tokens < answer.chunk_tokens
+
+
+def test_a_run_entry_answers_from_python_as_kvf_run_does(built, tmp_path, capsys, monkeypatch):
+    """The README's configuration to use, `-m kvfuse:tuned`, was refused from Python ("unknown method (its knobs
+    go apart: method='kvfuse', sink_tokens=8, ...)"): answer() takes kvf run -m's entries now, and answers as the
+    run does, with the entry's knobs and stored variant."""
+    for copy in ("ws-run", "ws-api"):   # each side computes the fusion entries it needs on its own copy
+        shutil.copytree(built / "ws", tmp_path / copy)
+    first_doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    question = "Where was the subject born?"
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": question, "passages": [first_doc]}) + "\n")
+    entries = ("kvfuse:tuned", "cacheblend:check_layer=2:variant=fusion")
+    code, _, err = cli(["run", "-w", tmp_path / "ws-run", "-q", tmp_path / "q.jsonl", "-m", ",".join(entries),
+                        "-r", "0.3", "--max-new-tokens", "3", "--no-show-answers", "-o", tmp_path / "r.jsonl"],
+                       capsys, monkeypatch)
+    assert code in (0, None), err
+    records = {r["label"]: r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())}
+    with kvf.open_workspace(tmp_path / "ws-api") as ws:
+        for entry in entries:
+            record = records[entry.split(":", 1)[1]]
+            answer = ws.answer(question, method=entry, ratio=0.3, documents=[first_doc], max_new_tokens=3)
+            assert (answer.text, answer.recomputed_tokens) == (record["answer"], record["recomputed_tokens"])
+            assert answer.settings.items() <= record["settings"].items(), entry   # the run's add its own (model, ...)
+        # the same knobs as keywords; a keyword knob after the entry overrides it, as a knob after it does in -m
+        spelt = ws.answer(question, method="cacheblend", check_layer=2, variant="fusion", ratio=0.3,
+                          documents=[first_doc], max_new_tokens=3)
+        assert spelt.text == records["check_layer=2:variant=fusion"]["answer"]
+        assert spelt.settings == ws.answer(question, method=entries[1], ratio=0.3, documents=[first_doc],
+                                           max_new_tokens=1).settings
+        overridden = ws.answer(question, method="kvfuse:tuned", hop_after=8, ratio=0.3, documents=[first_doc],
+                               max_new_tokens=1)
+        assert (overridden.settings["hop_after"], overridden.settings["sink_tokens"]) == (8, 8)
+
+
+def test_ratio_auto_from_python_answers_at_the_ratio_it_picked(built):
+    """kvf run's -r auto was "ratio='auto': must be a number" from Python: answer() lets the loading controller
+    pick the ratio too, and answers exactly as at that ratio given by hand."""
+    first_doc = next(iter(json.loads((built / "ws" / "doc_chunks.json").read_text())))
+    question = "Where was the subject born?"
+    with kvf.open_workspace(built / "ws") as ws:
+        auto = ws.answer(question, method="cacheblend", ratio="auto", documents=[first_doc], max_new_tokens=3)
+        picked = auto.settings["ratio"]
+        assert auto.settings["ratio_mode"] == "auto" and 0.15 <= picked <= 1   # at least the default floor
+        assert auto.recomputed_tokens == recompute_budget(picked, auto.chunk_tokens)
+        by_hand = ws.answer(question, method="cacheblend", ratio=picked, documents=[first_doc], max_new_tokens=3)
+        assert (auto.text, auto.recomputed_tokens) == (by_hand.text, by_hand.recomputed_tokens)
+        floored = ws.answer(question, method="cacheblend", ratio="auto", quality_floor=1.0, documents=[first_doc],
+                            max_new_tokens=1)
+        assert floored.recomputed_tokens == floored.chunk_tokens   # a floor of 1 recomputes everything
+        for bad, said in (({"quality_floor": 0.3}, "quality_floor=0.3: it is the least ratio=\"auto\" picks"),
+                          ({"ratio": "auto", "quality_floor": 2}, "quality_floor=2: must be within [0, 1]"),
+                          ({"ratio": "auto", "method": "full"}, "ratio='auto': full always recomputes 1"),
+                          ({"ratio": "half"}, "ratio='half': must be a number or 'auto'")):
+            with pytest.raises(kvf.KvfError, match="^" + re.escape(said)):
+                ws.answer(question, documents=[first_doc], **bad)
 
 
 def test_a_closed_workspace_lets_gc_run_and_answers_no_more(built, tmp_path, capsys, monkeypatch):

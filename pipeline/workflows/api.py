@@ -9,8 +9,9 @@ from pathlib import Path
 from kvf.errors import KvfError, counted, errors_name_arguments, percent_as_fraction, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
+from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR, measure_token_layer_seconds
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
-from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh, repeated
+from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh, parse_method_spec, repeated, with_auto_ratio
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
@@ -58,6 +59,7 @@ class WorkspaceSession:
             self.close()   # refused: the store is let go now, not when the half-made object is collected
             raise
         self._searchers: dict[str, object] = {}
+        self._token_layer_seconds: float | None = None   # ratio="auto"'s calibration, measured on first use
         # a model that fails to load on the first answer is named model=..., as open_workspace() took it
         self.opened_with = {"--model": ("model", model), "--device": ("device", device), "--dtype": ("dtype", dtype)}
 
@@ -110,29 +112,38 @@ class WorkspaceSession:
         return [SearchHit(cid, score, chunk.doc_id, chunk.text) for (cid, score), chunk in zip(found, chunks)]
 
     @errors_name_arguments(more=lambda self: self.opened_with)
-    def answer(self, question: str, method: str = "cacheblend", ratio: float | None = None, top_k: int | None = None,
-               retriever: str | None = None, documents: list[str] | None = None, variant: str | None = None,
-               max_new_tokens: int = 32, **knobs) -> WorkspaceAnswer:
+    def answer(self, question: str, method: str = "cacheblend", ratio: float | str | None = None,
+               top_k: int | None = None, retriever: str | None = None, documents: list[str] | None = None,
+               variant: str | None = None, max_new_tokens: int = 32, quality_floor: float | None = None,
+               **knobs) -> WorkspaceAnswer:
         """Answer by fusing stored chunk KVs: the chunks of `documents` (ids of the workspace's corpus), in
         order, or else the top-k retrieved ones (top_k 5, retriever bm25 or the workspace's only index, unless
-        given). Knobs are the method's (e.g. check_layer=2 for cacheblend)."""
+        given). Knobs are the method's (e.g. check_layer=2 for cacheblend). `method` may also be kvf run -m's
+        entry: a named configuration ('kvfuse:tuned') or knobs written in ('cacheblend:check_layer=2:variant=fusion'),
+        a keyword knob overriding the entry's. ratio="auto": the loading controller picks it, as kvf run -r auto
+        does (recomputing a layer takes as long as loading one; at least quality_floor, default --quality-floor's)."""
         s = self.session
         if isinstance(documents, (list, tuple)):   # a .jsonl corpus's {"id": 1} is document "1"
             documents = [digits_of(d) for d in documents]
-        check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents)   # retriever: search() checks it
+        check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents, quality_floor)   # retriever: search() checks it
+        auto = ratio == "auto"
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
                 if value is not None:
                     raise KvfError(f"{name}={value!r}: documents=[...] name the chunks, so nothing is retrieved; "
                                    f"leave {name} out, or documents out to retrieve")
         top_k, retriever = top_k or DEFAULT_TOP_K, retriever or s.ws.default_retriever()
-        check_own_knobs(method, knobs)
+        spec = parse_method_spec(method, f"method={method!r}")   # 'kvfuse:tuned', as kvf run -m and kvf bench -m take it
+        check_own_knobs(spec.name, knobs)
+        if variant is not None and spec.variant not in (None, variant):
+            raise KvfError(f"variant={variant!r}: method={method!r} sets variant={spec.variant}; give it once")
+        knobs = {**spec.knobs, **knobs}   # a keyword knob overrides the entry's, as a knob after it does in -m
         # a knob was an argument here: the same line, naming it check_layer=99 rather than --check-layer 99
         with knob_errors_named(knobs, lambda knob, problem: f"{knob}={knobs[knob]!r}: {problem}"):
-            fusion = build_method(method, ratio if ratio is not None else DEFAULT_RATIO, knobs)
+            fusion = build_method(spec.name, ratio if ratio is not None and not auto else DEFAULT_RATIO, knobs)
             fusion.check_model(s.n_layers)
-        if ratio is not None and not fusion.ratio_is_knob and abs(ratio - fusion.recompute_ratio) > 1e-9:
-            raise KvfError(f"ratio={ratio:g}: {method} always recomputes {fusion.recompute_ratio:g} of the chunk "
+        if ratio is not None and not fusion.ratio_is_knob and (auto or abs(ratio - fusion.recompute_ratio) > 1e-9):
+            raise KvfError(f"ratio={ratio!r}: {spec.name} always recomputes {fusion.recompute_ratio:g} of the chunk "
                            "tokens; leave ratio out, or pick a method with a ratio (kvf methods)")
         if documents is not None:
             if not documents:   # an empty list would answer with no context at all
@@ -154,23 +165,36 @@ class WorkspaceSession:
                                "retriever=\"dense\", or name its documents=[...]")
         chunks = s.chunks(chunk_ids, retriever)
         prompt = s.prompt(chunks, question)
-        variant = variant or fusion.offline_variant
+        variant = variant or spec.variant or fusion.offline_variant
         s.serve_extras(fusion)   # cachecraft's entries carry summaries: computed here, as kvf run computes them
         keys = s.entries(variant, chunks) if fusion.uses_store else None
+        if auto:   # untimed, as in kvf run: a calibration of this store's reads against this model's layers
+            fusion = with_auto_ratio(fusion, s.store, keys, prompt, self.token_layer_seconds(),
+                                     DEFAULT_QUALITY_FLOOR if quality_floor is None else quality_floor)
         fused = s.answer(prompt, fusion, keys, max_new_tokens)
         record = fused.answer.record()
         return WorkspaceAnswer(fused.answer.text, chunk_ids, record["recomputed_tokens"], record["chunk_tokens"],
-                               record["prompt_tokens"], record["timings"], {**fusion.settings(), "variant": variant})
+                               record["prompt_tokens"], record["timings"],
+                               {**fusion.settings(), "variant": variant, **({"ratio_mode": "auto"} if auto else {})})
+
+    def token_layer_seconds(self) -> float:
+        """Seconds to push one token through one layer of this workspace's model (ratio="auto" weighs it against
+        the store's reads), measured once."""
+        if self._token_layer_seconds is None:
+            self._token_layer_seconds = measure_token_layer_seconds(self.session.answerer.transformer)
+        return self._token_layer_seconds
 
 
-def check_argument(name: str, value, kind: type, low: float, high: float | None = None, why: str = "") -> None:
+def check_argument(name: str, value, kind: type, low: float, high: float | None = None, why: str = "",
+                   also: str = "") -> None:
     """One number a notebook passes: of its kind (a string or a bool would fail deep in torch, or pass as 1),
     within its range. None means "not given" and passes."""
     if value is None:
         return
     kinds = (int, float) if kind is float else (int,)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise KvfError(f"{name}={value!r}: must be {'a number' if kind is float else 'an integer'}")
+        raise KvfError(f"{name}={value!r}: must be {'a number' if kind is float else 'an integer'}"
+                       + (f" {also}" if also else ""))
     if not low <= value or (high is not None and not value <= high):   # written so that NaN fails too
         raise KvfError(f"{name}={value!r}: {why}")
 
@@ -180,7 +204,7 @@ def check_question(question) -> None:
         raise KvfError(f"question={question!r}: pass the question as a non-empty string")
 
 
-def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents) -> None:
+def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, documents, quality_floor) -> None:
     """answer()'s own arguments, named as a notebook passes them (the engine's checks name the CLI's flags)."""
     check_question(question)
     if not isinstance(method, str):   # a list of methods is kvf run's -m; answer() runs one
@@ -191,8 +215,13 @@ def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, d
                                   or not all(isinstance(d, str) for d in documents)):
         raise KvfError(f"documents={documents!r}: pass a list of document ids, e.g. documents=['acme.md']")
     percent = percent_as_fraction(str(ratio)) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else None
-    check_argument("ratio", ratio, float, low=0, high=1, why="must be within [0, 1] (a fraction of the chunk tokens)"
-                   + (f"; for {ratio:g}% pass ratio={percent}" if percent else ""))
+    if ratio != "auto":
+        check_argument("ratio", ratio, float, low=0, high=1, why="must be within [0, 1] (a fraction of the chunk tokens)"
+                       + (f"; for {ratio:g}% pass ratio={percent}" if percent else ""), also="or 'auto'")
+    check_argument("quality_floor", quality_floor, float, low=0, high=1, why="must be within [0, 1]")
+    if quality_floor is not None and ratio != "auto":   # it would be dropped without a word
+        raise KvfError(f"quality_floor={quality_floor!r}: it is the least ratio=\"auto\" picks; pass ratio=\"auto\", "
+                       "or leave quality_floor out")
     check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
     if variant is not None and variant not in VARIANTS:
         raise KvfError(f"variant={variant!r}: use prefix or fusion (or leave it out: the method's own)")

@@ -24,7 +24,7 @@ from kvf.pipeline.data.datasets import Question, file_stem, load_prepared, load_
 from kvf.pipeline.files import check_writable_dir
 from kvf.pipeline.fusion.controller import (DEFAULT_QUALITY_FLOOR, choose_ratio, measure_bandwidth,
                                             measure_token_layer_seconds)
-from kvf.pipeline.fusion.methods import FusionMethod, build_method, default_settings, get_method
+from kvf.pipeline.fusion.methods import FusionMethod, build_method, check_method_name, default_settings, get_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, cut_answers_line, cut_in_gold, parse_record, run_name
@@ -156,14 +156,16 @@ class MethodSpec:
         return self.text.split(":", 1)[1] if ":" in self.text else None
 
 
-def parse_method_spec(text: str) -> MethodSpec:
+def parse_method_spec(text: str, given: str | None = None) -> MethodSpec:
+    """One -m entry, checked; its errors name it as `given` (default "--method TEXT"; answer() says "method='TEXT'")."""
+    given = given or f"--method {text}"
     from kvf.pipeline.fusion.methods import METHODS
     from kvf.pipeline.fusion.methods.base import configuration_pairs, knob_types
     name, *parts = [part.strip() for part in text.split(":")]
     if not name:
-        raise KvfError(f"--method {text}: no method name before ':'; write NAME or NAME:KNOB=VALUE, "
+        raise KvfError(f"{given}: no method name before ':'; write NAME or NAME:KNOB=VALUE, "
                        "e.g. cacheblend:check_layer=3 (`kvf methods` lists them)")
-    get_method(name)
+    check_method_name(name, given if given.startswith("method=") else None)
     types, knobs, variant = knob_types(METHODS[name].Knobs), {}, None
     for pair in configuration_pairs(name, parts):
         key, sep, value = pair.partition("=")
@@ -173,32 +175,32 @@ def parse_method_spec(text: str) -> MethodSpec:
             also = f", or one of its named configurations: {', '.join(named)}" if named else ""
             if not types and not named:
                 variant_too = f", or {name}:variant=prefix|fusion" if METHODS[name].uses_store else ""
-                raise KvfError(f"--method {text}: {name} has no knobs or named configurations; write {name}{variant_too}")
-            raise KvfError(f"--method {text}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3{also}")
+                raise KvfError(f"{given}: {name} has no knobs or named configurations; write {name}{variant_too}")
+            raise KvfError(f"{given}: expected NAME:KNOB=VALUE, e.g. cacheblend:check_layer=3{also}")
         if key == "variant":
             if value not in VARIANTS:
-                raise KvfError(f"--method {text}: variant {value!r}; use prefix or fusion")
+                raise KvfError(f"{given}: variant {value!r}; use prefix or fusion")
             variant = value
         elif key not in types:
             known = ", ".join(sorted(types)) or "none"
-            raise KvfError(f"--method {text}: {name} has no knob {key!r} (its knobs: {known}; or variant)")
+            raise KvfError(f"{given}: {name} has no knob {key!r} (its knobs: {known}; or variant)")
         else:
-            knobs[key] = knob_value(text, key, value, types[key])
+            knobs[key] = knob_value(given, key, value, types[key])
     return MethodSpec(text, name, knobs, variant)
 
 
-def knob_value(text: str, key: str, value: str, kind: type):
-    """A knob value written in a --method entry, as its declared type."""
+def knob_value(given: str, key: str, value: str, kind: type):
+    """A knob value written in a --method entry (named as `given`), as its declared type."""
     if value.lower() == "none":
         return None
     if kind is bool:
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise KvfError(f"--method {text}: {key} is true or false, not {value!r}")
+            raise KvfError(f"{given}: {key} is true or false, not {value!r}")
         return value.lower() in ("true", "1", "yes")
     try:
         return kind(value)
     except ValueError:
-        raise KvfError(f"--method {text}: {key} must be {kind.__name__}, not {value!r}") from None
+        raise KvfError(f"{given}: {key} must be {kind.__name__}, not {value!r}") from None
 
 
 def check_options(opts: RunOptions) -> None:
@@ -1034,7 +1036,8 @@ class QuestionRunner:
             for p in todo[start: start + at_once]:
                 method, variant_keys = p.method, keys.get(p.variant)
                 if opts.auto_ratio:  # the loading controller picks this question's ratio (untimed: a calibration)
-                    method = with_auto_ratio(method, session.store, variant_keys or [], prompt, self.token_layer_seconds, opts)
+                    method = with_auto_ratio(method, session.store, variant_keys or [], prompt, self.token_layer_seconds,
+                                             opts.quality_floor)
                 if not method.uses_store:
                     jobs.append((p, method, full))  # the full prefill timed above: not run twice
                     continue
@@ -1141,10 +1144,10 @@ class QuestionRunner:
 
 
 def with_auto_ratio(method: FusionMethod, store, keys: list[str], prompt, token_layer_seconds: float,
-                    opts: RunOptions) -> FusionMethod:
+                    quality_floor: float) -> FusionMethod:
     """The same method at the ratio where recomputing a layer takes as long as loading one."""
     if not method.ratio_is_knob or not keys:
         return method
     layer_bytes, bandwidth = measure_bandwidth(store, keys)
-    ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, opts.quality_floor)
+    ratio = choose_ratio(layer_bytes, bandwidth, prompt.n_chunk_tokens, token_layer_seconds, quality_floor)
     return type(method)(ratio, knobs=method.knobs)

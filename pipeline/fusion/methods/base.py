@@ -361,7 +361,7 @@ def check_method_name(name: str, given: str | None = None) -> None:
             elif not any(knobs):   # a trailing colon, and no knob after it
                 hint = did_you_mean(base, known)
             else:
-                hint = knobs_apart(name, python)
+                hint = knobs_apart(name)
         else:
             hint = did_you_mean(name, known)
         raise KvfError(f"{given or f'--method {name}'}: unknown method{hint}; known methods: {', '.join(known)}")
@@ -374,23 +374,12 @@ def configuration_pairs(method: str, parts: list[str]) -> list[str]:
     return [pair for part in parts for pair in (named[part].split(":") if part in named else [part])]
 
 
-def knobs_apart(name: str, python: bool) -> str:
+def knobs_apart(name: str) -> str:
     """Where a bare method name goes, NAME:KNOB=VALUE (kvf run -m's spelling) says how its knobs go there:
-    keyword arguments in Python, their own flags on the command line."""
+    their own flags on the command line."""
     base, *knobs = name.split(":")
     given = dict(knob.partition("=")[::2] for knob in configuration_pairs(base, knobs) if knob)   # a later one wins
-    pairs = [(k, "=", v) for k, v in given.items()]
-    if python:
-        def literal(value: str) -> str:
-            if value.lower() in ("true", "false"):
-                return value.capitalize()
-            try:
-                float(value)
-                return value
-            except ValueError:
-                return repr(value)
-        return f" (its knobs go apart: method={base!r}, {', '.join(f'{k}={literal(v)}' for k, _, v in pairs)})"
-    return f" (its knobs go apart: {base} {' '.join(f'{flag_name(k)} {v}' for k, _, v in pairs)})"
+    return f" (its knobs go apart: {base} {' '.join(f'{flag_name(k)} {v}' for k, v in given.items())})"
 
 
 def get_method(name: str, recompute_ratio: float | None = None, **knob_values) -> FusionMethod:
