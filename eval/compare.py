@@ -15,11 +15,11 @@ from kvf.eval.report import (ADD_FULL, POOLED, auto_label, compare_full_records,
 
 def select(df: pd.DataFrame, selector: str, flag: str = "--compare") -> pd.DataFrame:
     """Records matching 'method[@ratio][:label]' (e.g. cacheblend@0.15, fusionrag@0.3:big-model, cacheblend@auto); `flag` is
-    the option the selector came from, for the errors. The form tables and progress lines print a labelled run
-    in, 'method@ratio [label]', names it too."""
+    the option the selector came from, for the errors. The forms tables, plots and progress lines print a labelled
+    run in, 'method@ratio [label]' and 'method [label]@ratio' (kvf bench, the ranking), name it too."""
     df = per_task(df)
-    shown = re.fullmatch(r"(\S+) \[(.+)\]", selector.strip())
-    text, _, label = (shown[1], None, shown[2]) if shown else selector.partition(":")
+    shown = re.fullmatch(r"(\S+) \[(.+)\](@\S+)?", selector.strip())
+    text, _, label = (shown[1] + (shown[3] or ""), None, shown[2]) if shown else selector.partition(":")
     if not shown and "@" in label and "@" not in text and label not in set(df.label):   # -m's NAME:KNOB=VALUE@RATIO
         label, _, ratio = label.rpartition("@")
         text = f"{text}@{ratio}"

@@ -1042,6 +1042,7 @@ def test_a_labelled_run_is_selected_as_tables_print_it():
     assert list(select(df, "cacheblend@0.15 [big]").index) == list(select(df, "cacheblend@0.15:big").index) == [0]
     assert list(select(df, "reuse [x@1]").index) == list(select(df, "reuse:x@1").index) == [2]
     assert list(select(df, "cacheblend:big@0.15").index) == [0]    # as kvf run -m spells it, NAME:KNOBS, then @ratio
+    assert list(select(df, "cacheblend [big]@0.15").index) == [0]   # as kvf bench and the plots print it
     from rich.console import Console
 
     from kvf.eval.compare import comparison_table
