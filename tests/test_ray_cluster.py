@@ -120,6 +120,20 @@ def test_a_port_that_is_not_a_ray_head_is_one_line_soon(tmp_path):
     assert time.time() - started < 120
 
 
+def test_ray_s_reason_is_its_sentence_or_its_whole_clause():
+    """`--ray 10.0.0.1:6379` reached a server that answers HTTP/2 but is not Ray's: the line said "cannot connect
+    to a Ray cluster there (12)", the last clause of Ray's reason alone. A reason whose last clause is a sentence
+    (a wrong token) is still that sentence."""
+    from kvf.pipeline.workflows.distributed import ray_said_why
+    said = ("[2026-12-07 06:49:30,529 W 359 359] gcs_client.cc:210: Failed to get cluster ID from GCS server: RpcError: "
+            "RPC error: Received http2 header with status: 404 rpc_code: 12\n")   # as Ray 2.x wrote it, captured
+    assert ray_said_why(said) == "Received http2 header with status: 404 rpc_code: 12"
+    said = ("[...] gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: RPC error: "
+            "Unauthenticated: Authentication token is missing or incorrect\n")
+    assert ray_said_why("x\n" + said * 2) == "Authentication token is missing or incorrect"
+    assert ray_said_why("nothing of Ray's\n") is None
+
+
 @pytest.mark.long
 def test_each_run_worker_takes_its_own_node_s_part_of_the_memory():
     """A CPU run worker's caches may take CACHE_MEMORY_SHARE / (the run's workers that can sit on its node): on a

@@ -120,11 +120,21 @@ def send_token_if_any() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
+GCS_FAILED = "Failed to get cluster ID from GCS server: "
+
+
 def ray_said_why(stderr: str) -> str | None:
-    """The last reason Ray's C++ client gave for a failed try, e.g. 'Authentication token is missing or
-    incorrect' from '... Failed to get cluster ID from GCS server: Unauthenticated: RPC error: ...: <reason>'."""
-    tries = [line for line in stderr.splitlines() if "Failed to get cluster ID from GCS server: " in line]
-    return tries[-1].rsplit(": ", 1)[-1].strip() if tries else None
+    """The last reason Ray's C++ client gave for a failed try: its last clause where that is a sentence
+    ('Authentication token is missing or incorrect' from '... GCS server: Unauthenticated: RPC error: ...:
+    <reason>'), else the whole of it less the error's class: a port that answers HTTP but is not Ray's ends
+    '... status: 404 rpc_code: 12', whose last clause alone said "(12)"."""
+    tries = [line.split(GCS_FAILED, 1)[1].strip() for line in stderr.splitlines() if GCS_FAILED in line]
+    if not tries:
+        return None
+    last = tries[-1].rsplit(": ", 1)[-1]
+    if len(last.split()) >= 3:
+        return last
+    return tries[-1].removeprefix("RpcError: ").removeprefix("RPC error: ")[:120]
 
 
 @contextmanager
