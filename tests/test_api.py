@@ -159,7 +159,7 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
     assert record["chunk_ids"] == json.loads((tmp_path / "workspace" / "doc_chunks.json").read_text())["doc2.txt"]
     # the document is edited and the workspace rebuilt: a method added to the run would answer from the new
     # chunks beside reuse's record from the old ones, and eval would pair them. Refused; with nothing left to
-    # answer, resuming is fine
+    # answer, resuming is fine, and says that the answers come from the old text (it said only "nothing to run")
     (docs / "doc2.txt").write_text(short_docs[2].replace("wild goats", "wild goats and ibex"))
     code, _, err = cli(["build-cache", docs, "-w", tmp_path / "workspace", "--chunk-tokens", "64"], capsys, monkeypatch)
     assert code == 0, err
@@ -168,7 +168,10 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
     assert code == 1 and err.count("\n") == 1, err
     assert "answered question own_passages-1 (reuse) from other chunks than workspace" in err and "--overwrite" in err
     code, _, err = cli([*resume, "-m", "reuse"], capsys, monkeypatch)
-    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(said) == 1, err
+    assert ("1 answered question (e.g. own_passages-1) cites chunks that workspace" in said[0]
+            and "their records answer from the old text: --overwrite" in said[0]), err
 
 
 def test_evaluate_refuses_what_is_not_a_run_file_path():

@@ -394,6 +394,22 @@ def check_same_chunks(existing: list[RunRecord], pending: list[Question], picker
                            "see the same context: pass a new --out, or --overwrite to answer afresh")
 
 
+def warn_answered_from_old_chunks(existing: list[RunRecord], answered: list[Question], ws, opts: RunOptions) -> None:
+    """Questions answered in full before their documents were edited or removed (then rebuilt) are not run again,
+    so check_same_chunks never sees them: a re-run said "nothing to run" over answers from text the workspace no
+    longer has. Said, not refused: the file is one run still. Only chunks gone from the workspace are seen here
+    (a set lookup; a document added since could change what retrieval finds, which only searching again tells)."""
+    asked = {q.qid for q in answered}
+    if not asked:
+        return
+    held = set(read_chunk_ids(ws.chunks_path))
+    stale = sorted({r.qid for r in existing if r.qid in asked and not set(r.chunk_ids) <= held})
+    if stale:
+        warn(f"--out {opts.out}: {counted(len(stale), 'answered question')} (e.g. {stale[0]}) {'cites' if len(stale) == 1 else 'cite'} chunks that workspace "
+             f"{ws.root} no longer holds (their documents changed since); their records answer from the old text: "
+             "--overwrite to answer afresh, or pass a new --out")
+
+
 # ---- choosing chunks -----------------------------------------------------------------------------
 def resolve_setting(setting: str, questions: list[Question], own_questions: bool = False) -> tuple[str, str]:
     """(setting, why): auto picks per-question when questions bring several passages (or, in your own
@@ -892,6 +908,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                            if record_key(q.qid, p.method.name, p.label, settings_of[id(p)]) not in done]
                    for q in questions}
         check_same_chunks(existing, [q for q in questions if todo_of[q.qid]], picker, opts)
+        warn_answered_from_old_chunks(existing, [q for q in questions if not todo_of[q.qid]], ws, opts)
         # questions already answered in full proved that they fit: a resumed sweep does not search them again
         fits_memory = (caches_fit_memory(session.answerer.transformer, todo_of, planned, opts, setting)
                        if opts.ray is None else None)   # Ray workers check their own memory (methods_at_once)
