@@ -27,7 +27,7 @@ def run_command(
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", "--k", min=1, show_default=False, help="Chunks retrieved per question in the shared setting [default: 5]."),
     limit: Optional[int] = typer.Option(None, "--limit", "-n", "--n", min=1, help="Answer only the first N questions [default: all]."),
     offset: int = typer.Option(0, "--offset", min=0, help="Skip the first N questions (with -n: a held-out slice, e.g. --offset 100 -n 50)."),
-    setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto."),
+    setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto: per-question where the questions name several passages, or are your own (-q, or `kvf data prepare custom`) and name any; else shared."),
     retriever: Optional[str] = typer.Option(None, "--retriever", show_default=False, help="bm25 or dense, in the shared setting [default: bm25, or dense in a workspace without a BM25 index]."),
     compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, its TTFT, and the first-token KL and top-1 agreement."),
     model: ModelOption = None,

@@ -174,6 +174,28 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
             and "their records answer from the old text: --overwrite" in said[0]), err
 
 
+def test_prepared_own_questions_with_one_passage_each_are_answered_from_it(tmp_path, capsys, monkeypatch, short_docs):
+    """README: questions that carry their passages go through `kvf data prepare custom`, then `kvf run -d DIR`.
+    With one passage each, -d took them for NQ-open's oracle passages and retrieved over all of them pooled
+    (`setting: shared`), so a question could be answered from another's passage, or from none."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"question": question, "passages": [{"title": "", "text": text}]}) + "\n"
+                            for question, text in (("Where was Zorvan Pellick born?", short_docs[0]),
+                                                   ("What are the Kettar mountains home to?", short_docs[2]))))
+    code, _, err = cli(["data", "prepare", "custom", "--input", mine, "-o", tmp_path / "prepared"], capsys, monkeypatch)
+    assert code == 0, err
+    code, stdout, err = cli(["run", "-d", tmp_path / "prepared", "-m", "reuse", "--max-new-tokens", "2",
+                             "-o", tmp_path / "mine-run.jsonl"], capsys, monkeypatch)
+    assert code == 0 and stdout.startswith("setting: per-question (the questions name their passages)"), err
+    cited = {json.loads(line)["id"]: json.loads(line)["context_ids"]
+             for line in (tmp_path / "prepared" / "questions.jsonl").read_text().splitlines()}
+    doc_chunks = json.loads((tmp_path / "prepared" / "workspace" / "doc_chunks.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "mine-run.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:   # each from its own passage's chunks, and only those
+        assert record["chunk_ids"] == [c for pid in cited[record["qid"]] for c in doc_chunks[pid]]
+
+
 def test_evaluate_refuses_what_is_not_a_run_file_path():
     """kvf.evaluate(5) raised "TypeError: 'int' object is not iterable"."""
     for bad in (5, None, [3]):

@@ -209,6 +209,10 @@ CASES = {
         ["record 0: no question", "--skip-bad"]),   # was asked as the question "None"
     "run -q \"passages\": a bare id": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
         t / "q.jsonl", b'{"question": "q", "passages": "acme.txt"}')], ['"passages" must be a list', '"acme.txt"']),
+    # the passages' own text, as `kvf data prepare custom` takes them: said "must be a list of document ids", no way on
+    "run -q \"passages\": their text": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
+        t / "q.jsonl", b'{"question": "q", "passages": [{"title": "T", "text": "Acme makes kites."}]}')],
+        ["q.jsonl line 1", "name documents of the workspace by id", "kvf data prepare custom --input", "kvf run -d DIR"]),
     "run -q \"id\": NaN": (lambda d, t: ["run", "-w", d[1], "-m", "reuse", "-o", t / "o.jsonl", "-q", write(
         t / "q.jsonl", b'{"id": NaN, "question": "q"}')], ["q.jsonl line 1", 'needs a non-empty string "id"']),   # was "nan"
     # a question's id nothing like the workspace's: "the workspace was built from another corpus", where a typo is as likely

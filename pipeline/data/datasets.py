@@ -756,6 +756,9 @@ def load_questions_file(path: str | Path) -> list[Question]:
     for where, row, question in read_question_lines(path, "--questions", id_prefix=file_stem(path)):
         what = "of document ids of the workspace's corpus"
         passages = [digits_of(p) for p in listed_passages(row, where, what)]
+        if any(isinstance(p, dict) for p in passages):   # the passages' own text: `kvf data prepare custom` reads those
+            raise KvfError(f"{where}: \"passages\" here name documents of the workspace by id; to bring each passage's text with its question, "
+                           f"run `kvf data prepare custom --input {path} -o DIR`, then `kvf run -d DIR`")
         if not all(isinstance(p, str) for p in passages):
             raise KvfError(f"{where}: \"passages\" must be a list {what}; {QUESTIONS_FIX}")
         questions.append(replace(question, context_ids=passages))

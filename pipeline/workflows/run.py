@@ -413,7 +413,7 @@ def warn_answered_from_old_chunks(existing: list[RunRecord], answered: list[Ques
 # ---- choosing chunks -----------------------------------------------------------------------------
 def resolve_setting(setting: str, questions: list[Question], own_questions: bool = False) -> tuple[str, str]:
     """(setting, why): auto picks per-question when questions bring several passages (or, in your own
-    --questions file, name any), else shared retrieval."""
+    questions, --questions or `kvf data prepare custom`, name any), else shared retrieval."""
     if setting != "auto":
         return setting, "as asked (--setting)"
     most = max(len(q.context_ids) for q in questions)
@@ -867,7 +867,10 @@ def run(opts: RunOptions, console: Console) -> Path:
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
     # minutes of chunking and indexing
     planned = plan_methods(opts, open_model(opts.model).config.num_hidden_layers)
-    setting, why = resolve_setting(opts.setting, questions, own_questions=opts.questions is not None)
+    # a user's own questions (-q, or prepared by `kvf data prepare custom`) that name one passage each mean it:
+    # NQ-open's single oracle passages are the ones pooled into a shared corpus
+    own = opts.questions is not None or name == "custom"
+    setting, why = resolve_setting(opts.setting, questions, own_questions=own)
     opts = settle_retrieval(opts, setting, why)
     workspace_path(default_workspace(opts))  # a file there is refused before anything is written
     with RunFile(opts.out, warn=lambda m: console.print(f"warning: {m}", style="yellow", soft_wrap=True, markup=False)) as run_file:
