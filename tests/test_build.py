@@ -339,6 +339,7 @@ def test_the_fix_a_missing_index_names_builds_it_in_a_workspace_built_without_it
         code, _, err = run_cli(["search", "Quillmarsh glass", "-w", ws, "--retriever", retriever], capsys, monkeypatch)
         fix = re.search(r"`kvf build-cache CORPUS (.*?)`", err)
         assert code != 0 and fix and len(err.strip().splitlines()) == 1, err
+        assert "does not exist" in err, err   # not "is missing index.faiss, ...", which reads as a damaged index
         code, _, _ = run_cli(["build-cache", corpus, *fix.group(1).split()], capsys, monkeypatch)
         assert code == 0
         code, out, _ = run_cli(["search", "Quillmarsh glass", "-w", ws, "--retriever", retriever, "-k", "1", "--json"],

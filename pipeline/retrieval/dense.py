@@ -173,6 +173,10 @@ def unit_rows(chunk_ids: list[str], vectors: np.ndarray) -> dict[str, np.ndarray
 
 
 def read_dense_meta(index_dir: Path) -> dict:
+    if not index_dir.is_dir():   # a workspace built --no-dense: nothing is damaged, there is no index to read
+        raise KvfError(f"dense index {index_dir} does not exist (the workspace was built without one); build it with "
+                       f"`kvf build-cache CORPUS --workspace {index_dir.parent} --dense` (or search its BM25 index: "
+                       "--retriever bm25)")
     missing = [f for f in (INDEX_FILE, IDS_FILE, META_FILE) if not (index_dir / f).exists()]
     if missing:
         raise KvfError(f"dense index {index_dir} is missing {', '.join(missing)}; build it with "
