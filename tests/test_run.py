@@ -632,6 +632,8 @@ def test_fewer_questions_than_n_asked_are_said(tiny_built, tmp_path, capsys):
     assert f"only {n} questions, fewer than the {n + 1} asked" in capsys.readouterr().err
     assert len(select_questions(questions, replace(opts, limit=n))) == n
     assert capsys.readouterr().err == ""   # as many as asked: nothing to say
+    assert len(select_questions(questions[:1], replace(opts, limit=2))) == 1
+    assert "there is only 1 question, fewer than the 2 asked" in capsys.readouterr().err   # said "there are only 1"
 
 
 def test_a_passage_cited_twice_is_said(tiny_built, tmp_path, capsys):

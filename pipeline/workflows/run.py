@@ -714,8 +714,9 @@ def select_questions(questions: list[Question], opts: RunOptions) -> list[Questi
                            f"pass an --offset below {len(questions)}")
         questions = questions[opts.offset:]
     if opts.limit is not None and opts.limit > len(questions):   # said, as `kvf data prepare -n` says it
+        there = "--qid picks" if opts.qids else "there is" if len(questions) == 1 else "there are"
         held = f"{counted(len(questions), 'question')} left after --offset {opts.offset}" if opts.offset else \
-            f"{'--qid picks' if opts.qids else 'there are'} only {counted(len(questions), 'question')}"
+            f"{there} only {counted(len(questions), 'question')}"
         warn(f"{held}, fewer than the {opts.limit} asked; answering those")
     if opts.limit is not None:
         questions = questions[: opts.limit]
