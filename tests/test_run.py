@@ -162,6 +162,24 @@ def test_a_question_whose_caches_the_free_memory_cannot_hold_goes_in_groups(tiny
     assert short_most < roomy_most, (short_most, roomy_most)
 
 
+def test_each_step_of_a_question_is_said_as_it_starts(tiny_built, tmp_path, monkeypatch):
+    """A question's records all come at its end (one decoding batch), minutes apart at 6K tokens, where the bar sat
+    at "0/24" with no sign of life: records() now says each step as it starts, and the bar shows it."""
+    from kvf.pipeline.workflows import run as run_module
+    steps, original = [], run_module.QuestionRunner.records
+
+    def spy(self, q, todo, on_missing=None, on_done=None, on_step=None):
+        def both(text):
+            steps.append(text)
+            on_step(text)
+        return original(self, q, todo, on_missing, on_done, both)
+    monkeypatch.setattr(run_module.QuestionRunner, "records", spy)
+    run(run_opts(tiny_built, tmp_path / "runs.jsonl", methods=["full", "reuse", "cacheblend"], ratios=[0.15],
+                 label="one", limit=1, compare_full=True, warmup=False), QUIET)
+    assert steps == ["prefill full", "prefill reuse (prefix)", "prefill cacheblend@0.15 [one]", "decoding 3 answers",
+                     "full's answer over every cache (--compare-full)"]
+
+
 def test_methods_at_once_is_the_free_memory_s_share_in_caches(tiny_built, tmp_path, monkeypatch):
     """methods_at_once: CACHE_MEMORY_SHARE of the free memory, in caches of the prompt's rows plus the answer's, less
     the caches kept for the whole question; at least one where the held caches and one more fit in all of the free

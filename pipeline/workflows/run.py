@@ -810,6 +810,11 @@ def say_resumed(console: Console, out: Path, total: int, todo: int) -> None:
                       highlight=False, markup=False)
 
 
+def step_name(method: FusionMethod, label: str | None) -> str:
+    """A method about to run, as its records will be named (run_name): cacheblend@0.15, kvfuse@0.15 [tuned]."""
+    return run_name({"method": method.name, "settings": {"ratio": method.recompute_ratio}, "label": label})
+
+
 class MethodStats:
     """Per-method running means for the live progress bar."""
 
@@ -933,8 +938,9 @@ def run(opts: RunOptions, console: Console) -> Path:
             run_file.truncate_all()
         stats = MethodStats()
         with progress_bar(console, description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TimeRemainingColumn(), TextColumn("{task.fields[stats]}", markup=False)) as progress:
-            task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="")
+                          TimeRemainingColumn(), TextColumn("{task.fields[step]}", markup=False),
+                          TextColumn("{task.fields[stats]}", markup=False)) as progress:
+            task = progress.add_task(f"answering {name}", total=len(questions) * len(planned), stats="", step="")
             progress.advance(task, sum(len(planned) - len(todo) for todo in todo_of.values()))
 
             def write(rec: dict) -> None:
@@ -947,7 +953,7 @@ def run(opts: RunOptions, console: Console) -> Path:
                 from kvf.pipeline.workflows.distributed import run_with_ray
                 run_with_ray(opts, jobs, setting, name, ws.root, write)
             else:
-                answer_here(QuestionRunner(opts, session, picker, planned, settings_of, name), jobs, progress, write)
+                answer_here(QuestionRunner(opts, session, picker, planned, settings_of, name), jobs, progress, task, write)
     if stats.ttft:
         console.print(stats.line(width=400), markup=False)   # run names carry [labels]
     cut = stats.cut_warning()
@@ -996,15 +1002,18 @@ def caches_fit_memory(transformer, todo_of: dict, planned: list[Planned], opts: 
     return fits_memory
 
 
-def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, write) -> None:
-    """Answer (question, planned indices) jobs in this process, showing offline KV work as it happens."""
-    offline = progress.add_task("offline KVs", total=None, stats="", visible=False)
+def answer_here(runner: QuestionRunner, jobs: list, progress: Progress, task, write) -> None:
+    """Answer (question, planned indices) jobs in this process, showing offline KV work and each step as it happens."""
+    offline = progress.add_task("offline KVs", total=None, stats="", step="", visible=False)
     on_missing = lambda n, v: progress.update(offline, description=f"offline KVs ({v})", total=n,  # noqa: E731
                                               completed=0, visible=True)
-    for q, indices in jobs:
-        for rec in runner.records(q, [runner.planned[i] for i in indices], on_missing, lambda: progress.advance(offline)):
+    for number, (q, indices) in enumerate(jobs, 1):
+        on_step = lambda text: progress.update(task, step=f"question {number}/{len(jobs)}: {text}")  # noqa: E731
+        for rec in runner.records(q, [runner.planned[i] for i in indices], on_missing, lambda: progress.advance(offline),
+                                  on_step):
             progress.update(offline, visible=False)
             write(rec)
+    progress.update(task, step="")
 
 
 class QuestionRunner:
@@ -1030,11 +1039,14 @@ class QuestionRunner:
             self.session.warm_up(prompt, method, keys)
             self.warmed.add(method.name)
 
-    def records(self, q: Question, todo: list[Planned], on_missing=None, on_done=None):
+    def records(self, q: Question, todo: list[Planned], on_missing=None, on_done=None, on_step=None):
         """Yield one run record (a dict) per planned method of `todo`, for question q. A method's prefilled cache
         is held until its answer is decoded and scored; where the free memory holds fewer caches than there are
-        methods, they go in groups (methods_at_once), each prefilled, decoded and scored before the next."""
+        methods, they go in groups (methods_at_once), each prefilled, decoded and scored before the next.
+        on_step(text) hears each step as it starts ("prefill cacheblend@0.15"): a question's records all come at
+        its end, minutes apart on long prompts."""
         opts, session = self.opts, self.session
+        say = on_step or (lambda text: None)
         chunk_ids = self.picker.chunk_ids(q)
         chunks = session.chunks(chunk_ids, opts.retriever)
         prompt = session.prompt(chunks, q.question)
@@ -1045,6 +1057,7 @@ class QuestionRunner:
         at_once = self.methods_at_once(prompt, held_caches(todo, opts), q)
         full = None
         if needs_full:
+            say("prefill full")
             self.warm(prompt, self.full_method, None)
             full = session.prefill(prompt, self.full_method, None, opts.max_new_tokens)
         shared_of = {v: {} for v in keys} if opts.share else {}  # per variant: its query-only pass, once
@@ -1064,17 +1077,21 @@ class QuestionRunner:
                     continue
                 if opts.share and method.is_reuse():
                     if p.variant not in reused:
+                        say(f"prefill reuse ({p.variant})")
                         reused[p.variant] = self.prefill(prompt, self.reuse_method, variant_keys, shared_of.get(p.variant))
                     jobs.append((p, method, reused[p.variant]))
                     continue
+                say(f"prefill {step_name(method, p.label)}")
                 jobs.append((p, method, self.prefill(prompt, method, variant_keys, shared_of.get(p.variant))))
             to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]
                               if id(pre) not in kept}.values())
+            say(f"decoding {counted(len(to_decode), 'answer')}")
             answer_of = {**kept, **{id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}}
             kept.update({id(pre): answer_of[id(pre)] for pre in [full, *reused.values()] if pre is not None})
             full_answer = answer_of[id(full)] if full else None
             group_scored = {}   # keyed by id: only while this group's prefills live (a freed one's id is reused)
             if full_answer is not None and opts.compare_full:
+                say("full's answer over every cache (--compare-full)")
                 group_scored = {**scored, **self.on_full_answer(full_answer, {k: a for k, a in answer_of.items()
                                                                                 if k not in scored})}
                 scored = {k: v for k, v in group_scored.items() if k in kept}
