@@ -1085,7 +1085,8 @@ class QuestionRunner:
                 jobs.append((p, method, self.prefill(prompt, method, variant_keys, shared_of.get(p.variant))))
             to_decode = list({id(pre): pre for pre in ([full] if full else []) + [pre for _, _, pre in jobs]
                               if id(pre) not in kept}.values())
-            say(f"decoding {counted(len(to_decode), 'answer')}")
+            if to_decode:   # a later group of methods that all share reuse's prefill has nothing new to decode
+                say(f"decoding {counted(len(to_decode), 'answer')}")
             answer_of = {**kept, **{id(pre): ans for pre, ans in zip(to_decode, self.decode(prompt, to_decode))}}
             kept.update({id(pre): answer_of[id(pre)] for pre in [full, *reused.values()] if pre is not None})
             full_answer = answer_of[id(full)] if full else None
