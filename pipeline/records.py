@@ -247,7 +247,7 @@ def read_records(path: Path) -> list[RunRecord]:
     """Every record of a run file, plain or gzipped (for kvf eval): a line that is not a record is an error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise KvfError(f"run file {path} does not exist")
+        raise KvfError(f"run file {path} does not exist; pass the .jsonl file (or the folder of them) that `kvf run -o` wrote")
     records, cut = [], False
     # committed evidence is kept gzipped (results/*/runs/*.jsonl.gz); `kvf run` writes plain lines
     opener = gzip.open if path.suffix == ".gz" else open

@@ -462,6 +462,8 @@ CASES = {
                                         ["summary.csv is .csv, not the JSON Lines", "kvf run -o"]),
     "eval directory without run files": (lambda d, t: ["eval", t, "--out", t / "e"],
                                          ["run file directory", "holds no .jsonl or .jsonl.gz files"]),
+    "eval missing run file": (lambda d, t: ["eval", t / "nothing.jsonl", "--out", t / "e"],
+                              ["run file", "nothing.jsonl does not exist", "`kvf run -o` wrote"]),
     "eval glob matching nothing": (lambda d, t: ["eval", str(t / "x*.jsonl"), "--out", t / "e"],
                                    ["x*.jsonl: the pattern matches no file"]),
     # --compare A -o DIR took -o for run B, and DIR for a run file: "run file DIR does not exist"
