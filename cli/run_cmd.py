@@ -76,8 +76,10 @@ def run_command(
                       share=share, store=store, ray=ray, workers=workers, threads=threads or RunOptions.threads)
     path = run(opts, console)
     if show_answers:
-        from kvf.cli.tables import answers_table
+        from kvf.cli.tables import answers_table, means_table
         Console().print(answers_table(path, opts))
+        if (means := means_table(path, Console().width)) is not None:
+            Console().print(means)
     console.print(f"runs written to {path}", highlight=False, markup=False)
 
 

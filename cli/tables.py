@@ -1,4 +1,4 @@
-"""Tables the CLI prints: the answers of a run (also `kvf demo`'s)."""
+"""Tables the CLI prints: the answers of a run (also `kvf demo`'s), and its means as `kvf eval` scores them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -70,3 +70,23 @@ def answers_table(path: Path, opts) -> Table:
         labels = {p.label for p in plan_methods(opts)}   # (`-m NAME:KNOB=V` adds to it: "big check_layer=2")
         records = [r for r in records if r.get("label") in labels]
     return answers_rows_table(records, f"kvf run: {len(records)} answer{'' if len(records) == 1 else 's'} in {path}")
+
+
+def means_table(path: Path, width: int) -> Table | None:
+    """The run file's rows as `kvf eval FILE` scores them (means, 95% intervals against full prefill, TTFT
+    ratio), where it holds more than one question: the answers table shows its first records only, and no
+    mean. None for one question, whose answers say it all."""
+    from kvf.errors import KvfError, warn
+    from kvf.eval.report import load_runs, summarize, summary_table, with_pooled_tasks
+    records = load_runs([path])
+    if records.qid.nunique() < 2:
+        return None
+    try:
+        summary = summarize(with_pooled_tasks(records))
+    except KvfError as e:   # the answers are written; `kvf eval` says the same, with its fix
+        warn(f"no means table for {path}: {e}")
+        return None
+    table = summary_table(summary, f"kvf run: means over {records.qid.nunique()} questions", width, full_copy="it")
+    note = f"as `kvf eval {path}` scores the file (it also writes every pair's test, plots and summary.md)"
+    table.caption = f"{note}; {table.caption}" if table.caption else note
+    return table

@@ -604,9 +604,9 @@ def summary_markdown(summary: pd.DataFrame, columns=None) -> str:
 DISPLAY_DROPPABLE = ["vs_reuse", "answer_kl", "top1_agree", "answer_agree", "recomputed_frac", "acc", "n"]
 
 
-def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 10_000):
+def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 10_000, full_copy: str = "summary.md"):
     """The summary as a rich Table (for the terminal), no wider than `width` if leaving out columns
-    (DISPLAY_DROPPABLE, in that order) can make it so."""
+    (DISPLAY_DROPPABLE, in that order) can make it so; a caption then says that `full_copy` has them."""
     from rich.table import Table
     from rich.text import Text
     droppable = list(DISPLAY_DROPPABLE)
@@ -624,7 +624,7 @@ def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 1
             table.add_row(*(Text(format_cell(row, c)) for c in columns))   # a label "[v2]" is not markup
         return table
     return fit_table(build, _columns(summary, with_answer_columns(summary, DISPLAY_COLUMNS)), droppable, width,
-                     "summary.md")
+                     full_copy)
 
 
 def summary_group(df: pd.DataFrame, row: pd.Series) -> pd.DataFrame:

@@ -786,6 +786,35 @@ def test_answers_table_of_a_labelled_run_keeps_its_ablation_entries(tmp_path):
     assert methods == ["question", "reuse [big]", "cacheblend@0.15 [big check_layer=2]"]   # not the other run's
 
 
+def test_a_run_of_several_questions_ends_with_its_means_as_kvf_eval_scores_them(tmp_path):
+    """`kvf run` over 50 questions showed the first 40 records' answers and no mean: a user had to run kvf eval
+    to see which method kept more. Its last table is now kvf eval's rows for the file, the same numbers; one
+    question gets none (its answers say it all)."""
+    from kvf.cli.tables import means_table
+    from kvf.eval.report import evaluate
+
+    def record(qid, method, ratio, answer, first_token):
+        return dict(qid=qid, dataset="toy", method=method, settings=dict(ratio=ratio, variant="prefix"), chunk_ids=["c"],
+                    question=f"{qid}?", answer=answer, gold=["paris"], prompt_tokens=10, chunk_tokens=8,
+                    recomputed_tokens=round(8 * ratio), timings=dict(load=0.0, select=0.0, recompute=0.1,
+                                                                     first_token=first_token, decode=0.1))
+    answers = {"full": ["paris", "paris", "rome", "paris"], "cacheblend": ["paris", "rome", "rome", "lyon paris"]}
+    out = tmp_path / "run.jsonl"
+    out.write_text("".join(json.dumps(record(f"q{i}", m, 1.0 if m == "full" else 0.15, a, 1.0 if m == "full" else 0.3))
+                           + "\n" for m, column in answers.items() for i, a in enumerate(column)))
+    table = means_table(out, width=200)
+    cells = {c.header: [str(v) for v in c._cells] for c in table.columns}
+    summary = evaluate([out], tmp_path / "eval")
+    assert cells["method"] == list(summary.method)
+    for column in ("f1", "fidelity_f1", "ttft_ratio"):
+        assert cells[column] == [f"{v:.3f}" for v in summary[column]], column
+    assert cells["fidelity_f1"][1] == "0.667" and cells["ttft_ratio"][1] == "0.300"   # 1, 0, 1, 2/3; 0.3 s of 1 s
+    assert "means over 4 questions" in table.title and f"kvf eval {out}" in table.caption
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(line + "\n" for line in out.read_text().splitlines() if '"qid": "q0"' in line))
+    assert means_table(one, width=200) is None
+
+
 def test_run_refuses_zero_ray_workers(tmp_path):
     proc = kvf_cli("run", "-q", tmp_path / "q.jsonl", "-m", "full", "-o", tmp_path / "o.jsonl", "--ray", "local", "--workers", "0")
     assert proc.returncode == 2 and "--workers" in proc.stderr and "Traceback" not in proc.stderr
