@@ -36,7 +36,7 @@ def run_command(
     pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="Read the next layers from the store while computing this one."),
     label: Optional[str] = typer.Option(None, "--label", help="Name this run, to compare runs of one method with other models or settings."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out instead of resuming it."),
-    show_answers: bool = typer.Option(True, "--show-answers/--no-show-answers", help="Print a table of the answers at the end."),
+    show_answers: bool = typer.Option(True, "--show-answers/--no-show-answers", help="Print a table of the answers at the end, then (several questions) each row's means as kvf eval scores them."),
     qid: Optional[str] = typer.Option(None, "--qid", help="Answer only these question ids, comma-separated."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once untimed first, so TTFT leaves out one-time set-up."),
     share: bool = typer.Option(True, "--share/--no-share", help="Do each piece of a question's work once for all methods (the query-only pass and its loaded cache per variant, batched decoding; each record still pays its full cost). --no-share: every request alone."),

@@ -40,6 +40,9 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         assert hit.chunk_id in docs[hit.doc_id] and hit.text
     with pytest.raises(kvf.KvfError, match="not in workspace"):
         ws.answer("q", documents=["no-such-doc"])
+    with pytest.raises(kvf.KvfError, match="not in workspace .*; its ids are its documents' own, e.g. '.+' \\(each of "
+                                           "ws.search\\(\\)'s hits has its doc_id\\)$"):   # nothing like it: what ids look like
+        ws.answer("q", documents=["zzzzzzzzzzzzzzzzzzzzzzzz"])
     with pytest.raises(kvf.KvfError, match=f"not in workspace .*; did you mean '{first_doc}'"):   # a typo of an id
         ws.answer("q", documents=[first_doc[:-1] + "#"])
     # a ratio for a method that has none would silently run at the method's own (full: everything)
@@ -52,7 +55,10 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
     # another tool's name for one of answer()'s own arguments (kvf's own code says recompute_ratio) was taken for a knob
     for bad, said in (({"k": 3}, "k=3: answer() calls it top_k; pass top_k=3"),
                       ({"recompute_ratio": 0.15}, "recompute_ratio=0.15: answer() calls it ratio; pass ratio=0.15"),
-                      ({"passages": ["a"]}, "passages=['a']: answer() calls it documents; pass documents=['a']")):
+                      ({"passages": ["a"]}, "passages=['a']: answer() calls it documents; pass documents=['a']"),
+                      # the workspace's device read as a knob ("device='cuda': not a knob of cacheblend")
+                      ({"device": "cuda"}, "device='cuda': the workspace's, not an answer's; pass it when opening: "
+                                           "kvf.open_workspace(path, device='cuda')")):
         with pytest.raises(kvf.KvfError, match=re.escape(said)):
             ws.answer("q", method="cacheblend", **bad)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):

@@ -153,7 +153,9 @@ class WorkspaceSession:
             if missing:
                 meant = document_meant(missing[0], doc_chunks)
                 raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
-                               + (f"; did you mean {meant!r}?" if meant else ""))
+                               + (f"; did you mean {meant!r}?" if meant else
+                                  f"; its ids are its documents' own, e.g. {next(iter(doc_chunks))!r} (each of "
+                                  "ws.search()'s hits has its doc_id)"))
             if twice := repeated(documents):   # as kvf run says of a question citing a passage twice
                 warn(f"documents=[...] names {twice[0]!r} more than once; its chunks go into the prompt each time "
                      "it is named")
@@ -232,6 +234,7 @@ def check_answer_args(question, method, ratio, top_k, variant, max_new_tokens, d
 ARGUMENT_ALIASES = {"k": "top_k", "topk": "top_k", "top_n": "top_k", "recompute_ratio": "ratio",
                     "max_tokens": "max_new_tokens", "docs": "documents", "doc_ids": "documents",
                     "passages": "documents"}   # a questions file's "passages" are documents here
+WORKSPACE_ARGUMENTS = ("model", "device", "dtype")   # the workspace's model and where it runs: one per open workspace
 
 
 def check_own_knobs(method: str, knobs: dict) -> None:
@@ -240,6 +243,9 @@ def check_own_knobs(method: str, knobs: dict) -> None:
     check_method_name(method, f"method={method!r}")   # named as the notebook passed it
     own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
     for name in knobs:
+        if name in WORKSPACE_ARGUMENTS:
+            raise KvfError(f"{name}={knobs[name]!r}: the workspace's, not an answer's; pass it when opening: "
+                           f"kvf.open_workspace(path, {name}={knobs[name]!r})")
         if name in ARGUMENT_ALIASES:
             raise KvfError(f"{name}={knobs[name]!r}: answer() calls it {ARGUMENT_ALIASES[name]}; "
                            f"pass {ARGUMENT_ALIASES[name]}={knobs[name]!r}")
