@@ -337,7 +337,8 @@ def test_the_budget_oracle_finds_the_best_allocation_a_brute_force_finds():
         assert got == pytest.approx(best)
 
 
-@pytest.mark.parametrize("args,said", [(["--runs", "nope.jsonl"], "budget_oracle: run file nope.jsonl does not exist"),
+@pytest.mark.parametrize("args,said", [(["--runs", "nope.jsonl"], "budget_oracle: run file nope.jsonl does not exist; pass the "
+                                                                        ".jsonl file (or the folder of them) that `kvf run -o` wrote"),
                                        (["--runs", "nope.jsonl", "--mean", "0"], "budget_oracle: --mean 0: a mean ratio within (0, 1]")])
 def test_the_budget_oracle_refuses_bad_input_in_one_line(args, said, tmp_path):
     from kvf.scripts import budget_oracle
