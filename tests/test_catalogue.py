@@ -753,6 +753,8 @@ CASES = {
         ["--workspace", "ds/corpus: not a workspace; the workspace beside it is", "pass -w", "ds/workspace"]),
     "search -w a folder inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "dense"],
                                                 ["--workspace", "dense: a folder inside workspace", "not a workspace; pass -w"]),
+    "search -w a file inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "manifest.json"],   # said "a folder"
+                                              ["--workspace", "manifest.json: a file inside workspace", "not a workspace; pass -w"]),
     "search a prepared dataset kvf run -d answered": (lambda d, t: ["search", "x", "-w", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent],
                                                       ["--workspace", "a prepared dataset, not a workspace; its workspace is", "pass -w", "ds/workspace"]),
     "search a prepared dataset": (lambda d, t: ["search", "x", "-w", d[0]],

@@ -318,7 +318,9 @@ class Workspace:
         if meant:   # a workspace's own folder (its kv.zarr, dense/), or a folder that holds workspaces
             shown_meant = [as_given(m, self.root) for m in meant]
             if meant[0] == self.root.absolute().parent:
-                return KvfError(f"{named}{self.root}: a folder inside workspace {shown_meant[0]}, not a workspace; "
+                # its kv.zarr or dense/, its manifest.json, or a path not there (dense/ of a --no-dense build)
+                inside = "a folder" if self.root.is_dir() else "a file" if self.root.is_file() else "a path"
+                return KvfError(f"{named}{self.root}: {inside} inside workspace {shown_meant[0]}, not a workspace; "
                                 f"pass {pass_as.format(shown_meant[0])}")
             if meant[0].parent == self.root.absolute().parent:   # a prepared dataset's corpus/, beside its workspace
                 return KvfError(f"{named}{self.root}: not a workspace; the workspace beside it is {shown_meant[0]}: "
