@@ -243,12 +243,13 @@ def check_own_knobs(method: str, knobs: dict) -> None:
     check_method_name(method, f"method={method!r}")   # named as the notebook passed it
     own = [f.name for f in dataclasses.fields(METHODS[method].Knobs)]
     for name in knobs:
+        if name in own:   # a method's own knob, even one named like an argument (a KVF_METHOD_PATH method's `k`)
+            continue
         if name in WORKSPACE_ARGUMENTS:
             raise KvfError(f"{name}={knobs[name]!r}: the workspace's, not an answer's; pass it when opening: "
                            f"kvf.open_workspace(path, {name}={knobs[name]!r})")
         if name in ARGUMENT_ALIASES:
             raise KvfError(f"{name}={knobs[name]!r}: answer() calls it {ARGUMENT_ALIASES[name]}; "
                            f"pass {ARGUMENT_ALIASES[name]}={knobs[name]!r}")
-        if name not in own:
-            raise KvfError(f"{name}={knobs[name]!r}: not a knob of {method}; its knobs: {', '.join(own) or 'none'} "
-                           "(kvf methods lists them)")
+        raise KvfError(f"{name}={knobs[name]!r}: not a knob of {method}; its knobs: {', '.join(own) or 'none'} "
+                       "(kvf methods lists them)")
