@@ -79,14 +79,15 @@ def means_table(path: Path, width: int) -> Table | None:
     from kvf.errors import KvfError, warn
     from kvf.eval.report import load_runs, summarize, summary_table, with_pooled_tasks
     records = load_runs([path])
-    if records.qid.nunique() < 2:
+    questions = records.qid.nunique()
+    if questions < 2:
         return None
     try:
         summary = summarize(with_pooled_tasks(records))
     except KvfError as e:   # the answers are written; `kvf eval` says the same, with its fix
         warn(f"no means table for {path}: {e}")
         return None
-    table = summary_table(summary, f"kvf run: means over {records.qid.nunique()} questions", width, full_copy="it")
+    table = summary_table(summary, f"kvf run: means over {questions} questions", width, full_copy="it")
     note = f"as `kvf eval {path}` scores the file (it also writes every pair's test, plots and summary.md)"
     table.caption = f"{note}; {table.caption}" if table.caption else note
     return table
