@@ -2,6 +2,7 @@
 module, so the store can import them without the rest of kvf)."""
 
 
+import contextvars
 import functools
 import inspect
 import re
@@ -107,6 +108,26 @@ def percent_as_fraction(word: str) -> str | None:
     return f"{float(word) / 100:g}"
 
 
+_flags_kept = contextvars.ContextVar("flags_kept", default=False)
+
+
+@contextmanager
+def flags_kept():
+    """A CLI command calling the Python API (kvf ask): kvf's lines keep naming the CLI's flags (--top-k 0), as
+    every other command's do, where a notebook's call would see its arguments (top_k=0)."""
+    token = _flags_kept.set(True)
+    try:
+        yield
+    finally:
+        _flags_kept.reset(token)
+
+
+def called_as(flag: str, argument: str) -> str:
+    """What a warning calls an input: the flag from a CLI command (flags_kept), the argument from a notebook
+    (warnings are printed, not raised, so named_as_arguments does not reach them)."""
+    return flag if _flags_kept.get() else argument
+
+
 @contextmanager
 def named_as_arguments(arguments: dict[str, tuple[str, object]]):
     """kvf's checks name the CLI's flags; a line raised inside, called from Python, names the arguments."""
@@ -125,6 +146,8 @@ def errors_name_arguments(flags: dict[str, str] | None = None, more=lambda self:
 
         @functools.wraps(function)
         def named(*args, **kwargs):
+            if _flags_kept.get():   # called by a CLI command (kvf ask): its lines name the flags it was given
+                return function(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs)
             bound.apply_defaults()
             given = {name: value for name, value in bound.arguments.items()

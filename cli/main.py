@@ -48,7 +48,7 @@ def root(
     DEBUG["on"] = debug
 
 
-from kvf.cli import bench_cmd, build_cmd, demo_cmd, methods_cmd, run_cmd  # noqa: E402
+from kvf.cli import ask_cmd, bench_cmd, build_cmd, demo_cmd, methods_cmd, run_cmd  # noqa: E402
 from kvf.cli.data_cmd import data_app  # noqa: E402
 from kvf.cli.eval_cmd import compare_command, eval_command  # noqa: E402
 from kvf.cli.search_cmd import search_command  # noqa: E402
@@ -57,6 +57,7 @@ from kvf.cli.store_cmd import store_app  # noqa: E402
 app.command("demo")(demo_cmd.demo_command)
 app.command("build-cache")(build_cmd.build_cache_command)
 app.command("run")(run_cmd.run_command)
+app.command("ask")(ask_cmd.ask_command)
 app.command("search")(search_command)
 app.command("bench")(bench_cmd.bench_command)
 app.command("methods")(methods_cmd.methods_command)
@@ -150,11 +151,12 @@ def extra_argument_hint(where: str, ctx, message: str) -> str:
     if not found or ctx is None:
         return ""
     words = found.group(1).split()
-    if where == "kvf search":
-        query = str(ctx.params.get("query", ""))
+    if where in ("kvf search", "kvf ask"):
+        what = "query" if where == "kvf search" else "question"
+        query = str(ctx.params.get(what, ""))
         if Path(query).is_dir():   # kvf search WORKSPACE "a query": the workspace goes by -w
-            return f'; the workspace goes by -w: kvf search "{" ".join(words)}" -w {query}'
-        return f'; put a query of several words in quotes: kvf search "{" ".join([query, *words])}"'
+            return f'; the workspace goes by -w: {where} "{" ".join(words)}" -w {query}'
+        return f'; put a {what} of several words in quotes: {where} "{" ".join([query, *words])}"'
     if where == "kvf build-cache":   # often a shell pattern (docs/*.txt) that expanded to many files
         paths = [Path(str(ctx.params.get("corpus", ""))), *map(Path, words)]
         parents = {p.parent for p in paths if p.is_file()}

@@ -67,6 +67,7 @@ def run_command(
         ratios = parse_ratios(ratio)
     if (dataset is None) == (questions is None):
         raise KvfError("pass either --dataset DIR (a prepared directory) or --questions FILE (with --workspace)")
+    check_not_a_question(questions, workspace)
     opts = RunOptions(dataset=dataset, questions=questions, methods=methods, ratios=ratios, out=out,
                       workspace=workspace, variant=variant, top_k=top_k, limit=limit, offset=offset, setting=setting,
                       retriever=retriever, compare_full=compare_full, model=model, max_new_tokens=max_new_tokens,
@@ -97,3 +98,12 @@ def check_ratio_used(ratio: str | None, quality_floor: float | None, methods) ->
             f"{', '.join(names)} recompute a fixed amount and take"
         raise KvfError(f"--ratio {ratio}: {they} no ratio; leave --ratio out, or add a method that takes one "
                        "(see `kvf methods`)")
+
+
+def check_not_a_question(questions: Path | None, workspace: Path | None) -> None:
+    """`kvf run -q "Who founded Acme?"`: the question itself where its file goes; kvf ask takes one question."""
+    from kvf.errors import KvfError
+    text = str(questions)
+    if questions is not None and not questions.exists() and (" " in text or text.endswith("?")):
+        raise KvfError(f"--questions {text!r}: no such file; -q takes a JSON Lines file of questions; to ask one "
+                       f"question without a file: kvf ask {text!r} -w {workspace or 'workspace'}")

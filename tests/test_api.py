@@ -40,8 +40,8 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
         assert hit.chunk_id in docs[hit.doc_id] and hit.text
     with pytest.raises(kvf.KvfError, match="not in workspace"):
         ws.answer("q", documents=["no-such-doc"])
-    with pytest.raises(kvf.KvfError, match="not in workspace .*; its ids are its documents' own, e.g. '.+' \\(each of "
-                                           "ws.search\\(\\)'s hits has its doc_id\\)$"):   # nothing like it: what ids look like
+    with pytest.raises(kvf.KvfError, match="not in workspace .*; its ids are its documents' own, e.g. '.+' \\(each hit "
+                                           "of `kvf search`, or of ws.search\\(\\), has its doc_id\\)$"):   # nothing like it: what ids look like
         ws.answer("q", documents=["zzzzzzzzzzzzzzzzzzzzzzzz"])
     with pytest.raises(kvf.KvfError, match=f"not in workspace .*; did you mean '{first_doc}'"):   # a typo of an id
         ws.answer("q", documents=[first_doc[:-1] + "#"])
@@ -63,9 +63,11 @@ def test_open_workspace_answers_by_fusing_stored_chunks(built):
             ws.answer("q", method="cacheblend", **bad)
     with pytest.raises(kvf.KvfError, match="documents=\\[\\]: name at least one document"):
         ws.answer("q", documents=[])
-    with pytest.raises(kvf.KvfError, match="top_k=3: documents=\\[...\\] name the chunks, so nothing is retrieved"):
+    with pytest.raises(kvf.KvfError, match="top_k=3: documents name the chunks, so nothing is retrieved; leave out "
+                                           "top_k, or leave out documents to retrieve$"):
         ws.answer("q", documents=[first_doc], top_k=3)   # it was dropped without a word
-    with pytest.raises(kvf.KvfError, match="bm25 retrieval found no chunk for 'Qzxv wkpq\\?'.*documents="):
+    with pytest.raises(kvf.KvfError, match="bm25 retrieval found no chunk for 'Qzxv wkpq\\?'; rephrase it, pass "
+                                           "retriever='dense', or name its documents \\("):
         ws.answer("Qzxv wkpq?", method="reuse", max_new_tokens=1)   # no word of it in the corpus: no context
     # the notebook's own argument names, not the CLI's flags (it said "-k must be at least 1")
     for bad, said in (({"top_k": 0}, "top_k=0"), ({"ratio": 1.5}, "ratio=1.5"), ({"variant": "x"}, "variant='x'"),

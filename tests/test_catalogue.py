@@ -759,6 +759,25 @@ CASES = {
                                                       ["--workspace", "a prepared dataset, not a workspace; its workspace is", "pass -w", "ds/workspace"]),
     "search a prepared dataset": (lambda d, t: ["search", "x", "-w", d[0]],
                                   ["--workspace", "a prepared dataset, not a workspace", "kvf run -d", "data/workspace"]),
+    # kvf ask: one question, no files; its lines name its flags, where the Python API's name its arguments
+    "run -q a question (not its file)": (lambda d, t: ["run", "-w", d[1], "-q", "Who founded it?", "-m", "reuse", "-o", t / "o.jsonl"],
+                                         ["--questions 'Who founded it?': no such file", "kvf ask 'Who founded it?' -w "]),
+    "ask WORKSPACE alone": (lambda d, t: ["ask", d[1]], ["is a workspace, given where the question goes", 'kvf ask "QUESTION" -w']),
+    "ask an unquoted question": (lambda d, t: ["ask", "who", "founded", "it", "-w", d[1]],
+                                 ["unexpected extra argument", 'in quotes: kvf ask "who founded it"']),
+    "ask a folder that is no workspace": (lambda d, t: ["ask", "x", "-w", t], ["--workspace", "no workspace there"]),
+    "ask -m full -r 0.3": (lambda d, t: ["ask", "x", "-w", d[1], "-m", "full", "-r", "0.3"],
+                           ["--ratio 0.3: full recomputes a fixed amount and takes no ratio"]),
+    "ask --documents ,": (lambda d, t: ["ask", "x", "-w", d[1], "--documents", ","],
+                          ["--documents ','", "name at least one document id"]),
+    "ask --top-k with --documents": (lambda d, t: ["ask", "x", "-w", d[1], "-k", "2", "--documents", "x"],
+                                     ["--top-k 2: --documents name the chunks, so nothing is retrieved", "leave out --top-k"]),
+    "ask --documents of no such id": (lambda d, t: ["ask", "x", "-w", d[1], "--documents", "zzzzzzzzzzzzzzzzzzzz"],
+                                      ["document 'zzzzzzzzzzzzzzzzzzzz' is not in workspace", "`kvf search`"]),
+    "ask a question retrieval finds nothing for": (lambda d, t: ["ask", "Qzxv wkpq?", "-w", d[1]],
+                                                   ["found no chunk for 'Qzxv wkpq?'", "--retriever dense", "--documents"]),
+    "ask -m cacheblend:check_layer=99": (lambda d, t: ["ask", "x", "-w", d[1], "-m", "cacheblend:check_layer=99"],
+                                         ["--method cacheblend:check_layer=99: check_layer: the model has 30 layers"]),
 }
 
 

@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvf.errors import KvfError, counted, errors_name_arguments, percent_as_fraction, warn
+from kvf.errors import KvfError, called_as, counted, errors_name_arguments, percent_as_fraction, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR, measure_token_layer_seconds
@@ -103,7 +103,7 @@ class WorkspaceSession:
         retriever = retriever or self.session.ws.default_retriever()
         check_argument("top_k", top_k, int, low=1, why="retrieve at least 1 chunk")
         if retriever not in ("bm25", "dense"):
-            raise KvfError(f"retriever={retriever!r}: use bm25 or dense")
+            raise KvfError(f"--retriever {retriever}: use bm25 or dense")
         if retriever not in self._searchers:   # an index of an older chunk set would miss every newer document
             check_index_fresh(self.session.ws, retriever)
             self._searchers[retriever] = self.session.ws.open_searcher(retriever)
@@ -130,8 +130,9 @@ class WorkspaceSession:
         if documents is not None:   # they name the chunks: a retrieval argument beside them would be dropped
             for name, value in (("top_k", top_k), ("retriever", retriever)):
                 if value is not None:
-                    raise KvfError(f"{name}={value!r}: documents=[...] name the chunks, so nothing is retrieved; "
-                                   f"leave {name} out, or documents out to retrieve")
+                    flag = "--" + name.replace("_", "-")   # as kvf ask names it; a notebook's call sees top_k=3
+                    raise KvfError(f"{flag} {value}: --documents name the chunks, so nothing is retrieved; leave out "
+                                   f"{flag}, or leave out --documents to retrieve")
         top_k, retriever = top_k or DEFAULT_TOP_K, retriever or s.ws.default_retriever()
         spec = parse_method_spec(method, f"method={method!r}")   # 'kvfuse:tuned', as kvf run -m and kvf bench -m take it
         check_own_knobs(spec.name, knobs)
@@ -154,17 +155,17 @@ class WorkspaceSession:
                 meant = document_meant(missing[0], doc_chunks)
                 raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
                                + (f"; did you mean {meant!r}?" if meant else
-                                  f"; its ids are its documents' own, e.g. {next(iter(doc_chunks))!r} (each of "
-                                  "ws.search()'s hits has its doc_id)"))
+                                  f"; its ids are its documents' own, e.g. {next(iter(doc_chunks))!r} (each "
+                                  "hit of `kvf search`, or of ws.search(), has its doc_id)"))
             if twice := repeated(documents):   # as kvf run says of a question citing a passage twice
-                warn(f"documents=[...] names {twice[0]!r} more than once; its chunks go into the prompt each time "
-                     "it is named")
+                warn(f"{called_as('--documents', 'documents=[...]')} names {twice[0]!r} more than once; its chunks go "
+                     "into the prompt each time it is named")
             chunk_ids = [cid for d in documents for cid in doc_chunks[d]]
         else:
             chunk_ids = [hit.chunk_id for hit in self.search(question, top_k, retriever)]
             if not chunk_ids:   # BM25 matched no word of it: every method would answer alike, without context
                 raise KvfError(f"{retriever} retrieval found no chunk for {question!r}; rephrase it, pass "
-                               "retriever=\"dense\", or name its documents=[...]")
+                               "--retriever dense, or name its --documents (ids of the workspace's documents)")
         chunks = s.chunks(chunk_ids, retriever)
         prompt = s.prompt(chunks, question)
         variant = variant or spec.variant or fusion.offline_variant
