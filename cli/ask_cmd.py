@@ -30,13 +30,13 @@ def ask_command(
         "--documents", "--docs", show_default=False, help="Answer from these documents' chunks, in order, "
         "instead of retrieving: their ids, comma-separated (each hit of `kvf search` shows its doc id).")] = None,
     gold: Annotated[Optional[list[str]], typer.Option(
-        "--gold", show_default=False, help="A right answer, to score each answer against (F1); repeat it for "
+        "--gold", show_default=False, metavar="ANSWER", help="A right answer, to score each answer against (F1); repeat it for "
         "several.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest answer to generate.")] = 32,
     model: ModelOption = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the answers as JSON, one object per method.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the answers as JSON, one object per method and ratio.")] = False,
 ):
     """Answer one question from a workspace with each method: the answers, tokens recomputed, TTFT; no run file."""
     import json
