@@ -773,7 +773,7 @@ CASES = {
     "ask --top-k with --documents": (lambda d, t: ["ask", "x", "-w", d[1], "-k", "2", "--documents", "x"],
                                      ["--top-k 2: --documents name the chunks, so nothing is retrieved", "leave out --top-k"]),
     "ask --documents of no such id": (lambda d, t: ["ask", "x", "-w", d[1], "--documents", "zzzzzzzzzzzzzzzzzzzz"],
-                                      ["document 'zzzzzzzzzzzzzzzzzzzz' is not in workspace", "`kvf search`"]),
+                                      ["--documents: document 'zzzzzzzzzzzzzzzzzzzz' is not in workspace", "`kvf search`"]),
     "ask a question retrieval finds nothing for": (lambda d, t: ["ask", "Qzxv wkpq?", "-w", d[1]],
                                                    ["found no chunk for 'Qzxv wkpq?'", "--retriever dense", "--documents"]),
     "ask -m cacheblend:check_layer=99": (lambda d, t: ["ask", "x", "-w", d[1], "-m", "cacheblend:check_layer=99"],

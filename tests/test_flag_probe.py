@@ -28,6 +28,7 @@ def base_commands(dataset, ws, run_file, tmp) -> dict[str, list]:
         "run": ["run", "-d", dataset, "-w", ws, "-m", "reuse", "-n", "1", "--max-new-tokens", "2", "--no-show-answers",
                 "-o", f"{tmp}/{{i}}-o.jsonl"],
         "search": ["search", "capital", "-w", ws],
+        "ask": ["ask", "capital", "-w", ws, "-m", "reuse", "--max-new-tokens", "2"],
         "bench": ["bench", "--random-weights", "tiny", "--lengths", "96", "--chunk-tokens", "32", "-m", "full",
                   "--repeats", "1", "--no-cold", "-o", f"{tmp}/{{i}}-bench"],
         "methods": ["methods"],

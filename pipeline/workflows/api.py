@@ -153,7 +153,7 @@ class WorkspaceSession:
             missing = [d for d in documents if d not in doc_chunks]
             if missing:
                 meant = document_meant(missing[0], doc_chunks)
-                raise KvfError(f"document {missing[0]!r} is not in workspace {s.ws.root}"
+                raise KvfError(f"{called_as('--documents: ', '')}document {missing[0]!r} is not in workspace {s.ws.root}"
                                + (f"; did you mean {meant!r}?" if meant else
                                   f"; its ids are its documents' own, e.g. {next(iter(doc_chunks))!r} (each "
                                   "hit of `kvf search`, or of ws.search(), has its doc_id)"))
