@@ -54,7 +54,8 @@ class WorkspaceSession:
         self.path = ws.root
         self._session = Session(ws, model, device, dtype)
         try:
-            check_entries_dtype(ws, dtype_name(self.session.dtype), fix="pass open_workspace(..., dtype=\"{built}\")")
+            check_entries_dtype(ws, dtype_name(self.session.dtype),
+                                fix=called_as("pass --dtype {built}", "pass open_workspace(..., dtype=\"{built}\")"))
         except KvfError:
             self.close()   # refused: the store is let go now, not when the half-made object is collected
             raise
