@@ -104,6 +104,7 @@ def check_not_a_question(questions: Path | None, workspace: Path | None) -> None
     """`kvf run -q "Who founded Acme?"`: the question itself where its file goes; kvf ask takes one question."""
     from kvf.errors import KvfError
     text = str(questions)
-    if questions is not None and not questions.exists() and (" " in text or text.endswith("?")):
+    a_file_name = text.lower().endswith((".jsonl", ".json", ".gz", ".txt", ".csv"))   # a missing file: said later
+    if questions is not None and not questions.exists() and not a_file_name and (text.endswith("?") or len(text.split()) > 2):
         raise KvfError(f"--questions {text!r}: no such file; -q takes a JSON Lines file of questions; to ask one "
                        f"question without a file: kvf ask {text!r} -w {workspace or 'workspace'}")
