@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption
+from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_store_flags
 from kvf.cli.search_cmd import SearchMode
 
 
@@ -36,6 +36,7 @@ def ask_command(
     model: ModelOption = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
+    s3_endpoint: S3EndpointOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the answers as JSON, one object per method and ratio.")] = False,
 ):
     """Answer one question from a workspace with each method: the answers, tokens recomputed, TTFT; no run file."""
@@ -51,6 +52,7 @@ def ask_command(
     if folder_kind(Path(question)) == "workspace":   # kvf ask WORKSPACE: the question left out, the workspace in its place
         raise KvfError(f'{question} is a workspace, given where the question goes; pass it with -w and the question: '
                        f'kvf ask "QUESTION" -w {question}')
+    use_store_flags(None, s3_endpoint)   # the workspace's store may be on S3, at a non-AWS endpoint
     entries = parse_methods(method)
     check_ratio_used(ratio, None, entries)
     ratios = [None] if ratio is None else ["auto"] if ratio.strip() == "auto" else parse_ratios(ratio)
