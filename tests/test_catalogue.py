@@ -751,6 +751,9 @@ CASES = {
         lambda d, t: ["search", "x", "-w", (write(t / "ds" / "workspace" / "manifest.json", b"{}"),
                                             write(t / "ds" / "corpus" / "passages.jsonl", b'{"id": "a", "text": "x"}'))[1].parent],
         ["--workspace", "ds/corpus: not a workspace; the workspace beside it is", "pass -w", "ds/workspace"]),
+    # a folder not there, beside a workspace (a typo): it said "not a workspace"
+    "search -w a folder not there, beside a workspace": (lambda d, t: ["search", "x", "-w", write(t / "ds" / "workspace" / "manifest.json", b"{}").parent.parent / "wsx"],
+                                                         ["--workspace", "wsx: no workspace there; the workspace beside it is", "pass -w", "ds/workspace"]),
     "search -w a folder inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "dense"],
                                                 ["--workspace", "dense: a folder inside workspace", "not a workspace; pass -w"]),
     "search -w a file inside the workspace": (lambda d, t: ["search", "x", "-w", d[1] / "manifest.json"],   # said "a folder"

@@ -323,7 +323,8 @@ class Workspace:
                 return KvfError(f"{named}{self.root}: {inside} inside workspace {shown_meant[0]}, not a workspace; "
                                 f"pass {pass_as.format(shown_meant[0])}")
             if meant[0].parent == self.root.absolute().parent:   # a prepared dataset's corpus/, beside its workspace
-                return KvfError(f"{named}{self.root}: not a workspace; the workspace beside it is {shown_meant[0]}: "
+                what = "not a workspace" if self.root.exists() else "no workspace there"   # a typo: -w ws3
+                return KvfError(f"{named}{self.root}: {what}; the workspace beside it is {shown_meant[0]}: "
                                 f"pass {pass_as.format(shown_meant[0])}")
             others = f" (or {', '.join(map(str, shown_meant[1:4]))})" if len(meant) > 1 else ""
             return KvfError(f"{named}{self.root}: it holds workspaces but is not one; pass one of them: "
