@@ -84,7 +84,7 @@ def ask_command(
         return
     table = answers_rows_table(records, f"kvf ask: {len(records)} answer{'' if len(records) == 1 else 's'} from {workspace}")
     where = "the documents named" if doc_ids else f"{retriever} top {len(chunks)}"
-    table.caption += (f"; TTFT: one request each (`kvf bench` times methods side by side, warmed up and repeated); "
+    table.caption.append(f"; TTFT: one request each (`kvf bench` times methods side by side, warmed up and repeated); "
                       f"context ({where}): {context_line([doc_label(c) for c in chunks])}")
     Console().print(table)
 

@@ -19,7 +19,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
     # right), else token F1
     acc = any(scored_by_accuracy(r.get("dataset", ""), r.get("gold_mode", "any")) for r in records)
     score = accuracy if acc else (lambda answer, golds, gold_mode: token_f1(answer, golds))
-    table = Table(title=title, expand=True)
+    table = Table(title=Text(title), expand=True)   # Text: a path's or a document's [brackets] are not markup
     table.add_column("method", max_width=20)   # a long labelled name wraps, and leaves the answers their width
     table.add_column("answer", overflow="fold", ratio=1)
     for col in ("acc" if acc else "F1", "vs full", "recomp.", "TTFT ms"):
@@ -43,7 +43,7 @@ def answers_rows_table(records: list[dict], title: str) -> Table:
                "recomp.: chunk tokens recomputed / chunk tokens"]
     if len(records) > MAX_ROWS:
         caption.append(f"first {MAX_ROWS} of {len(records)} records; all of them are in the run file (kvf eval scores them)")
-    table.caption = "; ".join(caption)
+    table.caption = Text("; ".join(caption))
     return table
 
 

@@ -732,7 +732,7 @@ def test_answers_table_scores_a_generated_suite_s_answers_as_kvf_eval_does():
         table = answers_rows_table([dict(record, dataset=dataset)], "t")
         cells = {c.header: [str(v) for v in c._cells] for c in table.columns}
         assert cells[header][1] == value, cells
-        assert table.caption.startswith("acc: " if header == "acc" else "F1: ")
+        assert table.caption.plain.startswith("acc: " if header == "acc" else "F1: ")
         no_gold = answers_rows_table([dict(record, dataset=dataset, gold=[])], "t")   # a question asked without answers
         assert [str(v) for v in no_gold.columns[2]._cells][1] == "-"
 
@@ -767,6 +767,13 @@ def test_answers_table_heads_each_question_once_and_keeps_every_answer_readable_
     lines = out.getvalue().splitlines()
     assert all(len(line) <= 80 for line in lines)
     assert any("Vartroucko" in line for line in lines) and any("province" in line for line in lines)   # wrapped, not cut
+    # a run file's (or a document's) [brackets] in the title or caption were read as markup: runs/[v2].jsonl showed
+    # as runs/.jsonl
+    out = io.StringIO()
+    table = answers_rows_table(records[:2], "kvf run: 2 answers in runs/[v2].jsonl")
+    table.caption.append("; context: notes[draft].txt")
+    Console(file=out, width=200).print(table)
+    assert "runs/[v2].jsonl" in out.getvalue() and "notes[draft].txt" in out.getvalue()
 
 
 def test_answers_table_of_a_labelled_run_keeps_its_ablation_entries(tmp_path):
