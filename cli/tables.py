@@ -89,5 +89,5 @@ def means_table(path: Path, width: int) -> Table | None:
         return None
     table = summary_table(summary, f"kvf run: means over {questions} questions", width, full_copy="it")
     note = f"as `kvf eval {path}` scores the file (it also writes every pair's test, plots and summary.md)"
-    table.caption = f"{note}; {table.caption}" if table.caption else note
+    table.caption = Text(f"{note}; {table.caption}" if table.caption else note)   # the path's [brackets]: not markup
     return table

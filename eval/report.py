@@ -617,7 +617,7 @@ def summary_table(summary: pd.DataFrame, title: str = "kvf eval", width: int = 1
         droppable.append("dataset")
 
     def build(columns: list[str]) -> Table:
-        table = Table(title=title)
+        table = Table(title=Text(title))   # a dataset named by its file, "[v2]", is not markup
         for c in columns:
             table.add_column(c, justify="left" if c in ("dataset", "method", "label", "variant", "note") else "right")
         for _, row in summary.iterrows():

@@ -801,12 +801,12 @@ def test_a_run_of_several_questions_ends_with_its_means_as_kvf_eval_scores_them(
     from kvf.eval.report import evaluate
 
     def record(qid, method, ratio, answer, first_token):
-        return dict(qid=qid, dataset="toy", method=method, settings=dict(ratio=ratio, variant="prefix"), chunk_ids=["c"],
+        return dict(qid=qid, dataset="toy[v2]", method=method, settings=dict(ratio=ratio, variant="prefix"), chunk_ids=["c"],
                     question=f"{qid}?", answer=answer, gold=["paris"], prompt_tokens=10, chunk_tokens=8,
                     recomputed_tokens=round(8 * ratio), timings=dict(load=0.0, select=0.0, recompute=0.1,
                                                                      first_token=first_token, decode=0.1))
     answers = {"full": ["paris", "paris", "rome", "paris"], "cacheblend": ["paris", "rome", "rome", "lyon paris"]}
-    out = tmp_path / "run.jsonl"
+    out = tmp_path / "run[v2].jsonl"   # brackets: rich markup in a str title or caption, which swallowed them
     out.write_text("".join(json.dumps(record(f"q{i}", m, 1.0 if m == "full" else 0.15, a, 1.0 if m == "full" else 0.3))
                            + "\n" for m, column in answers.items() for i, a in enumerate(column)))
     table = means_table(out, width=200)
@@ -817,6 +817,9 @@ def test_a_run_of_several_questions_ends_with_its_means_as_kvf_eval_scores_them(
         assert cells[column] == [f"{v:.3f}" for v in summary[column]], column
     assert cells["fidelity_f1"][1] == "0.667" and cells["ttft_ratio"][1] == "0.300"   # 1, 0, 1, 2/3; 0.3 s of 1 s
     assert "means over 4 questions" in table.title and f"kvf eval {out}" in table.caption
+    shown = io.StringIO()
+    Console(file=shown, width=400).print(table)
+    assert f"kvf eval {out}" in shown.getvalue() and "means over 4 questions: toy[v2]" in shown.getvalue()
     one = tmp_path / "one.jsonl"
     one.write_text("".join(line + "\n" for line in out.read_text().splitlines() if '"qid": "q0"' in line))
     assert means_table(one, width=200) is None
