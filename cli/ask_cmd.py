@@ -42,16 +42,14 @@ def ask_command(
     """Answer one question from a workspace with each method: the answers, tokens recomputed, TTFT; no run file."""
     import json
     from kvf.cli.run_cmd import check_ratio_used
-    from kvf.cli.search_cmd import doc_label
+    from kvf.cli.search_cmd import check_not_a_workspace, doc_label
     from kvf.cli.tables import answers_rows_table
     from kvf.errors import KvfError, flags_kept
     from kvf.pipeline.workflows.api import WorkspaceSession
     from kvf.pipeline.workflows.display import progress_bar
     from kvf.pipeline.workflows.run import parse_methods, parse_ratios
-    from kvf.pipeline.workflows.workspace import Workspace, folder_kind
-    if folder_kind(Path(question)) == "workspace":   # kvf ask WORKSPACE: the question left out, the workspace in its place
-        raise KvfError(f'{question} is a workspace, given where the question goes; pass it with -w and the question: '
-                       f'kvf ask "QUESTION" -w {question}')
+    from kvf.pipeline.workflows.workspace import Workspace
+    check_not_a_workspace(question, "question", 'the question: kvf ask "QUESTION"')
     use_store_flags(None, s3_endpoint)   # the workspace's store may be on S3, at a non-AWS endpoint
     entries = parse_methods(method)
     check_ratio_used(ratio, None, entries)
@@ -60,7 +58,7 @@ def ask_command(
     if doc_ids == []:
         raise KvfError(f"--documents {documents!r}: name at least one document id, or leave --documents out to retrieve")
     ws = Workspace(workspace)
-    if not ws.manifest_path.is_file():
+    if not ws.manifest_path.is_file():   # before open_workspace's: a file inside a workspace is said as such, as by search
         raise ws.not_built()
     retriever = retriever.value if retriever is not None else None
     with flags_kept(), WorkspaceSession(workspace, model, device, dtype) as session, \
@@ -68,14 +66,14 @@ def ask_command(
         requests = planned_requests(entries, ratios, session.session.n_layers)
         task = progress.add_task("answering", total=len(requests))
         answers = []
-        for entry, r in requests:   # one request at a time, each timed alone (a long prompt takes a while)
-            progress.update(task, description=f"{entry}" + (f" @ {r}" if r is not None else ""))
-            answers.append((entry, session.answer(question, method=entry, ratio=r, top_k=top_k, retriever=retriever,
-                                                  documents=doc_ids, max_new_tokens=max_new_tokens)))
+        for spec, r in requests:   # one request at a time, each timed alone (a long prompt takes a while)
+            progress.update(task, description=spec.text + (f" @ {r}" if r is not None else ""))
+            answers.append((spec, session.answer(question, method=spec.text, ratio=r, top_k=top_k, retriever=retriever,
+                                                 documents=doc_ids, max_new_tokens=max_new_tokens)))
             progress.advance(task)
         retriever = retriever or session.session.ws.default_retriever()
         chunks = session.session.chunks(answers[0][1].chunk_ids, retriever)
-    records = [as_record(question, gold or [], entry, answer) for entry, answer in answers]
+    records = [as_record(question, gold or [], spec, answer) for spec, answer in answers]
     if json_out:
         print(json.dumps([{"method": r["method"], "label": r["label"], "settings": r["settings"], "answer": r["answer"],
                            "recomputed_tokens": r["recomputed_tokens"], "chunk_tokens": r["chunk_tokens"],
@@ -101,27 +99,22 @@ def context_line(documents: list[str]) -> str:
     return ", ".join(doc + (f" ({n} chunks)" if n > 1 else "") for doc, n in runs)
 
 
-def planned_requests(entries: list[str], ratios: list, n_layers: int) -> list[tuple[str, float | str | None]]:
-    """Each (-m entry, ratio) to answer: every ratio for a method that takes one, once for one that does not
-    (full, reuse). Each entry's knobs are checked against the model first, named as the entry (as kvf run does),
-    so that a bad one is refused before any answer is computed."""
-    from kvf.pipeline.fusion.methods import build_method
+def planned_requests(entries: list[str], ratios: list, n_layers: int) -> list[tuple]:
+    """Each (-m entry's MethodSpec, ratio) to answer: every ratio for a method that takes one, once for one that
+    does not (full, reuse). Each entry's knobs are checked against the model first, named as the entry (as kvf run
+    does), so that a bad one is refused before any answer is computed."""
     from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO
     from kvf.pipeline.workflows.run import parse_method_spec
     requests = []
-    for entry in entries:
-        spec = parse_method_spec(entry)
-        with spec.names_its_knobs():
-            fusion = build_method(spec.name, DEFAULT_RATIO, spec.knobs)
-            fusion.check_model(n_layers)
-        requests += [(entry, r) for r in ratios] if fusion.ratio_is_knob else [(entry, None)]
+    for spec in map(parse_method_spec, entries):
+        takes_ratio = spec.build(DEFAULT_RATIO, n_layers=n_layers).ratio_is_knob
+        requests += [(spec, r) for r in ratios] if takes_ratio else [(spec, None)]
     return requests
 
 
-def as_record(question: str, gold: list[str], entry: str, answer) -> dict:
+def as_record(question: str, gold: list[str], spec, answer) -> dict:
     """A WorkspaceAnswer as the run record fields the answers table reads (kvf run's table, one question)."""
-    name, _, label = entry.partition(":")
     return {"qid": "ask", "question": question, "gold": gold, "gold_mode": "any", "dataset": "",
-            "method": name.strip(), "label": label or None, "settings": answer.settings, "answer": answer.text,
+            "method": spec.name, "label": spec.label, "settings": answer.settings, "answer": answer.text,
             "recomputed_tokens": answer.recomputed_tokens, "chunk_tokens": answer.chunk_tokens,
             "prompt_tokens": answer.prompt_tokens, "timings": answer.timings, "chunk_ids": answer.chunk_ids}

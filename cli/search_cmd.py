@@ -42,6 +42,13 @@ def hits_table(hits, chunks, title: str, snippet_width: int) -> Table:
     return table
 
 
+def check_not_a_workspace(text: str, what: str, fix: str) -> None:
+    """`kvf search WORKSPACE` (or `kvf ask WORKSPACE`): the query left out, the workspace in its place."""
+    from kvf.pipeline.workflows.workspace import folder_kind
+    if folder_kind(Path(text)) == "workspace":
+        raise KvfError(f"{text} is a workspace, given where the {what} goes; pass it with -w and {fix} -w {text}")
+
+
 def search_command(
     query: Annotated[str, typer.Argument(help="What to search for, in plain words.")],
     workspace: Annotated[Path, typer.Option(
@@ -57,12 +64,10 @@ def search_command(
     import json
     from kvf.pipeline.retrieval.chunking import ChunkTable
     from kvf.pipeline.workflows.run import check_index_fresh
-    from kvf.pipeline.workflows.workspace import Workspace, folder_kind
+    from kvf.pipeline.workflows.workspace import Workspace
     ws = Workspace(workspace)
     if not ws.chunks_path.is_file():   # no build reached its indexes (a first build stopped in stage 1 may leave the folder)
-        if folder_kind(Path(query)) == "workspace":   # kvf search WORKSPACE: the query left out, the workspace in its place
-            raise KvfError(f'{query} is a workspace, given where the query goes; pass it with -w and the words to search '
-                           f'for: kvf search "WORDS" -w {query}')
+        check_not_a_workspace(query, "query", 'the words to search for: kvf search "WORDS"')
         raise ws.not_built()
     mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently

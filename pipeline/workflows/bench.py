@@ -367,8 +367,7 @@ def plan(opts: BenchOptions) -> list[tuple]:
     for entry in entries:
         spec = parse_method_spec(entry)
         for ratio in opts.ratios:
-            with spec.names_its_knobs():
-                method = build_method(spec.name, ratio, {**opts.knobs, **spec.knobs})
+            method = spec.build(ratio, opts.knobs)
             key = (spec.name, str(method.settings()))
             if key not in seen:
                 seen.add(key)

@@ -150,6 +150,15 @@ class MethodSpec:
         """A knob this entry set and a method refused (-m cacheblend:check_layer=99) is named as the entry."""
         return knob_errors_named(self.knobs, lambda knob, problem: f"--method {self.text}: {knob}: {problem}")
 
+    def build(self, ratio: float, knobs: dict | None = None, n_layers: int | None = None) -> FusionMethod:
+        """This entry's method at `ratio`, its knobs over `knobs` (a run's --knob flags), checked against a model of
+        n_layers where given; a refused knob is named as the entry."""
+        with self.names_its_knobs():
+            method = build_method(self.name, ratio, {**(knobs or {}), **self.knobs})
+            if n_layers is not None:
+                method.check_model(n_layers)
+        return method
+
     @property
     def label(self) -> str | None:
         """Entries with their own settings are told apart in records and tables by their text."""
@@ -269,10 +278,7 @@ def plan_methods(opts: RunOptions, n_layers: int | None = None) -> list[Planned]
         spec = parse_method_spec(entry)
         label = " ".join(filter(None, (opts.label, spec.label))) or None
         for ratio in opts.ratios:
-            with spec.names_its_knobs():
-                method = build_method(spec.name, ratio, {**(opts.knobs or {}), **spec.knobs})
-                if n_layers is not None:
-                    method.check_model(n_layers)
+            method = spec.build(ratio, opts.knobs, n_layers)
             variant = spec.variant or opts.variant or method.offline_variant
             if not method.uses_store:   # full reads no stored entry: the same request under any --variant
                 variant = method.offline_variant
