@@ -31,7 +31,7 @@ from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.fusion.methods import get_method
 from kvf.pipeline.workflows.weights import ModelRef, open_model
 from kvf.pipeline.fusion.sources import StoreKVSource
-from kvf.pipeline.workflows.workspace import EntryKeys, Workspace
+from kvf.pipeline.workflows.workspace import EntryKeys, Workspace, ids_digest
 
 QUIET = Console(file=io.StringIO())
 CHUNK_TOKENS = 32
@@ -651,9 +651,9 @@ def test_a_build_stopped_in_its_kv_stage_resumes_without_building_its_indexes_ag
     resumed = build_cache(opts, QUIET)
     assert stage_names(resumed) == {"chunk", "kv prefix"}
     manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
-    chunk_ids = [c.chunk_id for c in read_chunks_table(tmp_path / "ws" / "chunks.parquet")]
+    table = read_chunks_table(tmp_path / "ws" / "chunks.parquet")
     from kvf.pipeline.workflows.build import index_digests
-    assert manifest["indexes"] == index_digests(manifest, chunk_ids)
+    assert manifest["indexes"] == index_digests(manifest, [c.chunk_id for c in table], [c.title for c in table])
 
 
 def test_neighbour_probes_other_than_the_workspaces_search_again_and_the_default_keeps_older_workspaces(tmp_path,
@@ -759,6 +759,35 @@ def test_an_index_rebuilt_by_a_stopped_build_is_not_trusted_for_the_chunks_it_wa
     assert {chunk_id for chunk_id, _ in hits} <= table   # the removed document's chunk is not found
 
 
+
+def test_a_title_edited_in_the_corpus_is_indexed_again_by_bm25(tmp_path):
+    """BM25 indexes a chunk's title with its text, and its digest held the chunk ids alone: a document whose title
+    was edited (no chunk id changes) kept its old title in BM25, found by the old word and not by the new, while
+    search showed the new. A workspace whose digest is the chunk set alone (built before titles were in it) is
+    fresh for kvf run, and its next build indexes BM25 again."""
+    from kvf.pipeline.retrieval.bm25 import BM25Searcher
+    from kvf.pipeline.workflows.run import stale_indexes
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows = [{"id": "a", "title": "Zorblat", "text": "The river runs north to the sea."},
+            {"id": "b", "title": "Mountains", "text": "Snow covers the peaks in winter."}]
+    (corpus / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    opts = opts_for(tmp_path, corpus, bm25=True, dense=False, indexes_only=True)
+    build_cache(opts, QUIET)
+    ws = tmp_path / "ws"
+    rows[0]["title"] = "Quixley"
+    (corpus / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "bm25 index" in stage_names(build_cache(opts, QUIET))
+    assert BM25Searcher(ws / "bm25").search("Quixley", 1) and not BM25Searcher(ws / "bm25").search("Zorblat", 1)
+    assert "bm25 index" not in stage_names(build_cache(opts, QUIET))    # nothing changed: not again
+    # a workspace whose record holds the chunk set alone
+    manifest = json.loads((ws / "manifest.json").read_text())
+    legacy = ids_digest([c.chunk_id for c in read_chunks_table(ws / "chunks.parquet")])
+    manifest["indexes"]["bm25"] = legacy
+    (ws / "manifest.json").write_text(json.dumps(manifest))
+    (ws / "indexes.json").write_text(json.dumps(manifest["indexes"]))
+    assert stale_indexes(Workspace(ws), manifest) == []
+    assert "bm25 index" in stage_names(build_cache(opts, QUIET))
 
 def test_a_ray_driver_without_a_gpu_embeds_the_dense_index_on_its_cpu(built, tmp_path, monkeypatch):
     """With --ray, --device cuda names the workers' device; a driver without a GPU embedded on cuda and failed."""

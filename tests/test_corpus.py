@@ -175,7 +175,37 @@ def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys
     assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
     err = " ".join(capsys.readouterr().err.split())
     assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.pdf" in err
-    assert "kvf reads .txt, .md, .jsonl, .jsonl.gz files" in err
+    assert "1 .pdf; kvf reads .txt, .md, .markdown, .rst, .jsonl (each also gzipped, .gz) files" in err
+
+
+def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_counted_by_kind(tmp_path, capsys):
+    """A docs folder as users have them (/usr/share/doc): README.markdown, .rst, .md.gz and README with no
+    extension. Only .txt, .md and .jsonl(.gz) were read, and the warning named one skipped file of four. Text
+    files of each kind, gzipped or not, are documents titled by their first heading (markdown's ATX or setext,
+    reStructuredText's underlined line); the files still skipped are counted by kind."""
+    (tmp_path / "sodium.markdown").write_text("[![badge](x.svg)](ci)\n\nLibsodium\n=========\n\nA library.\n")
+    (tmp_path / "httplib2.md").write_text("Introduction\n============\n\nA client.\n\n### HTTP and HTTPS\n")
+    (tmp_path / "yq.rst").write_text("..  badge\n\n===\nyq\n===\n\nA jq wrapper.\n")
+    (tmp_path / "zstd.md.gz").write_bytes(gzip.compress(b"__Zstandard__ compresses.\n\n## Benchmarks\n"))
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress("Caf\u00e9 notes.".encode()))
+    (tmp_path / "plain.rst").write_text("No title here, a paragraph.\n")
+    (tmp_path / "README").write_text("no extension")
+    (tmp_path / "LICENSE").write_text("no extension either")
+    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7")
+    docs = {d.doc_id: d for d in read_corpus(tmp_path)}
+    assert {doc_id: d.title for doc_id, d in docs.items()} == {
+        "httplib2.md": "Introduction", "notes.txt.gz": "notes", "plain.rst": "plain",
+        "sodium.markdown": "Libsodium", "yq.rst": "yq", "zstd.md.gz": "Benchmarks"}
+    assert docs["notes.txt.gz"].text == "Caf\u00e9 notes."
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped 3 file(s) with unsupported extensions" in err and "(2 with no extension, 1 .pdf;" in err
+    assert "rename a plain-text file to .txt" in err
+
+
+def test_a_damaged_gzipped_text_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "notes.md.gz").write_bytes(gzip.compress(b"# Notes\nsome text")[:-6])
+    with pytest.raises(KvfError, match=r"notes\.md\.gz: not a readable gzip file"):
+        read_corpus(tmp_path)
 
 
 def test_missing_path_is_an_error(tmp_path):
@@ -190,7 +220,7 @@ def test_empty_dir_is_an_error(tmp_path):
 
 def test_no_supported_files_lists_extensions(tmp_path):
     (tmp_path / "paper.pdf").write_bytes(b"%PDF")
-    with pytest.raises(KvfError, match=r"\.txt, \.md, \.jsonl"):
+    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.jsonl"):
         read_corpus(tmp_path)
 
 

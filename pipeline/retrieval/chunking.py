@@ -186,7 +186,13 @@ def iter_chunk_tokens(path: str | Path, rows: int = 4096):
 
 def read_chunk_ids(path: str | Path) -> list[str]:
     """The chunks' ids only, in table order (no token ids or texts as Python objects)."""
-    return _checked_table(path, ["chunk_id"]).column("chunk_id").to_pylist()
+    return read_chunk_columns(path, ["chunk_id"])[0]
+
+
+def read_chunk_columns(path: str | Path, columns: list[str]) -> list[list]:
+    """Those columns of the chunks table only, each a list in table order."""
+    table = _checked_table(path, columns)
+    return [table.column(name).to_pylist() for name in columns]
 
 
 class ChunkRows(Mapping):
@@ -219,6 +225,7 @@ class ChunkTable(ChunkRows):
         super().__init__(self._table.column("chunk_id").to_pylist())
         self._lengths = pc.list_value_length(self._table.column("token_ids")).to_numpy()   # [chunks] tokens each
         self.texts = _TextColumn(self._table.column("text"))
+        self.titles = _TextColumn(self._table.column("title"))
         pa.default_memory_pool().release_unused()   # the reader's decompression buffers: half again the table
 
     def __getitem__(self, chunk_id: str) -> Chunk:

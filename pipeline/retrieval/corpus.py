@@ -1,4 +1,5 @@
-"""Read a corpus of documents from a folder of .txt, .md, .jsonl and .jsonl.gz files."""
+"""Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst) and .jsonl files, each also
+gzipped (.gz)."""
 import codecs
 import gzip
 import json
@@ -6,6 +7,7 @@ import math
 import os
 import re
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,14 +15,20 @@ from pathlib import Path
 
 from kvf.errors import KvfError, shown, stand_in, warn
 
-SUPPORTED_EXTENSIONS = (".txt", ".md", ".jsonl", ".jsonl.gz")
+# one document per file (the title from its first heading, markdown's or reStructuredText's), or one per line
+MARKDOWN_EXTENSIONS, RST_EXTENSIONS = (".md", ".markdown"), (".rst",)
+PLAIN_EXTENSIONS = (".txt", *MARKDOWN_EXTENSIONS, *RST_EXTENSIONS)
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
+SUPPORTED_EXTENSIONS = tuple(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz"))
+SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl")) + " (each also gzipped, .gz)"   # for messages
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
+_SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
+_RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1{2,}\s*$")   # a line of one punctuation mark, 3 or more
 
 
 @dataclass
 class Document:
-    doc_id: str       # relative path for .txt/.md, the row's "id" for .jsonl(.gz)
+    doc_id: str       # relative path for a text file, the row's "id" for .jsonl(.gz)
     title: str
     text: str
     source_file: str  # the file it came from, for messages
@@ -29,10 +37,10 @@ class Document:
 def list_corpus_files(root: Path) -> list[Path]:
     """Every supported file under root (or root itself), sorted so doc order is reproducible."""
     if not root.exists():
-        raise KvfError(f"corpus path {root} does not exist; pass a folder of {', '.join(SUPPORTED_EXTENSIONS)} files")
+        raise KvfError(f"corpus path {root} does not exist; pass a folder of {SUPPORTED} files")
     if root.is_file():
         if not is_supported(root):
-            raise KvfError(f"corpus file {root} is not a supported type; use one of {', '.join(SUPPORTED_EXTENSIONS)}")
+            raise KvfError(f"corpus file {root} is not a supported type; use one of {SUPPORTED}")
         return [root]
     found = files_under(root)
     files = [p for p in found if p.is_file()]
@@ -40,16 +48,22 @@ def list_corpus_files(root: Path) -> list[Path]:
     if broken:
         warn(f"skipped {len(broken)} link(s) whose target is missing, e.g. {broken[0]} -> {os.readlink(broken[0])}")
     if not files:
-        raise KvfError(f"corpus folder {root} is empty; put {', '.join(SUPPORTED_EXTENSIONS)} files in it")
+        raise KvfError(f"corpus folder {root} is empty; put {SUPPORTED} files in it")
     supported = [p for p in files if is_supported(p)]
     if not supported:
-        raise KvfError(f"corpus folder {root} has no supported files; "
-                       f"supported extensions are {', '.join(SUPPORTED_EXTENSIONS)}")
+        raise KvfError(f"corpus folder {root} has no supported files ({kinds_of(files)}); "
+                       f"supported extensions are {SUPPORTED}; rename a plain-text file to .txt")
     if len(supported) < len(files):
         skipped = [p for p in files if not is_supported(p)]
-        warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]} "
-             f"(kvf reads {', '.join(SUPPORTED_EXTENSIONS)} files; convert the others to text)")
+        warn(f"skipped {len(skipped)} file(s) with unsupported extensions, e.g. {skipped[0]} ({kinds_of(skipped)}; "
+             f"kvf reads {SUPPORTED} files; convert the others to text, or rename a plain-text file to .txt)")
     return supported
+
+
+def kinds_of(files: list[Path]) -> str:
+    """'3 .pdf, 1 with no extension': what a folder's unread files are, so a user sees which kind to convert."""
+    counts = Counter(f.suffix.lower() or "with no extension" for f in files)
+    return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 
 
 def files_under(root: Path) -> list[Path]:
@@ -104,8 +118,10 @@ def open_lines(path: Path, on_bytes=None):
 
 
 def read_text_file(path: Path) -> str | None:
-    """UTF-8 text of a file, or None (with a warning) when it is binary or another encoding."""
-    data = path.read_bytes()
+    """UTF-8 text of a file (decompressed, for .gz), or None (with a warning) when it is binary or another
+    encoding."""
+    with open_lines(path) as (f, _):
+        data = f.read()
     if not _is_text(path, data[:8192]):
         return None
     try:
@@ -157,21 +173,48 @@ def _not_utf8(path: Path, byte: int) -> None:
 
 
 def markdown_title(text: str, fallback: str) -> str:
-    """The first ATX heading (`# Title`) of a markdown text, else the fallback."""
-    for line in text.splitlines():
+    """The first heading of a markdown text: ATX (`# Title`) or setext (`Title` underlined by === or ---), else
+    the fallback."""
+    lines = text.splitlines()
+    for line, below in zip(lines, lines[1:] + [""]):
         match = _MD_HEADING.match(line)
         if match:
             return match.group(1)
+        if underlined(line, below, _SETEXT_UNDERLINE):
+            return line.strip()
     return fallback
 
 
+def rst_title(text: str, fallback: str) -> str:
+    """The first section title of a reStructuredText text (a line underlined, and perhaps overlined, by one
+    punctuation mark at least as long as it), else the fallback."""
+    lines = text.splitlines()
+    for line, below in zip(lines, lines[1:]):
+        if underlined(line, below, _RST_UNDERLINE) and len(below.rstrip()) >= len(line.rstrip()):
+            return line.strip()
+    return fallback
+
+
+def underlined(line: str, below: str, underline: re.Pattern) -> bool:
+    """A line of text (not itself an underline or overline) with an underline below it."""
+    return bool(line.strip()) and not underline.match(line) and bool(underline.match(below))
+
+
 def read_plain_document(path: Path, root: Path) -> Document | None:
-    """One .txt or .md file is one document, keyed by its path relative to the corpus root."""
+    """One text file is one document, keyed by its path relative to the corpus root; its title is its first
+    heading (markdown, reStructuredText), else its name without extensions."""
     text = read_text_file(path)
     if text is None:
         return None
     doc_id = path.relative_to(root).as_posix() if path != root else path.name
-    title = markdown_title(text, path.stem) if path.suffix.lower() == ".md" else path.stem
+    name = path.name[:-3] if path.name.lower().endswith(".gz") else path.name   # notes.md.gz: markdown, "notes"
+    stem = Path(name).stem
+    if is_supported(Path(name), MARKDOWN_EXTENSIONS):
+        title = markdown_title(text, stem)
+    elif is_supported(Path(name), RST_EXTENSIONS):
+        title = rst_title(text, stem)
+    else:
+        title = stem
     return Document(doc_id=doc_id, title=title, text=text, source_file=str(path))
 
 
@@ -273,7 +316,7 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     if not first_seen:
         # a skipped file or document was warned about; an empty file is skipped without a word
         why = "its files are empty" if all(f.stat().st_size == 0 for f in files) else "see the warnings above"
-        raise KvfError(f"corpus {root} has no readable non-empty documents ({why}); put .txt, .md or .jsonl "
+        raise KvfError(f"corpus {root} has no readable non-empty documents ({why}); put {SUPPORTED} "
                        f"documents in it")
 
 

@@ -259,12 +259,19 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console 
 REBUILDABLE = ("bm25", "dense", "neighbours")
 
 
-def index_digests(manifest: dict, chunk_ids: list[str]) -> dict[str, str]:
+def index_digests(manifest: dict, chunk_ids: list[str], titles: list[str]) -> dict[str, str]:
     """What each index's entry in manifest["indexes"] must be for the current chunks table."""
     chunk_set = ids_digest(chunk_ids)
-    return {"bm25": chunk_set, "dense": dense_digest(chunk_set, manifest.get("embedder"), manifest.get("n_neighbours"),
-                                                     manifest.get("neighbour_probes"),
-                                                     manifest.get("exact_neighbours_up_to"))}
+    return {"bm25": bm25_digest(chunk_set, titles),
+            "dense": dense_digest(chunk_set, manifest.get("embedder"), manifest.get("n_neighbours"),
+                                  manifest.get("neighbour_probes"), manifest.get("exact_neighbours_up_to"))}
+
+
+def bm25_digest(chunk_set: str, titles: list[str]) -> str:
+    """What the BM25 index was made from: the chunks and their documents' titles, which it indexes with their text
+    (a title edited in the corpus changes no chunk id). A workspace built before titles were in it recorded the
+    chunk set alone; kvf run takes that as fresh, and its next build indexes BM25 once more."""
+    return ids_digest(["bm25", chunk_set, ids_digest(titles)])
 
 
 def dense_digest(chunk_set: str, embedder: str | None, n_neighbours: int | None, probes: int | None,
@@ -297,14 +304,15 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
     from kvf.pipeline.retrieval.neighbours import save_neighbours, top_neighbours
     stats = []
     chunk_set = ids_digest(chunks.ids)
+    bm25_key = bm25_digest(chunk_set, list(chunks.titles))
     tokens = chunks.tokens()
-    if opts.bm25 and ("bm25" in opts.rebuild or not (previous.get("bm25") == chunk_set and ws.bm25_dir.is_dir())):
+    if opts.bm25 and ("bm25" in opts.rebuild or not (previous.get("bm25") == bm25_key and ws.bm25_dir.is_dir())):
         from kvf.pipeline.retrieval.bm25 import build_bm25
         record_index(ws, previous, "bm25", None)
         started = time.perf_counter()
         with stage(console, "BM25 index", len(chunks)) as advance:
             build_bm25(chunks.chunks(), ws.bm25_dir, on_batch=advance)
-        record_index(ws, previous, "bm25", chunk_set)
+        record_index(ws, previous, "bm25", bm25_key)
         stats.append(StageStat("bm25 index", len(chunks), tokens, time.perf_counter() - started))
     need_dense = opts.dense or "fusion" in opts.variants
     dense_key = dense_digest(chunk_set, opts.embedder, opts.n_neighbours, opts.neighbour_probes,
@@ -339,7 +347,7 @@ def stage_indexes(opts: BuildOptions, ws: Workspace, chunks: ChunkTable, previou
             ws.legacy_neighbours_path.unlink(missing_ok=True)
         record_index(ws, previous, "dense", dense_key)
         stats.append(StageStat("neighbours", len(chunks), 0, time.perf_counter() - started))
-    previous.update({"bm25": chunk_set if opts.bm25 else previous.get("bm25"),
+    previous.update({"bm25": bm25_key if opts.bm25 else previous.get("bm25"),
                      "dense": dense_key if need_dense else previous.get("dense")})
     return stats
 

@@ -28,7 +28,7 @@ from kvf.pipeline.fusion.methods import FusionMethod, build_method, check_method
 from kvf.pipeline.fusion.methods.base import check_knobs_used, knob_errors_named
 from kvf.pipeline.model.prompt import build_prompt, make_template
 from kvf.pipeline.records import RunFile, RunRecord, cut_answers_line, cut_in_gold, parse_record, run_name
-from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_ids
+from kvf.pipeline.retrieval.chunking import ChunkTable, read_chunk_columns, read_chunk_ids
 from kvf.pipeline.retrieval.neighbours import load_neighbours
 from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chunk_fits, check_room, index_digests,
                                           missing_entries, open_workspace_store, settle_settings, stage_chunks,
@@ -39,7 +39,7 @@ from kvf.pipeline.workflows.provenance import provenance
 from kvf.pipeline.workflows.session import (Session, check_entries_dtype, check_workspace_model, open_run_store,
                                             run_extras, workspace_path)
 from kvf.pipeline.workflows.weights import open_model
-from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant, folder_kind
+from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant, folder_kind, ids_digest
 
 SETTINGS = ("auto", "per-question", "shared")
 RETRIEVERS = ("bm25", "dense")
@@ -574,10 +574,14 @@ def check_run_room(builder: EntryBuilder, chunks: ChunkTable, neighbours_of, pic
 
 def stale_indexes(ws: Workspace, manifest: dict) -> list[str]:
     """The indexes the manifest says were built from another chunks table than the workspace's (an index
-    built before indexes recorded their chunk set is taken as fresh)."""
+    built before indexes recorded their chunk set is taken as fresh, and a BM25 index built before they recorded
+    its titles, on the same chunks)."""
     built_from = manifest.get("indexes") or {}
-    fresh = index_digests(manifest, read_chunk_ids(ws.chunks_path))
-    return [name for name, digest in built_from.items() if name in fresh and digest not in (None, fresh[name])]
+    chunk_ids, titles = read_chunk_columns(ws.chunks_path, ["chunk_id", "title"])
+    fresh = index_digests(manifest, chunk_ids, titles)
+    legacy = {"bm25": ids_digest(chunk_ids)}
+    return [name for name, digest in built_from.items()
+            if name in fresh and digest not in (None, fresh[name], legacy.get(name))]
 
 
 def check_index_fresh(ws: Workspace, retriever: str) -> None:

@@ -67,7 +67,7 @@ class EntryKeys:
 
 def document_meant(doc_id: str, doc_chunks: dict[str, list[str]]) -> str | None:
     """The workspace document an id not among doc_chunks most likely means: its file name with the extension left
-    off (ids of .txt and .md documents are file names), else one spelt alike (small workspaces only)."""
+    off (ids of text files' documents are file names), else one spelt alike (small workspaces only)."""
     if doc_id in doc_chunks:
         return None
     for extension in SUPPORTED_EXTENSIONS:
