@@ -82,6 +82,9 @@ CASES = {
                                   ["--questions", "is a prepared dataset; pass it as --dataset"]),
     "build-cache --extras-for another case": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--extras-for", "CacheCraft"],
                                               ["--extras-for CacheCraft: unknown method (did you mean cachecraft?)"]),
+    # a README with no extension, named alone: the fix for a plain-text file is its name
+    "build-cache a file with no extension": (lambda d, t: ["build-cache", write(t / "README", b"Plain text."), "-w", t / "ws"],
+                                             ["corpus file", "README is not a supported type", ".rst", "rename a plain-text file to .txt"]),
     "build-cache on a workspace": (lambda d, t: ["build-cache", d[1], "-w", t / "ws"],
                                    ["corpus", "is a workspace (kvf build-cache made it)", "pass the documents it was built from"]),
     "build-cache on a prepared dataset": (lambda d, t: ["build-cache", d[0], "-w", t / "ws"],

@@ -40,7 +40,8 @@ def list_corpus_files(root: Path) -> list[Path]:
         raise KvfError(f"corpus path {root} does not exist; pass a folder of {SUPPORTED} files")
     if root.is_file():
         if not is_supported(root):
-            raise KvfError(f"corpus file {root} is not a supported type; use one of {SUPPORTED}")
+            raise KvfError(f"corpus file {root} is not a supported type; use one of {SUPPORTED}, or rename a "
+                           "plain-text file to .txt")
         return [root]
     found = files_under(root)
     files = [p for p in found if p.is_file()]
