@@ -63,7 +63,7 @@ def search_command(
     """Search the workspace's chunks and print the top hits."""
     import json
     from kvf.pipeline.retrieval.chunking import ChunkTable
-    from kvf.pipeline.workflows.run import check_index_fresh
+    from kvf.pipeline.workflows.run import check_index_fresh, warn_corpus_changed
     from kvf.pipeline.workflows.workspace import Workspace
     ws = Workspace(workspace)
     if not ws.chunks_path.is_file():   # no build reached its indexes (a first build stopped in stage 1 may leave the folder)
@@ -72,6 +72,7 @@ def search_command(
     mode = SearchMode(mode or ws.default_retriever())
     if ws.manifest_path.is_file():   # an index of an older chunk set would miss every newer document, silently
         check_index_fresh(ws, mode.value)
+        warn_corpus_changed(ws)
     hits = ws.open_searcher(mode.value).search(query, k)
     chunks = ws.indexed_chunks(ChunkTable(ws.chunks_path), [cid for cid, _ in hits], mode.value)
     if json_out:

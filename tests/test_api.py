@@ -169,6 +169,12 @@ def test_your_own_docs_and_questions_from_the_readme(tmp_path, capsys, monkeypat
     # chunks beside reuse's record from the old ones, and eval would pair them. Refused; with nothing left to
     # answer, resuming is fine, and says that the answers come from the old text (it said only "nothing to run")
     (docs / "doc2.txt").write_text(short_docs[2].replace("wild goats", "wild goats and ibex"))
+    # before the rebuild, the workspace answers from the old text: kvf search and open_workspace say so
+    stale = f"{docs} changed since workspace {tmp_path / 'workspace'} was built (a document edited, added or removed)"
+    code, _, err = cli(["search", "ibex", "-w", tmp_path / "workspace"], capsys, monkeypatch)
+    assert code == 0 and stale in " ".join(err.split()), err
+    kvf.open_workspace(tmp_path / "workspace").close()
+    assert stale in " ".join(capsys.readouterr().err.split())
     code, _, err = cli(["build-cache", docs, "-w", tmp_path / "workspace", "--chunk-tokens", "64"], capsys, monkeypatch)
     assert code == 0, err
     resume = ["run", "-w", tmp_path / "workspace", "-q", own, "--max-new-tokens", "4", "-o", tmp_path / "own.jsonl"]

@@ -466,6 +466,41 @@ def test_a_dataset_prepared_again_with_more_questions_is_chunked_again_into_its_
     assert json.loads((ws / "manifest.json").read_text())["indexes"]["bm25"] != "0" * 64
 
 
+def test_a_passage_edited_in_a_datasets_corpus_is_chunked_again_and_a_workspace_named_with_w_says_so(tmp_path, capsys):
+    """A passage edited in place in DATASET/corpus keeps its id, so the dataset's workspace still had chunks for
+    every passage its questions cite: `kvf run -d` answered from the old text without a word. The workspace keeps
+    a stamp of the files it was chunked from; an edit since is chunked and indexed again, and a workspace named
+    with -w (which kvf run never rebuilds) is said to answer from its documents as they were."""
+    from kvf.pipeline.data.synthetic import make_synthetic
+    from kvf.pipeline.retrieval.chunking import read_chunks_table
+    data = tmp_path / "data"
+    make_synthetic(data, n_questions=2, passages_per_question=3, seed=5)
+    opts = RunOptions(dataset=data, methods=["reuse"], ratios=[0.0], out=tmp_path / "a.jsonl", max_new_tokens=1,
+                      warmup=False, chunk_tokens=64, model=str(tiny_llama_dir(tmp_path / "tiny")))
+    run(opts, QUIET)
+    ws = data / "workspace"
+    [corpus_file] = [f for f in (data / "corpus").iterdir() if f.is_file()]
+    rows = [json.loads(line) for line in corpus_file.read_text().splitlines()]
+    question = json.loads((data / "questions.jsonl").read_text().splitlines()[0])
+    edited = next(r for r in rows if r["id"] == question["context_ids"][0])
+    edited["text"] = "Quillmarsh harbour was rebuilt in stone. " + edited["text"]
+    corpus_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = io.StringIO()
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "b.jsonl"}), Console(file=out, width=300))
+    assert f"{data / 'corpus'} changed since workspace {ws} was chunked" in out.getvalue()
+    text_of = {c.chunk_id: c.text for c in read_chunks_table(ws / "chunks.parquet")}
+    [record] = [r for r in read_records(tmp_path / "b.jsonl") if r["qid"] == question["id"]]
+    assert text_of[record["chunk_ids"][0]].startswith("Quillmarsh harbour was rebuilt")   # the text as it is now
+    out = io.StringIO()
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "c.jsonl"}), Console(file=out, width=300))
+    assert "chunking and indexing" not in out.getvalue()                      # chunked since: used as it is
+    capsys.readouterr()
+    corpus_file.write_text(corpus_file.read_text() + json.dumps({"id": "new", "text": "Added later."}) + "\n")
+    run(RunOptions(**{**opts.__dict__, "out": tmp_path / "d.jsonl", "workspace": ws}), QUIET)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{(data / 'corpus').resolve()} changed since workspace {ws} was built" in err
+    assert f"`kvf build-cache -w {ws}` brings it up to date" in err
+
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "0.1,abc", ""])
 def test_bad_ratio_is_refused(text):
     with pytest.raises(KvfError, match="--ratio"):

@@ -2,6 +2,7 @@
 gzipped (.gz)."""
 import codecs
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -67,10 +68,11 @@ def kinds_of(files: list[Path]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 
 
-def files_under(root: Path) -> list[Path]:
+def files_under(root: Path, quiet: bool = False) -> list[Path]:
     """Every name under root that is not a folder, sorted so document order is reproducible. Hidden files and
     folders (.git, .DS_Store) are never corpus content. A linked folder (corpus/wiki -> /data/wiki) is read like
-    any other, once: pathlib's rglob skipped it without a word, and a link back up the tree would loop."""
+    any other, once: pathlib's rglob skipped it without a word, and a link back up the tree would loop.
+    quiet: no warning of a folder it cannot list (a check, not a build)."""
     found, seen, unreadable = [], set(), []
     for folder, subfolders, names in os.walk(root, followlinks=True, onerror=unreadable.append):
         real = os.path.realpath(folder)
@@ -80,11 +82,24 @@ def files_under(root: Path) -> list[Path]:
         seen.add(real)
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         found += [Path(folder) / name for name in names if not name.startswith(".")]
-    if unreadable:   # os.walk skips a folder it cannot list; its documents would be missing without a word
+    if unreadable and not quiet:   # os.walk skips a folder it cannot list; its documents would be missing without a word
         first = unreadable[0]
         warn(f"skipped {len(unreadable)} folder(s) kvf cannot read, e.g. {first.filename} ({first.strerror}); "
              "fix their permissions to include their documents")
     return sorted(found)
+
+
+def corpus_stamp(root: Path, files: list[Path] | None = None) -> dict:
+    """What a corpus's files were when it was read: how many, and a digest of each one's path, size and change
+    time. A workspace keeps it, so that a document edited, added or removed since is noticed without reading any.
+    files: list_corpus_files(root) when a build has them; else listed here without a word."""
+    if files is None:
+        files = [root] if root.is_file() else [p for p in files_under(root, quiet=True) if p.is_file() and is_supported(p)]
+    made_of = []
+    for file in files:
+        stat = file.stat()
+        made_of.append([file.name if file == root else file.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns])
+    return {"files": len(files), "digest": hashlib.sha256(json.dumps(made_of).encode()).hexdigest()}
 
 
 def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS) -> bool:

@@ -11,7 +11,8 @@ from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
 from kvf.pipeline.fusion.controller import DEFAULT_QUALITY_FLOOR, measure_token_layer_seconds
 from kvf.pipeline.fusion.methods.base import DEFAULT_RATIO, knob_errors_named
-from kvf.pipeline.workflows.run import DEFAULT_TOP_K, check_index_fresh, parse_method_spec, repeated, with_auto_ratio
+from kvf.pipeline.workflows.run import (DEFAULT_TOP_K, check_index_fresh, parse_method_spec, repeated, warn_corpus_changed,
+                                       with_auto_ratio)
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
@@ -52,6 +53,7 @@ class WorkspaceSession:
         if not ws.manifest_path.is_file():
             raise ws.not_built(named="", pass_as="path='{}'")
         self.path = ws.root
+        warn_corpus_changed(ws)
         self._session = Session(ws, model, device, dtype)
         try:
             check_entries_dtype(ws, dtype_name(self.session.dtype),

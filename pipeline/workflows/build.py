@@ -28,7 +28,7 @@ from kvf.cachestore.base import batched
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.retrieval.chunking import (Chunk, ChunkTable, ChunkTableWriter, split_document, tokenize_documents,
                                              tokenizer_fingerprint, validate_chunking)
-from kvf.pipeline.retrieval.corpus import iter_corpus, list_corpus_files
+from kvf.pipeline.retrieval.corpus import corpus_stamp, iter_corpus, list_corpus_files
 from kvf.pipeline.retrieval.neighbours import EXACT_UP_TO, IVF_PROBES
 from kvf.pipeline.files import atomic_path, check_writable_dir
 from kvf.pipeline.fusion.methods import METHODS
@@ -233,6 +233,7 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console 
     document at a time: the corpus and its chunks are never all in memory as Python objects."""
     started = time.perf_counter()
     files = list_corpus_files(Path(opts.corpus)) if files is None else files
+    stamp = corpus_stamp(Path(opts.corpus), files)   # before reading: an edit made while it reads is noticed later
     fingerprint = tokenizer_fingerprint(tokenizer)
     seen, doc_chunks, n_docs = set(), {}, 0
     megabytes = max(1, -(-sum(f.stat().st_size for f in files) // 2**20))
@@ -251,6 +252,7 @@ def stage_chunks(opts: BuildOptions, ws: Workspace, tokenizer, console: Console 
         if not table.chunks:
             raise KvfError(f"corpus {opts.corpus}: no chunk came out of it (every document was empty or skipped)")
     ws.write_doc_chunks(doc_chunks)
+    ws.write_corpus_stamp(stamp)
     return ChunkTable(ws.chunks_path), StageStat("chunk", table.chunks, table.tokens, time.perf_counter() - started,
                                                  counted(n_docs, "document"))
 

@@ -617,6 +617,7 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     into the directory since) is chunked and indexed again, in its own settings; stored KVs stay valid."""
     ws = workspace_path(default_workspace(opts))
     if ws.manifest_path.is_file() and not why_outdated(opts, ws, questions):
+        warn_corpus_changed(ws)
         return ws
     if opts.dataset is None:
         raise ws.not_built()
@@ -649,6 +650,15 @@ def ensure_workspace(opts: RunOptions, console: Console, questions: list[Questio
     return ws
 
 
+def warn_corpus_changed(ws: Workspace) -> None:
+    """A workspace answers from its documents as they were chunked: an edit to the corpus since is said, with
+    the build that takes it in (its new chunks only)."""
+    corpus = ws.corpus_changed()
+    if corpus is not None:
+        warn(f"{corpus} changed since workspace {ws.root} was built (a document edited, added or removed); its "
+             f"answers come from the documents as they were: `kvf build-cache -w {ws.root}` brings it up to date")
+
+
 def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> str | None:
     """Why a prepared dataset's own workspace (DATASET/workspace, built from DATASET/corpus by the same model)
     must be chunked and indexed again, or None: it has no chunks for passages its questions cite, or a refresh
@@ -666,6 +676,8 @@ def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> 
     cited = {pid for q in questions for pid in q.context_ids}
     if cited - ws.doc_chunks().keys():
         return f"workspace {ws.root} lacks passages of {opts.dataset / 'corpus'} that its questions cite"
+    if ws.corpus_changed(corpus):   # a passage edited in place keeps its id: its old text would be answered from
+        return f"{opts.dataset / 'corpus'} changed since workspace {ws.root} was chunked"
     if stale_indexes(ws, manifest):
         return f"workspace {ws.root} was left half updated (its indexes predate its chunks)"
     return None

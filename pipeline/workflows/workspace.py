@@ -4,6 +4,7 @@
       manifest.json      model, fingerprints, chunking, store location (and S3 endpoint) and format
       chunks.parquet     every chunk: id, doc, title, text, token ids
       doc_chunks.json    doc id -> its chunk ids in order (per-question contexts)
+      corpus_stamp.json  how many corpus files were chunked, and a digest of their paths, sizes and times
       bm25/              Lucene index (pyserini)
       dense/             faiss index + embeddings
       neighbours.npz     each chunk's top-n similar chunks (FusionRAG's offline input; .json before)
@@ -28,11 +29,14 @@ from kvf.errors import KvfError, shown
 from kvf.cachestore import FORMATS, entry_key
 from kvf.cachestore.dtypes import STORE_DTYPES
 from kvf.pipeline.files import other_files, write_atomic
-from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, holds_documents
+from kvf.pipeline.retrieval.corpus import SUPPORTED_EXTENSIONS, corpus_stamp, holds_documents
 from kvf.pipeline.workflows.devices import COMPUTE_DTYPES
 
 VARIANTS = ("prefix", "fusion")
 SYSTEM_VARIANT = "system"  # the entry holding S's own KV
+
+
+STAMP_CHECK_FILES = 10_000   # a corpus of more files is not listed again on every run to tell whether it changed
 
 
 def ids_digest(ids: list) -> str:
@@ -207,6 +211,7 @@ class Workspace:
     manifest_path = property(lambda self: self.root / "manifest.json")
     chunks_path = property(lambda self: self.root / "chunks.parquet")
     doc_chunks_path = property(lambda self: self.root / "doc_chunks.json")
+    corpus_stamp_path = property(lambda self: self.root / "corpus_stamp.json")   # what the chunks were read from
     bm25_dir = property(lambda self: self.root / "bm25")
     dense_dir = property(lambda self: self.root / "dense")
     neighbours_path = property(lambda self: self.root / "neighbours.npz")          # what a build writes
@@ -230,8 +235,8 @@ class Workspace:
 
     def own_files(self) -> set[str]:
         """The names build-cache and kvf run put in a workspace folder (the default store in either format)."""
-        paths = (self.manifest_path, self.chunks_path, self.doc_chunks_path, self.bm25_dir, self.dense_dir,
-                 self.neighbours_path, self.legacy_neighbours_path, self.index_state_path,
+        paths = (self.manifest_path, self.chunks_path, self.doc_chunks_path, self.corpus_stamp_path, self.bm25_dir,
+                 self.dense_dir, self.neighbours_path, self.legacy_neighbours_path, self.index_state_path,
                  Path(self.default_store("zarr")), Path(self.default_store("hdf5")))
         return {p.name for p in paths}
 
@@ -426,3 +431,24 @@ class Workspace:
 
     def write_doc_chunks(self, doc_chunks: dict[str, list[str]]) -> None:
         write_atomic(self.doc_chunks_path, json.dumps(doc_chunks))
+
+    def write_corpus_stamp(self, stamp: dict) -> None:
+        write_atomic(self.corpus_stamp_path, json.dumps(stamp))
+
+    def corpus_changed(self, corpus: Path | None = None) -> Path | None:
+        """The corpus this workspace was chunked from, when its files changed since (a document edited, added or
+        removed: the workspace still answers from them as they were); else None, and None when that cannot be told
+        cheaply: no stamp (built before kvf kept one), the corpus gone or moved, or more files than a check should
+        list on every run. corpus: where it is now, when not where the manifest says."""
+        try:
+            recorded = json.loads(self.corpus_stamp_path.read_text())
+            corpus = Path(corpus or self.manifest().get("corpus_absolute") or "")
+        except (OSError, ValueError, KvfError):
+            return None
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), int) \
+                or recorded["files"] > STAMP_CHECK_FILES or not corpus.name or not corpus.exists():
+            return None
+        try:
+            return corpus if corpus_stamp(corpus) != recorded else None
+        except OSError:   # a file removed while it was listed
+            return corpus
