@@ -60,6 +60,9 @@ def eval_command(
         console.print(comparison_table(table, *compare))
         console.print(comparison_summary(table), highlight=False)
     console.print(f"wrote {', '.join(Path(p).name for p in summary.attrs['written'])} to {out}/", highlight=False, markup=False)
+    if summary.attrs["removed"]:
+        console.print(f"removed {', '.join(Path(p).name for p in summary.attrs['removed'])} from {out}/: an earlier "
+                      "kvf eval drew them, and these runs do not", highlight=False, markup=False)
 
 
 def compare_command(

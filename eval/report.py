@@ -803,6 +803,18 @@ def _safe_name(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
+PLOT_PATTERNS = ("ranking_*_ratio*.png", "quality_vs_ratio_*.png", "ttft_vs_ratio.png")   # write_outputs' names
+
+
+def remove_stale_plots(out_dir: Path, written: list[Path]) -> list[Path]:
+    """The plots an earlier eval into out_dir drew that this one did not (a dataset or ratio no longer among the
+    runs) are removed: beside this summary they would pass for its own. Only kvf eval's own plot names."""
+    stale = sorted({p for pattern in PLOT_PATTERNS for p in out_dir.glob(pattern)} - set(written))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, command: str | None = None,
              exclude_questions=None, track=no_progress, exclude_flag: str = "--exclude-questions",
              check_records=None) -> pd.DataFrame:
@@ -829,6 +841,8 @@ def evaluate(run_files: list[Path], out_dir: Path, complete_only: bool = False, 
     warn_no_full_reference(summary)
     warn_other_requests(summary)
     warn_timed_elsewhere(summary)
-    summary.attrs["written"] = [str(p) for p in write_outputs(summary, Path(out_dir), df, command, track)]
+    written = write_outputs(summary, Path(out_dir), df, command, track)
+    summary.attrs["written"] = [str(p) for p in written]
+    summary.attrs["removed"] = [str(p) for p in remove_stale_plots(Path(out_dir), written)]
     summary.attrs["records"] = df
     return summary

@@ -109,7 +109,9 @@ def check_numbers(name: str, table_path: Path, numbers: list[dict], strict: bool
 def check_rendered(name: str, committed: Path, rescored: Path, rescore: str, report: list) -> None:
     """An eval folder made by its rescore command (its summary.md's first line names that command for the committed
     folder) must read as the command renders it now: the same summary.csv and, but for the commit in that first
-    line, the same summary.md. A stale one (made by an older kvf eval) names the command that remakes it."""
+    line, the same summary.md, and the same plots. A stale one (made by an older kvf eval) names the command that
+    remakes it."""
+    from kvf.eval.report import PLOT_PATTERNS
     committed_md, rescored_md = committed.with_name("summary.md"), rescored.with_name("summary.md")
     if committed.name != "summary.csv" or not committed_md.is_file() or not rescored_md.is_file():
         return
@@ -122,6 +124,11 @@ def check_rendered(name: str, committed: Path, rescored: Path, rescore: str, rep
         header[1:] == rescored_md.read_text().split("\n", 1)[1:]
     report.append((same, f"{name}: {folder}/summary.md and summary.csv "
                          + ("as `kvf eval` renders them now" if same else f"are stale; remake them: {command}")))
+    drawn = [{p.name for pattern in PLOT_PATTERNS for p in where.parent.glob(pattern)} for where in (committed, rescored)]
+    report.append((drawn[0] == drawn[1], f"{name}: {folder}'s {len(drawn[0])} plots "
+                   + ("are those `kvf eval` draws now" if drawn[0] == drawn[1] else
+                      f"differ from those `kvf eval` draws now (not drawn now: {sorted(drawn[0] - drawn[1])[:3]}, "
+                      f"missing: {sorted(drawn[1] - drawn[0])[:3]}); remake them: {command}")))
 
 
 def check_data(entry: dict, report: list) -> bool:

@@ -170,6 +170,21 @@ def test_an_ablation_at_one_ratio_gets_ranked_bars_whatever_its_n(tmp_path):
     assert not list((tmp_path / "swept").glob("ranking_*"))
 
 
+def test_plots_an_earlier_eval_drew_into_the_folder_are_removed_and_no_others(runs, tmp_path):
+    """`kvf eval` into a folder an earlier eval wrote, of other runs (a dataset or ratio since left out): that eval's
+    plots stayed beside the new summary as if they were its own. kvf eval's own plot names that this eval did not
+    draw are removed (and said); other files stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("ranking_nq_ratio0.3.png", "quality_vs_ratio_nq.png", "my_figure.png", "ranking_notes.txt"):
+        (out / name).write_bytes(b"\x89PNG")
+    summary = evaluate(runs, out)
+    assert [Path(p).name for p in summary.attrs["removed"]] == ["quality_vs_ratio_nq.png", "ranking_nq_ratio0.3.png"]
+    assert {p.name for p in out.iterdir()} == {"summary.csv", "summary.md", "pairs.csv", "quality_vs_ratio_toy.png",
+                                               "ranking_toy_ratio0.2.png", "ttft_vs_ratio.png", "my_figure.png",
+                                               "ranking_notes.txt"}
+    assert evaluate(runs, out).attrs["removed"] == []
+
 def test_ruler_records_score_the_share_of_gold_values(tmp_path):
     recs = []
     for i in range(MIN_QUESTIONS):

@@ -507,15 +507,25 @@ def test_a_stale_eval_folder_names_the_command_that_remakes_it(tmp_path, monkeyp
     for folder, made_by, commit in ((committed, "results/x", "abc"), (rescored, str(rescored), "def")):
         (folder / "summary.csv").write_text("dataset,f1\nd,0.5\n")
         (folder / "summary.md").write_text(f"Made by `kvf eval results/x/runs.jsonl --out {made_by}` at commit {commit}.\n" + body)
+    for folder in (committed, rescored):
+        (folder / "ttft_vs_ratio.png").write_bytes(b"\x89PNG")
     report = []
     verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
-    assert report == [(True, "x.md: results/x/summary.md and summary.csv as `kvf eval` renders them now")]
+    assert report == [(True, "x.md: results/x/summary.md and summary.csv as `kvf eval` renders them now"),
+                      (True, "x.md: results/x's 1 plots are those `kvf eval` draws now")]
+    # a plot an earlier eval drew (a ratio since left out of the runs) sat beside the summary as its own
+    (committed / "ranking_x_ratio0.3.png").write_bytes(b"\x89PNG")
+    report = []
+    verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
+    assert report[1] == (False, "x.md: results/x's 2 plots differ from those `kvf eval` draws now (not drawn now: "
+                                "['ranking_x_ratio0.3.png'], missing: []); remake them: kvf eval results/x/runs.jsonl "
+                                "--out results/x")
     (committed / "summary.md").write_text("Made by `kvf eval results/x/runs.jsonl --out results/x` at commit abc.\n"
                                           + body.replace("Runs", "Runs (an older wording)"))
     report = []
     verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
-    assert report == [(False, "x.md: results/x/summary.md and summary.csv are stale; remake them: "
-                              "kvf eval results/x/runs.jsonl --out results/x")]
+    assert report[0] == (False, "x.md: results/x/summary.md and summary.csv are stale; remake them: "
+                                "kvf eval results/x/runs.jsonl --out results/x")
     (committed / "summary.md").write_text("Made by `kvf eval other.jsonl --out results/x` at commit abc.\n" + body)
     report = []
     verify.check_rendered("x.md", committed / "summary.csv", rescored / "summary.csv", command, report)
