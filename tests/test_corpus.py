@@ -162,11 +162,14 @@ def test_git_lfs_pointers_are_skipped_naming_git_lfs_pull_and_a_page_is_a_docume
     (tmp_path / "good.txt").write_text("fine")
     (tmp_path / "lfs.md").write_text(pointer)
     (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(pointer.encode()))
+    (tmp_path / "rows.parquet").write_text(pointer)
+    (tmp_path / "rows.csv").write_text(pointer)
     (tmp_path / "page.txt").write_text("<html><body>A page of text.</body></html>")
     assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt", "page.txt"]
     err = " ".join(capsys.readouterr().err.split())
     assert "skipped" in err and "lfs.md: it is a Git LFS pointer" in err and "git lfs pull" in err
-    assert "rows.jsonl.gz: it is a Git LFS pointer" in err
+    for name in ("rows.jsonl.gz", "rows.parquet", "rows.csv"):
+        assert f"{name}: it is a Git LFS pointer" in err
 
 
 def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys):
@@ -175,7 +178,7 @@ def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys
     assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
     err = " ".join(capsys.readouterr().err.split())
     assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.pdf" in err
-    assert "1 .pdf; kvf reads .txt, .md, .markdown, .rst, .jsonl (each also gzipped, .gz) files" in err
+    assert "1 .pdf; kvf reads .txt, .md, .markdown, .rst, .jsonl, .csv, .tsv (each also gzipped, .gz), .parquet files" in err
 
 
 def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_counted_by_kind(tmp_path, capsys):
@@ -202,6 +205,51 @@ def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_coun
     assert "rename a plain-text file to .txt" in err
 
 
+def test_tables_of_documents_are_read_a_row_a_document_as_written(tmp_path, capsys):
+    """A corpus as users export it from a spreadsheet, a DataFrame or Hugging Face datasets: .csv, .tsv (gzipped too)
+    and .parquet, with the .jsonl rows' fields as columns. Cells are read as written: an id "007" stays "007", an
+    empty title is "" (not NaN), text keeps its quoted commas and line breaks; a byte-order mark is not part of
+    the first column's name; an empty file holds no document."""
+    import pandas as pd
+    rows = [{"id": "007", "title": "", "text": 'Quillmarsh, "the port", is the capital.\nIt has a harbour.'},
+            {"id": "008", "title": "Kettar", "text": "Wild goats live here."}]
+    (tmp_path / "a.csv").write_text("\ufeff" + pd.DataFrame(rows).to_csv(index=False))
+    pd.DataFrame(rows).rename(columns={"id": "_id"}).assign(_id=["t1", "t2"]).to_csv(tmp_path / "b.tsv.gz", sep="\t",
+                                                                                       index=False)
+    pd.DataFrame([{"id": 7, "title": None, "contents": "A Parquet row."}]).to_parquet(tmp_path / "c.parquet")
+    (tmp_path / "empty.csv").write_text("")
+    docs = [(d.doc_id, d.title, d.text, d.source_file) for d in read_corpus(tmp_path)]
+    assert docs == [("007", "", rows[0]["text"], f"{tmp_path}/a.csv row 1"),
+                    ("008", "Kettar", rows[1]["text"], f"{tmp_path}/a.csv row 2"),
+                    ("t1", "", rows[0]["text"], f"{tmp_path}/b.tsv.gz row 1"),
+                    ("t2", "Kettar", rows[1]["text"], f"{tmp_path}/b.tsv.gz row 2"),
+                    ("7", "", "A Parquet row.", f"{tmp_path}/c.parquet row 1")]
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_table_of_other_things_beside_the_documents_is_skipped_with_a_warning(tmp_path, capsys):
+    """A folder of documents may hold a spreadsheet of figures (or kvf eval's summary.csv): a table without an id
+    and a text column is not read, as a file of another kind is not, and the warning names its columns."""
+    (tmp_path / "doc.md").write_text("# Kettar\nWild goats live here.")
+    (tmp_path / "figures.csv").write_text("year,goats\n1731,40\n")
+    assert [d.doc_id for d in read_corpus(tmp_path)] == ["doc.md"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("skipped " + str(tmp_path / "figures.csv") + ": not a table of documents (a table of documents needs an "
+            "\"id\" (or \"_id\") column and a \"text\" (or \"contents\") column; its columns are 'year', 'goats')") in err
+
+
+@pytest.mark.parametrize("name, content, said", [
+    ("open.csv", b'id,text\n1,"unterminated\n', "open.csv: not a readable CSV table (Error tokenizing data"),
+    ("noid.csv", b"id,text\n1,fine\n,no id\n", "noid.csv row 2: a table of documents needs an \"id\""),
+    ("bad.parquet", b"not parquet at all", "bad.parquet: not a readable Parquet table (Parquet magic bytes"),
+])
+def test_a_table_that_is_not_one_of_documents_is_one_line_naming_the_file(tmp_path, name, content, said):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(KvfError) as e:
+        read_corpus(tmp_path)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_damaged_gzipped_text_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "notes.md.gz").write_bytes(gzip.compress(b"# Notes\nsome text")[:-6])
     with pytest.raises(KvfError, match=r"notes\.md\.gz: not a readable gzip file"):
@@ -220,7 +268,7 @@ def test_empty_dir_is_an_error(tmp_path):
 
 def test_no_supported_files_lists_extensions(tmp_path):
     (tmp_path / "paper.pdf").write_bytes(b"%PDF")
-    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.jsonl"):
+    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.jsonl, \.csv"):
         read_corpus(tmp_path)
 
 

@@ -1,5 +1,5 @@
-"""Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst) and .jsonl files, each also
-gzipped (.gz)."""
+"""Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst) files, one document each, and of
+.jsonl, .csv, .tsv and .parquet files, one document per row; each but Parquet also gzipped (.gz)."""
 import codecs
 import gzip
 import hashlib
@@ -16,12 +16,16 @@ from pathlib import Path
 
 from kvf.errors import KvfError, shown, stand_in, warn
 
-# one document per file (the title from its first heading, markdown's or reStructuredText's), or one per line
+# one document per file (the title from its first heading, markdown's or reStructuredText's), or one per row
 MARKDOWN_EXTENSIONS, RST_EXTENSIONS = (".md", ".markdown"), (".rst",)
 PLAIN_EXTENSIONS = (".txt", *MARKDOWN_EXTENSIONS, *RST_EXTENSIONS)
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
-SUPPORTED_EXTENSIONS = tuple(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz"))
-SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl")) + " (each also gzipped, .gz)"   # for messages
+CSV_EXTENSIONS = (".csv", ".csv.gz", ".tsv", ".tsv.gz")
+PARQUET_EXTENSIONS = (".parquet",)
+SUPPORTED_EXTENSIONS = (*(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz")), *CSV_EXTENSIONS,
+                        *PARQUET_EXTENSIONS)
+# for messages
+SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".csv", ".tsv")) + " (each also gzipped, .gz), .parquet"
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 _SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
 _RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1{2,}\s*$")   # a line of one punctuation mark, 3 or more
@@ -108,8 +112,9 @@ def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS)
 
 def holds_documents(folder: Path) -> bool:
     """A folder with document files of its own (not in subfolders): what build-cache reads, passed where a
-    workspace or a prepared dataset was meant."""
-    return folder.is_dir() and any(p.is_file() and is_supported(p) for p in folder.iterdir())
+    workspace or a prepared dataset was meant. Tables are not counted: kvf eval's folder holds summary.csv."""
+    text_files = tuple(e for e in SUPPORTED_EXTENSIONS if e not in CSV_EXTENSIONS + PARQUET_EXTENSIONS)
+    return folder.is_dir() and any(p.is_file() and is_supported(p, text_files) for p in folder.iterdir())
 
 
 @contextmanager
@@ -235,9 +240,10 @@ def read_plain_document(path: Path, root: Path) -> Document | None:
 
 
 # the fields of the corpus formats users bring: kvf's own {id, title, text}, BEIR's {_id, title, text},
-# and pyserini's JsonCollection {id, contents}
+# and pyserini's JsonCollection {id, contents}; a table's columns by the same names
 ID_FIELDS, TEXT_FIELDS = ("id", "_id"), ("text", "contents")
 ROW_SHAPE = 'each line must be a JSON object with "id" (or BEIR\'s "_id") and a string "text" (or pyserini\'s "contents")'
+TABLE_SHAPE = 'a table of documents needs an "id" (or "_id") column and a "text" (or "contents") column'
 
 
 def is_run_record(row: dict) -> bool:
@@ -253,6 +259,11 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: not valid JSON ({e.msg}); {ROW_SHAPE}") from e
     if not isinstance(row, dict):
         raise KvfError(f"{where}: {ROW_SHAPE}")
+    return parse_row(row, where, ROW_SHAPE)
+
+
+def parse_row(row: dict, where: str, shape: str) -> Document:
+    """One row of a .jsonl file or of a table -> Document, its fields checked (shape: what a row must hold)."""
     id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
     text = next((row[f] for f in TEXT_FIELDS if f in row), None)
     if is_run_record(row) and text is None:   # kvf run -o's file given as the corpus
@@ -262,7 +273,7 @@ def parse_jsonl_row(line: str, where: str) -> Document:
         raise KvfError(f"{where}: a question, not a document; this is a questions file (kvf run -q reads it): pass the "
                        "folder or file of your documents")
     if id_field is None or not isinstance(text, str):
-        raise KvfError(f"{where}: {ROW_SHAPE}; this one has {', '.join(map(repr, row)) or 'no fields'}")
+        raise KvfError(f"{where}: {shape}; this one has {', '.join(map(repr, row)) or 'no fields'}")
     doc_id = id_text(row[id_field])
     if doc_id is None:
         raise KvfError(f"{where}: \"{id_field}\" must be a string or a whole number; this one is {shown(row[id_field])}")
@@ -305,6 +316,64 @@ def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
         progress()
 
 
+TABLE_ROWS = 10_000   # rows of a table read at a time: a corpus table need not fit in memory
+
+
+def iter_table_documents(path: Path, on_bytes=None) -> Iterator[Document]:
+    """Each row of a .csv / .tsv (or gzipped) or .parquet table is one document, read TABLE_ROWS at a time. Cells
+    are read as written: no id becomes a number, no empty title becomes NaN."""
+    if path.stat().st_size == 0 or (is_supported(path, CSV_EXTENSIONS) and not check_text_file(path)):
+        return   # an empty file holds no document, as an empty .jsonl file holds none
+    if is_supported(path, PARQUET_EXTENSIONS):   # binary, so read_text_file's checks do not apply; a pointer's do
+        with path.open("rb") as f:
+            instead = stand_in(f.read(200).decode("utf-8", errors="replace"), html=False)
+        if instead is not None:
+            warn(f"skipped {path}: it {instead}")
+            return
+    row_no = 0
+    for columns, rows in table_batches(path):
+        if row_no == 0 and not documents_table(path, columns):
+            return
+        for row in rows:
+            row_no += 1
+            yield parse_row(row, f"{path} row {row_no}", TABLE_SHAPE)
+    if on_bytes is not None:
+        on_bytes(path.stat().st_size)
+
+
+def table_batches(path: Path) -> Iterator[tuple[list[str], list[dict]]]:
+    """(the table's columns, its rows as dicts), TABLE_ROWS rows at a time; a file that is no such table is one
+    line naming it."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        if is_supported(path, PARQUET_EXTENSIONS):
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=TABLE_ROWS):
+                yield batch.schema.names, batch.to_pylist()
+            return
+        sep = "\t" if is_supported(path, (".tsv", ".tsv.gz")) else ","
+        with pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, encoding="utf-8-sig",
+                         chunksize=TABLE_ROWS) as reader:
+            for frame in reader:
+                yield list(frame.columns), frame.to_dict("records")
+    except (pa.ArrowException, pd.errors.ParserError, pd.errors.EmptyDataError, gzip.BadGzipFile, EOFError,
+            zlib.error) as e:
+        kind = "Parquet" if is_supported(path, PARQUET_EXTENSIONS) else "CSV" if sep == "," else "TSV"
+        raise KvfError(f"corpus file {path}: not a readable {kind} table ({str(e).splitlines()[0] or 'it ends early'}); "
+                       f"{TABLE_SHAPE}, one row per document") from None
+
+
+def documents_table(path: Path, columns: list[str]) -> bool:
+    """Whether a table holds documents (an id and a text column); one that does not (a spreadsheet of figures beside
+    the documents, kvf eval's summary.csv) is skipped with a warning, as a file of another kind is."""
+    if any(f in columns for f in ID_FIELDS) and any(f in columns for f in TEXT_FIELDS):
+        return True
+    warn(f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns are "
+         f"{', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
+    return False
+
+
 def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None) -> Iterator[Document]:
     """Every document under `path`, in sorted file order, one at a time (a corpus need not fit in memory);
     unreadable files and empty docs are skipped with a warning. files: list_corpus_files(path), when the
@@ -315,6 +384,8 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     for file in files:
         if is_supported(file, JSONL_EXTENSIONS):
             file_docs = iter_jsonl_documents(file, on_bytes)
+        elif is_supported(file, CSV_EXTENSIONS + PARQUET_EXTENSIONS):
+            file_docs = iter_table_documents(file, on_bytes)
         else:
             file_docs = [d for d in [read_plain_document(file, root)] if d is not None]
             if on_bytes is not None:
