@@ -688,6 +688,10 @@ CASES = {
                                   ["--questions", "line 1", "a string, a whole number or a list of them"]),
     "run -q DIR": (lambda d, t: ["run", "-w", d[1], "-q", t, "-m", "reuse", "-o", t / "o.jsonl"],   # it said "is missing"
                    ["--questions", "is a directory", "JSON Lines file of questions"]),
+    # a spreadsheet's export: it said "line 1: malformed JSON (Expecting value)" of the header row
+    "run -q a CSV table": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.csv", b"question,answers\nWho wrote Dune?,Frank Herbert\n"),
+                                         "-m", "reuse", "-o", t / "o.jsonl"],
+                           ["--questions", "q.csv is a CSV table", "csv.DictReader(sys.stdin)", "q.jsonl"]),
     "run -q plain text": (lambda d, t: ["run", "-w", d[1], "-q", write(t / "q.txt", b"Who wrote Dune?\n"),
                                         "-m", "reuse", "-o", t / "o.jsonl"],
                           ["--questions", "q.txt line 1", "one JSON object", '{"question": ']),
@@ -1069,6 +1073,35 @@ def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_pat
     lines = Path(shlex.split(command)[-1]).read_text().splitlines()
     assert [json.loads(line) for line in lines] == rows
 
+
+@pytest.mark.parametrize("name", ["my qs.csv", "my qs.tsv.gz"])
+def test_the_conversion_a_csv_table_of_questions_is_given_writes_the_questions(tmp_path, capsys, monkeypatch, name):
+    """A questions table exported from a spreadsheet (kvf run -q, kvf data prepare custom --input): the line names
+    the command that writes it as JSON Lines, its columns as fields. Run by a shell with only python3 and gzip,
+    it writes lines that kvf run reads as the table's questions: quoted commas and all."""
+    import csv
+    import io as _io
+    import re
+    import shlex
+    from kvf.pipeline.data.datasets import load_questions_file
+    rows = [{"question": "Who founded Acme, the maker of anvils?", "answers": "Jane Roe"},
+            {"question": "Where is Globex?", "answers": "Brethlake"}]
+    table = _io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=["question", "answers"], delimiter="\t" if ".tsv" in name else ",")
+    writer.writeheader()
+    writer.writerows(rows)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(table.getvalue().encode()) if name.endswith(".gz") else table.getvalue().encode())
+    code, _, err = run_cli(["data", "prepare", "custom", "--input", path, "--out", tmp_path / "p"], capsys, monkeypatch)
+    command = re.search(r"`([^`]+)`", assert_one_line(code, err, f"is a {'TSV' if '.tsv' in name else 'CSV'} table")).group(1)
+    only = tmp_path / "bin"
+    only.mkdir()
+    (only / "python3").symlink_to(sys.executable)
+    (only / "gzip").symlink_to(shutil.which("gzip"))
+    proc = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, cwd=tmp_path, env={"PATH": str(only)})
+    assert proc.returncode == 0, (command, proc.stderr)
+    questions = load_questions_file(shlex.split(command)[-1])
+    assert [(q.question, q.answers) for q in questions] == [(r["question"], [r["answers"]]) for r in rows]
 
 def test_a_first_build_with_weights_that_do_not_load_leaves_no_workspace(tmp_path, capsys, monkeypatch, short_docs):
     """Damaged weights were found when the KV stage loaded them: the build had chunked the corpus and made a store

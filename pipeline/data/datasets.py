@@ -564,11 +564,8 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
     except UnicodeDecodeError as e:
         raise KvfError(f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8, or {fix}") from None
     if is_json_array(text):
-        source = f"gzip -dc {shlex.quote(str(path))} | " if raw[:2] == b"\x1f\x8b" else ""
-        convert = "python3 -c \"import json,sys; [print(json.dumps(o)) for o in json.load(sys.stdin)]\""
         raise KvfError(f"{where} is one JSON array; kvf reads JSON Lines, one object per line: convert it with "
-                       f"`{source}{convert}{'' if source else ' < ' + shlex.quote(str(path))} "
-                       f"> {shlex.quote(str(lines_path(path)))}`")
+                       + converted_with(path, raw, "[print(json.dumps(o)) for o in json.load(sys.stdin)]"))
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -577,11 +574,32 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
             except json.JSONDecodeError as e:
                 if not rows and (instead := stand_in(line)):
                     raise KvfError(f"{where} {instead}") from None
+                if not rows and (table := table_kind(path)):   # a spreadsheet's export: its header row is no JSON
+                    delimiter = ", delimiter='\\t'" if table == "TSV" else ""
+                    raise KvfError(f"{where} is a {table} table; kvf reads JSON Lines, one object per line, its columns "
+                                   "as fields: convert it with " + converted_with(
+                                       path, raw, f"[print(json.dumps(r)) for r in csv.DictReader(sys.stdin{delimiter})]",
+                                       "csv,"))
                 raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg}); {line_fix}") from None
             if not isinstance(row, dict):
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
             rows.append((lineno, row))
     return rows
+
+
+def converted_with(path: Path, raw: bytes, program: str, modules: str = "") -> str:
+    """The shell command that writes a file's rows as JSON Lines beside it: python3 -c PROGRAM over its text
+    (gunzipped first where it is gzipped)."""
+    quoted = shlex.quote(str(path))
+    source = f"gzip -dc {quoted} | " if raw[:2] == b"\x1f\x8b" else ""
+    return (f"`{source}python3 -c \"import {modules}json,sys; {program}\"{'' if source else ' < ' + quoted} "
+            f"> {shlex.quote(str(lines_path(path)))}`")
+
+
+def table_kind(path: Path) -> str | None:
+    """"CSV" or "TSV" for a file named as a table (gzipped or not), else None."""
+    name = path.name.lower().removesuffix(".gz")
+    return "CSV" if name.endswith(".csv") else "TSV" if name.endswith(".tsv") else None
 
 
 def lines_path(path: Path) -> Path:
