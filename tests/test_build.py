@@ -1174,7 +1174,7 @@ def bad_corpus(tmp_path: Path, kind: str) -> Path:
         return corpus
     corpus.mkdir()
     if kind == "unsupported":
-        (corpus / "table.csv").write_text("a,b\n1,2\n")
+        (corpus / "table.xlsx").write_bytes(b"PK\x03\x04")
         (corpus / "paper.pdf").write_bytes(b"%PDF-1.4")
     return corpus
 

@@ -178,7 +178,8 @@ def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys
     assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
     err = " ".join(capsys.readouterr().err.split())
     assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.pdf" in err
-    assert "1 .pdf; kvf reads .txt, .md, .markdown, .rst, .jsonl, .csv, .tsv (each also gzipped, .gz), .parquet files" in err
+    assert ("1 .pdf; kvf reads .txt, .md, .markdown, .rst, .html, .htm, .jsonl, .json, .csv, .tsv (each also gzipped, "
+            ".gz), .parquet files") in err
 
 
 def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_counted_by_kind(tmp_path, capsys):
@@ -203,6 +204,23 @@ def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_coun
     err = " ".join(capsys.readouterr().err.split())
     assert "skipped 3 file(s) with unsupported extensions" in err and "(2 with no extension, 1 .pdf;" in err
     assert "rename a plain-text file to .txt" in err
+
+
+def test_an_html_page_is_a_document_of_the_text_a_browser_shows(tmp_path):
+    """A saved or scraped site: .html / .htm pages (gzipped too). The document is the text a browser shows, a line
+    per block, entities decoded; scripts, styles and the head are left out; its title is the page's <title>, else
+    its first <h1>, else its file name."""
+    (tmp_path / "about.html").write_text(
+        "<!DOCTYPE html><html><head><title>Acme &amp; Co</title><style>p{color:red}</style>"
+        "<script>var hidden = 1;</script></head><body><h1>About Acme</h1><p>Acme was founded by <b>Jane Roe</b> in"
+        "\n   1921.</p><p>It makes anvils &lt;heavy&gt;.</p><ul><li>One</li><li>Two</li></ul></body></html>")
+    (tmp_path / "frag.htm.gz").write_bytes(gzip.compress(b"<h1>Only a heading</h1><p>Text.</p>"))
+    (tmp_path / "bare.html").write_text("<p>No title here.</p>")
+    docs = {d.doc_id: (d.title, d.text) for d in read_corpus(tmp_path)}
+    assert docs == {"about.html": ("Acme & Co", "About Acme\nAcme was founded by Jane Roe in 1921.\n"
+                                                "It makes anvils <heavy>.\nOne\nTwo"),
+                    "frag.htm.gz": ("Only a heading", "Only a heading\nText."),
+                    "bare.html": ("bare", "No title here.")}
 
 
 def test_tables_of_documents_are_read_a_row_a_document_as_written(tmp_path, capsys):
@@ -238,7 +256,25 @@ def test_a_table_of_other_things_beside_the_documents_is_skipped_with_a_warning(
             "\"id\" (or \"_id\") column and a \"text\" (or \"contents\") column; its columns are 'year', 'goats')") in err
 
 
+def test_a_json_array_of_documents_is_read_a_row_a_document_and_other_json_is_skipped(tmp_path, capsys):
+    """A .json export (`df.to_json(orient="records")`, gzipped too) is one array of the .jsonl rows; valid JSON of
+    another shape beside the documents (package.json, an array of figures) is skipped with a warning saying what
+    it holds."""
+    rows = [{"id": "a", "title": "T", "text": "Row one."}, {"_id": 2, "contents": "Row two."}]
+    (tmp_path / "docs.json.gz").write_bytes(gzip.compress(json.dumps(rows).encode()))
+    (tmp_path / "package.json").write_text('{"name": "site", "version": "1.0"}')
+    (tmp_path / "figures.json").write_text('[{"year": 1731, "goats": 40}]')
+    docs = [(d.doc_id, d.title, d.text, d.source_file) for d in read_corpus(tmp_path)]
+    assert docs == [("a", "T", "Row one.", f"{tmp_path}/docs.json.gz row 1"),
+                    ("2", "", "Row two.", f"{tmp_path}/docs.json.gz row 2")]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "package.json: not an array of documents" in err and "it holds an object)" in err
+    assert "figures.json: not an array of documents" in err and "it holds an array of objects with 'year', 'goats')" in err
+
+
 @pytest.mark.parametrize("name, content, said", [
+    ("bad.json", b'[{"id": "a", "text": "x"},', 'bad.json: not valid JSON (Expecting value, line 1); a .json file of'),
+    ("mixed.json", b'[{"id": "a", "text": "x"}, "b"]', "mixed.json row 2: a .json file of documents holds one array"),
     ("open.csv", b'id,text\n1,"unterminated\n', "open.csv: not a readable CSV table (Error tokenizing data"),
     ("noid.csv", b"id,text\n1,fine\n,no id\n", "noid.csv row 2: a table of documents needs an \"id\""),
     ("bad.parquet", b"not parquet at all", "bad.parquet: not a readable Parquet table (Parquet magic bytes"),
@@ -268,7 +304,7 @@ def test_empty_dir_is_an_error(tmp_path):
 
 def test_no_supported_files_lists_extensions(tmp_path):
     (tmp_path / "paper.pdf").write_bytes(b"%PDF")
-    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.jsonl, \.csv"):
+    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.html, \.htm, \.jsonl"):
         read_corpus(tmp_path)
 
 

@@ -1,5 +1,5 @@
-"""Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst) files, one document each, and of
-.jsonl, .csv, .tsv and .parquet files, one document per row; each but Parquet also gzipped (.gz)."""
+"""Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst, .html) files, one document each, and of
+.jsonl, .json (one array), .csv, .tsv and .parquet files, one document per row; each but Parquet also gzipped."""
 import codecs
 import gzip
 import hashlib
@@ -12,20 +12,22 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 from kvf.errors import KvfError, shown, stand_in, warn
 
 # one document per file (the title from its first heading, markdown's or reStructuredText's), or one per row
-MARKDOWN_EXTENSIONS, RST_EXTENSIONS = (".md", ".markdown"), (".rst",)
-PLAIN_EXTENSIONS = (".txt", *MARKDOWN_EXTENSIONS, *RST_EXTENSIONS)
+MARKDOWN_EXTENSIONS, RST_EXTENSIONS, HTML_EXTENSIONS = (".md", ".markdown"), (".rst",), (".html", ".htm")
+PLAIN_EXTENSIONS = (".txt", *MARKDOWN_EXTENSIONS, *RST_EXTENSIONS, *HTML_EXTENSIONS)
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
+JSON_EXTENSIONS = (".json", ".json.gz")   # one array of rows
 CSV_EXTENSIONS = (".csv", ".csv.gz", ".tsv", ".tsv.gz")
 PARQUET_EXTENSIONS = (".parquet",)
-SUPPORTED_EXTENSIONS = (*(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz")), *CSV_EXTENSIONS,
-                        *PARQUET_EXTENSIONS)
+SUPPORTED_EXTENSIONS = (*(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz")), *JSON_EXTENSIONS,
+                        *CSV_EXTENSIONS, *PARQUET_EXTENSIONS)
 # for messages
-SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".csv", ".tsv")) + " (each also gzipped, .gz), .parquet"
+SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".json", ".csv", ".tsv")) + " (each also gzipped, .gz), .parquet"
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 _SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
 _RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1{2,}\s*$")   # a line of one punctuation mark, 3 or more
@@ -113,7 +115,7 @@ def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS)
 def holds_documents(folder: Path) -> bool:
     """A folder with document files of its own (not in subfolders): what build-cache reads, passed where a
     workspace or a prepared dataset was meant. Tables are not counted: kvf eval's folder holds summary.csv."""
-    text_files = tuple(e for e in SUPPORTED_EXTENSIONS if e not in CSV_EXTENSIONS + PARQUET_EXTENSIONS)
+    text_files = tuple(e for e in SUPPORTED_EXTENSIONS if e not in JSON_EXTENSIONS + CSV_EXTENSIONS + PARQUET_EXTENSIONS)
     return folder.is_dir() and any(p.is_file() and is_supported(p, text_files) for p in folder.iterdir())
 
 
@@ -221,16 +223,71 @@ def underlined(line: str, below: str, underline: re.Pattern) -> bool:
     return bool(line.strip()) and not underline.match(line) and bool(underline.match(below))
 
 
+class PageText(HTMLParser):
+    """The text a browser shows of an HTML page, a line per block, and its title (<title>, else its first <h1>):
+    scripts, styles and the head's other parts are no part of the document."""
+    HIDDEN = {"script", "style", "head", "noscript", "template", "svg"}
+    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "section", "article", "pre",
+              "blockquote", "table", "ul", "ol", "dt", "dd", "hr", "header", "footer", "main", "nav"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts, self.hidden, self.pre, self.title, self.h1, self._in = [], 0, 0, "", "", None
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.HIDDEN:
+            self.hidden += 1
+        if tag == "pre":
+            self.pre += 1
+        if tag in ("title", "h1"):
+            self._in = tag
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self.HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        if tag == "pre":
+            self.pre = max(0, self.pre - 1)
+        if tag == self._in:
+            self._in = None
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if self._in == "title":
+            self.title += data
+        elif self._in == "h1" and not self.hidden:
+            self.h1 += data
+        if not self.hidden:   # a line break in the source is a space on the page, but in <pre>
+            self.parts.append(data if self.pre else data.replace("\r", " ").replace("\n", " "))
+
+    def text(self) -> str:
+        lines = (" ".join(line.split()) for line in "".join(self.parts).splitlines())
+        return "\n".join(line for line in lines if line)
+
+
+def page_text(html: str) -> tuple[str, str]:
+    """(the page's title, or "", and its text)."""
+    page = PageText()
+    page.feed(html)
+    page.close()
+    return " ".join((page.title or page.h1).split()), page.text()
+
+
 def read_plain_document(path: Path, root: Path) -> Document | None:
     """One text file is one document, keyed by its path relative to the corpus root; its title is its first
-    heading (markdown, reStructuredText), else its name without extensions."""
+    heading (markdown, reStructuredText; an HTML page's title), else its name without extensions."""
     text = read_text_file(path)
     if text is None:
         return None
     doc_id = path.relative_to(root).as_posix() if path != root else path.name
     name = path.name[:-3] if path.name.lower().endswith(".gz") else path.name   # notes.md.gz: markdown, "notes"
     stem = Path(name).stem
-    if is_supported(Path(name), MARKDOWN_EXTENSIONS):
+    if is_supported(Path(name), HTML_EXTENSIONS):
+        title, text = page_text(text)
+        title = title or stem
+    elif is_supported(Path(name), MARKDOWN_EXTENSIONS):
         title = markdown_title(text, stem)
     elif is_supported(Path(name), RST_EXTENSIONS):
         title = rst_title(text, stem)
@@ -244,6 +301,7 @@ def read_plain_document(path: Path, root: Path) -> Document | None:
 ID_FIELDS, TEXT_FIELDS = ("id", "_id"), ("text", "contents")
 ROW_SHAPE = 'each line must be a JSON object with "id" (or BEIR\'s "_id") and a string "text" (or pyserini\'s "contents")'
 TABLE_SHAPE = 'a table of documents needs an "id" (or "_id") column and a "text" (or "contents") column'
+JSON_SHAPE = 'a .json file of documents holds one array of objects, each with "id" (or "_id") and "text" (or "contents")'
 
 
 def is_run_record(row: dict) -> bool:
@@ -316,6 +374,41 @@ def iter_jsonl_documents(path: Path, on_bytes=None) -> Iterator[Document]:
         progress()
 
 
+def iter_json_array_documents(path: Path, on_bytes=None) -> Iterator[Document]:
+    """A .json file holding one array of rows (an export: `df.to_json(orient="records")`) is one document per row.
+    Valid JSON of another shape (package.json beside the documents) is skipped with a warning; JSON that does
+    not parse is one line naming the file. The array is read whole: a corpus larger than memory belongs in .jsonl."""
+    if not check_text_file(path):
+        return
+    with open_lines(path) as (f, _):
+        text = f.read().decode("utf-8-sig")
+    if on_bytes is not None:
+        on_bytes(path.stat().st_size)
+    if not text.strip():
+        return   # an empty file holds no document, as an empty .jsonl file holds none
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KvfError(f"corpus file {path}: not valid JSON ({e.msg}, line {e.lineno}); {JSON_SHAPE}") from None
+    first = rows[0] if isinstance(rows, list) and rows else None
+    if not isinstance(first, dict) or not documents_table(path, list(first), warned=False):
+        kind = json_kind(rows)
+        held = (f"an array of objects with {', '.join(map(repr, list(first)[:8])) or 'no fields'}"
+                if isinstance(first, dict) else f"an array of {json_kind(first)}s" if first is not None
+                else "an empty array" if kind == "array" else ("an " if kind[0] in "ao" else "a ") + kind)
+        warn(f"skipped {path}: not an array of documents ({JSON_SHAPE}; it holds {held})")
+        return
+    for row_no, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise KvfError(f"{path} row {row_no}: {JSON_SHAPE}; this one is {shown(row)}")
+        yield parse_row(row, f"{path} row {row_no}", JSON_SHAPE)
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words."""
+    return {list: "array", dict: "object", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
 TABLE_ROWS = 10_000   # rows of a table read at a time: a corpus table need not fit in memory
 
 
@@ -364,13 +457,14 @@ def table_batches(path: Path) -> Iterator[tuple[list[str], list[dict]]]:
                        f"{TABLE_SHAPE}, one row per document") from None
 
 
-def documents_table(path: Path, columns: list[str]) -> bool:
+def documents_table(path: Path, columns: list[str], warned: bool = True) -> bool:
     """Whether a table holds documents (an id and a text column); one that does not (a spreadsheet of figures beside
     the documents, kvf eval's summary.csv) is skipped with a warning, as a file of another kind is."""
     if any(f in columns for f in ID_FIELDS) and any(f in columns for f in TEXT_FIELDS):
         return True
-    warn(f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns are "
-         f"{', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
+    if warned:
+            warn(f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns are "
+             f"{', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
     return False
 
 
@@ -384,6 +478,8 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     for file in files:
         if is_supported(file, JSONL_EXTENSIONS):
             file_docs = iter_jsonl_documents(file, on_bytes)
+        elif is_supported(file, JSON_EXTENSIONS):
+            file_docs = iter_json_array_documents(file, on_bytes)
         elif is_supported(file, CSV_EXTENSIONS + PARQUET_EXTENSIONS):
             file_docs = iter_table_documents(file, on_bytes)
         else:
