@@ -1054,24 +1054,30 @@ def test_the_conversion_a_json_array_is_given_runs_where_only_python3_is(tmp_pat
     """The command kvf names to turn a .json array into JSON Lines called `python`, which Debian and Ubuntu leave
     out (they install python3 only). Run by a shell whose PATH has only python3 (and gzip), it now writes the lines
     kvf reads; from a gzipped array too (kvf reads gzipped questions, so it named `< my qs.json.gz` there)."""
-    import re
-    import shlex
     rows = [{"question": "Who founded Acme?", "passages": [{"text": "Acme was founded by Jane Roe."}]},
             {"question": "Where is Globex?", "passages": [{"text": "Globex is in Brethlake."}]}]
     array = tmp_path / ("my qs.json.gz" if gzipped else "my qs.json")
     text = json.dumps(rows, indent=1).encode()
     array.write_bytes(gzip.compress(text) if gzipped else text)
     code, _, err = run_cli(["data", "prepare", "custom", "--input", array, "--out", tmp_path / "p"], capsys, monkeypatch)
-    command = re.search(r"`([^`]+)`", assert_one_line(code, err, "is one JSON array")).group(1)
-    assert shlex.split(command)[-1] == str(tmp_path / "my qs.jsonl"), command
+    written = run_the_named_command(assert_one_line(code, err, "is one JSON array"), tmp_path)
+    assert written == tmp_path / "my qs.jsonl"
+    assert [json.loads(line) for line in written.read_text().splitlines()] == rows
+
+
+def run_the_named_command(line: str, tmp_path: Path) -> Path:
+    """Run the `command` an error line names, in a shell whose PATH has only python3 and gzip (Debian and Ubuntu
+    install no `python`); returns the file it writes (its last word)."""
+    import re
+    import shlex
+    command = re.search(r"`([^`]+)`", line).group(1)
     only = tmp_path / "bin"
     only.mkdir()
     (only / "python3").symlink_to(sys.executable)
     (only / "gzip").symlink_to(shutil.which("gzip"))
     proc = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, cwd=tmp_path, env={"PATH": str(only)})
     assert proc.returncode == 0, (command, proc.stderr)
-    lines = Path(shlex.split(command)[-1]).read_text().splitlines()
-    assert [json.loads(line) for line in lines] == rows
+    return Path(shlex.split(command)[-1])
 
 
 @pytest.mark.parametrize("name", ["my qs.csv", "my qs.tsv.gz"])
@@ -1081,8 +1087,6 @@ def test_the_conversion_a_csv_table_of_questions_is_given_writes_the_questions(t
     it writes lines that kvf run reads as the table's questions: quoted commas and all."""
     import csv
     import io as _io
-    import re
-    import shlex
     from kvf.pipeline.data.datasets import load_questions_file
     rows = [{"question": "Who founded Acme, the maker of anvils?", "answers": "Jane Roe"},
             {"question": "Where is Globex?", "answers": "Brethlake"}]
@@ -1093,14 +1097,8 @@ def test_the_conversion_a_csv_table_of_questions_is_given_writes_the_questions(t
     path = tmp_path / name
     path.write_bytes(gzip.compress(table.getvalue().encode()) if name.endswith(".gz") else table.getvalue().encode())
     code, _, err = run_cli(["data", "prepare", "custom", "--input", path, "--out", tmp_path / "p"], capsys, monkeypatch)
-    command = re.search(r"`([^`]+)`", assert_one_line(code, err, f"is a {'TSV' if '.tsv' in name else 'CSV'} table")).group(1)
-    only = tmp_path / "bin"
-    only.mkdir()
-    (only / "python3").symlink_to(sys.executable)
-    (only / "gzip").symlink_to(shutil.which("gzip"))
-    proc = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, cwd=tmp_path, env={"PATH": str(only)})
-    assert proc.returncode == 0, (command, proc.stderr)
-    questions = load_questions_file(shlex.split(command)[-1])
+    written = run_the_named_command(assert_one_line(code, err, f"is a {'TSV' if '.tsv' in name else 'CSV'} table"), tmp_path)
+    questions = load_questions_file(written)
     assert [(q.question, q.answers) for q in questions] == [(r["question"], [r["answers"]]) for r in rows]
 
 def test_a_first_build_with_weights_that_do_not_load_leaves_no_workspace(tmp_path, capsys, monkeypatch, short_docs):
