@@ -14,7 +14,7 @@ console = Console(stderr=True)
 
 
 def build_cache_command(
-    corpus: Optional[Path] = typer.Argument(None, show_default=False, help="Folder (or file) of documents: .txt, .md, .markdown, .rst, .html files, and .jsonl, .json (an array), .csv, .tsv, .parquet rows with id, title and text (all but .parquet also gzipped, .gz) [default: the ones the workspace was built from]."),
+    corpus: Optional[Path] = typer.Argument(None, show_default=False, help="Folder (or file) of documents: .txt, .md, .markdown, .rst, .html, .pdf files, and .jsonl, .json (an array), .csv, .tsv, .parquet rows with id, title and text (all but .parquet also gzipped, .gz) [default: the ones the workspace was built from]."),
     workspace: Path = typer.Option(Path("workspace"), "--workspace", "-w", help="Where chunks, indexes and the manifest go."),
     store: Optional[str] = typer.Option(None, "--store", help="KV store path or fsspec URL [default: WORKSPACE/kv.zarr, or kv.h5 with --format hdf5]."),
     format: Optional[str] = typer.Option(None, "--format", help="Store format: zarr or hdf5 [default: the workspace's existing store, else zarr]."),

@@ -1175,7 +1175,7 @@ def bad_corpus(tmp_path: Path, kind: str) -> Path:
     corpus.mkdir()
     if kind == "unsupported":
         (corpus / "table.xlsx").write_bytes(b"PK\x03\x04")
-        (corpus / "paper.pdf").write_bytes(b"%PDF-1.4")
+        (corpus / "paper.docx").write_bytes(b"PK\x03\x04")
     return corpus
 
 

@@ -174,12 +174,12 @@ def test_git_lfs_pointers_are_skipped_naming_git_lfs_pull_and_a_page_is_a_docume
 
 def test_files_of_other_types_are_skipped_naming_the_types_read(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("fine")
-    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7")
+    (tmp_path / "paper.docx").write_bytes(b"PK\x03\x04")
     assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
     err = " ".join(capsys.readouterr().err.split())
-    assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.pdf" in err
-    assert ("1 .pdf; kvf reads .txt, .md, .markdown, .rst, .html, .htm, .jsonl, .json, .csv, .tsv (each also gzipped, "
-            ".gz), .parquet files") in err
+    assert "skipped 1 file(s) with unsupported extensions, e.g." in err and "paper.docx" in err
+    assert ("1 .docx; kvf reads .txt, .md, .markdown, .rst, .html, .htm, .jsonl, .json, .csv, .tsv (each also "
+            "gzipped, .gz), .parquet, .pdf files") in err
 
 
 def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_counted_by_kind(tmp_path, capsys):
@@ -195,14 +195,14 @@ def test_markdown_rst_and_gzipped_text_are_documents_and_what_is_skipped_is_coun
     (tmp_path / "plain.rst").write_text("No title here, a paragraph.\n")
     (tmp_path / "README").write_text("no extension")
     (tmp_path / "LICENSE").write_text("no extension either")
-    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7")
+    (tmp_path / "paper.docx").write_bytes(b"PK\x03\x04")
     docs = {d.doc_id: d for d in read_corpus(tmp_path)}
     assert {doc_id: d.title for doc_id, d in docs.items()} == {
         "httplib2.md": "Introduction", "notes.txt.gz": "notes", "plain.rst": "plain",
         "sodium.markdown": "Libsodium", "yq.rst": "yq", "zstd.md.gz": "Benchmarks"}
     assert docs["notes.txt.gz"].text == "Caf\u00e9 notes."
     err = " ".join(capsys.readouterr().err.split())
-    assert "skipped 3 file(s) with unsupported extensions" in err and "(2 with no extension, 1 .pdf;" in err
+    assert "skipped 3 file(s) with unsupported extensions" in err and "(2 with no extension, 1 .docx;" in err
     assert "rename a plain-text file to .txt" in err
 
 
@@ -221,6 +221,43 @@ def test_an_html_page_is_a_document_of_the_text_a_browser_shows(tmp_path):
                                                 "It makes anvils <heavy>.\nOne\nTwo"),
                     "frag.htm.gz": ("Only a heading", "Only a heading\nText."),
                     "bare.html": ("bare", "No title here.")}
+
+
+def write_pdf(path, pages: list[str], title: str | None = None) -> None:
+    """A PDF with a text layer, a page per string (matplotlib, TrueType fonts, whose text a reader can extract)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_pdf import PdfPages
+    with plt.rc_context({"pdf.fonttype": 42}), PdfPages(path, metadata={"Title": title} if title else {}) as pdf:
+        for text in pages:
+            fig = plt.figure(figsize=(4, 2))
+            fig.text(0.05, 0.5, text)
+            pdf.savefig(fig)
+            plt.close(fig)
+
+
+def test_a_pdf_is_a_document_of_its_text_layer_and_one_kvf_cannot_read_is_skipped_saying_why(tmp_path, capsys):
+    """PDFs were skipped as "unsupported extensions". A PDF's pages' text is one document, titled by its metadata
+    title, else its file name. A damaged PDF, an LFS pointer named .pdf and a scan with no text layer are skipped,
+    each with a warning that says which, and the build goes on."""
+    write_pdf(tmp_path / "history.pdf", ["Acme was founded by Jane Roe in 1921.", "It makes anvils in Brethlake."],
+              title="Acme history")
+    write_pdf(tmp_path / "untitled.pdf", ["Globex is in Brethlake."])
+    write_pdf(tmp_path / "scan.pdf", [""])
+    (tmp_path / "torn.pdf").write_bytes((tmp_path / "history.pdf").read_bytes()[:300])
+    (tmp_path / "pointer.pdf").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1288\n")
+    docs = {d.doc_id: (d.title, d.text) for d in read_corpus(tmp_path)}
+    assert docs == {"history.pdf": ("Acme history", "Acme was founded by Jane Roe in 1921.\n\nIt makes anvils in "
+                                                    "Brethlake."),
+                    "untitled.pdf": ("untitled", "Globex is in Brethlake.")}
+    err = capsys.readouterr().err
+    said = {line.removeprefix("warning: skipped ").split(": ", 1)[0].split("/")[-1]: line
+            for line in err.splitlines() if line.startswith("warning: skipped")}
+    assert set(said) == {"pointer.pdf", "scan.pdf", "torn.pdf"}, err
+    assert "it is a Git LFS pointer" in said["pointer.pdf"]
+    assert "no text layer (a scan?); run OCR on it" in said["scan.pdf"]
+    assert "not a readable PDF" in said["torn.pdf"]
 
 
 def test_tables_of_documents_are_read_a_row_a_document_as_written(tmp_path, capsys):
@@ -303,8 +340,8 @@ def test_empty_dir_is_an_error(tmp_path):
 
 
 def test_no_supported_files_lists_extensions(tmp_path):
-    (tmp_path / "paper.pdf").write_bytes(b"%PDF")
-    with pytest.raises(KvfError, match=r"no supported files \(1 \.pdf\).*\.txt, \.md, \.markdown, \.rst, \.html, \.htm, \.jsonl"):
+    (tmp_path / "paper.docx").write_bytes(b"PK")
+    with pytest.raises(KvfError, match=r"no supported files \(1 \.docx\).*\.txt, \.md, \.markdown, \.rst, \.html, \.htm, \.jsonl"):
         read_corpus(tmp_path)
 
 

@@ -1,5 +1,6 @@
 """Read a corpus of documents from a folder of text (.txt, .md, .markdown, .rst, .html) files, one document each, and of
-.jsonl, .json (one array), .csv, .tsv and .parquet files, one document per row; each but Parquet also gzipped."""
+.jsonl, .json (one array), .csv, .tsv and .parquet files, one document per row; each but Parquet also gzipped.
+A .pdf file is one document, its text layer's pages."""
 import codecs
 import gzip
 import hashlib
@@ -24,10 +25,12 @@ JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz")
 JSON_EXTENSIONS = (".json", ".json.gz")   # one array of rows
 CSV_EXTENSIONS = (".csv", ".csv.gz", ".tsv", ".tsv.gz")
 PARQUET_EXTENSIONS = (".parquet",)
+PDF_EXTENSIONS = (".pdf",)   # one document per file, its text layer's pages
 SUPPORTED_EXTENSIONS = (*(e + gz for e in (*PLAIN_EXTENSIONS, ".jsonl") for gz in ("", ".gz")), *JSON_EXTENSIONS,
-                        *CSV_EXTENSIONS, *PARQUET_EXTENSIONS)
+                        *CSV_EXTENSIONS, *PARQUET_EXTENSIONS, *PDF_EXTENSIONS)
 # for messages
-SUPPORTED = ", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".json", ".csv", ".tsv")) + " (each also gzipped, .gz), .parquet"
+SUPPORTED = (", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".json", ".csv", ".tsv")) + " (each also gzipped, .gz), "
+             ".parquet, .pdf")
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 _SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
 _RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1{2,}\s*$")   # a line of one punctuation mark, 3 or more
@@ -115,8 +118,8 @@ def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS)
 def holds_documents(folder: Path) -> bool:
     """A folder with document files of its own (not in subfolders): what build-cache reads, passed where a
     workspace or a prepared dataset was meant. Tables are not counted: kvf eval's folder holds summary.csv."""
-    text_files = tuple(e for e in SUPPORTED_EXTENSIONS if e not in JSON_EXTENSIONS + CSV_EXTENSIONS + PARQUET_EXTENSIONS)
-    return folder.is_dir() and any(p.is_file() and is_supported(p, text_files) for p in folder.iterdir())
+    document_files = tuple(e for e in SUPPORTED_EXTENSIONS if e not in JSON_EXTENSIONS + CSV_EXTENSIONS + PARQUET_EXTENSIONS)
+    return folder.is_dir() and any(p.is_file() and is_supported(p, document_files) for p in folder.iterdir())
 
 
 @contextmanager
@@ -273,6 +276,33 @@ def page_text(html: str) -> tuple[str, str]:
     page.feed(html)
     page.close()
     return " ".join((page.title or page.h1).split()), page.text()
+
+
+def read_pdf_document(path: Path, root: Path) -> Document | None:
+    """A PDF is one document: its pages' text layer (pypdf), a page to a paragraph, titled by its metadata title,
+    else its file name. One kvf cannot read (damaged, encrypted, a scan with no text layer) is skipped with a
+    warning saying which, as a binary .txt is."""
+    import logging
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+    logging.getLogger("pypdf").setLevel(logging.ERROR)   # its notes on a PDF's slips would reach stderr as stray lines
+    try:
+        reader = PdfReader(path)
+        if reader.is_encrypted and not reader.decrypt(""):
+            warn(f"skipped {path}: the PDF is encrypted; save a copy without a password to include it")
+            return None
+        pages = [page.extract_text() or "" for page in reader.pages]
+        title = (reader.metadata.title if reader.metadata else None) or ""
+    except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:   # pypdf's own errors, and those of a torn file
+        instead = stand_in(path.read_bytes()[:200].decode("utf-8", errors="replace"), html=False)
+        warn(f"skipped {path}: {'it ' + instead if instead else f'not a readable PDF ({e})'}")
+        return None
+    text = "\n\n".join(page.strip() for page in pages if page.strip())
+    if not text:
+        warn(f"skipped {path}: its PDF has no text layer (a scan?); run OCR on it (e.g. ocrmypdf) to include it")
+        return None
+    doc_id = path.relative_to(root).as_posix() if path != root else path.name
+    return Document(doc_id=doc_id, title=" ".join(str(title).split()) or path.stem, text=text, source_file=str(path))
 
 
 def read_plain_document(path: Path, root: Path) -> Document | None:
@@ -482,8 +512,9 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
             file_docs = iter_json_array_documents(file, on_bytes)
         elif is_supported(file, CSV_EXTENSIONS + PARQUET_EXTENSIONS):
             file_docs = iter_table_documents(file, on_bytes)
-        else:
-            file_docs = [d for d in [read_plain_document(file, root)] if d is not None]
+        else:   # one document per file
+            read = read_pdf_document if is_supported(file, PDF_EXTENSIONS) else read_plain_document
+            file_docs = [d for d in [read(file, root)] if d is not None]
             if on_bytes is not None:
                 on_bytes(file.stat().st_size)
         for doc in file_docs:
