@@ -153,6 +153,22 @@ def test_binary_and_non_utf8_and_empty_are_skipped_with_warning(tmp_path, capsys
     assert "blank.txt" in err and "empty" in err
 
 
+def test_many_files_skipped_for_one_reason_are_named_five_and_counted(tmp_path, capsys):
+    """A folder of 40 binary .txt files printed 40 warning lines. The first five of each kind are named, the rest
+    counted in one line at the end of the read; each kind is counted on its own."""
+    for i in range(8):
+        (tmp_path / f"blob{i}.txt").write_bytes(b"\x89PNG\x00binary")
+    for i in range(2):
+        (tmp_path / f"latin{i}.md").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "good.txt").write_text("fine")
+    assert [d.doc_id for d in read_corpus(tmp_path)] == ["good.txt"]
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("/")[-1] for line in lines if "looks binary" in line] == [
+        f"blob{i}.txt: looks binary (contains NUL bytes)" for i in range(5)]
+    assert sum("not valid UTF-8" in line for line in lines) == 2
+    assert lines[-1] == "warning: skipped 3 more files that look binary (the first 5 are named above)"
+    assert len(lines) == 5 + 2 + 1
+
 def test_git_lfs_pointers_are_skipped_naming_git_lfs_pull_and_a_page_is_a_document(tmp_path, capsys):
     """A corpus cloned without git-lfs holds pointer files ("version https://git-lfs.github.com/spec/v1 ..."): each
     was stored and answered from as a three-line document. They are skipped, saying how to fetch the data. A

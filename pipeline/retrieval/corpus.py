@@ -12,6 +12,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -34,6 +35,38 @@ SUPPORTED = (", ".join((*PLAIN_EXTENSIONS, ".jsonl", ".json", ".csv", ".tsv")) +
 _MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 _SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
 _RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1{2,}\s*$")   # a line of one punctuation mark, 3 or more
+
+
+class SkipNotes:
+    """One corpus read's notes on the files and documents it skips: the first SHOWN of each kind named, one line each;
+    the rest counted, in one line at the end (a folder of 10,000 binary files is not 10,000 lines)."""
+    SHOWN = 5
+
+    def __init__(self):
+        self.counts = Counter()
+
+    def add(self, kind: str, message: str) -> None:
+        self.counts[kind] += 1
+        if self.counts[kind] <= self.SHOWN:
+            warn(message)
+
+    def summarize(self) -> None:
+        for kind, n in self.counts.items():
+            if n > self.SHOWN:
+                warn(f"skipped {n - self.SHOWN:,} more {kind} (the first {self.SHOWN} are named above)")
+
+
+_SKIP_NOTES: ContextVar[SkipNotes | None] = ContextVar("kvf_corpus_skip_notes", default=None)
+
+
+def skipped(kind: str, message: str) -> None:
+    """Warn of a file or document skipped (kind: what it is, in the plural, for the count), within a corpus read
+    counted by its SkipNotes; outside one, warned directly."""
+    notes = _SKIP_NOTES.get()
+    if notes is None:
+        warn(message)
+    else:
+        notes.add(kind, message)
 
 
 @dataclass
@@ -185,17 +218,17 @@ def check_text_file(path: Path, block: int = 1 << 24) -> bool:
 
 def _is_text(path: Path, head: bytes) -> bool:
     if b"\x00" in head:
-        warn(f"skipped {path}: looks binary (contains NUL bytes)")
+        skipped("files that look binary", f"skipped {path}: looks binary (contains NUL bytes)")
         return False
     instead = stand_in(head[:200].decode("utf-8", errors="replace"), html=False)
     if instead is not None:   # its text would be stored and answered from as if it were a document
-        warn(f"skipped {path}: it {instead}")
+        skipped("files that stand in for data", f"skipped {path}: it {instead}")
         return False
     return True
 
 
 def _not_utf8(path: Path, byte: int) -> None:
-    warn(f"skipped {path}: not valid UTF-8 (byte {byte}); convert it to UTF-8")
+    skipped("files that are not UTF-8", f"skipped {path}: not valid UTF-8 (byte {byte}); convert it to UTF-8")
 
 
 def markdown_title(text: str, fallback: str) -> str:
@@ -289,17 +322,19 @@ def read_pdf_document(path: Path, root: Path) -> Document | None:
     try:
         reader = PdfReader(path)
         if reader.is_encrypted and not reader.decrypt(""):
-            warn(f"skipped {path}: the PDF is encrypted; save a copy without a password to include it")
+            skipped("PDFs kvf cannot read", f"skipped {path}: the PDF is encrypted; save a copy without a password "
+                    "to include it")
             return None
         pages = [page.extract_text() or "" for page in reader.pages]
         title = (reader.metadata.title if reader.metadata else None) or ""
     except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:   # pypdf's own errors, and those of a torn file
         instead = stand_in(path.read_bytes()[:200].decode("utf-8", errors="replace"), html=False)
-        warn(f"skipped {path}: {'it ' + instead if instead else f'not a readable PDF ({e})'}")
+        skipped("PDFs kvf cannot read", f"skipped {path}: {'it ' + instead if instead else f'not a readable PDF ({e})'}")
         return None
     text = "\n\n".join(page.strip() for page in pages if page.strip())
     if not text:
-        warn(f"skipped {path}: its PDF has no text layer (a scan?); run OCR on it (e.g. ocrmypdf) to include it")
+        skipped("PDFs without a text layer", f"skipped {path}: its PDF has no text layer (a scan?); run OCR on it "
+                "(e.g. ocrmypdf) to include it")
         return None
     doc_id = path.relative_to(root).as_posix() if path != root else path.name
     return Document(doc_id=doc_id, title=" ".join(str(title).split()) or path.stem, text=text, source_file=str(path))
@@ -426,7 +461,7 @@ def iter_json_array_documents(path: Path, on_bytes=None) -> Iterator[Document]:
         held = (f"an array of objects with {', '.join(map(repr, list(first)[:8])) or 'no fields'}"
                 if isinstance(first, dict) else f"an array of {json_kind(first)}s" if first is not None
                 else "an empty array" if kind == "array" else ("an " if kind[0] in "ao" else "a ") + kind)
-        warn(f"skipped {path}: not an array of documents ({JSON_SHAPE}; it holds {held})")
+        skipped(".json files of other things", f"skipped {path}: not an array of documents ({JSON_SHAPE}; it holds {held})")
         return
     for row_no, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
@@ -451,7 +486,7 @@ def iter_table_documents(path: Path, on_bytes=None) -> Iterator[Document]:
         with path.open("rb") as f:
             instead = stand_in(f.read(200).decode("utf-8", errors="replace"), html=False)
         if instead is not None:
-            warn(f"skipped {path}: it {instead}")
+            skipped("files that stand in for data", f"skipped {path}: it {instead}")
             return
     row_no = 0
     for columns, rows in table_batches(path):
@@ -493,8 +528,8 @@ def documents_table(path: Path, columns: list[str], warned: bool = True) -> bool
     if any(f in columns for f in ID_FIELDS) and any(f in columns for f in TEXT_FIELDS):
         return True
     if warned:
-            warn(f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns are "
-             f"{', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
+            skipped("tables of other things", f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns "
+                    f"are {', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
     return False
 
 
@@ -503,8 +538,19 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
     unreadable files and empty docs are skipped with a warning. files: list_corpus_files(path), when the
     caller has it; on_bytes(n): n more bytes of those files read."""
     root = Path(path)
-    first_seen = {}   # doc id -> where it was first read
     files = list_corpus_files(root) if files is None else files
+    notes = SkipNotes()
+    _SKIP_NOTES.set(notes)   # what this read skips is counted, the first few of each kind named
+    try:
+        yield from corpus_documents(root, files, on_bytes)
+    finally:
+        _SKIP_NOTES.set(None)
+        notes.summarize()
+
+
+def corpus_documents(root: Path, files: list[Path], on_bytes=None) -> Iterator[Document]:
+    """iter_corpus's documents, file by file, each id once."""
+    first_seen = {}   # doc id -> where it was first read
     for file in files:
         if is_supported(file, JSONL_EXTENSIONS):
             file_docs = iter_jsonl_documents(file, on_bytes)
@@ -519,7 +565,7 @@ def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None
                 on_bytes(file.stat().st_size)
         for doc in file_docs:
             if not doc.text.strip():
-                warn(f"skipped empty document {doc.doc_id!r} in {doc.source_file}")
+                skipped("empty documents", f"skipped empty document {doc.doc_id!r} in {doc.source_file}")
                 continue
             # doc ids key gold answers in evals, so two docs under one id is an input error
             if doc.doc_id in first_seen:
