@@ -140,8 +140,13 @@ def corpus_stamp(root: Path, files: list[Path] | None = None) -> dict:
     made_of = []
     for file in files:
         stat = file.stat()
-        made_of.append([file.name if file == root else file.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns])
+        made_of.append([file_document_id(file, root), stat.st_size, stat.st_mtime_ns])
     return {"files": len(files), "digest": hashlib.sha256(json.dumps(made_of).encode()).hexdigest()}
+
+
+def file_document_id(path: Path, root: Path) -> str:
+    """A file's id as a document: its path relative to the corpus root (its name, where the root is the file)."""
+    return path.relative_to(root).as_posix() if path != root else path.name
 
 
 def is_supported(path: Path, extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS) -> bool:
@@ -225,6 +230,13 @@ def _is_text(path: Path, head: bytes) -> bool:
         skipped("files that stand in for data", f"skipped {path}: it {instead}")
         return False
     return True
+
+
+def binary_stand_in(path: Path) -> str | None:
+    """stand_in() of a binary format's file (Parquet, PDF), whose text checks do not apply: a Git LFS pointer
+    named like one. Only its first bytes are read."""
+    with path.open("rb") as f:
+        return stand_in(f.read(200).decode("utf-8", errors="replace"), html=False)
 
 
 def _not_utf8(path: Path, byte: int) -> None:
@@ -328,7 +340,7 @@ def read_pdf_document(path: Path, root: Path) -> Document | None:
         pages = [page.extract_text() or "" for page in reader.pages]
         title = (reader.metadata.title if reader.metadata else None) or ""
     except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:   # pypdf's own errors, and those of a torn file
-        instead = stand_in(path.read_bytes()[:200].decode("utf-8", errors="replace"), html=False)
+        instead = binary_stand_in(path)
         skipped("PDFs kvf cannot read", f"skipped {path}: {'it ' + instead if instead else f'not a readable PDF ({e})'}")
         return None
     text = "\n\n".join(page.strip() for page in pages if page.strip())
@@ -336,8 +348,8 @@ def read_pdf_document(path: Path, root: Path) -> Document | None:
         skipped("PDFs without a text layer", f"skipped {path}: its PDF has no text layer (a scan?); run OCR on it "
                 "(e.g. ocrmypdf) to include it")
         return None
-    doc_id = path.relative_to(root).as_posix() if path != root else path.name
-    return Document(doc_id=doc_id, title=" ".join(str(title).split()) or path.stem, text=text, source_file=str(path))
+    return Document(doc_id=file_document_id(path, root), title=" ".join(str(title).split()) or path.stem, text=text,
+                    source_file=str(path))
 
 
 def read_plain_document(path: Path, root: Path) -> Document | None:
@@ -346,7 +358,6 @@ def read_plain_document(path: Path, root: Path) -> Document | None:
     text = read_text_file(path)
     if text is None:
         return None
-    doc_id = path.relative_to(root).as_posix() if path != root else path.name
     name = path.name[:-3] if path.name.lower().endswith(".gz") else path.name   # notes.md.gz: markdown, "notes"
     stem = Path(name).stem
     if is_supported(Path(name), HTML_EXTENSIONS):
@@ -358,7 +369,7 @@ def read_plain_document(path: Path, root: Path) -> Document | None:
         title = rst_title(text, stem)
     else:
         title = stem
-    return Document(doc_id=doc_id, title=title, text=text, source_file=str(path))
+    return Document(doc_id=file_document_id(path, root), title=title, text=text, source_file=str(path))
 
 
 # the fields of the corpus formats users bring: kvf's own {id, title, text}, BEIR's {_id, title, text},
@@ -443,20 +454,17 @@ def iter_json_array_documents(path: Path, on_bytes=None) -> Iterator[Document]:
     """A .json file holding one array of rows (an export: `df.to_json(orient="records")`) is one document per row.
     Valid JSON of another shape (package.json beside the documents) is skipped with a warning; JSON that does
     not parse is one line naming the file. The array is read whole: a corpus larger than memory belongs in .jsonl."""
-    if not check_text_file(path):
-        return
-    with open_lines(path) as (f, _):
-        text = f.read().decode("utf-8-sig")
+    text = read_text_file(path)
     if on_bytes is not None:
         on_bytes(path.stat().st_size)
-    if not text.strip():
-        return   # an empty file holds no document, as an empty .jsonl file holds none
+    if text is None or not text.strip():
+        return   # skipped with a warning; an empty file holds no document, as an empty .jsonl file holds none
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise KvfError(f"corpus file {path}: not valid JSON ({e.msg}, line {e.lineno}); {JSON_SHAPE}") from None
     first = rows[0] if isinstance(rows, list) and rows else None
-    if not isinstance(first, dict) or not documents_table(path, list(first), warned=False):
+    if not isinstance(first, dict) or not has_document_fields(list(first)):
         kind = json_kind(rows)
         held = (f"an array of objects with {', '.join(map(repr, list(first)[:8])) or 'no fields'}"
                 if isinstance(first, dict) else f"an array of {json_kind(first)}s" if first is not None
@@ -483,14 +491,15 @@ def iter_table_documents(path: Path, on_bytes=None) -> Iterator[Document]:
     if path.stat().st_size == 0 or (is_supported(path, CSV_EXTENSIONS) and not check_text_file(path)):
         return   # an empty file holds no document, as an empty .jsonl file holds none
     if is_supported(path, PARQUET_EXTENSIONS):   # binary, so read_text_file's checks do not apply; a pointer's do
-        with path.open("rb") as f:
-            instead = stand_in(f.read(200).decode("utf-8", errors="replace"), html=False)
+        instead = binary_stand_in(path)
         if instead is not None:
             skipped("files that stand in for data", f"skipped {path}: it {instead}")
             return
     row_no = 0
     for columns, rows in table_batches(path):
-        if row_no == 0 and not documents_table(path, columns):
+        if row_no == 0 and not has_document_fields(columns):   # a spreadsheet of figures, kvf eval's summary.csv
+            skipped("tables of other things", f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns "
+                    f"are {', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
             return
         for row in rows:
             row_no += 1
@@ -522,15 +531,10 @@ def table_batches(path: Path) -> Iterator[tuple[list[str], list[dict]]]:
                        f"{TABLE_SHAPE}, one row per document") from None
 
 
-def documents_table(path: Path, columns: list[str], warned: bool = True) -> bool:
-    """Whether a table holds documents (an id and a text column); one that does not (a spreadsheet of figures beside
-    the documents, kvf eval's summary.csv) is skipped with a warning, as a file of another kind is."""
-    if any(f in columns for f in ID_FIELDS) and any(f in columns for f in TEXT_FIELDS):
-        return True
-    if warned:
-            skipped("tables of other things", f"skipped {path}: not a table of documents ({TABLE_SHAPE}; its columns "
-                    f"are {', '.join(map(repr, columns[:8])) or 'none'}{', ...' if len(columns) > 8 else ''})")
-    return False
+def has_document_fields(columns: list[str]) -> bool:
+    """Whether a table's columns (or a JSON row's fields) hold documents: an id and a text. One that does not is
+    skipped with a warning, as a file of another kind is."""
+    return any(f in columns for f in ID_FIELDS) and any(f in columns for f in TEXT_FIELDS)
 
 
 def iter_corpus(path: str | Path, files: list[Path] | None = None, on_bytes=None) -> Iterator[Document]:
