@@ -85,6 +85,17 @@ CASES = {
     # a README with no extension, named alone: the fix for a plain-text file is its name
     "build-cache a file with no extension": (lambda d, t: ["build-cache", write(t / "README", b"Plain text."), "-w", t / "ws"],
                                              ["corpus file", "README is not a supported type", ".rst", "rename a plain-text file to .txt"]),
+    # corpus tables and JSON arrays (read since this session): one that does not parse names the file, at the CLI
+    "build-cache a CSV corpus that does not parse": (lambda d, t: ["build-cache", write(t / "docs.csv", b'id,text\n1,"open\n'),
+                                                                   "-w", t / "ws"],
+                                                     ["corpus file", "docs.csv: not a readable CSV table", '"id"']),
+    "build-cache a torn Parquet corpus": (lambda d, t: ["build-cache", write(t / "docs.parquet", b"PAR1 torn"), "-w", t / "ws"],
+                                          ["corpus file", "docs.parquet: not a readable Parquet table"]),
+    "build-cache a .json corpus that does not parse": (lambda d, t: ["build-cache", write(t / "docs.json", b'[{"id": "a",'),
+                                                                     "-w", t / "ws"],
+                                                       ["corpus file", "docs.json: not valid JSON", "one array of objects"]),
+    "build-cache a .json corpus row that is no object": (lambda d, t: ["build-cache", write(
+        t / "docs.json", b'[{"id": "a", "text": "x"}, 7]'), "-w", t / "ws"], ["docs.json row 2", "this one is 7"]),
     "build-cache on a workspace": (lambda d, t: ["build-cache", d[1], "-w", t / "ws"],
                                    ["corpus", "is a workspace (kvf build-cache made it)", "pass the documents it was built from"]),
     "build-cache on a prepared dataset": (lambda d, t: ["build-cache", d[0], "-w", t / "ws"],
