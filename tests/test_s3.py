@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from kvf.errors import KvfError
-from kvf.scripts.s3_local import free_port, start_moto, start_rclone
+from kvf.scripts.s3_local import refused_url, start_moto, start_rclone
 
 QUIET = Console(file=io.StringIO())
 META = {"model": "m", "dtype": "float16", "layers": 2, "kv_heads": 2, "head_dim": 4}
@@ -94,8 +94,8 @@ def test_a_store_opened_after_fixing_the_aws_settings_uses_the_new_ones(s3, monk
     from kvf.cachestore import open_store
     open_store("s3://kvf/settings", meta=META, create=True).put("%064x" % 7, kv(7))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # botocore's retries of the refused connection: seconds
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(KvfError, match="cannot reach the object store"):
+    with refused_url() as refused, pytest.raises(KvfError, match="cannot reach the object store"):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", refused)
         open_store("s3://kvf/settings", meta=META)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3)   # the fix the line names
     assert open_store("s3://kvf/settings", meta=META).keys() == ["%064x" % 7]
@@ -115,11 +115,10 @@ def test_an_endpoint_that_refuses_or_is_not_s3_is_named_before_any_s3_request(mo
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
         monkeypatch.delenv(proxy, raising=False)
-    refused = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", refused)
     made = []
-    with monkeypatch.context() as patched, \
+    with refused_url() as refused, monkeypatch.context() as patched, \
             pytest.raises(KvfError, match=f"cannot reach the object store at {refused} \\(Connection refused\\)"):
+        patched.setenv("AWS_ENDPOINT_URL", refused)
         patched.setattr(s3fs.S3FileSystem, "_call_s3", lambda *a, **k: made.append(a))
         open_store("s3://kvf/kv", meta=META, create=True)
     assert made == []   # refused before any S3 request (which botocore and s3fs would retry)
@@ -158,8 +157,8 @@ def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, mo
     with pytest.raises(KvfError, match="bucket does not exist"):
         open_store("s3://no-such-bucket/kv", meta=META, create=True).put("%064x" % 9, kv(9))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # botocore's retries of the refused connection: seconds
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
+    with refused_url() as refused, pytest.raises(KvfError, match="cannot reach the object store.*--s3-endpoint"):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", refused)
         open_store("s3://kvf/roundtrip", meta=META)
     if request.node.callspec.params["s3"] == "moto":
         proc, url = start_server("moto", extra_env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})   # a server that checks credentials
