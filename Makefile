@@ -93,6 +93,7 @@ demo: setup
 # 30935d2): `make test` 9:57 (1,130 tests), `make test-long` 5:33, install and both 18:27; on another machine of
 # the same kind, quiet, at c203614 and 25840bc: `make test` 12:56 and 12:42 (1,131), `make test-long` 6:49 and
 # 6:38 (26), 23:17 and 23:14 in all; the project's CI ran `make test` in 9:56 (1,130) on 2026-12-03.
+# At 355a11a on a clean clone, quiet (2026-12-07): `make test` 6:31 (1,235 tests), `make test-long` 3:29 (28), 11:17 in all.
 # A test still running after TEST_TIMEOUT_S (its fixtures' setup included) fails with every thread's stack
 # (pytest-timeout), and the suite goes on: a stalled request cannot hold CI until its own limit.
 TEST_WORKERS ?= 2

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import socket
+import ssl
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
@@ -98,6 +99,9 @@ def remote_errors(fs, path: str):
                                                                      "NoCredentials", "Forbidden")):
             raise KvfError(f"--store {path}: access denied ({first}); check AWS_ACCESS_KEY_ID / "
                            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+        if "CERTIFICATE_VERIFY_FAILED" in text or "SSLCertVerificationError" in text:   # behind a proxy: not checked first
+            raise KvfError(f"--store {path}: the object store's TLS certificate is not trusted here ({first}); set "
+                           "AWS_CA_BUNDLE to the certificate that signed it (a PEM file)") from None
         if any(w in text for w in ("Connect", "connect", "Endpoint", "Timeout", "refused")) or isinstance(e, OSError):
             raise KvfError(f"--store {path}: cannot reach the object store ({first}); check --s3-endpoint "
                            "(or AWS_ENDPOINT_URL) and that the server is up") from None
@@ -205,24 +209,65 @@ def check_endpoint(fs, root: str, path: str) -> None:
         return
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     fs.fs.connect()
-    check_endpoint_reachable(path, endpoint)
+    check_endpoint_reachable(path, endpoint, endpoint_ca(fs.fs))
     check_speaks_s3(fs.fs, root.split("/")[0], path, endpoint)
 
 
-def check_endpoint_reachable(path: str, endpoint: str, timeout_s: float = 5.0) -> None:
-    """One TCP connect to the endpoint's host and port: botocore and s3fs retry a refused or unknown endpoint
-    with back-off, so a mistyped --s3-endpoint was refused only after ~20 s. Not checked behind an HTTP proxy,
-    which may be the only way to the endpoint."""
+def check_endpoint_reachable(path: str, endpoint: str, ca: str | bool, timeout_s: float = 5.0) -> None:
+    """One TCP connect to the endpoint's host and port, and for https:// a TLS handshake checked against ca (as
+    botocore checks it; False: not checked): botocore and s3fs retry a refused or unknown endpoint, or a
+    certificate they do not trust, with back-off, so these were named only after ~20 s, an untrusted certificate
+    as an endpoint that is not up. Not checked behind an HTTP proxy, which may be the only way to the endpoint."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
         return
     url = urlsplit(endpoint)
     try:
         port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+        connection = socket.create_connection((url.hostname, port), timeout=timeout_s)
     except (OSError, ValueError) as e:   # refused, unknown host, timed out; ValueError: a port out of range
         why = getattr(e, "strerror", None) or str(e) or type(e).__name__
         raise KvfError(f"--store {path}: cannot reach the object store at {endpoint} ({why}); check --s3-endpoint "
                        "(or AWS_ENDPOINT_URL) and that the server is up") from None
+    with connection:
+        if url.scheme == "https" and ca is not False:
+            check_tls(connection, url.hostname, ca, path, endpoint)
+
+
+def endpoint_ca(fs) -> str | bool:
+    """What s3fs's client checks an https endpoint's certificate against, as botocore picks it: the filesystem's
+    own `verify` (client_kwargs, from the fsspec config; False: not checked), else AWS_CA_BUNDLE or the AWS
+    profile's ca_bundle, else botocore's default bundle."""
+    verify = (getattr(fs, "client_kwargs", None) or {}).get("verify")
+    if verify is not None:
+        return verify
+    import botocore.session
+    from botocore.httpsession import get_cert_path
+    return botocore.session.get_session().get_config_variable("ca_bundle") or get_cert_path(True)
+
+
+def check_tls(connection: socket.socket, hostname: str, ca: str | bool, path: str, endpoint: str) -> None:
+    """A TLS handshake over connection, the server's certificate checked against ca (a PEM file or a folder of
+    them; True: the system's), naming the fix for each way it fails."""
+    if isinstance(ca, str) and not os.path.exists(ca):
+        raise KvfError(f"--store {path}: the CA bundle {ca} (AWS_CA_BUNDLE, the AWS profile's ca_bundle or the "
+                       "fsspec config's verify) does not exist; point it at the certificate that signed the "
+                       "endpoint's (a PEM file), or unset it") from None
+    cafile = ca if isinstance(ca, str) and os.path.isfile(ca) else None
+    capath = ca if isinstance(ca, str) and os.path.isdir(ca) else None
+    try:
+        context = ssl.create_default_context(cafile=cafile, capath=capath)
+        context.wrap_socket(connection, server_hostname=hostname).close()
+    except ssl.SSLCertVerificationError as e:
+        raise KvfError(f"--store {path}: the endpoint {endpoint} has a TLS certificate this machine does not trust "
+                       f"({e.verify_message}); set AWS_CA_BUNDLE to the certificate that signed it (a PEM file), "
+                       "or give --s3-endpoint as its http:// address if it serves one") from None
+    except ssl.SSLError as e:   # e.g. a plain-HTTP port named as https://
+        raise KvfError(f"--store {path}: the endpoint {endpoint} did not complete a TLS handshake "
+                       f"({e.reason or e}); if it serves plain HTTP, give --s3-endpoint as http://...") from None
+    except OSError as e:   # the server closed the connection or stayed silent mid-handshake
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise KvfError(f"--store {path}: the endpoint {endpoint} did not complete a TLS handshake ({why}); check "
+                       "--s3-endpoint's scheme and port") from None
 
 
 def check_speaks_s3(fs, bucket: str, path: str, endpoint: str) -> None:

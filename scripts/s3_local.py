@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -47,10 +48,13 @@ def installed(name: str, package: str) -> str:
     return binary
 
 
-def start_moto(extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """(process, endpoint URL) of a moto_server on a localhost port of its choosing, up and answering."""
+def start_moto(extra_env: dict | None = None, tls: tuple[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """(process, endpoint URL) of a moto_server on a localhost port of its choosing, up and answering; with
+    tls=(certificate, key) PEM files, over https://."""
     command = [installed("moto_server", "moto[server]"), "-H", "127.0.0.1", "-p", "0"]
-    return started(command, r"Running on (http://127\.0\.0\.1:\d+)", extra_env, "moto_server")
+    if tls:
+        command += ["--ssl-cert", tls[0], "--ssl-key", tls[1]]
+    return started(command, r"Running on (https?://127\.0\.0\.1:\d+)", extra_env, "moto_server")
 
 
 def start_rclone(folder: str | os.PathLike, access_key: str = "testing",
@@ -87,8 +91,8 @@ def started(command: list[str], says_url: str, extra_env: dict | None, name: str
 
 
 def answers_http(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=1)
+    try:   # whether it answers, whatever its certificate
+        urllib.request.urlopen(url, timeout=1, context=ssl._create_unverified_context())
     except urllib.error.HTTPError:   # it answers (403 when it checks credentials): it is up
         pass
     except OSError:

@@ -22,9 +22,9 @@ QUIET = Console(file=io.StringIO())
 META = {"model": "m", "dtype": "float16", "layers": 2, "kv_heads": 2, "head_dim": 4}
 
 
-def start_server(name: str, folder=None, extra_env=None):
+def start_server(name: str, folder=None, extra_env=None, tls=None):
     try:
-        return start_moto(extra_env) if name == "moto" else start_rclone(folder)
+        return start_moto(extra_env, tls) if name == "moto" else start_rclone(folder)
     except RuntimeError as e:   # not installed, or it would not start here
         pytest.skip(str(e))
 
@@ -150,6 +150,75 @@ def test_an_endpoint_that_refuses_or_is_not_s3_is_named_before_any_s3_request(mo
                 open_store("s3://kvf/kv", meta=META, create=create)
     finally:
         server.shutdown()
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """(certificate, key) PEM files in folder: a certificate for 127.0.0.1 that signs itself, as a lab's MinIO has."""
+    import datetime
+    import ipaddress
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "kvf test S3")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_an_https_endpoint_with_a_certificate_of_its_own_is_named_with_the_fix(tmp_path, monkeypatch):
+    """An S3 server over TLS whose certificate signs itself (a lab's MinIO): before, ~20 s of retries, then "cannot
+    reach the object store (SSLError: ... [SSL); check --s3-endpoint ... and that the server is up", though it was
+    up. Now at once, before any S3 request: the certificate is not trusted, and AWS_CA_BUNDLE is the fix. With it
+    set, the store opens and keeps what is put. A bundle that does not exist, and a plain-HTTP port given as
+    https://, are each one line too."""
+    import s3fs
+    from kvf.cachestore import open_store
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_CA_BUNDLE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    made = []
+
+    def refused_before_any_request(url: str, says: str) -> None:
+        with monkeypatch.context() as patched, pytest.raises(KvfError, match=says):
+            patched.setenv("AWS_ENDPOINT_URL", url)
+            patched.setattr(s3fs.S3FileSystem, "_call_s3", lambda *a, **k: made.append(a))
+            open_store("s3://kvf/tls", meta=META, create=True)
+        assert made == []
+
+    cert, key = self_signed(tmp_path)
+    proc, url = start_server("moto", tls=(cert, key))
+    try:
+        assert url.startswith("https://")
+        refused_before_any_request(url, f"the endpoint {url} has a TLS certificate this machine does not trust "
+                                        r"\(self.signed certificate\); set AWS_CA_BUNDLE to the certificate")
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+        refused_before_any_request(url, "the CA bundle .*missing.pem .* does not exist")
+        monkeypatch.setenv("AWS_CA_BUNDLE", cert)   # the fix the line names
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("kvf")
+        open_store("s3://kvf/tls", meta=META, create=True).put("%064x" % 5, kv(5))
+        assert open_store("s3://kvf/tls", meta=META).keys() == ["%064x" % 5]
+    finally:
+        proc.kill()
+    proc, url = start_server("moto")   # plain HTTP, given as https://
+    try:
+        refused_before_any_request(url.replace("http://", "https://"),
+                                   "did not complete a TLS handshake .*; if it serves plain HTTP, give --s3-endpoint as http://")
+    finally:
+        proc.kill()
 
 
 def test_missing_bucket_refused_endpoint_and_bad_credentials_are_one_line(s3, monkeypatch, request, tmp_path):
