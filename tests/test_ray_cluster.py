@@ -160,3 +160,20 @@ def test_each_run_worker_takes_its_own_node_s_part_of_the_memory():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_clusters_workers_are_sent_the_s3_settings_the_driver_has(monkeypatch):
+    """A cluster's workers see only the environment kvf sends them (runtime_env). The CA bundle of an https store
+    whose certificate signs itself (AWS_CA_BUNDLE, which kvf's own line names as the fix) was not sent: the driver
+    reached the store, and every worker was refused."""
+    import ray
+    from kvf.pipeline.workflows import distributed
+    settings = {"AWS_ENDPOINT_URL": "https://minio.lab:9000", "AWS_CA_BUNDLE": "/etc/lab-ca.pem",
+                "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret"}
+    for name, value in {**settings, "RAY_worker_niceness": "0"}.items():   # the last: start_ray sets it when unset
+        monkeypatch.setenv(name, value)
+    sent = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: sent.update(kw["runtime_env"]["env_vars"]))
+    distributed.start_ray("local")
+    assert {name: sent.get(name) for name in settings} == settings
