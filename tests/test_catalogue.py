@@ -64,6 +64,8 @@ CASES = {
                                          ["--workspace", "corpus is the corpus folder", "pass a --workspace outside it"]),
     "build-cache --store inside the corpus": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store", d[0] / "corpus" / "kv.zarr"],
                                               ["--store", "kv.zarr is inside the corpus folder", "pass a --store outside it"]),
+    "build-cache --store memory://": (lambda d, t: ["build-cache", d[0] / "corpus", "-w", t / "ws", "--store", "memory://kv"],
+                                      ["--store memory://kv", "an in-memory store ends with this process", "s3://"]),
     "run -o FILE.csv": (lambda d, t: run_args(d, t / "o.csv"), ["--out", "o.csv", "writes JSON Lines (.jsonl), not .csv", "o.jsonl"]),
     "kvf version (a command other tools have)": (lambda d, t: ["version"], ["No such command 'version'. Use kvf --version."]),
     "kvf store ls": (lambda d, t: ["store", "ls", d[1]], ["No such command 'ls'. Use kvf store info."]),

@@ -747,6 +747,9 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     if opts.format not in (None, *FORMATS):   # here, not when the store opens: by then a new workspace's folder is made
         raise KvfError(f"--format {opts.format}: unknown{did_you_mean(opts.format, list(FORMATS))}; use one of "
                        f"{', '.join(FORMATS)}")
+    if str(opts.store or "").startswith("memory://"):   # fsspec's filesystem in this process's memory (a Ray worker: its own)
+        raise KvfError(f"--store {opts.store}: an in-memory store ends with this process, and a build's entries are "
+                       "for the runs after it; pass a folder, or an s3:// URL")
     model_dtype = compute_dtype(opts.device, opts.compute_dtype, "--compute-dtype")
     warn_if_slow(opts.device, model_dtype, "--compute-dtype")
     validate_chunking(opts.chunk_tokens, opts.overlap)
