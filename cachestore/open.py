@@ -256,6 +256,10 @@ def check_tls(connection: socket.socket, hostname: str, ca: str | bool, path: st
     capath = ca if isinstance(ca, str) and os.path.isdir(ca) else None
     try:
         context = ssl.create_default_context(cafile=cafile, capath=capath)
+    except ssl.SSLError as e:   # a DER file, a key, any other file
+        raise KvfError(f"--store {path}: the CA bundle {ca} holds no certificate in PEM form ({e.reason or e}); point "
+                       "AWS_CA_BUNDLE at the certificate that signed the endpoint's, as PEM") from None
+    try:
         context.wrap_socket(connection, server_hostname=hostname).close()
     except ssl.SSLCertVerificationError as e:
         raise KvfError(f"--store {path}: the endpoint {endpoint} has a TLS certificate this machine does not trust "

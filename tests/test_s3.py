@@ -179,8 +179,8 @@ def test_an_https_endpoint_with_a_certificate_of_its_own_is_named_with_the_fix(t
     """An S3 server over TLS whose certificate signs itself (a lab's MinIO): before, ~20 s of retries, then "cannot
     reach the object store (SSLError: ... [SSL); check --s3-endpoint ... and that the server is up", though it was
     up. Now at once, before any S3 request: the certificate is not trusted, and AWS_CA_BUNDLE is the fix. With it
-    set, the store opens and keeps what is put. A bundle that does not exist, and a plain-HTTP port given as
-    https://, are each one line too."""
+    set, the store opens and keeps what is put. A bundle that does not exist, one that holds no certificate, and a
+    plain-HTTP port given as https://, are each one line too."""
     import s3fs
     from kvf.cachestore import open_store
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
@@ -205,6 +205,8 @@ def test_an_https_endpoint_with_a_certificate_of_its_own_is_named_with_the_fix(t
                                         r"\(self.signed certificate\); set AWS_CA_BUNDLE to the certificate")
         monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
         refused_before_any_request(url, "the CA bundle .*missing.pem .* does not exist")
+        monkeypatch.setenv("AWS_CA_BUNDLE", key)   # a file, but no certificate in it
+        refused_before_any_request(url, "the CA bundle .*key.pem holds no certificate in PEM form")
         monkeypatch.setenv("AWS_CA_BUNDLE", cert)   # the fix the line names
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         s3fs.S3FileSystem.clear_instance_cache()
