@@ -8,7 +8,7 @@
 from kvf.cachestore.base import EntryHeader, KVStore
 from kvf.cachestore.errors import BadShape, CorruptEntry, MissingEntry, NotAStore, StoreMismatch
 from kvf.cachestore.keys import entry_key
-from kvf.cachestore.open import FORMATS, check_url, is_endpoint_url, open_store
+from kvf.cachestore.open import FORMATS, check_url, is_endpoint_url, open_store, remote_failure
 
-__all__ = ["open_store", "check_url", "is_endpoint_url", "entry_key", "KVStore", "EntryHeader",
+__all__ = ["open_store", "check_url", "is_endpoint_url", "remote_failure", "entry_key", "KVStore", "EntryHeader",
            "StoreMismatch", "CorruptEntry", "MissingEntry", "NotAStore", "BadShape", "FORMATS"]

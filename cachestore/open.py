@@ -85,27 +85,55 @@ def remote_errors(fs, path: str):
         yield
     except KvfError:
         raise
-    except Exception as e:  # botocore, aiohttp and s3fs raise many types; classify by what they say
-        setting = aws_setting(e)
-        if setting:
-            raise KvfError(f"--store {path}: {setting}") from None
-        text = f"{type(e).__name__}: {e}"
-        first = text.splitlines()[0][:160]
-        if "NoSuchBucket" in text or ("bucket" in text.lower() and isinstance(e, FileNotFoundError)):
-            raise KvfError(f"--store {path}: the bucket does not exist ({first}); create it first "
-                           "(e.g. `aws s3 mb s3://BUCKET`) or pass another --store") from None
-        if isinstance(e, PermissionError) or any(w in text for w in ("AccessDenied", "InvalidAccessKeyId",
-                                                                     "SignatureDoesNotMatch", "InvalidClientTokenId",
-                                                                     "NoCredentials", "Forbidden")):
-            raise KvfError(f"--store {path}: access denied ({first}); check AWS_ACCESS_KEY_ID / "
-                           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
-        if "CERTIFICATE_VERIFY_FAILED" in text or "SSLCertVerificationError" in text:   # behind a proxy: not checked first
-            raise KvfError(f"--store {path}: the object store's TLS certificate is not trusted here ({first}); set "
-                           "AWS_CA_BUNDLE to the certificate that signed it (a PEM file)") from None
-        if any(w in text for w in ("Connect", "connect", "Endpoint", "Timeout", "refused")) or isinstance(e, OSError):
-            raise KvfError(f"--store {path}: cannot reach the object store ({first}); check --s3-endpoint "
-                           "(or AWS_ENDPOINT_URL) and that the server is up") from None
+    except Exception as e:
+        said = remote_failure(e, any_os_error=True)
+        if said:
+            raise KvfError(f"--store {path}: {said}") from None
         raise
+
+
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs")   # the modules an object store's failures come from
+
+
+def remote_failure(e: BaseException, any_os_error: bool = False) -> str | None:
+    """What an object store's failure says is wrong, and the fix; None for another error. botocore, aiohttp and
+    s3fs raise many types, classified by what they say. any_os_error: e came from opening a remote store, where
+    any OSError is the store's; elsewhere only those of the store's client libraries count."""
+    if not (any_os_error or is_store_client_error(e)):
+        return None
+    setting = aws_setting(e)
+    if setting:
+        return setting
+    text = f"{type(e).__name__}: {e}"
+    first = text.splitlines()[0][:160]
+    if "NoSuchBucket" in text or ("bucket" in text.lower() and isinstance(e, FileNotFoundError)):
+        return f"the bucket does not exist ({first}); create it first (e.g. `aws s3 mb s3://BUCKET`) or pass another --store"
+    if "ExpiredToken" in text or "TokenRefreshRequired" in text:
+        return (f"the AWS session token has expired ({first}); renew the credentials (AWS_SESSION_TOKEN, or "
+                "`aws sso login` for a profile)")
+    if isinstance(e, PermissionError) or any(w in text for w in ("AccessDenied", "InvalidAccessKeyId",
+                                                                 "SignatureDoesNotMatch", "InvalidClientTokenId",
+                                                                 "NoCredentials", "Forbidden")):
+        return f"access denied ({first}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    if "CERTIFICATE_VERIFY_FAILED" in text or "SSLCertVerificationError" in text:   # behind a proxy: not checked first
+        return (f"the object store's TLS certificate is not trusted here ({first}); set AWS_CA_BUNDLE to the "
+                "certificate that signed it (a PEM file)")
+    if any(w in text for w in ("Connect", "connect", "Endpoint", "Timeout", "refused")) or isinstance(e, OSError):
+        return (f"cannot reach the object store ({first}); check --s3-endpoint (or AWS_ENDPOINT_URL) and that the "
+                "server is up")
+    return None
+
+
+def is_store_client_error(e: BaseException) -> bool:
+    """Whether e, or an error it was raised from, is one of an object store client's own (botocore's, aiohttp's,
+    s3fs's), rather than a local file's or kvf's."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] in STORE_CLIENTS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def aws_setting(e: Exception) -> str | None:

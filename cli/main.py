@@ -293,6 +293,7 @@ def main():
     except OSError as e:
         if debug:
             raise
+        store_failed(e)   # s3fs raises its refusals as OSErrors
         where = f" {e.filename}:" if e.filename else ""
         if disk_full(e):
             print(f"kvf: error:{where} disk full (no space left on device); free some space there, or write "
@@ -301,11 +302,24 @@ def main():
             print(f"kvf: error:{where} {e.strerror or e} (check the path and its permissions)", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
+        if not debug:
+            store_failed(e)
         if not debug and out_of_memory(e):
             print(f"kvf: error: out of memory ({out_of_memory(e)}); {MEMORY_FIX.get(command_path(sys.argv[1:]), MEMORY_FIX['kvf'])}",
                   file=sys.stderr)
             sys.exit(1)
         report_unexpected(e, debug)
+
+
+def store_failed(e: BaseException) -> None:
+    """Exit in one line where e is the object store's failure mid-command (its endpoint went down, the credentials
+    expired): it read as an internal error, "please report it". Opening a store names these already."""
+    from kvf.cachestore import remote_failure
+    said = remote_failure(e)
+    if said:
+        again = "; a re-run resumes" if resumes(sys.argv[1:]) else ""
+        print(f"kvf: error: {said}{again}", file=sys.stderr)
+        sys.exit(1)
 
 
 # what to lower when a command runs out of memory (torch's allocators raise; the kernel's OOM killer says nothing)

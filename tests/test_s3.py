@@ -896,3 +896,51 @@ def test_only_a_refusal_for_the_signing_time_is_resent(monkeypatch):
     assert handler(refused("RequestTimeTooSkewed", "")) and handler(KeyError()) and not handler(refused("AccessDenied", ""))
     resend_stale_signatures()   # once per process, however many stores are opened
     assert s3fs.core.CUSTOM_ERROR_HANDLER is handler
+
+
+def test_an_endpoint_that_stops_answering_mid_build_is_one_line(tmp_path, short_docs, capsys, monkeypatch):
+    """The S3 server went down while build-cache wrote its entries: "kvf: internal error: EndpointConnectionError:
+    Could not connect to the endpoint URL ... (please report it; re-run with --debug for the traceback)". Now one
+    line: the endpoint cannot be reached, the fix, and that a re-run resumes. A local failure is still a file's."""
+    import s3fs
+    from conftest import assert_one_line, run_cli
+    from kvf.cachestore import remote_failure
+    from kvf.cachestore.zarr_store import ZarrKVStore
+    proc, url = start_server("moto")
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", url), ("AWS_MAX_ATTEMPTS", "1")):
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("kvf")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(short_docs):
+        (corpus / f"doc{i}.txt").write_text(text)
+    real_put, puts = ZarrKVStore.put, []
+
+    def put(self, *a, **kw):   # the server goes down as the build stores its second chunk
+        puts.append(1)
+        if len(puts) == 2:
+            proc.kill()
+            proc.wait()
+        return real_put(self, *a, **kw)
+    monkeypatch.setattr(ZarrKVStore, "put", put)
+    torch.set_num_threads(1)
+    try:
+        code, _, err = run_cli(["build-cache", corpus, "-w", tmp_path / "ws", "--store", "s3://kvf/ws",
+                                "--chunk-tokens", "32", "--no-bm25", "--no-dense"], capsys, monkeypatch)
+    finally:
+        proc.kill()
+    assert len(puts) >= 2
+    assert_one_line(code, err, "kvf: error: cannot reach the object store (", url,
+                    "check --s3-endpoint (or AWS_ENDPOINT_URL) and that the server is up; a re-run resumes")
+    assert remote_failure(PermissionError(13, "Permission denied", str(tmp_path))) is None   # a local file's: its own line
+
+
+def test_an_expired_session_token_names_its_renewal():
+    from botocore.exceptions import ClientError
+    from kvf.cachestore import remote_failure
+    expired = ClientError({"Error": {"Code": "ExpiredToken", "Message": "The provided token has expired."}}, "PutObject")
+    assert remote_failure(expired).startswith("the AWS session token has expired (ClientError: An error occurred "
+                                              "(ExpiredToken)")
+    assert "renew the credentials (AWS_SESSION_TOKEN, or `aws sso login`" in remote_failure(expired)
