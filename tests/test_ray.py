@@ -370,3 +370,19 @@ def test_a_run_worker_s_memory_share_is_its_node_s_part():
     assert worker_memory_share("cpu", 64, 1, 16) == share / 16     # 4 nodes of 16: 16 beside each worker, not 64
     assert worker_memory_share("cpu", 64, 4, 16) == share / 4      # 4 threads each: 4 fit a node
     assert worker_memory_share("cpu", 3, 4, 2) == share            # fewer CPUs than --threads: alone
+
+
+def test_a_workers_failed_store_request_is_named_as_without_ray():
+    """A worker's store write that failed (the S3 endpoint went down mid-build) read "a Ray worker failed: Could not
+    connect to the endpoint URL ...", with no fix; it is named as the same failure is without --ray."""
+    import ray
+    from botocore.exceptions import EndpointConnectionError
+    from kvf.errors import KvfError
+    from kvf.pipeline.workflows.distributed import task_errors
+    refused = EndpointConnectionError(endpoint_url="http://10.0.0.5:9000/kvf/ws/zarr.json")
+    with pytest.raises(KvfError) as raised, task_errors(ray):
+        raise ray.exceptions.RayTaskError("KVWorkerImpl.build", "Traceback (most recent call last): ...", refused)
+    assert str(raised.value) == ("a Ray worker's store request failed: cannot reach the object store "
+                                 "(EndpointConnectionError: Could not connect to the endpoint URL: "
+                                 "\"http://10.0.0.5:9000/kvf/ws/zarr.json\"); check --s3-endpoint (or AWS_ENDPOINT_URL) "
+                                 "and that the server is up")

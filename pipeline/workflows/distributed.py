@@ -433,6 +433,7 @@ def actor_class(ray, impl: type, opts):
 def task_errors(ray):
     """A KvfError raised in a worker is re-raised here as itself (one line); a worker that keeps dying
     is one line too."""
+    from kvf.cachestore import remote_failure
     from kvf.pipeline.fusion.methods.base import user_method_error
     try:
         yield
@@ -443,6 +444,9 @@ def task_errors(ray):
         blamed = user_method_error(cause, str(e)) if cause is not None else None
         if blamed is not None:   # a $KVF_METHOD_PATH method raised on the worker: the user's code, not Ray's
             raise KvfError(f"{blamed} (run without --ray, with --debug, for the traceback)") from None
+        said = remote_failure(cause) if cause is not None else None
+        if said:   # the store's endpoint went down, its credentials expired: as without --ray
+            raise KvfError(f"a Ray worker's store request failed: {said}") from None
         raise KvfError(f"a Ray worker failed: {str(cause or e).strip().splitlines()[-1][:200]}") from None
     except ray.exceptions.RayActorError as e:
         if getattr(e, "actor_init_failed", False):   # its __init__ raised (e.g. it cannot load the model): say why
