@@ -944,3 +944,33 @@ def test_an_expired_session_token_names_its_renewal():
     assert remote_failure(expired).startswith("the AWS session token has expired (ClientError: An error occurred "
                                               "(ExpiredToken)")
     assert "renew the credentials (AWS_SESSION_TOKEN, or `aws sso login`" in remote_failure(expired)
+
+
+def test_a_notebooks_answer_whose_store_stopped_answering_is_a_kvf_error(tmp_path, short_docs, monkeypatch):
+    """kvf.open_workspace(...).answer on an S3 store whose server went down after it opened raised botocore's own
+    EndpointConnectionError; it is a KvfError, the same line the CLI gives."""
+    import s3fs
+    import kvf
+    from kvf.pipeline.workflows.build import BuildOptions, build_cache
+    proc, url = start_server("moto")
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", url), ("AWS_MAX_ATTEMPTS", "1")):
+        monkeypatch.setenv(name, value)
+    try:
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("kvf")
+        corpus = tmp_path / "corpus"
+        corpus.mkdir()
+        for i, text in enumerate(short_docs):
+            (corpus / f"doc{i}.txt").write_text(text)
+        torch.set_num_threads(1)
+        build_cache(BuildOptions(corpus=corpus, workspace=tmp_path / "ws", store="s3://kvf/api", chunk_tokens=32,
+                                 bm25=False, dense=False), QUIET)
+        ws = kvf.open_workspace(tmp_path / "ws")
+        assert ws.answer("Where was Zorvan Pellick born?", method="reuse", documents=["doc0.txt"], max_new_tokens=2).text
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(KvfError, match=f"cannot reach the object store .*{url}.*; check --s3-endpoint"):
+        ws.answer("Where was Zorvan Pellick born?", method="reuse", documents=["doc1.txt"], max_new_tokens=2)
+    ws.close()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvf.cachestore import remote_failure
 from kvf.errors import KvfError, called_as, counted, errors_name_arguments, percent_as_fraction, warn
 from kvf.pipeline.data.datasets import digits_of
 from kvf.pipeline.fusion.methods import METHODS, build_method, check_method_name
@@ -16,6 +18,23 @@ from kvf.pipeline.workflows.run import (DEFAULT_TOP_K, check_index_fresh, parse_
 from kvf.pipeline.workflows.devices import dtype_name
 from kvf.pipeline.workflows.session import Session, check_entries_dtype, workspace_path
 from kvf.pipeline.workflows.workspace import VARIANTS, document_meant
+
+
+def store_failures_named(function):
+    """An object store's failure mid-call (its endpoint went down after the workspace opened) raised as a
+    KvfError, the line the CLI gives, not as botocore's or aiohttp's own exception."""
+    @functools.wraps(function)
+    def named(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except KvfError:
+            raise
+        except Exception as e:
+            said = remote_failure(e)
+            if said is None:
+                raise
+            raise KvfError(said) from None
+    return named
 
 
 class SearchHit(typing.NamedTuple):
@@ -98,6 +117,7 @@ class WorkspaceSession:
                            "with kvf.open_workspace(...)")
         return self._session
 
+    @store_failures_named
     @errors_name_arguments(more=lambda self: self.opened_with)
     def search(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str | None = None) -> list[SearchHit]:
         """The top-k chunks for a question, best first: each one's chunk id, score, document id and text
@@ -114,6 +134,7 @@ class WorkspaceSession:
         chunks = self.session.chunks([cid for cid, _ in found], retriever)
         return [SearchHit(cid, score, chunk.doc_id, chunk.text) for (cid, score), chunk in zip(found, chunks)]
 
+    @store_failures_named
     @errors_name_arguments(more=lambda self: self.opened_with)
     def answer(self, question: str, method: str = "cacheblend", ratio: float | str | None = None,
                top_k: int | None = None, retriever: str | None = None, documents: list[str] | None = None,
