@@ -898,14 +898,10 @@ def test_only_a_refusal_for_the_signing_time_is_resent(monkeypatch):
     assert s3fs.core.CUSTOM_ERROR_HANDLER is handler
 
 
-def test_an_endpoint_that_stops_answering_mid_build_is_one_line(tmp_path, short_docs, capsys, monkeypatch):
-    """The S3 server went down while build-cache wrote its entries: "kvf: internal error: EndpointConnectionError:
-    Could not connect to the endpoint URL ... (please report it; re-run with --debug for the traceback)". Now one
-    line: the endpoint cannot be reached, the fix, and that a re-run resumes. A local failure is still a file's."""
+def server_of_its_own(monkeypatch, tmp_path, docs):
+    """(process, url, corpus folder): a moto server this test may stop, the AWS settings pointing at it (a refused
+    connection tried once), its bucket `kvf`, and a corpus of docs."""
     import s3fs
-    from conftest import assert_one_line, run_cli
-    from kvf.cachestore import remote_failure
-    from kvf.cachestore.zarr_store import ZarrKVStore
     proc, url = start_server("moto")
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                         ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", url), ("AWS_MAX_ATTEMPTS", "1")):
@@ -914,8 +910,19 @@ def test_an_endpoint_that_stops_answering_mid_build_is_one_line(tmp_path, short_
     s3fs.S3FileSystem().mkdir("kvf")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for i, text in enumerate(short_docs):
+    for i, text in enumerate(docs):
         (corpus / f"doc{i}.txt").write_text(text)
+    return proc, url, corpus
+
+
+def test_an_endpoint_that_stops_answering_mid_build_is_one_line(tmp_path, short_docs, capsys, monkeypatch):
+    """The S3 server went down while build-cache wrote its entries: "kvf: internal error: EndpointConnectionError:
+    Could not connect to the endpoint URL ... (please report it; re-run with --debug for the traceback)". Now one
+    line: the endpoint cannot be reached, the fix, and that a re-run resumes. A local failure is still a file's."""
+    from conftest import assert_one_line, run_cli
+    from kvf.cachestore import remote_failure
+    from kvf.cachestore.zarr_store import ZarrKVStore
+    proc, url, corpus = server_of_its_own(monkeypatch, tmp_path, short_docs)
     real_put, puts = ZarrKVStore.put, []
 
     def put(self, *a, **kw):   # the server goes down as the build stores its second chunk
@@ -949,20 +956,10 @@ def test_an_expired_session_token_names_its_renewal():
 def test_a_notebooks_answer_whose_store_stopped_answering_is_a_kvf_error(tmp_path, short_docs, monkeypatch):
     """kvf.open_workspace(...).answer on an S3 store whose server went down after it opened raised botocore's own
     EndpointConnectionError; it is a KvfError, the same line the CLI gives."""
-    import s3fs
     import kvf
     from kvf.pipeline.workflows.build import BuildOptions, build_cache
-    proc, url = start_server("moto")
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", url), ("AWS_MAX_ATTEMPTS", "1")):
-        monkeypatch.setenv(name, value)
+    proc, url, corpus = server_of_its_own(monkeypatch, tmp_path, short_docs)
     try:
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir("kvf")
-        corpus = tmp_path / "corpus"
-        corpus.mkdir()
-        for i, text in enumerate(short_docs):
-            (corpus / f"doc{i}.txt").write_text(text)
         torch.set_num_threads(1)
         build_cache(BuildOptions(corpus=corpus, workspace=tmp_path / "ws", store="s3://kvf/api", chunk_tokens=32,
                                  bm25=False, dense=False), QUIET)
