@@ -8,6 +8,7 @@ import inspect
 import re
 from contextlib import contextmanager
 from pathlib import PurePath
+from typing import Iterator
 
 
 class KvfError(Exception):
@@ -158,3 +159,12 @@ def errors_name_arguments(flags: dict[str, str] | None = None, more=lambda self:
                 return function(*args, **kwargs)
         return named
     return wrap
+
+
+def raised_from(error: BaseException | None) -> Iterator[BaseException]:
+    """error, then each error it was raised from or while handling (__cause__, else __context__), each once."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, raised_from
 from kvf.cachestore.base import FORMAT_VERSION, KVStore
 from kvf.cachestore.dtypes import check_dtype
 from kvf.cachestore.errors import NotAStore, StoreMismatch
@@ -127,13 +127,7 @@ def remote_failure(e: BaseException, any_os_error: bool = False) -> str | None:
 def is_store_client_error(e: BaseException) -> bool:
     """Whether e, or an error it was raised from, is one of an object store client's own (botocore's, aiohttp's,
     s3fs's), rather than a local file's or kvf's."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__module__.split(".")[0] in STORE_CLIENTS:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(type(raised).__module__.split(".")[0] in STORE_CLIENTS for raised in raised_from(e))
 
 
 def aws_setting(e: Exception) -> str | None:

@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from kvf.errors import KvfError
+from kvf.errors import KvfError, raised_from
 
 
 class Stopped(BaseException):
@@ -50,14 +50,11 @@ def signal_beneath(error: BaseException) -> Stopped | None:
     """The signal an error was raised over, if any. Code between the signal and kvf may wrap what it catches:
     Python 3.11 wraps an exception raised while a class body is made (__set_name__) in a RuntimeError, so a
     Ctrl-C during a library's import read "internal error: RuntimeError: Error calling __set_name__"."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, Stopped):
-            return error
-        if isinstance(error, KeyboardInterrupt):
+    for raised in raised_from(error):
+        if isinstance(raised, Stopped):
+            return raised
+        if isinstance(raised, KeyboardInterrupt):
             return Interrupted()
-        error = error.__cause__ or error.__context__
     return None
 
 

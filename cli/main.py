@@ -304,10 +304,10 @@ def main():
     except Exception as e:  # a kvf bug: say so in one line; --debug shows where
         if not debug:
             store_failed(e)
-        if not debug and out_of_memory(e):
-            print(f"kvf: error: out of memory ({out_of_memory(e)}); {MEMORY_FIX.get(command_path(sys.argv[1:]), MEMORY_FIX['kvf'])}",
-                  file=sys.stderr)
-            sys.exit(1)
+            if out_of_memory(e):
+                print(f"kvf: error: out of memory ({out_of_memory(e)}); {MEMORY_FIX.get(command_path(sys.argv[1:]), MEMORY_FIX['kvf'])}",
+                      file=sys.stderr)
+                sys.exit(1)
         report_unexpected(e, debug)
 
 
