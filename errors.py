@@ -67,6 +67,12 @@ def disk_full(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def json_reason(e) -> str:
+    """Where and why a JSON line broke, as a line can say it: "Invalid control character at column 21" (json's own
+    msg for that case ends in a dangling "at"), "Expecting value at column 1"."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def warn(message: str) -> None:
     """A non-fatal problem with the input: one yellow line on stderr, and kvf carries on."""
     from rich.console import Console

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvf.errors import KvfError, counted, disk_full, stand_in, warn
+from kvf.errors import KvfError, counted, disk_full, json_reason, stand_in, warn
 
 # settings that do not change an answer: left out when deciding whether a record can be resumed
 NOT_ANSWER_SETTINGS = ("store", "pipeline", "ratio_mode")
@@ -269,7 +269,7 @@ def read_records(path: Path) -> list[RunRecord]:
                     if not records and path.suffix.lower() in OTHER_FORMATS:   # kvf eval's own summary.csv, say
                         raise KvfError(f"run file {path} is {path.suffix.lower()}, not the JSON Lines `kvf run` writes; "
                                        "pass the .jsonl files kvf run -o wrote") from None
-                    raise KvfError(f"run file {path} line {lineno}: malformed JSON ({e.msg}); fix or remove that line, "
+                    raise KvfError(f"run file {path} line {lineno}: malformed JSON ({json_reason(e)}); fix or remove that line, "
                                    "or leave the file out") from None
                 records.append(parse_record(data, f"run file {path} line {lineno}"))
     except UnicodeDecodeError:

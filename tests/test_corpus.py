@@ -326,7 +326,7 @@ def test_a_json_array_of_documents_is_read_a_row_a_document_and_other_json_is_sk
 
 
 @pytest.mark.parametrize("name, content, said", [
-    ("bad.json", b'[{"id": "a", "text": "x"},', 'bad.json: not valid JSON (Expecting value, line 1); a .json file of'),
+    ("bad.json", b'[{"id": "a", "text": "x"},', 'bad.json: not valid JSON (Expecting value at column 27, line 1); a .json file of'),
     ("mixed.json", b'[{"id": "a", "text": "x"}, "b"]', "mixed.json row 2: a .json file of documents holds one array"),
     ("open.csv", b'id,text\n1,"unterminated\n', "open.csv: not a readable CSV table (Error tokenizing data"),
     ("noid.csv", b"id,text\n1,fine\n,no id\n", "noid.csv row 2: a table of documents needs an \"id\""),

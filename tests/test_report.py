@@ -410,8 +410,14 @@ def test_bad_run_files(tmp_path, runs, capsys):
     assert evaluate([tmp_path / "bom.jsonl"], tmp_path / "bom").n.iloc[0] == len(whole.splitlines())
     # a malformed line that is whole is damage, not a write in progress
     (tmp_path / "broken.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + "\n{not json\n")
-    with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON"):
+    with pytest.raises(KvfError, match=r"broken.jsonl line 2: malformed JSON \(Expecting property name enclosed in "
+                                       r"double quotes at column 2\)"):
         evaluate([tmp_path / "broken.jsonl"], tmp_path / "out")
+    # a line a raw newline cut inside a string: json's own reason ends in a dangling "at"; the line says where
+    (tmp_path / "cut_string.jsonl").write_text(json.dumps(record("q1-0", "full", "Paris")) + '\n{"qid": "q1\n"}\n')
+    with pytest.raises(KvfError, match=r"cut_string.jsonl line 2: malformed JSON \(Invalid control character at "
+                                       r"column 12\)"):
+        evaluate([tmp_path / "cut_string.jsonl"], tmp_path / "out")
     bad_values = {"qid": None, "timings": {"load": "fast"}, "settings": [1, 2], "answer_agree_full": 1.5,
                   "answer_kl_full": -0.1}
     for field, value in bad_values.items():

@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvf.errors import KvfError, did_you_mean, shown, stand_in, warn
+from kvf.errors import KvfError, did_you_mean, json_reason, shown, stand_in, warn
 from kvf.pipeline.files import check_writable_dir, env_folder, other_files, write_atomic
 from kvf.pipeline.retrieval.corpus import id_text, is_run_record, read_corpus, title_text
 
@@ -197,9 +197,9 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
             if not records and (instead := stand_in(line)):
                 raise KvfError(f"{path} {instead}") from None
             if not records:
-                raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {e.msg}); pass the benchmark's "
+                raise KvfError(f"{path} is neither JSON nor JSON Lines (line {lineno}: {json_reason(e)}); pass the benchmark's "
                                ".json or .jsonl file") from None
-            raise KvfError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
+            raise KvfError(f"{path} line {lineno}: malformed JSON ({json_reason(e)})") from None
     return records
 
 
@@ -213,7 +213,7 @@ def read_records(path: Path) -> list[dict]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         if text.lstrip().startswith("["):  # a JSON array: its own error says where it broke
-            raise KvfError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
+            raise KvfError(f"{path} line {e.lineno}: malformed JSON ({json_reason(e)})") from None
         data = _read_jsonl(path, text)
     if isinstance(data, dict):
         data = _pandas_rows(data) if _is_pandas_columns(data) else [data]
@@ -580,7 +580,7 @@ def _read_jsonl_objects(path: Path, where: str, fix: str, line_fix: str | None =
                                    "as fields: convert it with " + converted_with(
                                        path, raw, f"[print(json.dumps(r)) for r in csv.DictReader(sys.stdin{delimiter})]",
                                        "csv,"))
-                raise KvfError(f"{where} line {lineno}: malformed JSON ({e.msg}); {line_fix}") from None
+                raise KvfError(f"{where} line {lineno}: malformed JSON ({json_reason(e)}); {line_fix}") from None
             if not isinstance(row, dict):
                 raise KvfError(f"{where} line {lineno}: expected a JSON object; {line_fix}")
             rows.append((lineno, row))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from kvf.errors import KvfError, shown, stand_in, warn
+from kvf.errors import KvfError, json_reason, shown, stand_in, warn
 
 # one document per file (the title from its first heading, markdown's or reStructuredText's), or one per row
 MARKDOWN_EXTENSIONS, RST_EXTENSIONS, HTML_EXTENSIONS = (".md", ".markdown"), (".rst",), (".html", ".htm")
@@ -390,7 +390,7 @@ def parse_jsonl_row(line: str, where: str) -> Document:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise KvfError(f"{where}: not valid JSON ({e.msg}); {ROW_SHAPE}") from e
+        raise KvfError(f"{where}: not valid JSON ({json_reason(e)}); {ROW_SHAPE}") from e
     if not isinstance(row, dict):
         raise KvfError(f"{where}: {ROW_SHAPE}")
     return parse_row(row, where, ROW_SHAPE)
@@ -462,7 +462,7 @@ def iter_json_array_documents(path: Path, on_bytes=None) -> Iterator[Document]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
-        raise KvfError(f"corpus file {path}: not valid JSON ({e.msg}, line {e.lineno}); {JSON_SHAPE}") from None
+        raise KvfError(f"corpus file {path}: not valid JSON ({json_reason(e)}, line {e.lineno}); {JSON_SHAPE}") from None
     first = rows[0] if isinstance(rows, list) and rows else None
     if not isinstance(first, dict) or not has_document_fields(list(first)):
         kind = json_kind(rows)
