@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import DeviceOption, DtypeOption, ModelOption, S3EndpointOption, use_store_flags
+from kvf.cli.options import DeviceOption, DtypeOption, S3EndpointOption, WorkspaceModelOption, use_store_flags
 from kvf.cli.search_cmd import SearchMode
 
 
@@ -33,7 +33,7 @@ def ask_command(
         "--gold", show_default=False, metavar="ANSWER", help="A right answer, to score each answer against (F1); repeat it for "
         "several.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest answer to generate.")] = 32,
-    model: ModelOption = None,
+    model: WorkspaceModelOption = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = None,
     s3_endpoint: S3EndpointOption = None,

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import (DeviceOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption, WorkersOption,
+from kvf.cli.options import (DeviceOption, RayOption, S3EndpointOption, ThreadsOption, WorkersOption, WorkspaceModelOption,
                              check_ray_flags, use_store_flags)
 
 console = Console(stderr=True)
@@ -27,7 +27,7 @@ def build_cache_command(
     neighbour_probes: Optional[int] = typer.Option(None, "--neighbour-probes", min=1, help="Lists of about √n that the approximate neighbour search reads per chunk above 50,000 chunks: more find more of the exact neighbours, slower (results/ann_recall.md) [default: the workspace's, else 32]."),
     exact_neighbours_up_to: Optional[int] = typer.Option(None, "--exact-neighbours-up-to", min=0, help="Chunks up to which the neighbour search is exact; above, it reads --neighbour-probes lists (0: always approximate, to see what a large corpus's search finds) [default: the workspace's, else 50,000]."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="Local embedding model dir (sentence-transformers) [default: the workspace's, else all-MiniLM-L6-v2]."),
-    model: ModelOption = None,
+    model: WorkspaceModelOption = None,
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: build only the chunks whose id hashes to shard I of N."),
     extras_for: Optional[str] = typer.Option(None, "--extras-for", help="Methods whose build-time extras every entry stores, comma-separated, or all (e.g. cachecraft)."),
     bm25: Optional[bool] = typer.Option(None, "--bm25/--no-bm25", show_default=False, help="Build the BM25 index [default: the workspace's, else yes]."),

@@ -108,6 +108,9 @@ def command_group(help: str) -> typer.Typer:
 
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", help="Local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
+WorkspaceModelOption = Annotated[Optional[str], typer.Option(
+    "--model", help="Local HF model dir or .gguf file (default: the one the workspace was built with; for a new "
+                    "workspace, the embedded SmolLM2-135M-Instruct).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, or cuda (cuda:N) with a CUDA build of torch.")]
 S3EndpointOption = Annotated[Optional[str], typer.Option(
     "--s3-endpoint", help="S3-compatible endpoint URL for s3:// stores (MinIO, Ceph, moto, ...) [default: AWS, or $AWS_ENDPOINT_URL].")]

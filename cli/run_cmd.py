@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvf.cli.options import (DeviceOption, DtypeOption, ModelOption, RayOption, S3EndpointOption, ThreadsOption,
+from kvf.cli.options import (DeviceOption, DtypeOption, RayOption, S3EndpointOption, ThreadsOption, WorkspaceModelOption,
                              WorkersOption, check_ray_flags, use_store_flags, with_method_knobs)
 
 console = Console(stderr=True)
@@ -30,7 +30,7 @@ def run_command(
     setting: str = typer.Option("auto", "--setting", help="per-question (the question's own passages), shared (retrieve from the workspace), or auto: per-question where the questions name several passages, or are your own (-q, or `kvf data prepare custom`) and name any; else shared."),
     retriever: Optional[str] = typer.Option(None, "--retriever", show_default=False, help="bm25 or dense, in the shared setting [default: bm25, or dense in a workspace without a BM25 index]."),
     compare_full: bool = typer.Option(False, "--compare-full/--no-compare-full", help="Also run full prefill; record its answer, its TTFT, and the first-token KL and top-1 agreement."),
-    model: ModelOption = None,
+    model: WorkspaceModelOption = None,
     neighbours: Optional[int] = typer.Option(None, "--neighbours", min=1, show_default=False, help="FusionRAG's top-n similar chunks, when run creates the workspace [default: 10; an existing workspace keeps its own]."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Longest answer to generate."),
     pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="Read the next layers from the store while computing this one."),

@@ -532,6 +532,93 @@ def test_store_of_another_model_or_tokenizer_is_refused(built, tmp_path, capsys,
         build_cache(replace(built.opts, model=str(retok), workspace=tmp_path / "ws2", store=built.summary.store), QUIET)
 
 
+def test_a_workspace_keeps_the_model_it_was_built_with(built, tmp_path, capsys, monkeypatch):
+    """--model left out of a later command means the workspace's own model, found from any folder. Before, a later
+    `kvf build-cache -w WS` on a workspace built with --model refused with "store ... holds model=...; use another
+    --store path or rebuild the store", and `kvf ask` / `kvf run -w` / `kvf.open_workspace` with "pass that --model"."""
+    import kvf
+    tiny = tiny_llama_dir(tmp_path / "tiny", built.model_ref.tokenizer)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["build-cache", built.corpus, "-w", "ws", "--model", "tiny", "--dtype", "float32",
+                            "--no-bm25"], capsys, monkeypatch)
+    assert code == 0, err
+    ws = tmp_path / "ws"
+    assert json.loads((ws / "manifest.json").read_text())["model_arg"] == str(tiny.resolve())   # not "tiny"
+    entries = sorted(open_store(str(ws / "kv.zarr")).keys())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, _, err = run_cli(["build-cache", "-w", ws], capsys, monkeypatch)
+    assert code == 0, err
+    assert sorted(open_store(str(ws / "kv.zarr")).keys()) == entries   # the same model's: none computed again
+    code, out, err = run_cli(["ask", QUESTION, "-w", ws, "-m", "reuse", "--max-new-tokens", 2, "--json"], capsys,
+                             monkeypatch)
+    assert code == 0, err
+    with kvf.open_workspace(ws) as notebook:
+        assert notebook.session.model_ref.model_dir == tiny.resolve()
+        assert notebook.answer(QUESTION, method="reuse", max_new_tokens=2).text == json.loads(out)[0]["answer"]
+    # another model, given: refused with the fix, by every command
+    other = built.model_ref.model_dir
+    for command in (["ask", QUESTION, "-w", ws], ["build-cache", built.corpus, "-w", ws]):
+        code, _, err = run_cli([*command, "--model", other], capsys, monkeypatch)
+        assert_one_line(code, err, f"--model {other}: workspace {ws} was built with model", "leave --model out")
+    # the model moved: said, with the fix
+    tiny.rename(tmp_path / "moved")
+    code, _, err = run_cli(["ask", QUESTION, "-w", ws, "-m", "reuse", "--max-new-tokens", 2], capsys, monkeypatch)
+    assert_one_line(code, err, f"workspace {ws} was built with --model {tiny.resolve()}, which no longer exists",
+                    "pass --model")
+    code, _, err = run_cli(["ask", QUESTION, "-w", ws, "-m", "reuse", "--max-new-tokens", 2, "--model",
+                            tmp_path / "moved"], capsys, monkeypatch)
+    assert code == 0, err
+
+
+# chat templates of real models, and how each must hold kvf's instructions: as a system message, or at the head of
+# the one user turn (a template that takes no system message: it raises, or drops it)
+CHAT_TEMPLATES = {
+    "Llama-3-Instruct (trims each message)": ("system", (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+        "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+        "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")),
+    "Mistral-Instruct v0.1/v0.2 (refuses a system message)": ("user", (
+        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")),
+    "drops a system message": ("user", (
+        "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<user>' + message['content'] + "
+        "'</user>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<bot>' }}{% endif %}")),
+}
+
+
+@pytest.mark.parametrize("instructions, chat_template", CHAT_TEMPLATES.values(), ids=list(CHAT_TEMPLATES))
+def test_the_prompt_is_the_chat_templates_own_rendering(instructions, chat_template):
+    """`kvf build-cache --model` a Llama-3-Instruct said "kvf: internal error: ValueError: not enough values to
+    unpack": its template trims each message, and the prompt was cut where "Question: " had lost its space.
+    Mistral-Instruct v0.1/v0.2's template raises on a system message ("internal error: TemplateError: Conversation
+    roles must alternate ..."), and one that drops it left the prompt without kvf's instructions, silently. Now the
+    prompt is, token for token, what the template renders for the system message and the user turn, or for the one
+    user turn with the instructions at its head where the template takes no system message."""
+    from transformers import AutoTokenizer
+    from kvf.pipeline.model.prompt import SYSTEM_PROMPT, build_prompt, make_template
+    tokenizer = AutoTokenizer.from_pretrained(open_model(None).model_dir)
+    tokenizer.chat_template = chat_template
+    passage = "Quillmarsh is a river town."
+    prompt = build_prompt(make_template(tokenizer), [tokenizer(passage, add_special_tokens=False)["input_ids"]],
+                          QUESTION)
+    turn = f"Documents:\n{passage}\n\nQuestion: {QUESTION}"
+    messages = ([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": turn}]
+                if instructions == "system" else [{"role": "user", "content": f"{SYSTEM_PROMPT}\n\n{turn}"}])
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(prompt.all_ids()) == rendered
+    tokenizer.chat_template = "{{ raise_exception('no chat here') }}"   # no turn it can render: said, with the fix
+    with pytest.raises(KvfError, match=r"chat template cannot render one user turn \(no chat here\); pass a --model"):
+        make_template(tokenizer)
+    tokenizer.chat_template = "{{ messages[-1]['content'][:12] }}"   # one that cuts the message short
+    with pytest.raises(KvfError, match=r"chat template does not keep the user's message as written; pass a --model"):
+        make_template(tokenizer)
+
+
 def by_chunk(store) -> dict[str, torch.Tensor]:
     """chunk id -> its stored prefix KV"""
     return {store.attrs(k)["chunk_id"]: store.get(k) for k in chunk_keys(store)}

@@ -13,7 +13,8 @@ from kvf.errors import KvfError
 
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the documents below. "
                  "Reply with the answer only, in a few words.")
-DOCS_MARKER = "\x00KVF_DOCUMENTS\x00"  # cut point inside the rendered chat template
+DOCS_MARKER = "\x00KVF_DOCUMENTS\x00"  # cut points inside the rendered chat template (not whitespace: a template
+QUESTION_MARKER = "\x00KVF_QUESTION\x00"  # that trims each message, as Llama-3's does, keeps what lies between them)
 CHUNK_SEPARATOR = "\n\n"  # appended to every chunk so neighbouring chunks do not run together
 
 
@@ -42,18 +43,42 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTemplate:
     """Render the chat template around a marker and cut it into S and the question's frame."""
-    user_turn = "Documents:\n" + DOCS_MARKER + "Question: "
+    user_turn = "Documents:\n" + DOCS_MARKER + "Question: " + QUESTION_MARKER
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_turn}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = render_chat(tokenizer, system_prompt, user_turn)
     else:  # base models: a plain layout
         rendered = f"{system_prompt}\n\n{user_turn}\nAnswer:"
+    if rendered.count(DOCS_MARKER) != 1 or rendered.count(QUESTION_MARKER) != 1:
+        raise KvfError("the model's chat template does not keep the user's message as written; pass a --model whose "
+                       "tokenizer_config.json has a chat template that does, or none (a plain prompt)")
     head, tail = rendered.split(DOCS_MARKER)
-    question_head, question_tail = tail.split("Question: ", 1)
+    question_head, question_tail = tail.split(QUESTION_MARKER)
     bos = [tokenizer.bos_token_id] if _template_lacks_bos(tokenizer, rendered) else []
     return PromptTemplate(prefix_ids=bos + encode(tokenizer, head),
-                          question_head=question_head + "Question: ", question_tail=question_tail,
+                          question_head=question_head, question_tail=question_tail,
                           separator_ids=encode(tokenizer, CHUNK_SEPARATOR), tokenizer=tokenizer)
+
+
+def render_chat(tokenizer, system_prompt: str, user_turn: str) -> str:
+    """The chat template's text for a system message and one user turn, up to the assistant's turn. Some templates
+    take no system role: Mistral-Instruct v0.1/v0.2's and Gemma's raise, others drop it. Those models' own cards put
+    the instructions at the head of the user turn, and so does this."""
+    from jinja2.exceptions import TemplateError
+
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    try:
+        rendered = render([{"role": "system", "content": system_prompt}, {"role": "user", "content": user_turn}])
+        if system_prompt in rendered:
+            return rendered
+    except TemplateError:
+        pass
+    try:
+        return render([{"role": "user", "content": f"{system_prompt}\n\n{user_turn}"}])
+    except TemplateError as e:
+        raise KvfError(f"the model's chat template cannot render one user turn ({e}); pass a --model whose "
+                       "tokenizer_config.json has a chat template for a user's message, or none (a plain prompt)") from None
 
 
 def _template_lacks_bos(tokenizer, rendered: str) -> bool:

@@ -36,7 +36,7 @@ from kvf.pipeline.fusion.methods.base import methods_with_extras
 from kvf.pipeline.model.prompt import make_template
 from kvf.pipeline.workflows.devices import compute_dtype, driver_device, dtype_meant, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar, size_text
-from kvf.pipeline.workflows.weights import ModelRef, open_model
+from kvf.pipeline.workflows.weights import ModelRef, check_workspace_model, open_model, recorded_model, workspace_model
 from kvf.pipeline.workflows.workspace import VARIANTS, EntryKeys, Workspace, ids_digest, instead_of_documents
 
 
@@ -736,7 +736,8 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     # replaces nothing until the whole corpus is read)
     ws = Workspace(opts.workspace)
     previous = previous_manifest(ws, console)
-    opts = settle_settings(opts, previous, console)
+    given_model = opts.model
+    opts = replace(settle_settings(opts, previous, console), model=workspace_model(previous, opts.model, ws.root))
     for v in opts.variants:
         if v not in VARIANTS:
             both = " (for both, --variant prefix,fusion)" if v.lower() in ("both", "all") or "+" in v else ""
@@ -769,6 +770,7 @@ def build_cache(opts: BuildOptions, console: Console) -> BuildSummary:
     check_apart_from_corpus(opts)
     ws.check_own_folder("--workspace", opts.store)
     model_ref = open_model(opts.model)
+    check_workspace_model(previous, ws.root, model_ref, given_model)
     check_chunk_fits(opts, model_ref)
     fresh = not ws.root.exists()
     check_writable_dir(ws.root, "--workspace")
@@ -827,7 +829,7 @@ def write_workspace_manifest(ws: Workspace, opts: BuildOptions, model_ref: Model
                            "chunk_tokens": opts.chunk_tokens, "overlap": opts.overlap,
                            "store": ws.relative_store(location), "format": store.format,
                            "s3_endpoint": os.environ.get("AWS_ENDPOINT_URL") if location.startswith("s3://") else None,
-                           "model_arg": opts.model,
+                           "model_arg": recorded_model(opts.model),
                            "dtype": opts.dtype, "corpus": str(opts.corpus), "variants": variants,
                            "corpus_absolute": str(Path(opts.corpus).resolve()),
                            "compute_dtype": dtype_name(compute_dtype(opts.device, opts.compute_dtype)),

@@ -24,13 +24,13 @@ def workspace_keys(path: Path) -> set[str]:
     """Every store key the workspace's chunks can use: S's entry, and each chunk's prefix and fusion entries."""
     from kvf.pipeline.model.prompt import make_template
     from kvf.pipeline.retrieval.chunking import iter_chunk_tokens
-    from kvf.pipeline.workflows.weights import open_model
+    from kvf.pipeline.workflows.weights import open_model, workspace_model
     ws = Workspace(path)
     if not ws.manifest_path.is_file():
         raise ws.not_built(named="--keep-workspace ", pass_as="--keep-workspace {}")
     manifest = ws.manifest()
-    model_ref = open_model(manifest.get("model_arg", None if manifest.get("model") == "SmolLM2-135M-Instruct"
-                                        else manifest.get("model")))
+    model_ref = open_model(workspace_model(manifest, None, ws.root, "put it back there: --keep-workspace reads its "
+                                           "tokenizer to name the workspace's entries"))
     model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries are its own
     template = make_template(model_ref.tokenizer)
     neighbours = {}

@@ -36,9 +36,8 @@ from kvf.pipeline.workflows.build import (BuildOptions, EntryBuilder, check_chun
 from kvf.pipeline.workflows.devices import allocatable_bytes, check_device, compute_dtype, dtype_name, warn_if_slow
 from kvf.pipeline.workflows.display import description_column, notice, progress_bar
 from kvf.pipeline.workflows.provenance import provenance
-from kvf.pipeline.workflows.session import (Session, check_entries_dtype, check_workspace_model, open_run_store,
-                                            run_extras, workspace_path)
-from kvf.pipeline.workflows.weights import open_model
+from kvf.pipeline.workflows.session import Session, check_entries_dtype, open_run_store, run_extras, workspace_path
+from kvf.pipeline.workflows.weights import check_workspace_model, open_model, recorded_model, workspace_model
 from kvf.pipeline.workflows.workspace import VARIANTS, Workspace, document_meant, folder_kind, ids_digest
 
 SETTINGS = ("auto", "per-question", "shared")
@@ -671,7 +670,7 @@ def why_outdated(opts: RunOptions, ws: Workspace, questions: list[Question]) -> 
     # the manifest names the corpus as the building run was given it: relative to that run's directory
     if built_from.resolve() != corpus and built_from.parts[-2:] != corpus.parts[-2:]:
         return None
-    if manifest.get("model_arg") != opts.model:
+    if recorded_model(manifest.get("model_arg")) != recorded_model(opts.model):
         return None
     cited = {pid for q in questions for pid in q.context_ids}
     if cited - ws.doc_chunks().keys():
@@ -892,6 +891,9 @@ def run(opts: RunOptions, console: Console) -> Path:
     check_options(opts)
     check_device(opts.device, workers_only=opts.ray is not None)
     questions, name, source_ids = load_questions(opts)
+    built = Workspace(default_workspace(opts))   # --model left out: the workspace's own
+    if built.manifest_path.is_file():
+        opts = replace(opts, model=workspace_model(built.manifest(), opts.model, built.root))
     # the model's config only (no weights yet): model-dependent knobs are refused before a new workspace's
     # minutes of chunking and indexing
     planned = plan_methods(opts, open_model(opts.model).config.num_hidden_layers)
@@ -921,7 +923,7 @@ def run(opts: RunOptions, console: Console) -> Path:
             max_positions = session.answerer.transformer.max_positions
         else:  # the driver only plans and writes: its workers load the model
             model_ref = open_model(opts.model)
-            check_workspace_model(ws, model_ref)
+            check_workspace_model(ws.manifest(), ws.root, model_ref, opts.model)
             model_name = model_ref.name
             template, chunks_by_id = make_template(model_ref.tokenizer), ChunkTable(ws.chunks_path)
             prompt_of = lambda q: build_prompt(template, [chunks_by_id[c].token_ids for c in picker.chunk_ids(q)],  # noqa: E731

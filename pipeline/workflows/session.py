@@ -20,7 +20,7 @@ from kvf.pipeline.model.prompt import FusedPrompt
 from kvf.pipeline.retrieval.chunking import Chunk, ChunkTable
 from kvf.pipeline.workflows.build import EntryBuilder, open_workspace_store, workspace_extras
 from kvf.pipeline.workflows.devices import check_device, compute_dtype
-from kvf.pipeline.workflows.weights import open_model
+from kvf.pipeline.workflows.weights import check_workspace_model, open_model, workspace_model
 from kvf.pipeline.workflows.workspace import Workspace
 
 
@@ -52,8 +52,8 @@ class Session:
                  store: str | None = None, extras_for: tuple[str, ...] = ()):
         check_device(device)
         self.ws, self.manifest = ws, ws.manifest()
-        self.model_ref = open_model(model)
-        check_workspace_model(ws, self.model_ref)
+        self.model_ref = open_model(workspace_model(self.manifest, model, ws.root))
+        check_workspace_model(self.manifest, ws.root, self.model_ref, model)
         self.dtype = compute_dtype(device, dtype)
         self.device = device
         self.answerer = Answerer(self.model_ref.load(device, self.dtype).model, self.model_ref.tokenizer)
@@ -157,15 +157,6 @@ class Session:
         finally:
             if source is not None:
                 source.close()
-
-
-def check_workspace_model(ws: Workspace, model_ref) -> None:
-    """A workspace's entries are only valid for the model that built them."""
-    manifest = ws.manifest()
-    model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries stay readable
-    if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
-        raise KvfError(f"--workspace {ws.root} was built with model {manifest.get('model')}; pass that --model "
-                       "or use another --workspace")
 
 
 def check_entries_dtype(ws: Workspace, dtype: str, fix: str = "pass --dtype {built}") -> None:

@@ -23,6 +23,7 @@ from kvf.errors import KvfError, stand_in
 from kvf.pipeline.model.forward import SUPPORTED_ARCHITECTURES
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_MAGIC = b"GGUF"
 
 
@@ -254,7 +255,7 @@ def open_model(model: str | None = None) -> ModelRef:
     """Map --model to a loadable HF directory (converting a GGUF once) and a display name."""
     if model is None or model == "":
         gguf = embedded_gguf_path()
-        name = "SmolLM2-135M-Instruct"
+        name = EMBEDDED_NAME
     else:
         model = str(model)   # the Python API takes a Path too
         path = Path(model).expanduser()
@@ -273,6 +274,35 @@ def open_model(model: str | None = None) -> ModelRef:
     if not (converted / "config.json").is_file():
         _convert_gguf(gguf, converted)
     return ModelRef(converted, name)
+
+
+def recorded_model(model: str | None) -> str | None:
+    """--model as a workspace records it (None: the embedded model): a local path made absolute, so that a
+    command run from another folder finds it."""
+    return None if model in (None, "") else str(Path(str(model)).expanduser().resolve())
+
+
+def workspace_model(manifest: dict, given: str | None, root,
+                    fix: str = "pass --model with where that model is now") -> str | None:
+    """The model a command on a workspace uses: --model as given, else the one the workspace was built with, since
+    its entries are that model's and no other's (a workspace of an earlier kvf recorded only the model's name: a
+    local path, or the embedded model's)."""
+    if given not in (None, ""):
+        return given
+    built = manifest["model_arg"] if "model_arg" in manifest else manifest.get("model")
+    if built in (None, EMBEDDED_NAME):
+        return None
+    if not Path(built).expanduser().exists():
+        raise KvfError(f"workspace {root} was built with --model {built}, which no longer exists; {fix}")
+    return built
+
+
+def check_workspace_model(manifest: dict, root, model_ref: ModelRef, given: str | None) -> None:
+    """A workspace's entries are only valid for the model that built them."""
+    model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries stay readable
+    if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
+        raise KvfError(f"--model {given}: workspace {root} was built with model {manifest.get('model')}; leave --model "
+                       "out to use that one, or use another --workspace")
 
 
 def check_weight_files(model_dir: Path, name: str) -> None:
