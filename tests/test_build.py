@@ -585,6 +585,10 @@ CHAT_TEMPLATES = {
         "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
         "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
         "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")),
+    "Qwen3 (thinks first unless told not to)": ("system", (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and "
+        "enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")),
     "drops a system message": ("user", (
         "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<user>' + message['content'] + "
         "'</user>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<bot>' }}{% endif %}")),
@@ -595,6 +599,7 @@ CHAT_TEMPLATES = {
 def test_the_prompt_is_the_chat_templates_own_rendering(instructions, chat_template):
     """`kvf build-cache --model` a Llama-3-Instruct said "kvf: internal error: ValueError: not enough values to
     unpack": its template trims each message, and the prompt was cut where "Question: " had lost its space.
+    Qwen3's has the model think first unless told not to: kvf scores a short answer, so it tells it.
     Mistral-Instruct v0.1/v0.2's template raises on a system message ("internal error: TemplateError: Conversation
     roles must alternate ..."), and one that drops it left the prompt without kvf's instructions, silently. Now the
     prompt is, token for token, what the template renders for the system message and the user turn, or for the one
@@ -609,8 +614,9 @@ def test_the_prompt_is_the_chat_templates_own_rendering(instructions, chat_templ
     turn = f"Documents:\n{passage}\n\nQuestion: {QUESTION}"
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": turn}]
                 if instructions == "system" else [{"role": "user", "content": f"{SYSTEM_PROMPT}\n\n{turn}"}])
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert tokenizer.decode(prompt.all_ids()) == rendered
+    assert "enable_thinking" not in chat_template or rendered.endswith("<think>\n\n</think>\n\n")   # answers at once
     tokenizer.chat_template = "{{ raise_exception('no chat here') }}"   # no turn it can render: said, with the fix
     with pytest.raises(KvfError, match=r"chat template cannot render one user turn \(no chat here\); pass a --model"):
         make_template(tokenizer)

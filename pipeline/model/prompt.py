@@ -65,8 +65,8 @@ def render_chat(tokenizer, system_prompt: str, user_turn: str) -> str:
     the instructions at the head of the user turn, and so does this."""
     from jinja2.exceptions import TemplateError
 
-    def render(messages: list[dict]) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render(messages: list[dict]) -> str:   # a thinking model (Qwen3) answers at once: kvf scores short answers
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
     try:
         rendered = render([{"role": "system", "content": system_prompt}, {"role": "user", "content": user_turn}])
