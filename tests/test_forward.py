@@ -183,3 +183,27 @@ def test_attend_every_key_is_grouped_query_attention(family):
     keys, values = torch.randn(2, T.n_kv_heads, 30, T.head_dim).unbind(0)      # [KV, n, d] each
     want = F.scaled_dot_product_attention(q[None], keys[None], values[None], scale=T.scaling, enable_gqa=True)[0]
     assert torch.allclose(T.attend_every_key(q, keys, values), want, atol=1e-5)
+
+
+def test_decoding_stops_at_the_end_of_turn_that_generation_config_names(tmp_path):
+    """Llama-3-Instruct names its end of turn, <|eot_id|>, beside <|end_of_text|> in generation_config.json, where
+    its config.json and (early) tokenizer name <|end_of_text|> alone: an answer was decoded past the end of its turn
+    until --max-new-tokens. A token named there alone now stops decoding, as transformers' generate() stops."""
+    import json
+    from conftest import tiny_llama_dir
+    from kvf.pipeline.fusion.methods import get_method
+    from kvf.pipeline.workflows.weights import load_answerer
+    model_dir = tiny_llama_dir(tmp_path / "model")
+    question = "In which province was Zorvan Pellick born?"
+
+    def answer():
+        answerer = load_answerer(str(model_dir))
+        prompt = answerer.prompt([answerer.tokenizer("Quillmarsh is a river town.")["input_ids"]], question)
+        return answerer.answer(prompt, get_method("full"), None, max_new_tokens=6)
+
+    free = answer()
+    assert len(free.token_ids) == 6
+    end_of_turn = free.token_ids[2]   # as if the model ended its turn with its third token
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_turn]}))
+    stopped = answer()
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(end_of_turn)]

@@ -18,10 +18,13 @@ class Generation:
     step_logits: torch.Tensor | None = None   # [steps, vocab] the logits each step took its token from (keep_logits)
 
 
-def stop_token_ids(tokenizer, model_config) -> set[int]:
-    """EOS from the tokenizer and the generation config (chat models end turns with their own token)."""
+def stop_token_ids(tokenizer, model: Transformer) -> set[int]:
+    """EOS from the tokenizer, the model's config and its generation_config.json: chat models end turns with their
+    own token, which Llama-3-Instruct names there alone (<|eot_id|> beside <|end_of_text|>)."""
     ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+    generation = getattr(model.hf_model, "generation_config", None)
+    for source in (tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None),
+                   getattr(generation, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -40,7 +43,7 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
     appended to `cache` at RoPE position next_position, next_position + 1, ...
     keep_logits: also return every step's logits (a stop token's step included)."""
     started = time.perf_counter()
-    stops = stop_token_ids(tokenizer, model.config)
+    stops = stop_token_ids(tokenizer, model)
     token_ids: list[int] = []
     kept: list[torch.Tensor] = []
     position = next_position
@@ -195,7 +198,7 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
     greedy_decode, but each step is one layer_over_caches per layer over all active answers. decode_seconds
     of each Generation is the batch's time shared equally; keep_logits as in greedy_decode."""
     started = time.perf_counter()
-    stops = stop_token_ids(tokenizer, model.config)
+    stops = stop_token_ids(tokenizer, model)
     tokens: list[list[int]] = [[] for _ in items]
     kept: list[list[torch.Tensor]] = [[] for _ in items]     # per answer, each step's logits [vocab]
     positions = [item.next_position for item in items]
