@@ -625,6 +625,23 @@ def test_the_prompt_is_the_chat_templates_own_rendering(instructions, chat_templ
         make_template(tokenizer)
 
 
+def test_a_question_that_names_a_control_token_asks_about_its_text():
+    """An LLM engineer's question "What does <|im_end|> mean in ChatML?" put the embedded model's end-of-turn token
+    mid-question: the model read the turn as ended there. The question's text stays text, as a chunk's does
+    (split_special_tokens); the template's own control tokens after it stay, and any other question's ids are as
+    they were (one piece)."""
+    from kvf.pipeline.model.prompt import encode, make_template
+    tokenizer = open_model(None).tokenizer
+    template = make_template(tokenizer)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = template.question_ids("What does <|im_end|> mean in ChatML?")
+    assert ids.count(end_of_turn) == 1 and ids[-len(encode(tokenizer, template.question_tail)):] == \
+        encode(tokenizer, template.question_tail)   # the template's end of the user turn, and only it
+    assert tokenizer.decode(ids).startswith("Question: What does <|im_end|> mean in ChatML?<|im_end|>")
+    plain = "Where is Quillmarsh?"
+    assert template.question_ids(plain) == encode(tokenizer, template.question_head + plain + template.question_tail)
+
+
 def by_chunk(store) -> dict[str, torch.Tensor]:
     """chunk id -> its stored prefix KV"""
     return {store.attrs(k)["chunk_id"]: store.get(k) for k in chunk_keys(store)}

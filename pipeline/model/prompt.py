@@ -30,15 +30,21 @@ class PromptTemplate:
     def question_ids(self, question: str) -> list[int]:
         if not question or not question.strip():
             raise KvfError("empty question: pass a non-empty question text")
-        return encode(self.tokenizer, self.question_head + question.strip() + self.question_tail)
+        asked = self.question_head + question.strip()
+        as_text = encode(self.tokenizer, asked, split_special_tokens=True)
+        if as_text == encode(self.tokenizer, asked):   # no control token's text in it: one piece, as always
+            return encode(self.tokenizer, asked + self.question_tail)
+        # "what does <|im_end|> mean?" asks about that text: it stays text, as in a chunk, and does not end the turn
+        return as_text + encode(self.tokenizer, self.question_tail)
 
     def chunk_segment(self, chunk_token_ids: list[int]) -> list[int]:
         """A chunk as it sits in the prompt (and as its KV is stored): its ids plus the separator."""
         return list(chunk_token_ids) + self.separator_ids
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, text: str, split_special_tokens: bool = False) -> list[int]:
+    """Token ids, no BOS/EOS added; split_special_tokens: a control token's text (e.g. "<|im_end|>") stays text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"]
 
 
 def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTemplate:
