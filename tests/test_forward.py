@@ -207,3 +207,35 @@ def test_decoding_stops_at_the_end_of_turn_that_generation_config_names(tmp_path
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_turn]}))
     stopped = answer()
     assert stopped.token_ids == free.token_ids[:free.token_ids.index(end_of_turn)]
+
+
+def test_a_base_models_answer_is_its_first_line(tmp_path):
+    """A model with no chat template (a base model) gets the plain layout, "... Question: Q\\nAnswer:", and has no end
+    of turn: its answer ran on past its line ("Paris\\nQuestion: ...") until --max-new-tokens, and scored against
+    gold as wrong. Its answer is now its first line (after any line break it opens with), decoded alone or in a
+    batch; a chat model's template stops nothing but its end-of-turn tokens."""
+    from transformers import AutoTokenizer
+    from conftest import tiny_llama_dir
+    from kvf.pipeline.fusion.methods import get_method
+    from kvf.pipeline.model.decode import answer_text
+    from kvf.pipeline.workflows.weights import load_answerer, open_model
+    tokenizer = AutoTokenizer.from_pretrained(open_model(None).model_dir)
+    assert answer_text(tokenizer, tokenizer.encode("\nParis\nQuestion: x"), ("\n",)) == ("Paris", True)
+    assert answer_text(tokenizer, tokenizer.encode(" Paris"), ("\n",)) == ("Paris", False)
+    chat = load_answerer(str(tiny_llama_dir(tmp_path / "chat")))
+    assert chat.template.stop_strings == ()
+    tokenizer.chat_template = None
+    answerer = load_answerer(str(tiny_llama_dir(tmp_path / "base", tokenizer)))
+    assert answerer.template.stop_strings == ("\n",)
+    prompt = answerer.prompt([tokenizer("Quillmarsh is a river town.")["input_ids"]], "Where is Quillmarsh?")
+    full = get_method("full")
+    answerer.template.stop_strings = ("\u2603",)   # stops nothing: the random model's free answer
+    free = answerer.answer(prompt, full, None, max_new_tokens=8)
+    # the random model writes no line break on cue: a piece of its own answer stands in for one
+    end = tokenizer.decode(free.token_ids[3:4])
+    answerer.template.stop_strings = (end,)
+    alone = answerer.answer(prompt, full, None, max_new_tokens=8)
+    batched = answerer.decode_many(prompt, [answerer.prefill(prompt, full, None, 8)] * 2, max_new_tokens=8)
+    expected = answer_text(tokenizer, free.token_ids, (end,))[0]
+    assert len(alone.token_ids) < len(free.token_ids) and alone.text == expected
+    assert [a.text for a in batched] == [expected, expected]

@@ -70,7 +70,7 @@ class Answerer:
         """One request: the fused prefill (TTFT), then greedy decoding."""
         fused, timings = self.prefill(prompt, method, source, max_new_tokens)
         generation = greedy_decode(self.transformer, self.tokenizer, fused.logits, fused.cache, fused.next_position,
-                                   max_new_tokens, stop_strings, fused.calibration)
+                                   max_new_tokens, stop_strings or self.template.stop_strings, fused.calibration)
         return Answer(generation.text, prompt, fused, decode_timings(timings, fused, generation),
                       token_ids=generation.token_ids)
 
@@ -105,6 +105,7 @@ class Answerer:
         """Decode several prefilled answers of one prompt together (greedy_decode_batch); answers whose
         decoding needs its own attention (a calibration) are decoded alone. keep_logits: keep each step's
         logits on the answers (for predictions)."""
+        stop_strings = stop_strings or self.template.stop_strings
         batched = [i for i, (f, _) in enumerate(prefilled) if f.calibration is None and not self.transformer.sliding_window]
         generations = dict(zip(batched, greedy_decode_batch(
             self.transformer, self.tokenizer, [Pending(prefilled[i][0].logits, prefilled[i][0].cache,

@@ -54,17 +54,21 @@ def greedy_decode(model: Transformer, tokenizer, logits: torch.Tensor, cache: KV
         if token in stops:
             break
         token_ids.append(token)
-        text = tokenizer.decode(token_ids, skip_special_tokens=True)
-        if any(s in text for s in stop_strings):
+        if stop_strings and answer_text(tokenizer, token_ids, stop_strings)[1]:
             break
         if step + 1 < max_new_tokens:
             logits = model.decode_step(token, position, cache, calibration)
             position += 1
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    for s in stop_strings:
-        text = text.split(s)[0]
-    return Generation(text.strip(), token_ids, time.perf_counter() - started,
+    return Generation(answer_text(tokenizer, token_ids, stop_strings)[0], token_ids, time.perf_counter() - started,
                       torch.stack(kept) if kept else None)
+
+
+def answer_text(tokenizer, token_ids: list[int], stop_strings: tuple[str, ...]) -> tuple[str, bool]:
+    """The answer's text, cut at the first stop string after its first non-blank character (a base model's answer
+    is its first line, which may follow a line break: "Answer:\nParis\n"), and whether a stop string cut it."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True).lstrip()
+    cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
+    return (text if cut < 0 else text[:cut]).strip(), cut >= 0
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -213,7 +217,7 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
             if next_token[i] in stops:
                 continue
             tokens[i].append(next_token[i])
-            if stop_strings and any(s in tokenizer.decode(tokens[i], skip_special_tokens=True) for s in stop_strings):
+            if stop_strings and answer_text(tokenizer, tokens[i], stop_strings)[1]:
                 continue
             still.append(i)
         active = still
@@ -234,8 +238,6 @@ def greedy_decode_batch(model: Transformer, tokenizer, items: list[Pending], max
     share = (time.perf_counter() - started) / max(1, len(items))
     generations = []
     for token_ids, steps in zip(tokens, kept):
-        text = tokenizer.decode(token_ids, skip_special_tokens=True)
-        for s in stop_strings:
-            text = text.split(s)[0]
-        generations.append(Generation(text.strip(), token_ids, share, torch.stack(steps) if steps else None))
+        generations.append(Generation(answer_text(tokenizer, token_ids, stop_strings)[0], token_ids, share,
+                                      torch.stack(steps) if steps else None))
     return generations

@@ -26,6 +26,7 @@ class PromptTemplate:
     question_tail: str                 # chat tail up to the assistant's turn
     separator_ids: list[int]           # CHUNK_SEPARATOR as ids
     tokenizer: object = field(repr=False)
+    stop_strings: tuple[str, ...] = ()  # where an answer ends besides an end-of-turn token (a base model's: its line)
 
     def question_ids(self, question: str) -> list[int]:
         if not question or not question.strip():
@@ -52,7 +53,7 @@ def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTempla
     user_turn = "Documents:\n" + DOCS_MARKER + "Question: " + QUESTION_MARKER
     if getattr(tokenizer, "chat_template", None):
         rendered = render_chat(tokenizer, system_prompt, user_turn)
-    else:  # base models: a plain layout
+    else:  # base models: a plain layout, and no end of turn: the answer is the line after "Answer:"
         rendered = f"{system_prompt}\n\n{user_turn}\nAnswer:"
     if rendered.count(DOCS_MARKER) != 1 or rendered.count(QUESTION_MARKER) != 1:
         raise KvfError("the model's chat template does not keep the user's message as written; pass a --model whose "
@@ -62,7 +63,8 @@ def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTempla
     bos = [tokenizer.bos_token_id] if _template_lacks_bos(tokenizer, rendered) else []
     return PromptTemplate(prefix_ids=bos + encode(tokenizer, head),
                           question_head=question_head, question_tail=question_tail,
-                          separator_ids=encode(tokenizer, CHUNK_SEPARATOR), tokenizer=tokenizer)
+                          separator_ids=encode(tokenizer, CHUNK_SEPARATOR), tokenizer=tokenizer,
+                          stop_strings=() if getattr(tokenizer, "chat_template", None) else ("\n",))
 
 
 def render_chat(tokenizer, system_prompt: str, user_turn: str) -> str:
