@@ -51,7 +51,8 @@ def encode(tokenizer, text: str, split_special_tokens: bool = False) -> list[int
 def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTemplate:
     """Render the chat template around a marker and cut it into S and the question's frame."""
     user_turn = "Documents:\n" + DOCS_MARKER + "Question: " + QUESTION_MARKER
-    if getattr(tokenizer, "chat_template", None):
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
         rendered = render_chat(tokenizer, system_prompt, user_turn)
     else:  # base models: a plain layout, and no end of turn: the answer is the line after "Answer:"
         rendered = f"{system_prompt}\n\n{user_turn}\nAnswer:"
@@ -64,7 +65,7 @@ def make_template(tokenizer, system_prompt: str = SYSTEM_PROMPT) -> PromptTempla
     return PromptTemplate(prefix_ids=bos + encode(tokenizer, head),
                           question_head=question_head, question_tail=question_tail,
                           separator_ids=encode(tokenizer, CHUNK_SEPARATOR), tokenizer=tokenizer,
-                          stop_strings=() if getattr(tokenizer, "chat_template", None) else ("\n",))
+                          stop_strings=() if chat else ("\n",))
 
 
 def render_chat(tokenizer, system_prompt: str, user_turn: str) -> str:
