@@ -68,6 +68,19 @@ def test_a_linked_folder_is_read_once_and_a_broken_link_is_said(tmp_path, capsys
     assert "skipped 1 link(s) whose target is missing" in err and "gone.txt" in err
 
 
+def test_a_named_pipe_in_the_corpus_is_skipped_with_a_warning_naming_it(tmp_path, capsys):
+    """A named pipe (or a socket) among the documents was left out without a word; reading one would wait for a
+    writer forever. It is left out, and said."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("in the corpus")
+    os.mkfifo(corpus / "feed.txt")
+    assert {d.doc_id for d in read_corpus(corpus)} == {"a.txt"}
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped 1 item(s) that are not files (a named pipe, a socket or a device), e.g." in err
+    assert "feed.txt" in err
+
+
 def test_a_folder_kvf_cannot_read_is_a_warning_naming_it(tmp_path, capsys, monkeypatch):
     """os.walk (and rglob before it) skips a folder it cannot list, so a subfolder of another user's documents
     went missing without a word. (Root reads every folder, so listing it is made to fail here.)"""

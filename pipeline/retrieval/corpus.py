@@ -91,6 +91,9 @@ def list_corpus_files(root: Path) -> list[Path]:
     broken = [p for p in found if not p.exists()]
     if broken:
         warn(f"skipped {len(broken)} link(s) whose target is missing, e.g. {broken[0]} -> {os.readlink(broken[0])}")
+    special = [p for p in found if p.exists() and not p.is_file()]   # reading a named pipe would wait for a writer
+    if special:
+        warn(f"skipped {len(special)} item(s) that are not files (a named pipe, a socket or a device), e.g. {special[0]}")
     if not files:
         raise KvfError(f"corpus folder {root} is empty; put {SUPPORTED} files in it")
     supported = [p for p in files if is_supported(p)]
