@@ -561,6 +561,15 @@ def test_a_workspace_keeps_the_model_it_was_built_with(built, tmp_path, capsys, 
     for command in (["ask", QUESTION, "-w", ws], ["build-cache", built.corpus, "-w", ws]):
         code, _, err = run_cli([*command, "--model", other], capsys, monkeypatch)
         assert_one_line(code, err, f"--model {other}: workspace {ws} was built with model", "leave --model out")
+    # other weights saved over the model (fine-tuned in place): not "--model None", nor "leave --model out"
+    shutil.copytree(tiny, tmp_path / "kept")
+    tiny_llama_dir(tiny, built.model_ref.tokenizer, initializer_range=0.05)
+    for given in ([], ["--model", tiny]):
+        code, _, err = run_cli(["ask", QUESTION, "-w", ws, *given], capsys, monkeypatch)
+        assert_one_line(code, err, f"workspace {ws} was built with model", "whose weights have changed since",
+                        "pass --model with the weights it was built with")
+    shutil.rmtree(tiny)
+    (tmp_path / "kept").rename(tiny)
     # the model moved: said, with the fix
     tiny.rename(tmp_path / "moved")
     code, _, err = run_cli(["ask", QUESTION, "-w", ws, "-m", "reuse", "--max-new-tokens", 2], capsys, monkeypatch)

@@ -300,9 +300,13 @@ def workspace_model(manifest: dict, given: str | None, root,
 def check_workspace_model(manifest: dict, root, model_ref: ModelRef, given: str | None) -> None:
     """A workspace's entries are only valid for the model that built them."""
     model_ref.adopt(manifest.get("model_fingerprint"))   # built by an earlier kvf: its entries stay readable
-    if manifest.get("model_fingerprint") not in (None, model_ref.fingerprint):
-        raise KvfError(f"--model {given}: workspace {root} was built with model {manifest.get('model')}; leave --model "
-                       "out to use that one, or use another --workspace")
+    if manifest.get("model_fingerprint") in (None, model_ref.fingerprint):
+        return
+    if given in (None, "") or recorded_model(given) == manifest.get("model_arg"):   # the same path, other weights
+        raise KvfError(f"workspace {root} was built with model {manifest.get('model')}, whose weights have changed "
+                       "since; pass --model with the weights it was built with, or build another --workspace")
+    raise KvfError(f"--model {given}: workspace {root} was built with model {manifest.get('model')}; leave --model "
+                   "out to use that one, or use another --workspace")
 
 
 def check_weight_files(model_dir: Path, name: str) -> None:
