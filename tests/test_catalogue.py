@@ -1688,6 +1688,39 @@ def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path, monkeypatch)
     assert _weights_fingerprint(original) == _weights_fingerprint(original)  # cached, stable
 
 
+@pytest.mark.parametrize("case", ["another model", "model moved", "chat template renders no turn",
+                                  "chat template cuts the message"])
+def test_a_model_that_cannot_serve_the_workspace_is_one_line(case, data, tmp_path, capsys, monkeypatch):
+    """--model given on a workspace another model built; the model a workspace was built with, since moved; a model
+    whose chat template cannot hold kvf's prompt (it raised a TemplateError or a ValueError as an internal error)."""
+    from transformers import AutoTokenizer
+    from conftest import tiny_llama_dir
+    from kvf.pipeline.workflows.weights import open_model
+    dataset, ws = data
+    tokenizer = AutoTokenizer.from_pretrained(open_model(None).model_dir)
+    if case == "another model":
+        model = tiny_llama_dir(tmp_path / "other", tokenizer)
+        code, _, err = run_cli(["ask", "Where?", "-w", ws, "--model", model], capsys, monkeypatch)
+        assert_one_line(code, err, f"--model {model}: workspace {ws} was built with model", "leave --model out")
+        return
+    if case == "model moved":
+        model = tiny_llama_dir(tmp_path / "model", tokenizer)
+        code, _, err = run_cli(["build-cache", dataset / "corpus", "-w", tmp_path / "ws", "--model", model,
+                                "--no-dense", "--indexes-only"], capsys, monkeypatch)
+        assert code == 0, err
+        model.rename(tmp_path / "elsewhere")
+        code, _, err = run_cli(["ask", "Where?", "-w", tmp_path / "ws"], capsys, monkeypatch)
+        assert_one_line(code, err, f"was built with --model {model}, which no longer exists", "pass --model")
+        return
+    tokenizer.chat_template = ("{{ raise_exception('no chat here') }}" if case == "chat template renders no turn"
+                               else "{{ messages[-1]['content'][:12] }}")
+    model = tiny_llama_dir(tmp_path / "model", tokenizer)
+    code, _, err = run_cli(["build-cache", dataset / "corpus", "-w", tmp_path / "ws", "--model", model], capsys,
+                           monkeypatch)
+    assert_one_line(code, err, "the model's chat template", "pass a --model")
+    assert not (tmp_path / "ws").exists()   # refused before the workspace is made
+
+
 def test_a_model_written_by_another_transformers_release_is_the_same_model(tmp_path, monkeypatch):
     """CI's clean clone converted the embedded GGUF again under transformers 5.25 beside a cache 5.24 had written:
     the same weights, config.json differing only in "transformers_version", read as another model ("--workspace
